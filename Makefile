@@ -1,0 +1,39 @@
+# The two commands: `make run` (the main job) and `make test` (all tests). Both install what is
+# missing first (scripts/install.sh, quick when nothing changed).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= examples/calc.toml
+PYTEST_ARGS ?=
+
+.PHONY: run test install proto proto-check lint up down status clean
+
+run: install
+	$(VENV)/bin/rlfleet up
+
+test: install
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+install:
+	@bash scripts/install.sh
+
+proto: install
+	$(PY) scripts/gen_proto.py
+
+proto-check: install
+	$(PY) scripts/gen_proto.py --check
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(PY) scripts/gen_proto.py --check
+
+up: install
+	$(VENV)/bin/rlfleet up --detach
+
+down:
+	$(VENV)/bin/rlfleet down
+
+status:
+	$(VENV)/bin/rlfleet status
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,74 @@
+"""Health of a launched platform: gRPC health for services, PING for NATS and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from rlfleet.cli.launcher import PlatformState, ProcessRecord, is_ours
+
+
+@dataclass
+class Health:
+    name: str
+    pid: int
+    address: str
+    running: bool
+    healthy: bool
+    detail: str = ""
+
+
+async def _ping_line(address: str, expect: bytes, timeout_s: float, greeting: bool) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    except (TimeoutError, OSError):
+        return False
+    try:
+        if greeting:
+            await asyncio.wait_for(reader.readline(), timeout_s)  # NATS greets with INFO first
+        writer.write(b"PING\r\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+        return expect in line
+    except (TimeoutError, OSError):
+        return False
+    finally:
+        writer.close()
+
+
+async def probe_one(record: ProcessRecord, timeout_s: float = 2.0) -> Health:
+    from rlfleet.common.grpc_server import check_health
+
+    running = is_ours(record)
+    if not running:
+        return Health(record.name, record.pid, record.address, False, False, "not running")
+    if not record.address:
+        return Health(record.name, record.pid, record.address, True, False, "no address yet")
+    if record.kind == "nats":
+        healthy = await _ping_line(record.address, b"PONG", timeout_s, greeting=True)
+    elif record.kind == "redis":
+        healthy = await _ping_line(record.address, b"+PONG", timeout_s, greeting=False)
+    else:
+        healthy = await check_health(record.address, timeout_s=timeout_s)
+    return Health(record.name, record.pid, record.address, True, healthy, "" if healthy else "health check failed")
+
+
+async def probe(state: PlatformState) -> list[Health]:
+    return list(await asyncio.gather(*(probe_one(r) for r in state.processes)))
+
+
+def table(rows: list[Health], state: PlatformState) -> str:
+    records = {r.name: r for r in state.processes}
+    header = ("process", "pid", "address", "metrics", "state", "log")
+    lines = [header]
+    for row in rows:
+        record = records[row.name]
+        status = "healthy" if row.healthy else ("running" if row.running else "stopped")
+        if row.detail and not row.healthy:
+            status += f" ({row.detail})"
+        metrics = f"http://127.0.0.1:{record.metrics_port}/metrics" if record.metrics_port else "-"
+        lines.append((row.name, str(row.pid), record.url or row.address or "-", metrics, status, record.log))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+                     for line in lines)

@@ -1,0 +1,105 @@
+"""`rlfleet`: launch, inspect and stop a local platform.
+
+    rlfleet up [--config FILE] [--run-id ID] [--detach]   start NATS, Redis and every service
+    rlfleet status [--run-dir DIR]                         health of what a launch started
+    rlfleet down [--run-dir DIR]                           stop exactly what a launch started
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import threading
+
+from rlfleet.common.config import ConfigError
+from rlfleet.common.errors import StartupError
+
+COMMANDS = ("up", "down", "status")
+
+
+def _run_dir_arg(argv: list[str], prog: str) -> str:
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--run-dir", default="runs/local", help="run directory of the launch (default runs/local)")
+    return parser.parse_args(argv).run_dir
+
+
+def cmd_up(argv: list[str]) -> int:
+    from rlfleet.cli.health import probe, table
+    from rlfleet.cli.launcher import Platform
+    from rlfleet.cli.platform_config import PlatformConfig
+    from rlfleet.common.config import load_config
+
+    detach = "--detach" in argv
+    argv = [a for a in argv if a != "--detach"]
+    config = load_config(PlatformConfig, argv, prog="rlfleet up",
+                         description="Start NATS, Redis and every service; --detach to return once healthy.")
+    platform = Platform(config)
+    stop = threading.Event()
+    # Until the platform is up, Ctrl-C aborts the start (and `up` cleans up what it started).
+    print(f"starting rlfleet in {platform.run_dir} ...", flush=True)
+    state = platform.up()
+    rows = asyncio.run(probe(state))
+    print(table(rows, state), flush=True)
+    if not all(row.healthy for row in rows):
+        platform.down()
+        print("rlfleet up: not every process is healthy; stopped everything", file=sys.stderr)
+        return 1
+    if detach:
+        print(f"\nrunning detached; stop with: rlfleet down --run-dir {platform.run_dir}")
+        return 0
+    print("\nall healthy. Ctrl-C stops everything.", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        if not any(p.kind == "service" for p in state.processes):
+            break
+    killed = platform.down()
+    print("stopped" + (f" (killed after timeout: {', '.join(killed)})" if killed else ""))
+    return 0
+
+
+def cmd_down(argv: list[str]) -> int:
+    from rlfleet.cli.launcher import PlatformState, stop_processes
+
+    state = PlatformState.load(_run_dir_arg(argv, "rlfleet down"))
+    names = [p.name for p in state.processes]
+    killed = stop_processes(state.processes, 10.0)
+    state.processes = []
+    state.save()
+    print(f"stopped {', '.join(names) or 'nothing'}" + (f"; killed: {', '.join(killed)}" if killed else ""))
+    return 0
+
+
+def cmd_status(argv: list[str]) -> int:
+    from rlfleet.cli.health import probe, table
+    from rlfleet.cli.launcher import PlatformState
+
+    state = PlatformState.load(_run_dir_arg(argv, "rlfleet status"))
+    if not state.processes:
+        print(f"nothing is running for {state.run_dir}")
+        return 1
+    rows = asyncio.run(probe(state))
+    print(table(rows, state))
+    return 0 if all(row.healthy for row in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        raise SystemExit(0 if not argv or argv[0] in ("-h", "--help") else 2)
+    command = {"up": cmd_up, "down": cmd_down, "status": cmd_status}[argv[0]]
+    try:
+        raise SystemExit(command(argv[1:]))
+    except (ConfigError, StartupError) as exc:
+        print(f"rlfleet {argv[0]}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print(f"rlfleet {argv[0]}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

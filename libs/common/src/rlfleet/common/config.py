@@ -1,0 +1,227 @@
+"""Typed configuration: defaults < TOML file < environment < command line.
+
+Every service and tool declares one pydantic model (subclass of `StrictModel`, so unknown keys are
+errors) and calls `load_config(Model, argv, prog=...)`. Field descriptions are the `--help` text.
+
+- TOML: `--config FILE`.
+- Environment: `RLFLEET__SECTION__FIELD=value` (double underscores separate levels).
+- Command line: one flag per leaf field (`--grpc.port 7000`, `--ready-file F`; `_` may be `-`) and
+  `--set section.field=value`.
+- `--dry-run` prints the resolved config as TOML-like JSON and exits 0.
+
+Values given as strings (environment, command line) are parsed as JSON when they look like JSON
+(lists, objects, numbers, booleans) and otherwise kept as strings; pydantic then validates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "RLFLEET__"
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(Exception):
+    """A config that cannot be loaded; the message is one line meant for the user."""
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GrpcServerConfig(StrictModel):
+    host: str = Field("127.0.0.1", description="address the gRPC server binds")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    max_message_bytes: int = Field(64 << 20, ge=4 << 20, description="max gRPC message size, both directions")
+    grace_seconds: float = Field(5.0, ge=0, description="time in-flight RPCs get on shutdown")
+
+
+class MetricsConfig(StrictModel):
+    enabled: bool = Field(True, description="serve Prometheus metrics over HTTP")
+    host: str = Field("127.0.0.1", description="address the metrics endpoint binds")
+    port: int = Field(0, ge=0, le=65535, description="metrics port; 0 picks a free one")
+
+
+class TelemetryConfig(StrictModel):
+    otlp_endpoint: str = Field("", description="OTLP/gRPC collector for traces, e.g. http://otel:4317; empty = off")
+    export_timeout_s: float = Field(1.0, gt=0, description="longest an export may block at shutdown")
+
+
+class LogConfig(StrictModel):
+    level: str = Field("INFO", description="log level: DEBUG, INFO, WARNING, ERROR")
+    format: str = Field("json", pattern="^(json|text)$", description="json (one object per line) or text")
+
+
+class NatsConfig(StrictModel):
+    url: str = Field("", description="NATS server URL with JetStream, e.g. nats://127.0.0.1:4222")
+    connect_timeout_s: float = Field(3.0, gt=0, description="give up connecting after this long")
+
+
+class RedisConfig(StrictModel):
+    url: str = Field("", description="Redis URL, e.g. redis://127.0.0.1:6379/0")
+    connect_timeout_s: float = Field(3.0, gt=0, description="give up connecting after this long")
+
+
+class ServiceConfig(StrictModel):
+    """What every service process has; services add their own sections."""
+
+    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="run namespace for streams and keys")
+    grpc: GrpcServerConfig = Field(default_factory=GrpcServerConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} as JSON here once serving")
+
+
+def require(value: str, name: str) -> str:
+    """Fails fast on a peer address or URL that config left empty."""
+    if not value:
+        flag = "--" + name
+        env = ENV_PREFIX + name.upper().replace(".", "__")
+        raise ConfigError(f"{name} is required: set it in the config file, with {flag} or with {env}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _parse_scalar(text: str) -> Any:
+    stripped = text.strip()
+    if stripped[:1] in "[{" or stripped in ("true", "false", "null") or _is_number(stripped):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError:
+            pass
+    return text
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {'.'.join(path)}: {key} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
+    leaves = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            leaves.extend(_leaf_fields(annotation, f"{prefix}{name}."))
+        else:
+            leaves.append((prefix + name, field))
+    return leaves
+
+
+def _describe(field: Any) -> str:
+    text = field.description or ""
+    default = field.get_default(call_default_factory=True)
+    if get_origin(field.annotation) is None or get_args(field.annotation):
+        text += f" (default: {json.dumps(default, default=str)})"
+    return text.replace("%", "%%")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    file = Path(path)
+    if not file.exists():
+        raise ConfigError(f"config file {file} does not exist")
+    try:
+        return tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from None
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in (os.environ if environ is None else environ).items():
+        if key.startswith(ENV_PREFIX) and len(key) > len(ENV_PREFIX):
+            path = key[len(ENV_PREFIX):].lower().split("__")
+            _set_path(tree, path, _parse_scalar(value))
+    return tree
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(root)"
+        if error["type"] == "extra_forbidden":
+            problems.append(f"unknown key '{where}'")
+        else:
+            problems.append(f"{where}: {error['msg']} (got {error.get('input')!r})")
+    return "; ".join(problems)
+
+
+def build_parser(model: type[BaseModel], prog: str, description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description or model.__doc__)
+    parser.add_argument("--config", metavar="FILE", help="TOML config file")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override any key, e.g. --set grpc.port=7000 (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    for path, field in _leaf_fields(model):
+        flags = ["--" + path.replace("_", "-")]
+        if "_" in path:
+            flags.append("--" + path)  # the key as written in TOML works too
+        parser.add_argument(*flags, dest="field:" + path, metavar="VALUE", help=_describe(field))
+    return parser
+
+
+def resolve(model: type[M], toml: dict[str, Any], env: dict[str, Any], cli: dict[str, Any]) -> M:
+    merged = _merge(_merge(toml, env), cli)
+    try:
+        return model.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def load_config(model: type[M], argv: list[str] | None = None, *, prog: str,
+                environ: dict[str, str] | None = None, description: str = "") -> M:
+    """Parses argv and returns the resolved config; `--dry-run` prints it and exits."""
+    parser = build_parser(model, prog, description)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    cli: dict[str, Any] = {}
+    for item in args.set:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        _set_path(cli, key.strip().split("."), _parse_scalar(value))
+    for dest, value in vars(args).items():
+        if dest.startswith("field:") and value is not None:
+            _set_path(cli, dest[len("field:"):].split("."), _parse_scalar(value))
+    toml = read_toml(args.config) if args.config else {}
+    config = resolve(model, toml, env_overrides(environ), cli)
+    if args.dry_run:
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        raise SystemExit(0)
+    return config

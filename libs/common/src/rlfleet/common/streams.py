@@ -1,0 +1,127 @@
+"""NATS JetStream: the durable streams the loop runs on, with subjects namespaced by run.
+
+| stream        | subject                      | retention  | what                                |
+| ------------- | ---------------------------- | ---------- | ----------------------------------- |
+| TASKS         | rlfleet.<run>.tasks          | work queue | tasks for rollout workers           |
+| TRAJECTORIES  | rlfleet.<run>.trajectories   | limits     | every finished episode (audit log)  |
+| POLICY        | rlfleet.<run>.policy         | limits     | policy version announcements        |
+
+Messages are serialized protobufs with a `Rlfleet-Schema` header and, where the record has an
+idempotency key, `Nats-Msg-Id` so that JetStream drops a retried publish inside its duplicate
+window. Consumers are durable with explicit acks; they must still be idempotent on the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import nats
+from nats.errors import Error as NatsError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+from nats.js.errors import BadRequestError, NotFoundError
+
+from rlfleet.common.config import NatsConfig, require
+from rlfleet.common.errors import StartupError
+
+SCHEMA_HEADER = "Rlfleet-Schema"
+SCHEMA_VERSION = "1"
+TYPE_HEADER = "Rlfleet-Type"
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    suffix: str
+    retention: RetentionPolicy
+    max_age_s: float  # 0 = keep forever
+    max_msg_bytes: int = 8 << 20
+
+
+STREAMS = {
+    "TASKS": StreamSpec("TASKS", "tasks", RetentionPolicy.WORK_QUEUE, 0),
+    "TRAJECTORIES": StreamSpec("TRAJECTORIES", "trajectories", RetentionPolicy.LIMITS, 7 * 24 * 3600),
+    "POLICY": StreamSpec("POLICY", "policy", RetentionPolicy.LIMITS, 0),
+}
+
+
+def subject(stream: str, run_id: str) -> str:
+    return f"rlfleet.{run_id}.{STREAMS[stream].suffix}"
+
+
+async def connect_nats(config: NatsConfig, name: str) -> nats.NATS:
+    """Connects once with a deadline (a one-line error if nobody answers), then reconnects forever."""
+    url = require(config.url, "nats.url")
+    log = logging.getLogger("rlfleet.nats")
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats: %s", exc or type(exc).__name__)
+
+    await _probe(url, config.connect_timeout_s)
+    try:
+        return await nats.connect(url, name=name, connect_timeout=config.connect_timeout_s,
+                                  max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                  error_cb=on_error)
+    except (TimeoutError, NatsError, OSError) as exc:
+        raise StartupError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+
+
+async def _probe(url: str, timeout_s: float) -> None:
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+    try:
+        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (TimeoutError, OSError) as exc:
+        raise StartupError(f"cannot reach NATS at {url}: {exc.strerror if isinstance(exc, OSError) else 'timed out'}") from None
+    writer.close()
+
+
+async def ensure_streams(js: JetStreamContext, names: tuple[str, ...] = tuple(STREAMS)) -> None:
+    """Creates the streams, or updates them to this config; safe to call from every process."""
+    for name in names:
+        spec = STREAMS[name]
+        config = StreamConfig(
+            name=spec.name, subjects=[f"rlfleet.*.{spec.suffix}"], retention=spec.retention,
+            storage=StorageType.FILE, max_age=spec.max_age_s or None, max_msg_size=spec.max_msg_bytes,
+            duplicate_window=120.0)
+        try:
+            await js.add_stream(config)
+        except BadRequestError:
+            await js.update_stream(config)
+
+
+async def ensure_consumer(js: JetStreamContext, stream: str, durable: str, run_id: str, *,
+                          ack_wait_s: float = 60.0, max_deliver: int = -1, max_ack_pending: int = 1024,
+                          deliver_all: bool = True) -> None:
+    """A durable pull consumer on the run's subject; idempotent."""
+    config = ConsumerConfig(
+        durable_name=durable, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject(stream, run_id),
+        ack_wait=ack_wait_s, max_deliver=max_deliver, max_ack_pending=max_ack_pending,
+        deliver_policy=DeliverPolicy.ALL if deliver_all else DeliverPolicy.NEW)
+    try:
+        await js.consumer_info(stream, durable)
+    except NotFoundError:
+        await js.add_consumer(stream, config)
+
+
+def durable_name(kind: str, run_id: str) -> str:
+    return f"{kind}-{run_id}"
+
+
+async def publish(js: JetStreamContext, stream: str, run_id: str, payload: bytes, *, msg_type: str,
+                  msg_id: str = "", timeout_s: float = 5.0) -> bool:
+    """Publishes one record; returns False when JetStream reports it as a duplicate."""
+    limit = STREAMS[stream].max_msg_bytes
+    if len(payload) > limit:
+        from rlfleet.common.errors import InvalidArgument
+
+        raise InvalidArgument(f"{msg_type} of {len(payload)} bytes exceeds the {stream} limit of {limit} bytes")
+    headers = {SCHEMA_HEADER: SCHEMA_VERSION, TYPE_HEADER: msg_type}
+    if msg_id:
+        headers[MSG_ID_HEADER] = msg_id
+    ack = await js.publish(subject(stream, run_id), payload, headers=headers, timeout=timeout_s)
+    return not ack.duplicate

@@ -1,0 +1,114 @@
+"""The server skeleton: health, reflection, raised message limits, errors mapped to statuses."""
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
+from rlfleet.common.config import GrpcServerConfig
+from rlfleet.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StartupError,
+)
+from rlfleet.common.grpc_server import GrpcServer, channel
+from rlfleet.common.service import placeholder_servicer
+
+SERVICE = "rlfleet.session.v1.SessionService"
+
+
+class Sessions(session_pb2_grpc.SessionServiceServicer):
+    async def GetSession(self, request, context):
+        errors = {"bad": InvalidArgument("session_id 'bad' is malformed"),
+                  "missing": NotFound("no session 'missing'"),
+                  "closed": FailedPrecondition("session 'closed' is closed"),
+                  "busy": ResourceExhausted("too many sessions (busy)"),
+                  "boom": RuntimeError("unexpected")}
+        if request.session_id in errors:
+            raise errors[request.session_id]
+        return session_pb2.Session(session_id=request.session_id, token_ids=list(range(len(request.session_id))))
+
+    async def OpenSession(self, request, context):
+        # echoes the prompt back: used to send a large message both ways
+        return session_pb2.OpenSessionResponse(prompt_token_ids=request.prompt_token_ids.ids)
+
+
+@pytest.fixture
+async def server():
+    srv = GrpcServer(GrpcServerConfig(port=0, max_message_bytes=32 << 20))
+    srv.add(session_pb2_grpc.add_SessionServiceServicer_to_server, Sessions(), SERVICE)
+    port = await srv.start()
+    yield f"127.0.0.1:{port}"
+    await srv.stop()
+
+
+async def test_domain_errors_become_their_status_codes_with_the_message(server):
+    async with channel(server) as ch:
+        stub = session_pb2_grpc.SessionServiceStub(ch)
+        for session_id, code in [("bad", grpc.StatusCode.INVALID_ARGUMENT), ("missing", grpc.StatusCode.NOT_FOUND),
+                                 ("closed", grpc.StatusCode.FAILED_PRECONDITION),
+                                 ("busy", grpc.StatusCode.RESOURCE_EXHAUSTED), ("boom", grpc.StatusCode.INTERNAL)]:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id))
+            assert info.value.code() == code
+            assert session_id in info.value.details() or code == grpc.StatusCode.INTERNAL
+        reply = await stub.GetSession(session_pb2.GetSessionRequest(session_id="ok"))
+        assert reply.session_id == "ok"
+
+
+async def test_health_reports_serving_for_the_server_and_each_service(server):
+    async with channel(server) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in ("", SERVICE):
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_reflection_lists_the_services(server):
+    async with channel(server) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+
+        async def requests():
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+        async for reply in stub.ServerReflectionInfo(requests()):
+            names = {s.name for s in reply.list_services_response.service}
+            break
+    assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+async def test_messages_above_the_4mb_default_pass_both_ways(server):
+    ids = list(range(2_000_000))  # ~ 8+ MB packed varints
+    async with channel(server, max_message_bytes=32 << 20) as ch:
+        stub = session_pb2_grpc.SessionServiceStub(ch)
+        reply = await stub.OpenSession(session_pb2.OpenSessionRequest(
+            prompt_token_ids={"ids": ids}))
+    assert len(reply.prompt_token_ids) == len(ids)
+
+
+async def test_placeholder_rpcs_answer_unimplemented_and_name_the_issue():
+    srv = GrpcServer(GrpcServerConfig(port=0))
+    servicer = placeholder_servicer(session_pb2_grpc.SessionServiceServicer, SERVICE, "issue #3")
+    srv.add(session_pb2_grpc.add_SessionServiceServicer_to_server, servicer, SERVICE)
+    port = await srv.start()
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await session_pb2_grpc.SessionServiceStub(ch).Generate(session_pb2.GenerateRequest(session_id="s"))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "Generate is not implemented yet (issue #3)" in info.value.details()
+    finally:
+        await srv.stop()
+
+
+async def test_a_port_in_use_is_a_startup_error_not_a_traceback(server):
+    port = int(server.rsplit(":", 1)[1])
+    srv = GrpcServer(GrpcServerConfig(port=port))
+    try:
+        with pytest.raises(StartupError, match="cannot bind gRPC"):
+            await srv.start()
+    finally:
+        await srv.server.stop(0)

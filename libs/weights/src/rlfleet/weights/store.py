@@ -1,0 +1,534 @@
+"""The weight store: the interface, and the directory implementation.
+
+Layout, one directory per run and one per version::
+
+    <root>/<run_id>/v000012/   full:  model.safetensors, config/tokenizer files, rlfleet_index.json
+    <root>/<run_id>/v000013/   delta: delta.safetensors (zstd frames as U8 tensors), rlfleet_index.json
+    <root>/<run_id>/.tmp-*     a version being written; never read
+
+A version becomes visible by one rename of a complete, fsynced directory, so
+readers never see half a version, and versions are immutable afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import re
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+from rlfleet.weights import writer
+from rlfleet.weights.codec import (
+    DecodedTensor,
+    DecodeError,
+    checksum,
+    decode_segments,
+)
+from rlfleet.weights.config import WeightStoreConfig
+from rlfleet.weights.delta import DecodedDelta, apply_delta, parallel_map
+from rlfleet.weights.errors import (
+    BaseVersionMismatch,
+    CorruptCheckpoint,
+    CorruptDelta,
+    CorruptVersion,
+    PathOutsideStore,
+    VersionExists,
+    VersionNotFound,
+    WeightStoreError,
+)
+from rlfleet.weights.fsutil import confine, staged_dir, write_file
+from rlfleet.weights.index import DELTA_FILE, INDEX_FILE, MODEL_FILE, TensorEntry, VersionIndex
+from rlfleet.weights.safetensors_io import SafetensorsFile, SafetensorsFormatError
+from rlfleet.weights.tensors import (
+    STORAGE_DTYPES,
+    ServedTensors,
+    is_torch_tensor,
+    served_dtype_name,
+    to_served,
+)
+
+log = logging.getLogger(__name__)
+
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class Recovered:
+    """What ``recover`` could rebuild exactly. ``version`` may be older than
+    ``requested`` when the chain to it is broken: serve and report ``version``."""
+
+    version: int
+    requested: int
+    tensors: ServedTensors
+    errors: list[WeightStoreError] = field(default_factory=list)
+
+
+@runtime_checkable
+class WeightStore(Protocol):
+    """What the trainer writes to and engines read from. A directory is the
+    default; an object store implements the same methods (contract tests in
+    ``libs/weights/tests`` run against every implementation)."""
+
+    run_id: str
+
+    def write_version(
+        self, version: int, tensors: Mapping[str, Any], parent_version: int | None = None
+    ) -> dict[str, Any]:
+        """Publish a version (full or delta, by policy); returns its manifest."""
+
+    def latest_version(self) -> int | None: ...
+    def list_versions(self) -> list[int]: ...
+    def index(self, version: int) -> VersionIndex: ...
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        """version, kind, base_version, full_version, uri, bytes, checksum (of the index)..."""
+
+    def version_from_uri(self, uri: str) -> int:
+        """The version a URI names; ``PathOutsideStore`` for anything outside the store."""
+
+    def load_full(
+        self, version: int, verify: bool = True, into: Mapping[str, Any] | None = None
+    ) -> ServedTensors: ...
+
+    def load_version(self, version: int) -> ServedTensors:
+        """Any version, rebuilt from its full checkpoint and deltas, checksums verified."""
+
+    def fetch_delta(self, version: int) -> DecodedDelta:
+        """Read + decompress + decode a delta, for ``apply_delta`` (before the pause)."""
+
+    def recover(self, version: int, allow_older: bool = True) -> Recovered:
+        """Exactly-the-trainer's weights after a failed swap."""
+
+
+@dataclass
+class _Served:
+    """The trainer-side memory of the last version written: the bytes engines
+    now serve, which the next delta is computed against."""
+
+    version: int
+    tensors: ServedTensors
+    index: VersionIndex
+
+
+class DirectoryWeightStore:
+    """``WeightStore`` on a local or shared filesystem (NFS, Lustre, a PVC)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        run_id: str = "default",
+        config: WeightStoreConfig | None = None,
+        **overrides: Any,
+    ) -> None:
+        if not _RUN_ID.match(run_id):
+            raise PathOutsideStore(run_id, str(root))
+        self.root = Path(root).resolve()
+        self.run_id = run_id
+        base = config or WeightStoreConfig()
+        # Re-validate so that overrides are checked like a config file would be.
+        self.config = (
+            WeightStoreConfig.model_validate({**base.model_dump(), **overrides}) if overrides else base
+        )
+        self.run_dir = self.root / run_id
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._last: _Served | None = None
+
+    # ------------------------------------------------------------------ paths
+
+    def path(self, version: int) -> Path:
+        return self.run_dir / f"v{int(version):06d}"
+
+    def uri(self, version: int) -> str:
+        return self.path(version).as_uri()
+
+    def version_from_uri(self, uri: str) -> int:
+        """The version a path or ``file://`` URI names; refuses anything that
+        resolves (symlinks, ``..``) outside this store's run directory."""
+        parsed = urlparse(uri)
+        if parsed.scheme not in ("", "file"):
+            raise PathOutsideStore(uri, str(self.root))
+        p = Path(unquote(parsed.path))
+        if not p.is_absolute():
+            p = self.run_dir / p
+        resolved = confine(p, self.run_dir)
+        m = _VERSION_DIR.match(resolved.name)
+        if resolved.parent != self.run_dir.resolve() or not m:
+            raise VersionNotFound(None, f"{uri!r} does not name a version directory of run {self.run_id}")
+        return int(m.group(1))
+
+    def _file(self, version: int, name: str) -> Path:
+        # A file inside a version may itself be a symlink planted to escape.
+        return confine(self.path(version) / name, self.root)
+
+    # ---------------------------------------------------------------- listing
+
+    def list_versions(self) -> list[int]:
+        out = []
+        for p in self.run_dir.iterdir():
+            m = _VERSION_DIR.match(p.name)
+            if m and (p / INDEX_FILE).exists():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_version(self) -> int | None:
+        versions = self.list_versions()
+        return versions[-1] if versions else None
+
+    def index(self, version: int) -> VersionIndex:
+        return self._read_index(version)[0]
+
+    def _read_index(self, version: int) -> tuple[VersionIndex, bytes]:
+        vdir = self.path(version)
+        if not vdir.is_dir():
+            raise VersionNotFound(version)
+        try:
+            raw = self._file(version, INDEX_FILE).read_bytes()
+        except FileNotFoundError:
+            raise VersionNotFound(version, f"{INDEX_FILE} missing") from None
+        try:
+            index = VersionIndex.from_json(raw)
+        except ValueError as e:
+            raise CorruptVersion(version, f"{INDEX_FILE}: {e}") from None
+        if index.version != version:
+            raise CorruptVersion(version, f"{INDEX_FILE} says version {index.version}")
+        return index, raw
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        """What the trainer announces on POLICY. ``checksum`` is the sha256 of
+        the index, which holds every tensor's checksum: it pins the exact
+        served bytes of the version."""
+        index, raw = self._read_index(version)
+        return {
+            "schema_version": index.schema_version,
+            "run_id": self.run_id,
+            "version": version,
+            "kind": index.kind,
+            "base_version": index.base_version,
+            "full_version": index.full_version,
+            "encoding": index.encoding,
+            "served_dtype": index.served_dtype,
+            "uri": self.uri(version),
+            "path": str(self.path(version)),
+            "bytes": index.total_bytes,
+            "full_bytes": index.full_bytes,
+            "changed_values": index.changed_values,
+            "total_values": index.total_values,
+            "checksum": "sha256:" + hashlib.sha256(raw).hexdigest(),
+        }
+
+    # ---------------------------------------------------------------- writing
+
+    def write_version(
+        self,
+        version: int,
+        tensors: Mapping[str, Any],
+        parent_version: int | None = None,
+        *,
+        kind: str | None = None,
+    ) -> dict[str, Any]:
+        """Publish ``tensors`` (torch state dict, numpy dict, or ``ServedTensors``)
+        as ``version``, a delta against ``parent_version`` (default: the latest)
+        or a full checkpoint, and return its manifest.
+
+        Full when: no parent, ``kind="full"``, ``full_every`` versions since the
+        last full, a changed tensor layout, or a delta that would exceed
+        ``max_delta_fraction`` of the full size. Deltas are computed on the
+        served bytes against the parent's *served* bytes, never on the
+        trainer's fp32 values.
+        """
+        latest = self.latest_version()
+        if self.path(version).exists():
+            raise VersionExists(version)
+        if latest is not None and version <= latest:
+            raise ValueError(f"version {version} is not newer than the latest, {latest}")
+        served = to_served(tensors, self.config.served_dtype)
+        if parent_version is None:
+            parent_version = latest
+        parent = self._parent(parent_version) if parent_version is not None and kind != "full" else None
+        reason = self._full_reason(parent, served, kind)
+        index = None
+        if reason is None:
+            assert parent is not None
+            index = self._write_delta(version, served, parent)
+            if index is None:
+                reason = "delta larger than max_delta_fraction of a full checkpoint"
+        if index is None:
+            log.info("weights v%d: full checkpoint (%s)", version, reason)
+            index = self._write_full(version, served)
+        self._last = _Served(version, served, index)
+        return self.manifest(version)
+
+    def _parent(self, version: int) -> _Served | None:
+        if self._last is not None and self._last.version == version:
+            return self._last
+        # A restarted trainer: rebuild the served bytes of the parent from the
+        # store; if they cannot be rebuilt exactly, the next version is full.
+        try:
+            return _Served(version, self.load_version(version), self.index(version))
+        except (CorruptVersion, VersionNotFound) as e:
+            log.warning("weights: parent v%d unreadable (%s); writing a full checkpoint", version, e)
+            return None
+
+    def _full_reason(self, parent: _Served | None, served: ServedTensors, kind: str | None) -> str | None:
+        if kind == "full":
+            return "requested"
+        if kind not in (None, "delta"):
+            raise ValueError(f"kind must be 'full', 'delta' or None, not {kind!r}")
+        if parent is None:
+            return "no parent version"
+        if parent.tensors.layout() != served.layout():
+            return "tensor names, shapes or dtypes changed"
+        if kind is None and self._deltas_since_full(parent.index) + 1 >= self.config.full_every:
+            return f"full_every={self.config.full_every}"
+        return None
+
+    def _deltas_since_full(self, index: VersionIndex) -> int:
+        n = 0
+        while index.kind == "delta":
+            n += 1
+            index = self.index(index.base_version)  # type: ignore[arg-type]
+        return n
+
+    def _write_full(self, version: int, served: ServedTensors) -> VersionIndex:
+        with self._staged(version) as tmp:
+            entries, size = writer.write_full(tmp, served, self.config)
+            index = self._new_index(
+                version, "full", served, entries, size, full_version=version, payload=MODEL_FILE
+            )
+            write_file(tmp / INDEX_FILE, index.to_json())
+        return index
+
+    def _write_delta(self, version: int, served: ServedTensors, parent: _Served) -> VersionIndex | None:
+        entries, blobs = writer.encode_delta(parent.tensors, parent.index, served, self.config)
+        if sum(e.compressed_bytes or 0 for e in entries) > self.config.max_delta_fraction * served.nbytes:
+            return None
+        with self._staged(version) as tmp:
+            size = writer.write_delta(tmp, blobs)
+            index = self._new_index(
+                version, "delta", served, entries, size,
+                base_version=parent.version, full_version=parent.index.full_version,
+                encoding=writer.delta_encoding(entries), compression="zstd", filter="byteshuffle",
+                payload=DELTA_FILE, changed_values=sum(e.changed or 0 for e in entries),
+            )  # fmt: skip
+            write_file(tmp / INDEX_FILE, index.to_json())
+        return index
+
+    def _new_index(
+        self,
+        version: int,
+        kind: str,
+        served: ServedTensors,
+        entries: list[TensorEntry],
+        size: int,
+        **fields: Any,
+    ) -> VersionIndex:
+        return VersionIndex(
+            run_id=self.run_id, version=version, kind=kind, served_dtype=served_dtype_name(self.config.served_dtype),
+            checksum=self.config.checksum, tensors=entries, aliases=served.aliases, total_bytes=size,
+            full_bytes=served.nbytes, total_values=sum(a.size for a in served.arrays.values()),
+            created_at=time.time(), **fields,
+        )  # fmt: skip
+
+    @contextmanager
+    def _staged(self, version: int) -> Iterator[Path]:
+        try:
+            with staged_dir(self.path(version)) as tmp:
+                yield tmp
+        except FileExistsError:
+            raise VersionExists(version) from None
+
+    # ---------------------------------------------------------------- reading
+
+    def load_full(
+        self, version: int, verify: bool = True, into: Mapping[str, Any] | None = None
+    ) -> ServedTensors:
+        """A full checkpoint's tensors, each checked against its checksum unless
+        ``verify=False``. Fresh writable arrays, or, with ``into`` (an engine's
+        tensors: numpy byte views or CPU torch tensors), read straight into
+        those buffers: a full reload with no second copy of the model."""
+        index = self.index(version)
+        if index.kind != "full":
+            raise VersionNotFound(version, f"no full checkpoint at this version (it is a {index.kind})")
+        targets = None if into is None else _byte_views(into, index)
+
+        def read(f: SafetensorsFile, e: TensorEntry) -> np.ndarray:
+            if targets is None:
+                return f.read(e.name)
+            f.read_into(e.name, targets[e.name])
+            return targets[e.name]
+
+        try:
+            with SafetensorsFile(self._file(version, MODEL_FILE)) as f:
+                for e in index.tensors:
+                    got = f.entries.get(e.name)
+                    if got is None or got.dtype != e.dtype or list(got.shape) != e.shape:
+                        raise CorruptCheckpoint(
+                            version, f"{MODEL_FILE} does not match the index", tensor=e.name
+                        )
+                arrays = parallel_map(lambda e: read(f, e), index.tensors, self.config.workers)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(version, f"{MODEL_FILE} missing") from None
+        except SafetensorsFormatError as e:
+            raise CorruptCheckpoint(version, str(e)) from None
+        tensors = ServedTensors(
+            {e.name: a for e, a in zip(index.tensors, arrays, strict=True)},
+            {e.name: e.dtype for e in index.tensors},
+            index.aliases,
+        )
+        if verify:
+            self._verify(version, index, tensors, CorruptCheckpoint)
+        return tensors
+
+    def _verify(
+        self, version: int, index: VersionIndex, tensors: ServedTensors, error: type[CorruptVersion]
+    ) -> None:
+        def check(e: TensorEntry) -> None:
+            got = checksum(tensors[e.name], index.checksum)
+            if got != e.checksum:
+                raise error(
+                    version, f"{index.checksum} {got[:16]} != expected {e.checksum[:16]}", tensor=e.name
+                )
+
+        parallel_map(check, index.tensors, self.config.workers)
+
+    def fetch_delta(self, version: int) -> DecodedDelta:
+        """Read, decompress and decode a delta: the part of an update an engine
+        does while still serving. Raises ``CorruptDelta`` for a missing or
+        damaged payload (zstd content checksums catch flipped bytes here)."""
+        index = self.index(version)
+        if index.kind != "delta":
+            raise VersionNotFound(version, f"no delta at this version (it is a {index.kind})")
+        try:
+            with SafetensorsFile(self._file(version, DELTA_FILE)) as f:
+
+                def decode(e: TensorEntry) -> DecodedTensor:
+                    try:
+                        segs = {seg: f.read_bytes(key) for seg, key in e.segments.items()}
+                        positions, values = decode_segments(
+                            encoding=e.encoding,
+                            changed=e.changed or 0,
+                            numel=e.numel,
+                            uint=np.dtype(f"u{STORAGE_DTYPES[e.dtype].itemsize}"),
+                            segments=segs,
+                            position_dtype=e.position_dtype,
+                            sparse_below=self.config.sparse_below,
+                        )
+                    except (DecodeError, KeyError, SafetensorsFormatError) as err:
+                        raise CorruptDelta(version, f"{type(err).__name__}: {err}", tensor=e.name) from None
+                    return DecodedTensor(
+                        e.name,
+                        e.dtype,
+                        tuple(e.shape),
+                        e.encoding,
+                        e.changed or 0,
+                        e.checksum,
+                        positions,
+                        values,
+                    )
+
+                decoded = parallel_map(decode, index.tensors, self.config.workers)
+                payload = sum(e.compressed_bytes or 0 for e in index.tensors)
+        except FileNotFoundError:
+            raise CorruptDelta(version, f"{DELTA_FILE} missing") from None
+        except SafetensorsFormatError as e:
+            raise CorruptDelta(version, str(e)) from None
+        return DecodedDelta(
+            self.run_id,
+            version,
+            index.base_version,
+            index.checksum,  # type: ignore[arg-type]
+            {d.name: d for d in decoded},
+            payload,
+        )
+
+    def chain(self, version: int) -> list[int]:
+        """The versions to read to rebuild ``version``: its full checkpoint first."""
+        out = [version]
+        index = self.index(version)
+        while index.kind == "delta":
+            out.append(index.base_version)  # type: ignore[arg-type]
+            index = self.index(index.base_version)  # type: ignore[arg-type]
+        return out[::-1]
+
+    def load_version(self, version: int) -> ServedTensors:
+        """Rebuild any version: the nearest full checkpoint, then each delta in
+        order; every tensor is checked against ``version``'s checksums at the end
+        (zstd frame checksums guard the steps in between)."""
+        chain = self.chain(version)
+        tensors = self.load_full(chain[0], verify=len(chain) == 1)
+        for prev, v in itertools.pairwise(chain):
+            apply_delta(
+                tensors, self.fetch_delta(v), current_version=prev, verify="none", workers=self.config.workers
+            )
+        if len(chain) > 1:
+            self._verify(version, self.index(version), tensors, CorruptDelta)
+        return tensors
+
+    def recover(self, version: int, allow_older: bool = True) -> Recovered:
+        """Weights that are exactly the trainer's, for an engine whose swap failed.
+
+        Rebuilds ``version`` from its full checkpoint and deltas. If that chain
+        is broken (missing or corrupt file) and ``allow_older``, returns the
+        newest older version that rebuilds exactly, never a mix: the engine then
+        serves and reports ``Recovered.version`` until a good version arrives.
+        """
+        errors: list[WeightStoreError] = []
+        candidates = [version] + (
+            [v for v in reversed(self.list_versions()) if v < version] if allow_older else []
+        )
+        for v in candidates:
+            try:
+                tensors = self.load_version(v)
+            except (CorruptVersion, VersionNotFound) as e:
+                errors.append(e)
+                log.warning("weights recover: version %d unusable: %s", v, e)
+                continue
+            return Recovered(v, version, tensors, errors)
+        # Nothing rebuilds exactly: surface why the requested version failed.
+        raise errors[0]
+
+    # ---------------------------------------------------------------- housekeeping
+
+    def remove_stale_temp(self, older_than_s: float = 3600.0) -> list[Path]:
+        """Delete ``.tmp-*`` directories left by writers that crashed."""
+        now, removed = time.time(), []
+        for p in self.run_dir.glob(".tmp-v*"):
+            if now - p.stat().st_mtime > older_than_s:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+        return removed
+
+
+def _byte_views(tensors: Mapping[str, Any], index: VersionIndex) -> dict[str, np.ndarray]:
+    """The engine's buffers for every tensor of ``index``, as numpy views of
+    their bytes, checked against the index's dtypes and shapes."""
+    views = {}
+    for e in index.tensors:
+        if e.name not in tensors:
+            raise BaseVersionMismatch(
+                index.version, None, f"tensor {e.name!r} missing from the target tensors"
+            )
+        arr = tensors[e.name]
+        if is_torch_tensor(arr):
+            from rlfleet.weights import torch_io  # lazy: only engines holding torch tensors pay for it
+
+            arr = torch_io.byte_view(arr)
+        if arr.dtype.itemsize != STORAGE_DTYPES[e.dtype].itemsize or arr.size != e.numel:
+            raise BaseVersionMismatch(
+                index.version,
+                None,
+                f"{e.name}: target is {arr.dtype}{tuple(arr.shape)}, stored {e.dtype}{e.shape}",
+            )
+        views[e.name] = arr
+    return views

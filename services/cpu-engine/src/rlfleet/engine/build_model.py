@@ -1,0 +1,201 @@
+"""Builds the default tiny policy: a byte-level BPE tokenizer and a small Qwen2 model, in HF format.
+
+`rlfleet-build-model --out DIR --seed 0` writes `tokenizer.json`, `tokenizer_config.json`,
+`special_tokens_map.json`, `config.json`, `generation_config.json` and `model.safetensors`.
+`transformers.AutoTokenizer`/`AutoModelForCausalLM` and plain `tokenizers.Tokenizer.from_file`
+load the result, and so does the CPU engine (and a real SGLang server).
+
+The output is a pure function of (corpus, seed, sizes): the same inputs give bit-identical files,
+so a run can name its starting policy by its arguments. The weights are randomly initialised; the
+model learns its task through SFT/RL in the loop, not here.
+
+torch, transformers and tokenizers are imported inside functions so that `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rlfleet.common.chat import CHAT_TEMPLATE, END_OF_TEXT, IM_END, IM_START, SPECIAL_TOKENS
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of the default model; the defaults give ~3M parameters."""
+
+    vocab_size: int = 768
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+
+
+# Qwen2's pre-tokenizer split: transformers loads a `model_type: qwen2` directory with
+# Qwen2Tokenizer, which installs this split whatever tokenizer.json says, so training with the
+# same split is what makes AutoTokenizer and plain `tokenizers` produce the same ids. It also
+# puts every digit in its own pre-token, so arithmetic in tool calls tokenizes uniformly.
+QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE tokenizer with the chat special tokens at ids 0, 1, 2.
+
+    Every byte is in the base alphabet, so any text encodes without unknown tokens. The vocabulary
+    can come out smaller than `vocab_size` when the corpus has too few repeated pairs.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    for index, token in enumerate(SPECIAL_TOKENS):
+        # The engine, the session server and the trainer rely on these ids.
+        assert tokenizer.token_to_id(token) == index, (token, tokenizer.token_to_id(token))
+    return tokenizer
+
+
+def tokenizer_config(model_max_length: int) -> dict:
+    """`tokenizer_config.json`: what AutoTokenizer needs beyond tokenizer.json."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "bos_token": None,
+        "eos_token": END_OF_TEXT,
+        "pad_token": END_OF_TEXT,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def build_model(spec: ModelSpec, vocab_size: int, seed: int):
+    """A randomly initialised Qwen2ForCausalLM in fp32, deterministic from `seed`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    eos_ids = [SPECIAL_TOKENS.index(END_OF_TEXT), SPECIAL_TOKENS.index(IM_END)]
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=eos_ids,
+        pad_token_id=eos_ids[0],
+        dtype="float32",
+    )
+    # fork_rng keeps the caller's global RNG untouched; the init is a function of the seed only.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = eos_ids
+    model.generation_config.pad_token_id = eos_ids[0]
+    model.generation_config.bos_token_id = None
+    return model.eval()
+
+
+def build(out: Path, texts: Sequence[str], seed: int, spec: ModelSpec) -> Path:
+    """Writes tokenizer and model to `out` and returns it."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = tokenizer_config(spec.max_position_embeddings)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    special = {k: config[k] for k in ("eos_token", "pad_token", "additional_special_tokens")}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
+    # The embedding matrix is sized to the trained vocabulary, which can fall short of the
+    # requested size on a small corpus.
+    model = build_model(spec, tokenizer.get_vocab_size(), seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "rlfleet_build.json").write_text(
+        json.dumps({"seed": seed, "corpus_texts": len(texts), **asdict(spec)}, indent=2, sort_keys=True)
+        + "\n"
+    )
+    return out
+
+
+def load_corpus(path: Path | None, seed: int) -> list[str]:
+    if path is not None:
+        texts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
+        texts = [t.replace("\\n", "\n") for t in texts if t.strip()]
+    else:
+        try:
+            from rlfleet.envkit.corpus import default_corpus
+        except ImportError as exc:
+            raise SystemExit(
+                f"no --corpus given and the default corpus is unavailable ({exc}); pass --corpus FILE"
+            ) from exc
+        texts = list(default_corpus(seed))
+    if not texts:
+        raise SystemExit("the tokenizer corpus is empty")
+    return texts
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    defaults = ModelSpec()
+    parser = argparse.ArgumentParser(prog="rlfleet-build-model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="output directory (created)")
+    parser.add_argument("--seed", type=int, default=0, help="weight-init seed (and default-corpus seed)")
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="text file, one text per line (a literal \\n in a line is a newline); "
+        "default: rlfleet.envkit.corpus.default_corpus(seed)",
+    )
+    for name in asdict(defaults):
+        value = getattr(defaults, name)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"default {value}"
+        )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    spec = ModelSpec(**{name: getattr(args, name) for name in asdict(ModelSpec())})
+    if spec.hidden_size % spec.num_attention_heads or spec.num_attention_heads % spec.num_key_value_heads:
+        raise SystemExit("hidden-size must divide by heads, and heads by kv-heads")
+    texts = load_corpus(args.corpus, args.seed)
+    out = build(args.out, texts, args.seed, spec)
+    print(json.dumps({"out": str(out), "seed": args.seed, "texts": len(texts)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

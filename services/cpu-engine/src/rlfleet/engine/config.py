@@ -1,0 +1,42 @@
+"""The CPU engine's configuration. Importable without torch; field descriptions are the CLI help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: Path = Field(description="HF model directory: config.json, *.safetensors, tokenizer.json")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(0, ge=0, le=65535, description="port to listen on; 0 picks a free port")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the model")
+    max_running_requests: int = Field(64, ge=1, description="most requests decoded together in one batch")
+    max_total_tokens: int = Field(
+        65536,
+        ge=1,
+        description="KV budget: sum over running requests of prompt + max_new_tokens; "
+        "requests wait in the queue until they fit",
+    )
+    context_length: int | None = Field(
+        None,
+        ge=1,
+        description="most prompt + new tokens per request; default: the model's max_position_embeddings",
+    )
+    max_prefill_tokens: int = Field(
+        4096, ge=1, description="prompt tokens prefilled between two decode steps (at least one request)"
+    )
+    engine_id: str | None = Field(
+        None, description="name reported by /get_model_info; default cpu-engine-<pid>"
+    )
+    weight_version: str = Field("default", description="weight version reported until the first update")
+    dist_timeout_s: float = Field(
+        300.0, gt=0, description="timeout of torch.distributed weight-update groups"
+    )
+    ready_file: Path | None = Field(
+        None, description='written once listening: {"url": ..., "port": ..., "pid": ...}'
+    )
+    log_level: str = Field("info", description="python logging level")

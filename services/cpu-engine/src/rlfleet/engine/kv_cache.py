@@ -1,0 +1,122 @@
+"""The running batch's KV cache: one left-padded buffer per layer, rows join and leave between steps.
+
+Layout: keys/values of layer l are `[rows, kv_heads, capacity, head_dim]`; row b holds its tokens in
+columns `[pad[b], length)` and nothing before. Because rotary embeddings are applied to a key
+when it is written (with the row's own position id), where a row sits in the buffer does not change
+the attention result: padding columns are masked out and contribute exactly zero.
+
+The object is handed to the HF model as its `cache`; the model only calls `update()` once per layer
+per forward, which writes the new columns at `length` and returns the filled prefix. `advance()`
+commits the step afterwards, so every layer of one forward writes the same columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PaddedKVCache:
+    def __init__(self, num_layers: int, rows: int = 1) -> None:
+        self.num_layers = num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+        self.pad = torch.zeros(rows, dtype=torch.long)
+
+    # --- what the HF model calls ---------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        new = key_states.shape[2]
+        end = self.length + new
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys is None or keys.shape[2] < end:
+            keys, values = self._grown(keys, values, key_states, end)
+            self.keys[layer_idx], self.values[layer_idx] = keys, values
+        keys[:, :, self.length : end] = key_states
+        values[:, :, self.length : end] = value_states
+        return keys[:, :, :end], values[:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    # --- what the scheduler calls ---------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return int(self.pad.shape[0])
+
+    def advance(self, new: int) -> None:
+        self.length += new
+
+    def decode_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention mask `[rows, 1, 1, length + 1]` and position ids `[rows, 1]` for one new token per row."""
+        columns = torch.arange(self.length + 1)
+        masked = columns[None, :] < self.pad[:, None]
+        mask = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, torch.finfo(dtype).min)
+        positions = (self.length - self.pad)[:, None]
+        return mask[:, None, None, :], positions
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Drops every row not in `keep` (indices in the current order) and trims shared padding."""
+        index = torch.tensor(keep, dtype=torch.long)
+        self.pad = self.pad.index_select(0, index)
+        for layer in range(self.num_layers):
+            if self.keys[layer] is not None:
+                self.keys[layer] = self.keys[layer].index_select(0, index)
+                self.values[layer] = self.values[layer].index_select(0, index)
+        self._trim()
+
+    def extend(self, other: PaddedKVCache) -> None:
+        """Appends the rows of `other` (e.g. a freshly prefilled request) after the current rows."""
+        if self.rows == 0 or self.keys[0] is None:
+            self.keys, self.values, self.length, self.pad = other.keys, other.values, other.length, other.pad
+            return
+        length = max(self.length, other.length)
+        mine = self._left_padded(length)
+        theirs = other._left_padded(length)
+        for layer in range(self.num_layers):
+            self.keys[layer] = torch.cat([mine[0][layer], theirs[0][layer]], dim=0)
+            self.values[layer] = torch.cat([mine[1][layer], theirs[1][layer]], dim=0)
+        self.pad = torch.cat([self.pad + (length - self.length), other.pad + (length - other.length)])
+        self.length = length
+
+    # --- internals ------------------------------------------------------------------------------
+    def _left_padded(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This cache's filled columns, shifted right so they end at `length` (zeros before)."""
+        shift = length - self.length
+        keys, values = [], []
+        for layer in range(self.num_layers):
+            k = self.keys[layer][:, :, : self.length]
+            v = self.values[layer][:, :, : self.length]
+            if shift:
+                k = torch.nn.functional.pad(k, (0, 0, shift, 0))
+                v = torch.nn.functional.pad(v, (0, 0, shift, 0))
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def _trim(self) -> None:
+        if self.rows == 0:
+            self.keys = [None] * self.num_layers
+            self.values = [None] * self.num_layers
+            self.length = 0
+            return
+        shared = int(self.pad.min())
+        if shared == 0:
+            return
+        # A view: the remaining capacity after the filled columns stays usable for the next steps.
+        for layer in range(self.num_layers):
+            if self.keys[layer] is not None:
+                self.keys[layer] = self.keys[layer][:, :, shared:]
+                self.values[layer] = self.values[layer][:, :, shared:]
+        self.pad = self.pad - shared
+        self.length -= shared
+
+    def _grown(self, keys, values, like: torch.Tensor, needed: int):
+        # Doubling keeps the copies amortised O(1) per generated token.
+        capacity = max(needed, 2 * (keys.shape[2] if keys is not None else 0), 64)
+        shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
+        new_keys = torch.zeros(shape, dtype=like.dtype)
+        new_values = torch.zeros(shape, dtype=like.dtype)
+        if keys is not None:
+            new_keys[:, :, : self.length] = keys[:, :, : self.length]
+            new_values[:, :, : self.length] = values[:, :, : self.length]
+        return new_keys, new_values

@@ -1,0 +1,137 @@
+"""The model side of the engine: an HF causal LM in fp32, its tokenizer, forward passes and weight loads.
+
+Only the scheduler thread calls `prefill`, `decode` and `load_weights`, so a weight swap can never
+interleave with a forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from rlfleet.engine.kv_cache import PaddedKVCache
+
+log = logging.getLogger(__name__)
+
+
+class WeightLoadError(ValueError):
+    """New weights that do not fit the served model; nothing was changed."""
+
+
+class ModelRunner:
+    def __init__(self, model_path: Path) -> None:
+        from tokenizers import Tokenizer
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.model_path = Path(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(self.model_path), dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = Tokenizer.from_file(str(self.model_path / "tokenizer.json"))
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_position_embeddings = int(config.max_position_embeddings)
+        self.num_layers = int(config.num_hidden_layers)
+        self.eos_token_ids = frozenset(_eos_ids(self.model_path, config))
+        # remove_duplicate=False lists tied weights under both names (embed_tokens and lm_head).
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+
+    # --- forward passes -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int], all_logits: bool = False) -> tuple[torch.Tensor, PaddedKVCache]:
+        """Runs one sequence from scratch; returns logits (`[len, vocab]` or `[1, vocab]`) and its cache."""
+        cache = PaddedKVCache(self.num_layers, rows=1)
+        output = self.model(
+            input_ids=torch.tensor([token_ids]),
+            # A dict bypasses HF's mask construction; None lets SDPA apply its own causal mask.
+            attention_mask={"full_attention": None},
+            position_ids=torch.arange(len(token_ids))[None, :],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        cache.advance(len(token_ids))
+        return output.logits[0].float(), cache
+
+    @torch.inference_mode()
+    def decode(self, cache: PaddedKVCache, last_tokens: list[int]) -> torch.Tensor:
+        """Feeds one token per row of the running batch; returns next-token logits `[rows, vocab]`."""
+        mask, positions = cache.decode_inputs(torch.float32)
+        output = self.model(
+            input_ids=torch.tensor(last_tokens)[:, None],
+            attention_mask={"full_attention": mask},
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        )
+        cache.advance(1)
+        return output.logits[:, -1].float()
+
+    # --- text -----------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode_text(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    # --- weights --------------------------------------------------------------------------------
+    def check_weights(self, named: Iterable[tuple[str, torch.Size | list[int]]]) -> None:
+        """Raises WeightLoadError unless every (name, shape) is a parameter of the served model."""
+        unknown, mismatched = [], []
+        for name, shape in named:
+            param = self._params.get(name)
+            if param is None:
+                unknown.append(name)
+            elif tuple(param.shape) != tuple(shape):
+                mismatched.append(f"{name}: got {list(shape)}, model has {list(param.shape)}")
+        if unknown:
+            raise WeightLoadError(f"unknown parameter names: {', '.join(unknown[:8])}")
+        if mismatched:
+            raise WeightLoadError(f"shape mismatch: {'; '.join(mismatched[:8])}")
+
+    @torch.inference_mode()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Copies the tensors into the model (cast to fp32) after checking all of them; returns the count."""
+        self.check_weights((name, tensor.shape) for name, tensor in named)
+        for name, tensor in named:
+            self._params[name].copy_(tensor.to(torch.float32))
+        return len(named)
+
+    def parameter(self, name: str) -> torch.Tensor:
+        return self._params[name]
+
+
+def read_checkpoint(model_path: Path) -> list[tuple[str, torch.Tensor]]:
+    """All tensors of an HF safetensors checkpoint directory (single file or sharded)."""
+    from safetensors.torch import load_file
+
+    model_path = Path(model_path)
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_path}")
+    named: list[tuple[str, torch.Tensor]] = []
+    for file in files:
+        named.extend(load_file(str(file)).items())
+    return named
+
+
+def _eos_ids(model_path: Path, config) -> set[int]:
+    """EOS ids from generation_config.json and config.json (an int or a list in either)."""
+    ids: set[int] = set()
+    sources = [getattr(config, "eos_token_id", None)]
+    generation = model_path / "generation_config.json"
+    if generation.exists():
+        sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,385 @@
+"""Continuous batching: one thread owns the model, the running batch and its KV cache.
+
+Each iteration of the loop (`step`):
+  1. takes newly submitted requests into the waiting queue and runs queued control commands
+     (abort, pause/continue, weight swaps, flush) -- so those only ever happen between steps;
+  2. unless paused, admits waiting requests while they fit (`max_running_requests`, the
+     `max_total_tokens` KV budget, `max_prefill_tokens` per step), prefills each on its own and
+     samples its first token; its KV then joins the running batch (`PaddedKVCache.extend`);
+  3. decodes one token for every running request in a single batched forward, and lets finished
+     requests leave the batch (their cache rows are dropped and shared padding trimmed).
+
+Sampling is per request (`sampling.py`): a request's tokens depend on its own seed and prompt,
+not on the batch it shares. Log-probs are `log_softmax` of the raw fp32 logits (temperature 1,
+before top-k/top-p). Pause modes follow SGLang: `abort` ends every request with what it has,
+`retract` drops the running requests' KV and puts them back at the head of the queue (recomputed
+by a prefill over prompt + output so far after `continue`, so their output is what it would have
+been), `in_place` freezes the batch with its KV. Every output token records the weight version
+that produced it; a reply reports the version at its end and the spans.
+
+Other threads talk to the scheduler only through `submit` and `call`; torch releases the GIL in
+the forward passes, so the HTTP event loop stays responsive while the loop runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from rlfleet.engine.kv_cache import PaddedKVCache
+from rlfleet.engine.model_runner import ModelRunner, WeightLoadError
+from rlfleet.engine.protocol import GenerateItem
+from rlfleet.engine.sampling import RowSampler, make_generator, sample
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    text: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    input_logprobs: list[tuple[float | None, int]]
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    weight_version: str
+    weight_version_spans: list[tuple[str, int, int]]
+    e2e_latency: float
+    retractions: int
+
+
+class Request:
+    """A generate request's state in the scheduler; everything below is touched by its thread only."""
+
+    def __init__(
+        self, item: GenerateItem, eos_token_ids: frozenset[int], on_done: Callable[[RequestOutput], None]
+    ):
+        spec = item.sampling
+        self.item = item
+        self.rid = item.rid
+        self.prompt_ids = list(item.input_ids)
+        self.spec = spec
+        self.sampler = RowSampler(
+            spec.temperature, spec.top_p, spec.top_k, make_generator(spec.sampling_seed)
+        )
+        self.stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(eos_token_ids))
+        self.on_done = on_done
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.versions: list[str] = []
+        self.input_logprobs: list[tuple[float | None, int]] | None = None
+        self.finish_reason: dict[str, Any] | None = None
+        self.created = time.monotonic()
+        self.retractions = 0
+        self.checked_chars = 0  # output text already searched for stop strings
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.prompt_ids) + self.spec.max_new_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_running_requests: int = 64,
+        max_total_tokens: int = 65536,
+        max_prefill_tokens: int = 4096,
+        weight_version: str = "default",
+    ) -> None:
+        self.runner = runner
+        self.max_running_requests = max_running_requests
+        self.max_total_tokens = max_total_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.cache = PaddedKVCache(runner.num_layers, rows=0)
+        self.paused: PauseMode | None = None
+        self.decode_steps = 0
+        self.generated_tokens = 0
+        self._inbox: deque[Request] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- thread-safe entry points ---------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        self._inbox.append(request)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Runs `fn` on the scheduler thread between two steps; the future holds its result."""
+        future: Future = Future()
+        self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run_forever, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # --- the loop -------------------------------------------------------------------------------
+    def _run_forever(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                worked = self.step()
+            except Exception as exc:  # a model error must not kill the thread and hang every client
+                log.exception("scheduler step failed")
+                self._fail_running(f"engine error: {exc}")
+                worked = False
+            if not worked:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+        self.abort(abort_all=True, message="engine shutting down")
+
+    def step(self) -> bool:
+        """One scheduling iteration; returns whether it did model work."""
+        while self._inbox:
+            self.waiting.append(self._inbox.popleft())
+        while self._commands:
+            fn, future = self._commands.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+        if self.paused is not None:
+            return False
+        admitted = self._admit()
+        for request in admitted:
+            self._prefill(request)
+        if self.running:
+            self._decode()
+        return bool(admitted or self.running)
+
+    def _admit(self) -> list[Request]:
+        admitted: list[Request] = []
+        budget = self.max_total_tokens - sum(r.reserved_tokens for r in self.running)
+        prefill_budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
+            request = self.waiting[0]
+            prefill = len(request.prompt_ids) + len(request.output_ids)
+            if request.reserved_tokens > budget or (admitted and prefill > prefill_budget):
+                break  # FIFO: later requests do not overtake one that does not fit yet
+            admitted.append(self.waiting.popleft())
+            budget -= request.reserved_tokens
+            prefill_budget -= prefill
+        return admitted
+
+    def _prefill(self, request: Request) -> None:
+        # After a retract the output so far is recomputed with the prompt; its last logits give
+        # the next token exactly as the interrupted decode step would have.
+        tokens = request.prompt_ids + request.output_ids
+        want_input = request.item.return_logprob and request.item.logprob_start_len >= 0
+        want_input = want_input and request.input_logprobs is None
+        logits, cache = self.runner.prefill(tokens, all_logits=want_input)
+        if want_input:
+            request.input_logprobs = _input_logprobs(
+                logits, request.prompt_ids, request.item.logprob_start_len
+            )
+        if request.spec.max_new_tokens == 0:
+            request.finish_reason = {"type": "length", "length": 0}
+            self._deliver(request)
+            return
+        tokens_out, logprobs = sample(logits[-1:], [request.sampler])
+        if self._append(request, tokens_out[0], logprobs[0]):
+            self._deliver(request)
+            return
+        self.cache.extend(cache)
+        self.running.append(request)
+
+    def _decode(self) -> None:
+        logits = self.runner.decode(self.cache, [r.output_ids[-1] for r in self.running])
+        tokens, logprobs = sample(logits, [r.sampler for r in self.running])
+        self.decode_steps += 1
+        keep, done = [], []
+        for row, request in enumerate(self.running):
+            (done if self._append(request, tokens[row], logprobs[row]) else keep).append(row)
+        if done:
+            finished = [self.running[row] for row in done]
+            self.running = [self.running[row] for row in keep]
+            self.cache.keep_rows(keep)
+            for request in finished:
+                self._deliver(request)
+
+    def _append(self, request: Request, token: int, logprob: float) -> bool:
+        """Records a sampled token; returns whether the request is now finished."""
+        request.output_ids.append(token)
+        request.output_logprobs.append(logprob)
+        request.versions.append(self.weight_version)
+        self.generated_tokens += 1
+        if token in request.stop_ids:
+            request.finish_reason = {"type": "stop", "matched": token}
+        elif request.spec.stop and (matched := self._matched_stop_string(request)) is not None:
+            request.finish_reason = {"type": "stop", "matched": matched}
+        elif len(request.output_ids) >= request.spec.max_new_tokens:
+            request.finish_reason = {"type": "length", "length": request.spec.max_new_tokens}
+        return request.finish_reason is not None
+
+    def _matched_stop_string(self, request: Request) -> str | None:
+        text = self.runner.decode_text(request.output_ids, request.spec.skip_special_tokens)
+        # Only text that grew since the last check can hold a new match; the margin also covers a
+        # trailing partial UTF-8 character that decoded differently last time.
+        start = max(0, request.checked_chars - max(len(s) for s in request.spec.stop) - 4)
+        request.checked_chars = len(text)
+        window = text[start:]
+        for stop in request.spec.stop:
+            if stop in window:
+                return stop
+        return None
+
+    # --- control (run on the scheduler thread through `call`) -----------------------------------
+    def pause(self, mode: PauseMode) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        if mode == "abort":
+            self.abort(abort_all=True, message="aborted by pause_generation(mode=abort)")
+        elif mode == "retract":
+            self._retract_all()
+        self.paused = mode
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> int:
+        """Ends matching waiting and running requests with finish reason abort; returns how many."""
+        hit = lambda r: abort_all or r.rid == rid  # noqa: E731
+        while self._inbox:
+            self.waiting.append(self._inbox.popleft())
+        aborted = [r for r in self.waiting if hit(r)]
+        self.waiting = deque(r for r in self.waiting if not hit(r))
+        keep = [row for row, r in enumerate(self.running) if not hit(r)]
+        if len(keep) < len(self.running):
+            aborted += [r for r in self.running if hit(r)]
+            self.running = [self.running[row] for row in keep]
+            self.cache.keep_rows(keep)
+        for request in aborted:
+            request.finish_reason = {"type": "abort", "message": message}
+            self._deliver(request)
+        return len(aborted)
+
+    def flush_cache(self) -> tuple[bool, str]:
+        # There is no prefix cache to drop; the only KV is the running batch's, which a flush may
+        # not pull from under requests frozen by an in-place pause.
+        if self.running:
+            return False, (
+                f"cannot flush the cache while {len(self.running)} requests hold KV in the running batch "
+                "(paused in place?); continue or pause with mode abort/retract first"
+            )
+        return True, "Cache flushed."
+
+    def update_weights(
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+        abort_all: bool = False,
+    ) -> tuple[bool, str]:
+        if abort_all:
+            self.abort(abort_all=True, message="aborted for a weight update")
+        try:
+            count = self.runner.load_weights(named)
+        except WeightLoadError as exc:
+            return False, f"Failed to update weights: {exc}"
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return True, f"Succeeded to update model weights ({count} tensors, version {self.weight_version})."
+
+    def set_weight_version(self, version: str, abort_all: bool = False) -> None:
+        if abort_all:
+            self.abort(abort_all=True, message="aborted by update_weight_version")
+        self.weight_version = version
+
+    def load(self) -> dict[str, Any]:
+        return {
+            "num_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting) + len(self._inbox),
+            "num_tokens": sum(len(r.prompt_ids) + len(r.output_ids) for r in self.running),
+            "paused": self.paused,
+            "weight_version": self.weight_version,
+            "decode_steps": self.decode_steps,
+            "generated_tokens": self.generated_tokens,
+        }
+
+    # --- internals ------------------------------------------------------------------------------
+    def _retract_all(self) -> None:
+        for request in self.running:
+            request.retractions += 1
+        self.waiting.extendleft(reversed(self.running))
+        self.running = []
+        self.cache = PaddedKVCache(self.runner.num_layers, rows=0)
+
+    def _fail_running(self, message: str) -> None:
+        failed, self.running = self.running, []
+        self.cache = PaddedKVCache(self.runner.num_layers, rows=0)
+        for request in failed:
+            request.finish_reason = {"type": "abort", "message": message, "status_code": 500}
+            self._deliver(request)
+
+    def _deliver(self, request: Request) -> None:
+        try:
+            request.on_done(self._output(request))
+        except Exception:
+            log.exception("delivering the result of %s failed", request.rid)
+
+    def _output(self, request: Request) -> RequestOutput:
+        finish = request.finish_reason or {"type": "abort", "message": "unfinished"}
+        matched = finish.get("matched")
+        trim = not request.spec.no_stop_trim
+        # SGLang trims a matched stop token / stop string from the text, never from output_ids.
+        text_ids = request.output_ids[:-1] if trim and isinstance(matched, int) else request.output_ids
+        text = self.runner.decode_text(text_ids, request.spec.skip_special_tokens)
+        if trim and isinstance(matched, str) and (cut := text.find(matched)) >= 0:
+            text = text[:cut]
+        return RequestOutput(
+            rid=request.rid,
+            text=text,
+            output_ids=list(request.output_ids),
+            output_logprobs=list(request.output_logprobs),
+            input_logprobs=request.input_logprobs or [],
+            finish_reason=finish,
+            prompt_tokens=len(request.prompt_ids),
+            weight_version=self.weight_version,
+            weight_version_spans=_spans(request.versions),
+            e2e_latency=time.monotonic() - request.created,
+            retractions=request.retractions,
+        )
+
+
+def _input_logprobs(logits: torch.Tensor, prompt: list[int], start: int) -> list[tuple[float | None, int]]:
+    """SGLang's input_token_logprobs from `start`: the first prompt token has no logprob."""
+    logprobs = torch.log_softmax(logits[: len(prompt) - 1].float(), dim=-1)
+    targets = torch.tensor(prompt[1:])
+    picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    values: list[float | None] = [None, *picked]
+    return [(values[i], prompt[i]) for i in range(start, len(prompt))]
+
+
+def _spans(versions: list[str]) -> list[tuple[str, int, int]]:
+    """Run-length encoding of the per-token weight versions: (version, start, end) over output tokens."""
+    spans: list[tuple[str, int, int]] = []
+    for index, version in enumerate(versions):
+        if spans and spans[-1][0] == version:
+            spans[-1] = (version, spans[-1][1], index + 1)
+        else:
+            spans.append((version, index, index + 1))
+    return spans

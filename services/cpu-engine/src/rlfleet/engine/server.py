@@ -1,0 +1,402 @@
+"""The HTTP layer: SGLang's routes over the scheduler, on aiohttp.
+
+Handlers never touch the model: generation goes through `Scheduler.submit`, control through
+`Scheduler.call` (run between two steps). Slow blocking work that does not touch the model --
+reading a checkpoint, joining a process group, receiving broadcast tensors -- runs in worker
+threads, so it neither stalls the event loop nor the decode loop; only the final swap is a
+scheduler command. Bad input answers 400 with `{"error": {"message": ...}}` as SGLang does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from rlfleet.engine import distributed
+from rlfleet.engine.config import EngineConfig
+from rlfleet.engine.model_runner import ModelRunner, WeightLoadError, read_checkpoint
+from rlfleet.engine.protocol import BadRequest, GenerateItem, Limits, SamplingSpec, parse_generate
+from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+class EngineServer:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler = scheduler
+        self.engine_id = config.engine_id or f"cpu-engine-{os.getpid()}"
+        context = config.context_length or runner.max_position_embeddings
+        self.limits = Limits(runner.vocab_size, context, config.max_total_tokens)
+        self._groups: dict[str, Any] = {}
+        self._groups_lock = threading.Lock()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024**2)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health_generate)
+        app.router.add_get("/get_model_info", self.get_model_info)
+        app.router.add_get("/get_server_info", self.get_server_info)
+        app.router.add_get("/get_load", self.get_load)
+        app.router.add_route("GET", "/flush_cache", self.flush_cache)
+        app.router.add_route("POST", "/flush_cache", self.flush_cache)
+        app.router.add_post("/pause_generation", self.pause_generation)
+        app.router.add_post("/continue_generation", self.continue_generation)
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_get("/get_weight_version", self.get_weight_version)
+        app.router.add_post("/update_weight_version", self.update_weight_version)
+        app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
+        app.router.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        app.router.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
+        app.router.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
+        return app
+
+    # --- generation -----------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            items, is_batch = parse_generate(await _body(request), self.limits, self.runner.encode)
+        except BadRequest as exc:
+            return _error(str(exc))
+        outputs = await self._run(items)
+        if any(out.finish_reason.get("status_code") == 500 for out in outputs):
+            return _error(outputs[0].finish_reason.get("message", "engine error"), status=500)
+        results = [_result(item, out) for item, out in zip(items, outputs, strict=True)]
+        return web.json_response(results if is_batch else results[0])
+
+    async def _run(self, items: list[GenerateItem]) -> list[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in items]
+
+        def deliver(future: asyncio.Future, output: RequestOutput) -> None:
+            if not future.done():
+                future.set_result(output)
+
+        for item, future in zip(items, futures, strict=True):
+            callback = lambda out, f=future: loop.call_soon_threadsafe(deliver, f, out)  # noqa: E731
+            self.scheduler.submit(Request(item, self.runner.eos_token_ids, callback))
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:
+            # The client went away (handler cancellation is on): free its batch slots.
+            for item in items:
+                self.scheduler.call(
+                    lambda rid=item.rid: self.scheduler.abort(rid=rid, message="client disconnected")
+                )
+            raise
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        if not abort_all and not isinstance(rid, str):
+            return _error("abort_request needs 'rid' (a string) or 'abort_all': true")
+        await self._call(
+            lambda: self.scheduler.abort(rid=rid, abort_all=abort_all, message="aborted by abort_request")
+        )
+        return web.Response(status=200)
+
+    # --- health and info ------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if self.scheduler.paused is not None:
+            # Paused on purpose (a weight swap): healthy, and a probe must not queue behind the pause.
+            return web.json_response({"status": "ok", "paused": self.scheduler.paused})
+        probe = GenerateItem(
+            f"health-{os.urandom(6).hex()}",
+            [self._probe_token()],
+            SamplingSpec(max_new_tokens=1, temperature=0.0),
+        )
+        try:
+            await asyncio.wait_for(self._run([probe]), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return _error("health probe did not finish in time", status=503)
+        return web.json_response({"status": "ok"})
+
+    def _probe_token(self) -> int:
+        return next(i for i in range(self.runner.vocab_size) if i not in self.runner.eos_token_ids)
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": str(self.runner.model_path),
+                "tokenizer_path": str(self.runner.model_path),
+                "is_generation": True,
+                "weight_version": self.scheduler.weight_version,
+                "engine_id": self.engine_id,
+                "engine_kind": "rlfleet-cpu",
+                "vocab_size": self.runner.vocab_size,
+                "context_length": self.limits.context_length,
+                "eos_token_ids": sorted(self.runner.eos_token_ids),
+            }
+        )
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        load = await self._call(self.scheduler.load)
+        return web.json_response({**self.config.model_dump(mode="json"), **load, "engine_id": self.engine_id})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        load = await self._call(self.scheduler.load)
+        return web.json_response([{"dp_rank": 0, **load}])
+
+    # --- pause, cache, versions -----------------------------------------------------------------
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        success, message = await self._call(self.scheduler.flush_cache)
+        return web.Response(text=message + "\n", status=200 if success else 400)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return _error(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        await self._call(lambda: self.scheduler.pause(mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._call(self.scheduler.resume)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.scheduler.weight_version})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            return _error("update_weight_version needs 'new_version' (a non-empty string)")
+        abort_all = bool(body.get("abort_all_requests", False))
+        await self._call(lambda: self.scheduler.set_weight_version(version, abort_all))
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
+
+    # --- weight updates -------------------------------------------------------------------------
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            return _error("update_weights_from_disk needs 'model_path'")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            return _error(f"load_format {body['load_format']!r} is not supported; use safetensors")
+        version = _optional_str(body, "weight_version")
+        try:
+            named = await asyncio.to_thread(read_checkpoint, Path(path))
+        except (WeightLoadError, OSError, ValueError) as exc:
+            return _weight_reply(False, f"Failed to read {path}: {exc}")
+        return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        try:
+            address, port = str(body["master_address"]), int(body["master_port"])
+            rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            return _error(
+                f"init_weights_update_group needs master_address, master_port, rank_offset, world_size ({exc})"
+            )
+        name = str(body.get("group_name", "weight_update_group"))
+        backend = str(body.get("backend", "gloo"))
+        if backend != "gloo":
+            return _weight_reply(False, f"backend {backend!r} is not available on the CPU engine; use gloo")
+        with self._groups_lock:
+            if name in self._groups:
+                return _weight_reply(False, f"a weight update group named {name!r} already exists")
+        try:
+            group = await asyncio.to_thread(
+                distributed.join_group,
+                address,
+                port,
+                rank_offset,
+                world_size,
+                name,
+                backend,
+                self.config.dist_timeout_s,
+            )
+        except Exception as exc:  # rendezvous failures come in many types; report them all
+            return _weight_reply(False, f"Failed to init group {name!r}: {exc}")
+        with self._groups_lock:
+            self._groups[name] = group
+        return _weight_reply(True, f"Succeeded to initialize custom process group {name!r}.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        name = str(body.get("group_name", "weight_update_group"))
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            return _error("update_weights_from_distributed needs lists 'names', 'dtypes' and 'shapes'")
+        if not len(names) == len(dtypes) == len(shapes):
+            return _error("'names', 'dtypes' and 'shapes' must have the same length")
+        with self._groups_lock:
+            group = self._groups.get(name)
+        if group is None:
+            return _weight_reply(
+                False, f"no weight update group named {name!r}; call init_weights_update_group"
+            )
+        try:
+            # The sender is already broadcasting: receive everything even if a name turns out to be
+            # wrong, so the two sides stay in step; the load below then refuses the whole update.
+            named = await asyncio.to_thread(distributed.receive, group, names, dtypes, shapes)
+        except Exception as exc:
+            return _weight_reply(False, f"Failed to receive weights over {name!r}: {exc}")
+        version = _optional_str(body, "weight_version")
+        return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        name = str((await _body(request)).get("group_name", "weight_update_group"))
+        with self._groups_lock:
+            group = self._groups.pop(name, None)
+        if group is None:
+            return _weight_reply(False, f"no weight update group named {name!r}")
+        await asyncio.to_thread(distributed.leave_group, group)
+        return _weight_reply(True, f"Succeeded to destroy custom process group {name!r}.")
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's debugging read-back: the first `truncate_size` rows of a parameter, as fp32 values."""
+        body = await _body(request)
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or not isinstance(size, int) or size < 1:
+            return _error("get_weights_by_name needs 'name' and a positive integer 'truncate_size'")
+
+        def read():
+            param = self.runner.parameter(name)
+            return param.narrow(0, 0, min(size, param.shape[0])).tolist() if param.dim() else param.item()
+
+        try:
+            return web.json_response(await self._call(read))
+        except KeyError:
+            return _error(f"unknown parameter {name!r}")
+
+    async def _swap(self, named, version: str | None, abort_all: bool) -> web.Response:
+        paused = await self._call(
+            lambda: len(self.scheduler.running) + len(self.scheduler.waiting) if self.scheduler.paused else 0
+        )
+        success, message = await self._call(lambda: self.scheduler.update_weights(named, version, abort_all))
+        return _weight_reply(success, message, num_paused_requests=paused)
+
+    async def _call(self, fn):
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    def close_groups(self) -> None:
+        with self._groups_lock:
+            groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            try:
+                distributed.leave_group(group)
+            except Exception:
+                log.exception("leaving a weight update group failed")
+
+
+def _result(item: GenerateItem, out: RequestOutput) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": out.rid,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": len(out.output_ids),
+        "cached_tokens": 0,
+        "weight_version": out.weight_version,
+        # rlfleet extension: which weight version produced which output tokens, [version, start, end).
+        "weight_version_spans": [list(span) for span in out.weight_version_spans],
+        "e2e_latency": out.e2e_latency,
+    }
+    if item.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(out.output_logprobs, out.output_ids, strict=True)
+        ]
+        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in out.input_logprobs]
+    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except ValueError as exc:
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": {"message": f"invalid JSON: {exc}"}}), content_type="application/json"
+        ) from exc
+    if request.path != "/generate" and not isinstance(body, dict):
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": {"message": "the body must be a JSON object"}}),
+            content_type="application/json",
+        )
+    return body
+
+
+def _optional_str(body: dict, key: str) -> str | None:
+    value = body.get(key)
+    return None if value is None else str(value)
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _weight_reply(success: bool, message: str, **extra) -> web.Response:
+    return web.json_response(
+        {"success": success, "message": message, **extra}, status=200 if success else 400
+    )
+
+
+async def serve(config: EngineConfig) -> None:
+    """Loads the model, starts the scheduler thread and serves until SIGTERM/SIGINT."""
+    import torch
+
+    torch.set_num_threads(config.torch_threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already set in this process
+    runner = await asyncio.to_thread(ModelRunner, config.model_path)
+    scheduler = Scheduler(
+        runner,
+        max_running_requests=config.max_running_requests,
+        max_total_tokens=config.max_total_tokens,
+        max_prefill_tokens=config.max_prefill_tokens,
+        weight_version=config.weight_version,
+    )
+    server = EngineServer(config, runner, scheduler)
+    scheduler.start()
+    app_runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await app_runner.setup()
+    site = web.TCPSite(app_runner, config.host, config.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # the real port when config.port == 0
+    url = f"http://{config.host}:{port}"
+    if config.ready_file is not None:
+        _write_ready_file(
+            config.ready_file, {"url": url, "port": port, "pid": os.getpid(), "engine_id": server.engine_id}
+        )
+    log.info("cpu engine %s serving %s at %s", server.engine_id, config.model_path, url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("cpu engine %s stopping", server.engine_id)
+        scheduler.stop()
+        await app_runner.cleanup()
+        server.close_groups()
+
+
+def _write_ready_file(path: Path, content: dict[str, Any]) -> None:
+    # Written to a temporary name and renamed, so a reader never sees half a file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(content))
+    tmp.replace(path)

@@ -1,0 +1,96 @@
+"""Typed configuration of the learning core: the loss, batch assembly and the torch backend.
+
+Importable without torch so that the trainer service can parse and print its config (``--help``,
+``--dry-run``) before loading anything heavy. The service's config (service_config.py) nests these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors: a misspelt `clip_eps_hgih` must not silently train with the default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LossConfig(_Strict):
+    """The RL objective. Defaults are GRPO with token-level averaging and TIS on."""
+
+    algorithm: Literal["grpo", "gspo", "ppo"] = Field(
+        "grpo", description="grpo: token-level clipped ratio with group-normalised advantages; "
+        "gspo: sequence-level ratio (geometric mean of token ratios), clipped per sequence; "
+        "ppo: token-level clipped ratio with GAE advantages from a value head.")
+    clip_eps_low: float = Field(0.2, ge=0.0, description="ratio is clipped below at 1 - clip_eps_low.")
+    clip_eps_high: float = Field(0.2, ge=0.0, description="ratio is clipped above at 1 + clip_eps_high "
+                                 "(DAPO's clip-higher uses e.g. 0.28; GSPO uses ~3e-4/4e-4).")
+    loss_agg: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean", description="token_mean: average over all loss tokens of the batch; "
+        "seq_mean: average over each sequence's loss tokens, then over sequences.")
+    std_normalize: bool = Field(True, description="divide group-centred rewards by the group std "
+                                "(False gives Dr.GRPO-style advantages r - mean).")
+    adv_eps: float = Field(1e-6, gt=0.0, description="added to the group std before dividing.")
+    kl_coef: float = Field(0.0, ge=0.0, description="weight of the k3 KL penalty to the reference policy "
+                           "(needs ref_logprobs in the batch when > 0).")
+    entropy_coef: float = Field(0.0, ge=0.0, description="weight of an entropy bonus (0 = metric only).")
+    tis_cap: float | None = Field(2.0, gt=0.0, description="truncated importance sampling cap C: each token is "
+                                  "weighted by min(exp(old_logprob - rollout_logprob), C); None disables TIS.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount per generated token.")
+    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
+    value_clip: float | None = Field(0.2, gt=0.0, description="PPO: value predictions are clipped to "
+                                     "old_value +- value_clip in the value loss; None disables.")
+    value_coef: float = Field(0.5, ge=0.0, description="PPO: weight of the value loss.")
+    whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the batch's "
+                                    "loss tokens (mean 0, std 1).")
+
+
+class BatchConfig(_Strict):
+    """How samples become model inputs."""
+
+    layout: Literal["packed", "padded"] = Field(
+        "packed", description="packed: whole sequences concatenated into rows with position ids restarting "
+        "at 0 (block-diagonal attention, no compute on padding); padded: one right-padded row per sequence.")
+    pack_length: int | None = Field(None, ge=1, description="packed: maximum tokens per row (a longer sequence "
+                                    "gets a row of its own); None: the batch's longest sequence, fastest with "
+                                    "eager/sdpa attention whose cost grows with the square of the row length.")
+    micro_batch_rows: int = Field(4, ge=1, description="rows per forward/backward; gradients are accumulated "
+                                  "over a rank's micro-batches before one optimizer step.")
+    pad_token_id: int = Field(0, ge=0, description="token id written into padding (never attended, never scored).")
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-6, gt=0.0, description="peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="clip the global grad norm; None disables.")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="constant (after warmup) or cosine decay to min_lr_ratio * lr at total_steps.")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from lr / warmup_steps to lr.")
+    total_steps: int = Field(1000, ge=1, description="cosine: the step at which the decay ends.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class TorchBackendConfig(_Strict):
+    """The default training backend: a transformers causal LM, AdamW, FSDP2 at world size >= 2."""
+
+    model_dir: str | None = Field(None, description="HF directory (config.json + safetensors) to load.")
+    model_config_dict: dict[str, Any] | None = Field(
+        None, description="build a model from this config (`model_type` defaults to qwen2; random init with "
+        "`seed`) instead of loading model_dir.")
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: one GPU per rank (LOCAL_RANK), NCCL; "
+                                           "cpu: gloo.")
+    bf16: bool = Field(False, description="bf16 autocast for forward/backward (weights and optimizer stay fp32).")
+    value_head: bool = Field(False, description="add a scalar value head on the final hidden state (PPO).")
+    seed: int = 0
+    optim: OptimConfig = OptimConfig()
+    batch: BatchConfig = BatchConfig()
+
+    @model_validator(mode="after")
+    def _one_model_source(self) -> TorchBackendConfig:
+        if (self.model_dir is None) == (self.model_config_dict is None):
+            raise ValueError("set exactly one of model_dir and model_config_dict")
+        return self

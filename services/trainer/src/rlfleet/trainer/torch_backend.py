@@ -1,0 +1,306 @@
+"""The default training backend: a transformers causal LM trained with AdamW, FSDP2 at world size >= 2.
+
+Launched plainly it trains in one process; launched by torchrun (WORLD_SIZE >= 2) it joins a
+process group (gloo on CPU, NCCL on CUDA), shards every decoder layer and the root with
+`fully_shard`, and each rank trains on its share of the rows of the global batch. The loss of a
+micro-batch is its share of the *global* mean (see losses.LossNorm), times the world size because
+FSDP averages gradients over ranks, so one step at any world size is the same step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlfleet.trainer.backend import LossFn, MetricReducer, ModelOutputs, TrainingBackend
+from rlfleet.trainer.batching import TrainBatch, shard_rows
+from rlfleet.trainer.config import OptimConfig, TorchBackendConfig
+from rlfleet.trainer.losses import LossNorm, Metrics, entropy_from_logits, logprobs_from_logits
+
+
+class PolicyModel(nn.Module):
+    """The causal LM plus an optional value head on the final hidden state.
+
+    One module so that FSDP's root is the thing whose forward we call; calling the LM's submodules
+    from outside a sharded root would skip its unshard hooks.
+    """
+
+    def __init__(self, lm: nn.Module, value_head: bool) -> None:
+        super().__init__()
+        self.lm = lm
+        self.value_head = None
+        if value_head:
+            self.value_head = nn.Linear(lm.config.hidden_size, 1)
+            # Start from V = 0 so that early advantages are the plain returns, not noise.
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                       attention_mask=attention_mask, use_cache=False).last_hidden_state
+        logits = self.lm.get_output_embeddings()(hidden)
+        values = self.value_head(hidden).squeeze(-1) if self.value_head is not None else None
+        return logits, values
+
+
+def build_lm(cfg: TorchBackendConfig) -> nn.Module:
+    import transformers
+
+    if cfg.model_dir is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            cfg.model_dir, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+    params = dict(cfg.model_config_dict or {})
+    config = transformers.AutoConfig.for_model(params.pop("model_type", "qwen2"), **params)
+    torch.manual_seed(cfg.seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """Multiplier of the peak LR for the optimizer step with index `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = min(max((step - cfg.warmup_steps) / span, 0.0), 1.0)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _init_distributed(device: str) -> tuple[int, int, bool]:
+    """(rank, world size, whether we created the process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return 0, 1, False
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), True
+
+
+class TorchBackend(TrainingBackend):
+    def __init__(self, cfg: TorchBackendConfig) -> None:
+        self.cfg = cfg
+        self.device_type = "cuda" if cfg.device == "cuda" else "cpu"
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+            if self.device_type == "cuda" else torch.device("cpu")
+        if self.device_type == "cuda":
+            torch.cuda.set_device(self.device)  # before NCCL init, so that each rank owns its GPU
+        self.rank, self.world_size, self._owns_group = _init_distributed(self.device_type)
+        lm = build_lm(cfg)
+        # Seeded after the LM so that the value head is identical on every rank and every run.
+        torch.manual_seed(cfg.seed)
+        self.model = PolicyModel(lm, cfg.value_head).to(self.device)
+        if self.world_size > 1:
+            self._shard()
+        o = self.optim_cfg = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.optim_cfg))
+        self._step = 0
+
+    def _shard(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device_type, (self.world_size,))
+        for layer in self.model.lm.get_decoder().layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def lm_config(self):
+        return self.model.lm.config
+
+    # ------------------------------------------------------------ forward
+
+    def _forward(self, mb: TrainBatch, with_values: bool, entropy_grad: bool) -> ModelOutputs:
+        attention_mask = None if mb.attention_mask is None else mb.attention_mask.to(self.device)
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            logits, values = self.model(mb.input_ids.to(self.device), mb.position_ids.to(self.device), attention_mask)
+        logprobs = logprobs_from_logits(logits, mb.input_ids.to(self.device))
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
+        if with_values:
+            if values is None:
+                raise ValueError("the loss needs values but the backend has no value head (set value_head=true)")
+            # The value of the state before token t lives on the hidden state of position t - 1.
+            values = nn.functional.pad(values[:, :-1].float(), (1, 0))
+        return ModelOutputs(logprobs=logprobs, entropy=entropy, values=values if with_values else None)
+
+    def _dummy_pass(self, backward: bool) -> None:
+        """Keeps FSDP's collectives in step when this rank has fewer micro-batches than another."""
+        ids = torch.full((1, 2), self.cfg.batch.pad_token_id, dtype=torch.long, device=self.device)
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            logits, values = self.model(ids, torch.arange(2, device=self.device)[None], None)
+        if backward:
+            zero = logits.float().sum() * 0.0
+            if values is not None:
+                zero = zero + values.float().sum() * 0.0
+            zero.backward()
+
+    def _my_chunks(self, batch: TrainBatch) -> tuple[list[list[int]], int]:
+        rows = shard_rows(batch, self.rank, self.world_size)
+        k = self.cfg.batch.micro_batch_rows
+        chunks = [rows[i:i + k] for i in range(0, len(rows), k)]
+        return chunks, self._max_over_ranks(len(chunks))
+
+    def _max_over_ranks(self, n: int) -> int:
+        if self.world_size == 1:
+            return n
+        t = torch.tensor([n], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @torch.no_grad()
+    def forward_inference(self, batch: TrainBatch, with_values: bool = False) -> ModelOutputs:
+        self.model.eval()
+        chunks, n = self._my_chunks(batch)
+        # Filled on the device: NCCL reduces device tensors only.
+        shape, dev = batch.input_ids.shape, self.device
+        logprobs, entropy = torch.zeros(shape, device=dev), torch.zeros(shape, device=dev)
+        values = torch.zeros(shape, device=dev) if with_values else None
+        for i in range(n):
+            if i >= len(chunks):
+                self._dummy_pass(backward=False)
+                continue
+            mb = batch.select_rows(chunks[i])
+            out = self._forward(mb, with_values, entropy_grad=False)
+            idx, width = torch.tensor(chunks[i], device=dev), mb.input_ids.shape[1]
+            # A sequence's first token has nothing to be predicted from (packed: it would be the previous sample).
+            valid = ((mb.seq_ids >= 0) & (mb.position_ids > 0)).float().to(dev)
+            logprobs[idx, :width] = out.logprobs.float() * valid
+            entropy[idx, :width] = out.entropy.float() * valid
+            if values is not None:
+                values[idx, :width] = out.values.float() * valid
+        if self.world_size > 1:
+            # Every row was filled by exactly one rank and is zero elsewhere, so a sum is a gather.
+            for t in (logprobs, entropy, values):
+                if t is not None:
+                    dist.all_reduce(t)
+        self.model.train()
+        return ModelOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu(), values=None if values is None else values.cpu())
+
+    # ------------------------------------------------------------ train
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> Metrics:
+        start = time.perf_counter()
+        self.model.train()
+        norm = LossNorm(batch.num_loss_tokens, batch.num_seqs, batch.seq_num_loss_tokens.to(self.device))
+        needs_values = getattr(loss_fn, "needs_values", False)
+        entropy_grad = getattr(loss_fn, "needs_entropy_grad", False)
+        chunks, n = self._my_chunks(batch)
+        reducer = MetricReducer()
+        for i in range(n):
+            self._sync_gradients(last=i == n - 1)
+            if i >= len(chunks):
+                self._dummy_pass(backward=True)
+                continue
+            mb = _to_device(batch.select_rows(chunks[i]), self.device)
+            loss, metrics = loss_fn(self._forward(mb, needs_values, entropy_grad), mb, norm)
+            # FSDP averages gradients over ranks; the loss is already this micro-batch's share of the global mean.
+            (loss * self.world_size).backward()
+            reducer.add(metrics, float(mb.loss_mask.sum()))
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = self._clip_grad_norm()
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+            self._step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self._gather_metrics(reducer)
+        tokens = int((batch.seq_ids >= 0).sum())
+        elapsed = time.perf_counter() - start
+        out.update(grad_norm=grad_norm, lr=lr, step=self._step, skipped=float(skipped), tokens=tokens,
+                   loss_tokens=batch.num_loss_tokens, seqs=batch.num_seqs, step_time_s=elapsed,
+                   tokens_per_s=tokens / elapsed)
+        return out
+
+    def _sync_gradients(self, last: bool) -> None:
+        # FSDP: accumulate unsharded gradients locally and reduce-scatter once, after the last micro-batch
+        # (one collective per step instead of one per micro-batch, for the memory of a full gradient).
+        if self.world_size > 1:
+            self.model.set_requires_gradient_sync(last)
+
+    def _clip_grad_norm(self) -> float:
+        max_norm = self.optim_cfg.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # Under FSDP2 the norm is a DTensor; its full value is the global norm.
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def _gather_metrics(self, reducer: MetricReducer) -> Metrics:
+        if self.world_size == 1:
+            return reducer.result()
+        everyone: list[MetricReducer | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, reducer)
+        return MetricReducer.combine(r for r in everyone if r is not None).result()
+
+    def set_lr(self, lr: float) -> None:
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        factor = lr_factor(self.scheduler.last_epoch, self.optim_cfg)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor
+
+    # ------------------------------------------------------------ export and checkpoints (checkpoint.py)
+
+    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
+        from rlfleet.trainer.checkpoint import export_state_dict
+
+        return export_state_dict(self)
+
+    def save_hf(self, out_dir: str | Path) -> None:
+        from rlfleet.trainer.checkpoint import save_hf
+
+        save_hf(self, Path(out_dir))
+
+    def save_checkpoint(self, ckpt_dir: str | Path) -> None:
+        from rlfleet.trainer.checkpoint import save_checkpoint
+
+        save_checkpoint(self, Path(ckpt_dir))
+
+    def load_checkpoint(self, ckpt_dir: str | Path) -> None:
+        from rlfleet.trainer.checkpoint import load_checkpoint
+
+        load_checkpoint(self, Path(ckpt_dir))
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    if device.type == "cpu":
+        return batch
+    moved = {k: v.to(device) for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
+    return batch.replace(**moved)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,59 @@
+"""FSDP2 over gloo: a step at world size 2 is the step at world size 1 (torchrun, real processes)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def torchrun(nproc: int, out: Path) -> dict:
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # --standalone picks a free rendezvous port.
+    proc = subprocess.Popen([str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", str(WORKER), str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        log, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        # torchrun's workers live in sessions of their own; on SIGTERM torchrun stops them itself.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        raise
+    assert proc.returncode == 0, log.decode()[-4000:]
+    return json.loads((out / "metrics.json").read_text())
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_fsdp_step_at_world_size_two_matches_world_size_one_and_resumes_exactly(tmp_path):
+    one = torchrun(1, tmp_path / "ws1")
+    two = torchrun(2, tmp_path / "ws2")
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    lp1, lp2 = torch.load(tmp_path / "ws1" / "logprobs.pt"), torch.load(tmp_path / "ws2" / "logprobs.pt")
+    assert float((lp1 - lp2).abs().max()) <= 1e-6
+    for m1, m2 in zip(one["steps"], two["steps"], strict=True):
+        assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-6)
+        assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+        assert m2["tokens"] == m1["tokens"] and m2["lr"] == m1["lr"]
+    w1 = load_file(tmp_path / "ws1" / "hf" / "model.safetensors")
+    w2 = load_file(tmp_path / "ws2" / "hf" / "model.safetensors")
+    assert max_diff(w1, w2) <= 1e-5
+    resumed = load_file(tmp_path / "ws2" / "hf_resumed" / "model.safetensors")
+    assert max_diff(w2, resumed) == 0.0

@@ -1,0 +1,73 @@
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlfleet.common.chat import IM_END, render_messages
+from rlfleet.trainer.sft import encode_messages, load_demonstrations, run_sft
+from rlfleet.trainer.testing import tiny_qwen2_config, write_tiny_tokenizer
+
+torch.set_num_threads(1)
+
+
+def conversation(a: int, b: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": f"What is {a}+{b}?"},
+            {"role": "assistant", "content": f"<calc>{a}+{b}</calc>"},
+            {"role": "tool", "content": str(a + b)},
+            {"role": "assistant", "content": f"<answer>{a + b}</answer>"}]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    import transformers
+    from tokenizers import Tokenizer
+
+    corpus = [render_messages(conversation(a, b), False) for a in range(5) for b in range(5)]
+    write_tiny_tokenizer(tmp_path / "model", corpus)
+    vocab = Tokenizer.from_file(str(tmp_path / "model" / "tokenizer.json")).get_vocab_size()
+    config = transformers.AutoConfig.for_model(**tiny_qwen2_config(vocab_size=vocab))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(model_dir):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids, mask = encode_messages(conversation(2, 3), tok)
+    assert ids == tok.encode(render_messages(conversation(2, 3), False), add_special_tokens=False).ids
+    scored = tok.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+    assert scored == f"<calc>2+3</calc>{IM_END}<answer>5</answer>{IM_END}"
+
+
+def test_sft_lowers_the_loss_on_its_demonstrations(model_dir, tmp_path):
+    data = tmp_path / "demos.jsonl"
+    lines = [json.dumps({"messages": conversation(a, b)}) for a in range(3) for b in range(3)]
+    lines.append(json.dumps({"token_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1]}))
+    data.write_text("\n".join(lines) + "\n")
+    metrics = run_sft(str(model_dir), str(data), str(tmp_path / "out"), epochs=4, lr=1e-2, batch_size=4, seed=0)
+    assert metrics["samples"] == 10 and metrics["steps"] == 12
+    assert metrics["eval_loss_after"] < 0.7 * metrics["eval_loss_before"], metrics
+    assert metrics["epoch_losses"][-1] < metrics["epoch_losses"][0]
+    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_token_id_demonstrations_default_to_scoring_every_token_but_the_first(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"token_ids": [4, 5, 6]}) + "\n")
+    (sample,) = load_demonstrations(data)
+    assert sample.loss_mask == [0, 1, 1]
+
+
+def test_cli_help_is_instant_and_does_not_import_torch():
+    start = time.perf_counter()
+    code = "import sys; from rlfleet.trainer import sft; sys.argv=['sft', '--help']\n" \
+           "try: sft.main()\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "--model-dir" in out.stdout and out.stdout.strip().endswith("False")
+    assert time.perf_counter() - start < 5

@@ -1,0 +1,20 @@
+"""Console script `rlfleet-verifier`: parses config first, imports the service after (instant --help)."""
+
+from __future__ import annotations
+
+from rlfleet.common.service import run_service
+from rlfleet.verifier.config import VerifierConfig
+
+
+def build_app(config: VerifierConfig):
+    from rlfleet.verifier.app import build
+
+    return build(config)
+
+
+def main() -> None:
+    run_service("rlfleet-verifier", VerifierConfig, build_app)
+
+
+if __name__ == "__main__":
+    main()

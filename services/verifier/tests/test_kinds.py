@@ -1,0 +1,482 @@
+import itertools
+import subprocess
+import sys
+
+import pytest
+
+from rlfleet.verifier.kinds import (
+    KIND_NAMES,
+    Episode,
+    ExactKind,
+    LabelledEpisode,
+    NumericKind,
+    ReasonCode,
+    ScoringConfig,
+    TestRunRequest,
+    TestRunResult,
+    ToolCallRecord,
+    UnitTestsKind,
+    UnknownVerifierKind,
+    Violation,
+    audit,
+    default_kinds,
+    parse_number,
+)
+from rlfleet.verifier.kinds.base import DEFAULT_MAX_TURNS
+from rlfleet.verifier.kinds.turns import read_turns
+
+CALC_TASK = {
+    "task_id": "calc-2-abc",
+    "suite": "calc",
+    "split": "heldout",
+    "messages": [{"role": "user", "content": "What is 37*48+5?"}],
+    "verifier": {"kind": "numeric", "answer": "1781", "tolerance": 0.0},
+    "tools": [{"name": "calc", "description": ""}],
+    "limits": {"max_turns": 3},
+}
+EXACT_TASK = {
+    **CALC_TASK,
+    "task_id": "capital",
+    "verifier": {"kind": "exact", "answer": "New  York"},
+    "tools": [],
+}
+CODE_TASK = {
+    "task_id": "code-fizzbuzz",
+    "suite": "code",
+    "split": "train",
+    "prompt": "Write fizzbuzz in solution.py",
+    "verifier": {
+        "kind": "unit_tests",
+        "tests": "HIDDEN",
+        "test_file": "test_hidden.py",
+        "solution_files": ["solution.py"],
+        "timeout_s": 5,
+    },
+    "tools": [{"name": "write_file"}, {"name": "python"}],
+    "limits": {"max_turns": 6},
+}
+
+
+def calc_episode(*texts, records=(), **fields):
+    return Episode(assistant_texts=list(texts), tool_calls=list(records), **fields)
+
+
+def ideal(answer="1781"):
+    return calc_episode(
+        "<calc>37*48+5</calc>",
+        f"<answer>{answer}</answer>",
+        records=[ToolCallRecord("calc", "37*48+5", "1781")],
+    )
+
+
+def score(task, episode, **kinds):
+    return default_kinds(**kinds).score(task, episode)
+
+
+# --- numeric and exact ---------------------------------------------------------------------------
+
+
+def test_the_ideal_calc_episode_passes_with_full_reward_and_no_reasons():
+    verdict = score(CALC_TASK, ideal())
+    assert (verdict.passed, verdict.reward, verdict.reasons, verdict.kind) == (True, 1.0, [], "numeric")
+
+
+@pytest.mark.parametrize(
+    "answer", ["1781", " 1781 ", "1,781", "1781.0", "1781.", "+1781", "1.781e3", "\n1781\n"]
+)
+def test_numeric_accepts_the_same_number_written_differently(answer):
+    assert score(CALC_TASK, ideal(answer)).passed
+
+
+@pytest.mark.parametrize(
+    "answer", ["1780", "17,81", "1781 apples", "one thousand", "", "NaN", "inf", "1781/1", "--1781"]
+)
+def test_numeric_rejects_other_numbers_and_non_numbers_as_wrong_answers(answer):
+    verdict = score(CALC_TASK, ideal(answer))
+    assert not verdict.passed and verdict.reward == 0.0
+    assert verdict.codes == [ReasonCode.WRONG_ANSWER]
+    assert verdict.reasons[0].details == {"expected": "1781", "got": answer.strip()}
+
+
+def test_numeric_handles_negative_answers_unicode_minus_and_tolerance():
+    negative = {**CALC_TASK, "verifier": {"kind": "numeric", "answer": "-33"}}
+    assert score(negative, calc_episode("<answer>-33</answer>")).passed
+    assert score(negative, calc_episode("<answer>\u221233</answer>")).passed
+    assert not score(negative, calc_episode("<answer>33</answer>")).passed
+    approximate = {**CALC_TASK, "verifier": {"kind": "numeric", "answer": "3.14159", "tolerance": 0.01}}
+    assert score(approximate, calc_episode("<answer>3.14</answer>")).passed
+    assert not score(approximate, calc_episode("<answer>3.1</answer>")).passed
+
+
+def test_parse_number_is_exact_and_strict_about_thousands_separators():
+    assert parse_number("1,234,567.5") == parse_number("1234567.5")
+    assert parse_number("0.1") + parse_number("0.2") == parse_number("0.3")
+    assert parse_number("1,23") is None and parse_number(",") is None and parse_number("-") is None
+
+
+def test_exact_normalises_whitespace_and_case_unless_told_otherwise():
+    assert score(EXACT_TASK, calc_episode("<answer>  new york </answer>")).passed
+    assert not score(EXACT_TASK, calc_episode("<answer>NewYork</answer>")).passed
+    strict = {**EXACT_TASK, "verifier": {"kind": "exact", "answer": "New York", "case_sensitive": True}}
+    assert not score(strict, calc_episode("<answer>new york</answer>")).passed
+    assert score(strict, calc_episode("<answer>New\tYork</answer>")).passed
+
+
+def test_an_episode_without_an_answer_fails_with_no_answer():
+    verdict = score(
+        CALC_TASK,
+        calc_episode(
+            "<calc>37*48+5</calc>", "I am not sure.", records=[ToolCallRecord("calc", "37*48+5", "1781")]
+        ),
+    )
+    assert (verdict.passed, verdict.codes) == (False, [ReasonCode.NO_ANSWER])
+
+
+def test_the_first_answer_of_the_episode_counts_and_later_ones_are_ignored():
+    assert not score(CALC_TASK, calc_episode("<answer>1780</answer><answer>1781</answer>")).passed
+    assert not score(CALC_TASK, calc_episode("<answer>1780</answer>", "<answer>1781</answer>")).passed
+    assert score(CALC_TASK, calc_episode("<answer>1781</answer>", "<answer>0</answer>")).passed
+
+
+def test_only_the_first_tag_of_a_turn_counts_so_an_answer_after_a_call_in_the_same_turn_is_ignored():
+    verdict = score(
+        CALC_TASK,
+        calc_episode(
+            "<calc>37*48+5</calc><answer>1781</answer>", records=[ToolCallRecord("calc", "37*48+5", "1781")]
+        ),
+    )
+    assert verdict.codes == [ReasonCode.NO_ANSWER]
+
+
+def test_without_assistant_texts_the_bare_answer_is_scored():
+    assert score(CALC_TASK, Episode(answer=" 1,781 ")).passed
+    assert score(CALC_TASK, Episode()).codes == [ReasonCode.NO_ANSWER]
+    # With texts the verifier reads them and ignores a client's parse.
+    assert not score(CALC_TASK, calc_episode("<answer>5</answer>", answer="1781")).passed
+
+
+# --- shared rules: tool calls, safety, time ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("turn", "message"),
+    [
+        ("<python>print(1)</python>", "unknown tool 'python'"),
+        ("<calc>37*48+5", "malformed tool call: <calc> is not a closed pair"),
+        ("<calc>37*48+5</answer>", "malformed tool call: <calc> is not a closed pair"),
+        ("37*48+5</calc>", "malformed tool call: </calc> is not a closed pair"),
+    ],
+)
+def test_unknown_tools_and_malformed_tags_are_invalid_tool_calls_that_cost_a_small_penalty(turn, message):
+    episode = calc_episode(
+        turn,
+        "<calc>37*48+5</calc>",
+        "<answer>1781</answer>",
+        records=[ToolCallRecord("calc", "37*48+5", "1781")],
+    )
+    verdict = score(CALC_TASK, episode)
+    assert verdict.passed and verdict.reward == pytest.approx(0.95)
+    assert verdict.codes == [ReasonCode.INVALID_TOOL_CALL]
+    assert verdict.reasons[0].message == message and verdict.reasons[0].details["turn"] == "0"
+
+
+def test_a_call_the_sandbox_answered_with_an_error_is_invalid():
+    episode = calc_episode(
+        "<calc>37*48+</calc>",
+        "<calc>37*48+5</calc>",
+        "<answer>1781</answer>",
+        records=[
+            ToolCallRecord("calc", "37*48+", "error: unexpected end of expression", ok=False),
+            ToolCallRecord("calc", "37*48+5", "1781"),
+        ],
+    )
+    verdict = score(CALC_TASK, episode)
+    assert verdict.codes == [ReasonCode.INVALID_TOOL_CALL]
+    assert verdict.reasons[0].details == {
+        "turn": "0",
+        "tool": "calc",
+        "text": "error: unexpected end of expression",
+    }
+
+
+def test_calls_beyond_max_turns_are_invalid_and_the_penalty_is_capped():
+    calls = ["<calc>1+1</calc>"] * 8
+    records = [ToolCallRecord("calc", "1+1", "2")] * 3
+    verdict = score(CALC_TASK, calc_episode(*calls, "<answer>1781</answer>", records=records))
+    assert verdict.codes == [ReasonCode.INVALID_TOOL_CALL] * 5
+    assert verdict.reasons[0].message == "tool call 4 exceeds max_turns=3"
+    assert verdict.passed and verdict.reward == pytest.approx(0.8)
+    failed = score(CALC_TASK, calc_episode(*calls, "<answer>0</answer>", records=records))
+    assert failed.reward == pytest.approx(-0.2)
+
+
+def test_a_safety_violation_fails_the_episode_and_costs_a_penalty_but_resource_limits_do_not():
+    unsafe = ideal()
+    unsafe.violations.append(Violation("network", "connect to 1.1.1.1:443"))
+    verdict = score(CALC_TASK, unsafe)
+    assert (verdict.passed, verdict.reward, verdict.codes) == (
+        False,
+        pytest.approx(-0.2),
+        [ReasonCode.SAFETY_VIOLATION],
+    )
+    assert verdict.reasons[0].details == {"kind": "network", "message": "connect to 1.1.1.1:443"}
+    limited = ideal()
+    limited.violations.append(Violation("memory", "256 MiB"))
+    assert score(CALC_TASK, limited).passed
+
+
+def test_a_timed_out_episode_fails_and_a_truncated_one_without_answer_says_so():
+    assert score(CALC_TASK, calc_episode("<answer>1781</answer>", timed_out=True)).codes == [
+        ReasonCode.TIMEOUT
+    ]
+    truncated = score(CALC_TASK, calc_episode("<calc>1+1</calc>", truncated=True))
+    assert truncated.codes == [ReasonCode.NO_ANSWER, ReasonCode.TRUNCATED]
+
+
+def test_penalties_and_rewards_are_configurable():
+    config = ScoringConfig(
+        pass_reward=2.0, fail_reward=-1.0, invalid_tool_call_penalty=0.5, max_invalid_tool_call_penalty=0.5
+    )
+    kinds = default_kinds(config=config)
+    assert kinds.score(
+        CALC_TASK, calc_episode("<foo>x</foo>", "<answer>1781</answer>")
+    ).reward == pytest.approx(1.5)
+    assert kinds.score(CALC_TASK, calc_episode("<answer>1</answer>")).reward == pytest.approx(-1.0)
+
+
+# --- unit_tests ----------------------------------------------------------------------------------
+
+
+class FakeRunner:
+    def __init__(self, result):
+        self.result = result
+        self.requests = []
+
+    def __call__(self, request):
+        self.requests.append(request)
+        return self.result
+
+
+def code_episode(**files):
+    return Episode(
+        assistant_texts=["<write_file>solution.py\n...</write_file>", "<answer>done</answer>"], files=files
+    )
+
+
+def test_unit_tests_pass_on_exit_zero_with_a_clean_summary_and_get_only_the_declared_files():
+    runner = FakeRunner(TestRunResult(0, "PASS test_a\nPASS test_b\nRESULT passed=2 failed=0\n"))
+    verdict = score(
+        CODE_TASK,
+        code_episode(**{"solution.py": "def f(): ...", "conftest.py": "evil", "test_hidden.py": "fake"}),
+        runner=runner,
+    )
+    assert (verdict.passed, verdict.reward, verdict.kind) == (True, 1.0, "unit_tests")
+    (request,) = runner.requests
+    assert request == TestRunRequest(
+        tests="HIDDEN", test_file="test_hidden.py", files={"solution.py": "def f(): ..."}, timeout_s=5.0
+    )
+
+
+def test_unit_test_failures_are_reported_by_test_name():
+    output = "PASS test_fizzbuzz_0\nFAIL test_fizzbuzz_1: fizzbuzz(5,) returned '5', expected 'Buzz'\nFAIL test_fizzbuzz_2: ZeroDivisionError: x\nRESULT passed=1 failed=2\n"
+    verdict = score(
+        CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(TestRunResult(1, output))
+    )
+    assert verdict.codes == [ReasonCode.TEST_FAILED, ReasonCode.TEST_FAILED]
+    assert [r.details["test"] for r in verdict.reasons] == ["test_fizzbuzz_1", "test_fizzbuzz_2"]
+    assert verdict.reasons[0].details["why"] == "fizzbuzz(5,) returned '5', expected 'Buzz'"
+
+
+def test_pytest_style_output_is_understood_too():
+    failed = "FAILED test_hidden.py::test_empty - AssertionError: assert 1 == 0\n==== 1 failed, 3 passed in 0.01s ====\n"
+    verdict = score(
+        CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(TestRunResult(1, failed))
+    )
+    assert [(r.code, r.details["test"]) for r in verdict.reasons] == [(ReasonCode.TEST_FAILED, "test_empty")]
+    passed = "..\n==== 2 passed in 0.01s ====\n"
+    assert score(
+        CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(TestRunResult(0, passed))
+    ).passed
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        (TestRunResult(0, ""), "the test script reported no passed tests (did the solution exit early?)"),
+        (
+            TestRunResult(0, "RESULT passed=0 failed=0"),
+            "the test script reported no passed tests (did the solution exit early?)",
+        ),
+        (TestRunResult(2, "SyntaxError: invalid syntax"), "the test script exited with status 2"),
+    ],
+)
+def test_a_run_that_reports_nothing_passed_or_crashes_fails(result, message):
+    verdict = score(CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(result))
+    assert verdict.codes == [ReasonCode.TEST_FAILED] and verdict.reasons[0].message == message
+
+
+def test_a_timed_out_test_run_is_a_timeout_and_a_missing_solution_is_no_answer():
+    timeout = score(
+        CODE_TASK,
+        code_episode(**{"solution.py": "while True: pass"}),
+        runner=FakeRunner(TestRunResult(-9, "", timed_out=True)),
+    )
+    assert timeout.codes == [ReasonCode.TIMEOUT]
+    runner = FakeRunner(TestRunResult(0, "RESULT passed=1 failed=0"))
+    missing = score(CODE_TASK, code_episode(**{"solutions.py": ""}), runner=runner)
+    assert missing.codes == [ReasonCode.NO_ANSWER] and runner.requests == []
+
+
+def test_too_many_failing_tests_are_summarised():
+    output = "".join(f"FAIL test_{i}: no\n" for i in range(30)) + "RESULT passed=0 failed=30\n"
+    verdict = UnitTestsKind(FakeRunner(TestRunResult(1, output))).score(
+        CODE_TASK, code_episode(**{"solution.py": ""})
+    )
+    assert len(verdict.reasons) == 21 and verdict.reasons[-1].message == "and 10 more failing tests"
+
+
+# --- dispatch ------------------------------------------------------------------------------------
+
+
+def test_a_task_is_scored_by_the_kind_it_names_and_an_unconfigured_kind_is_an_error():
+    with pytest.raises(UnknownVerifierKind, match="no verifier kind 'unit_tests' is configured"):
+        score(CODE_TASK, code_episode())
+    with pytest.raises(UnknownVerifierKind, match="'regex'"):
+        score({**CALC_TASK, "verifier": {"kind": "regex"}}, ideal())
+    with pytest.raises(ValueError, match="not 'exact'"):
+        ExactKind().score(CALC_TASK, ideal())
+
+
+# --- audit ---------------------------------------------------------------------------------------
+
+
+def test_audit_counts_agreement_with_human_labels_and_lists_the_disagreements():
+    labelled = [
+        LabelledEpisode(CALC_TASK, ideal(), human_passed=True, episode_id="e1"),  # TP
+        LabelledEpisode(CALC_TASK, ideal("1,781"), human_passed=True, episode_id="e2"),  # TP
+        LabelledEpisode(CALC_TASK, ideal("1780"), human_passed=False, episode_id="e3"),  # TN
+        LabelledEpisode(
+            CALC_TASK, ideal("1781.0"), human_passed=False, episode_id="e4"
+        ),  # FP: a strict labeller
+        LabelledEpisode(CALC_TASK, calc_episode("no idea"), human_passed=False, episode_id="e5"),  # TN
+        LabelledEpisode(
+            CALC_TASK, ideal("1 781"), human_passed=True, episode_id="e6"
+        ),  # FN: a lenient labeller
+        LabelledEpisode(CALC_TASK, ideal("-1781"), human_passed=False, episode_id="e7"),  # TN
+    ]
+    report = audit(NumericKind(), labelled)
+    assert (report.n, report.tp, report.fp, report.tn, report.fn) == (7, 2, 1, 3, 1)
+    assert report.false_positive_rate == pytest.approx(1 / 4)  # FP / (FP + TN)
+    assert report.false_negative_rate == pytest.approx(1 / 3)  # FN / (FN + TP)
+    assert [(d.episode_id, d.task_id, d.human_passed, d.verifier_passed) for d in report.disagreements] == [
+        ("e4", "calc-2-abc", False, True),
+        ("e6", "calc-2-abc", True, False),
+    ]
+    assert report.disagreements[1].reasons[0].code == ReasonCode.WRONG_ANSWER
+
+
+def test_audit_of_nothing_has_zero_rates():
+    report = audit(default_kinds(), [])
+    assert (report.n, report.false_positive_rate, report.false_negative_rate) == (0, 0.0, 0.0)
+
+
+# --- contract with the environment SDK (rlfleet.envkit) -------------------------------------------
+
+
+def test_kind_names_and_defaults_match_the_suite_format():
+    suite_format = pytest.importorskip("rlfleet.envkit.suite_format")
+    assert set(KIND_NAMES) == set(suite_format.VERIFIER_KINDS)
+    assert DEFAULT_MAX_TURNS == suite_format.Limits().max_turns
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        "<calc>1+2</calc>",
+        "<answer> 3 </answer>",
+        "<calc>1+2",
+        "1+2</calc>",
+        "<calc>1</answer>",
+        "<python>x</python>",
+        "no tags",
+        "<answer>1</answer><calc>2</calc>",
+        "<calc>2</calc><answer>1</answer>",
+        "<answer>3",
+    ],
+)
+def test_the_verifier_reads_a_turn_exactly_as_the_rollout_worker_does(turn):
+    actions = pytest.importorskip("rlfleet.envkit.actions")
+    action = actions.parse_action(turn, ["calc"])
+    reading = read_turns(Episode(assistant_texts=[turn]), ["calc"], max_turns=3)
+    assert reading.answer == (action.answer if isinstance(action, actions.FinalAnswer) else None)
+    assert len(reading.invalid) == (1 if isinstance(action, actions.InvalidCall) else 0)
+
+
+def test_built_in_calc_demos_score_as_their_flaws_say():
+    pytest.importorskip("rlfleet.envkit")
+    from rlfleet.envkit.actions import ToolCall, parse_action
+    from rlfleet.envkit.demos import generate_demos
+    from rlfleet.envkit.suites import calc
+
+    tasks = {t.task_id: t for t in calc.generate_tasks("train", 400, seed=5, difficulty=2)}
+    for demo in generate_demos(400, seed=5, imperfection=0.8, difficulty=2):
+        messages = demo["messages"]
+        texts = [m["content"] for m in messages if m["role"] == "assistant"]
+        records = [
+            ToolCallRecord(
+                call.tool, call.args, reply["content"], ok=not reply["content"].startswith("error:")
+            )
+            for sent, reply in itertools.pairwise(messages)
+            if sent["role"] == "assistant"
+            and isinstance(call := parse_action(sent["content"], ["calc"]), ToolCall)
+        ]
+        verdict = score(tasks[demo["task_id"]], Episode(assistant_texts=texts, tool_calls=records))
+        if demo["flaw"] == "none":
+            assert (verdict.passed, verdict.reward, verdict.reasons) == (True, 1.0, [])
+        elif demo["flaw"] in ("wrong_expression", "answer_typo"):
+            assert verdict.codes == [ReasonCode.WRONG_ANSWER]
+        elif demo["flaw"] == "malformed_call":
+            assert ReasonCode.INVALID_TOOL_CALL in verdict.codes and verdict.reward < 1.0
+        else:
+            assert verdict.codes in ([], [ReasonCode.WRONG_ANSWER])
+
+
+def _local_runner(tmp_path):
+    """Runs hidden tests in a temporary folder: the shape of the service's runner, without isolation."""
+
+    def run(request):
+        for name, content in {**request.files, request.test_file: request.tests}.items():
+            (tmp_path / name).write_text(content)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-I", request.test_file],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=request.timeout_s,
+            )
+        except subprocess.TimeoutExpired as exc:
+            return TestRunResult(-9, str(exc.stdout or ""), timed_out=True)
+        return TestRunResult(done.returncode, done.stdout + done.stderr)
+
+    return run
+
+
+def test_built_in_code_tasks_pass_with_the_reference_and_fail_with_named_tests_otherwise(tmp_path):
+    pytest.importorskip("rlfleet.envkit")
+    from rlfleet.envkit.suites import code
+
+    task = next(
+        t
+        for t in code.generate_tasks("train") + code.generate_tasks("heldout")
+        if t.task_id == "code-fizzbuzz"
+    )
+    kinds = default_kinds(runner=_local_runner(tmp_path))
+    assert kinds.score(task, code_episode(**{"solution.py": code.reference_solution(task)})).passed
+    wrong = kinds.score(task, code_episode(**{"solution.py": "def fizzbuzz(n):\n    return 'Fizz'\n"}))
+    assert [r.details["test"] for r in wrong.reasons] == [
+        "test_fizzbuzz_1",
+        "test_fizzbuzz_2",
+        "test_fizzbuzz_3",
+        "test_fizzbuzz_4",
+    ]

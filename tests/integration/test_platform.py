@@ -1,0 +1,124 @@
+"""The whole platform launched as processes, checked over gRPC, NATS and Redis, then stopped."""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfleet.cli.health import probe
+from rlfleet.cli.launcher import PlatformState, is_ours
+from rlfleet.common.config import NatsConfig, RedisConfig
+from rlfleet.common.grpc_server import check_health
+from rlfleet.common.redis_store import connect_redis, key
+from rlfleet.common.streams import connect_nats, durable_name, ensure_consumer, publish
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+RLFLEET = str(Path(sys.executable).parent / "rlfleet")
+SERVICES = {"sandbox-manager": "rlfleet.sandbox.v1.SandboxService",
+            "rollout-gateway": "rlfleet.gateway.v1.GatewayService",
+            "session-server": "rlfleet.session.v1.SessionService",
+            "verifier": "rlfleet.verifier.v1.VerifierService",
+            "trainer": "rlfleet.trainer.v1.TrainerService",
+            "weight-broker": "rlfleet.broker.v1.BrokerService"}
+
+
+def rlfleet(*args, timeout=120):
+    return subprocess.run([RLFLEET, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def platform(tmp_path):
+    run_dir = tmp_path / "run"
+    up = rlfleet("up", "--detach", "--run-dir", str(run_dir), "--run-id", "itest")
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield run_dir, up.stdout
+    rlfleet("down", "--run-dir", str(run_dir))
+
+
+async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform):
+    run_dir, printed = platform
+    state = PlatformState.load(run_dir)
+    assert {p.name for p in state.processes} == {"nats", "redis", *SERVICES}
+    for name in ("nats", "redis", *SERVICES):
+        assert name in printed  # the table of what runs where
+    assert all(row.healthy for row in await probe(state))
+    for name, service in SERVICES.items():
+        assert await check_health(state.by_name(name).address, service), name
+    for name in SERVICES:
+        assert (run_dir / "logs" / f"{name}.log").exists()
+
+    nc = await connect_nats(NatsConfig(url=state.by_name("nats").url), "itest")
+    js = nc.jetstream()
+    await ensure_consumer(js, "POLICY", durable_name("itest", "itest"), "itest")
+    await publish(js, "POLICY", "itest", b"v1", msg_type="PolicyVersion", msg_id="v1")
+    sub = await js.pull_subscribe_bind(durable_name("itest", "itest"), "POLICY")
+    (msg,) = await sub.fetch(1, timeout=5)
+    assert msg.data == b"v1"
+    await msg.ack()
+    await nc.close()
+
+    redis = await connect_redis(RedisConfig(url=state.by_name("redis").url))
+    await redis.set(key("itest", "probe"), b"ok")
+    assert await redis.get(key("itest", "probe")) == b"ok"
+    await redis.aclose()
+
+    status = rlfleet("status", "--run-dir", str(run_dir))
+    assert status.returncode == 0 and status.stdout.count("healthy") == 2 + len(SERVICES)
+
+
+def test_down_stops_every_process_the_launch_started(platform):
+    run_dir, _ = platform
+    records = PlatformState.load(run_dir).processes
+    assert all(is_ours(r) for r in records)
+    down = rlfleet("down", "--run-dir", str(run_dir))
+    assert down.returncode == 0, down.stderr
+    assert "killed" not in down.stdout  # every process stopped on SIGTERM
+    assert not any(is_ours(r) for r in records)
+    assert rlfleet("status", "--run-dir", str(run_dir)).returncode == 1
+
+
+def test_two_launches_side_by_side_do_not_collide(platform, tmp_path):
+    run_dir, _ = platform
+    other = tmp_path / "other"
+    up = rlfleet("up", "--detach", "--run-dir", str(other), "--run-id", "other")
+    try:
+        assert up.returncode == 0, up.stderr
+        first, second = PlatformState.load(run_dir), PlatformState.load(other)
+        assert not {p.address for p in first.processes} & {p.address for p in second.processes}
+        assert asyncio.run(probe(first)) and all(r.healthy for r in asyncio.run(probe(second)))
+    finally:
+        rlfleet("down", "--run-dir", str(other))
+
+
+def test_a_second_launch_into_a_running_run_dir_is_refused(platform):
+    run_dir, _ = platform
+    again = rlfleet("up", "--detach", "--run-dir", str(run_dir))
+    assert again.returncode == 1
+    assert "already has a running platform" in again.stderr
+    assert all(r.healthy for r in asyncio.run(probe(PlatformState.load(run_dir))))
+
+
+def test_foreground_launch_stops_everything_on_ctrl_c(tmp_path):
+    run_dir = tmp_path / "fg"
+    proc = subprocess.Popen([RLFLEET, "up", "--run-dir", str(run_dir)], stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "all healthy" in line:
+            break
+    records = PlatformState.load(run_dir).processes
+    proc.send_signal(2)  # SIGINT, as Ctrl-C
+    assert proc.wait(60) == 0
+    assert not any(is_ours(r) for r in records)
+
+
+def test_bad_launcher_config_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("servces = ['x']\n")
+    result = rlfleet("up", "--config", str(bad))
+    assert result.returncode == 1
+    assert result.stderr.strip() == "rlfleet up: unknown key 'servces'"
+    assert json.loads(json.dumps(result.stderr))  # one line, no traceback
+    assert "Traceback" not in result.stderr
