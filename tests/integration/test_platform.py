@@ -26,8 +26,20 @@ SERVICES = {"sandbox-manager": "rlfleet.sandbox.v1.SandboxService",
             "weight-broker": "rlfleet.broker.v1.BrokerService"}
 
 
+ENGINES = {"engine-0"}  # the default launch starts one CPU engine
+MODEL_CACHE: dict[str, str] = {}
+
+
 def rlfleet(*args, timeout=120):
+    if args[0] == "up":
+        args = (*args, "--model-cache-dir", MODEL_CACHE["dir"])
     return subprocess.run([RLFLEET, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_model_cache(tmp_path_factory):
+    """Every launch here reuses one build of the default model (as runs/.cache does across runs)."""
+    MODEL_CACHE["dir"] = str(tmp_path_factory.mktemp("model-cache"))
 
 
 @pytest.fixture
@@ -42,8 +54,8 @@ def platform(tmp_path):
 async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform):
     run_dir, printed = platform
     state = PlatformState.load(run_dir)
-    assert {p.name for p in state.processes} == {"nats", "redis", *SERVICES}
-    for name in ("nats", "redis", *SERVICES):
+    assert {p.name for p in state.processes} == {"nats", "redis", *ENGINES, *SERVICES}
+    for name in ("nats", "redis", *ENGINES, *SERVICES):
         assert name in printed  # the table of what runs where
     assert all(row.healthy for row in await probe(state))
     for name, service in SERVICES.items():
@@ -67,7 +79,7 @@ async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform
     await redis.aclose()
 
     status = rlfleet("status", "--run-dir", str(run_dir))
-    assert status.returncode == 0 and status.stdout.count("healthy") == 2 + len(SERVICES)
+    assert status.returncode == 0 and status.stdout.count("healthy") == 2 + len(ENGINES) + len(SERVICES)
 
 
 def test_down_stops_every_process_the_launch_started(platform):
@@ -104,7 +116,8 @@ def test_a_second_launch_into_a_running_run_dir_is_refused(platform):
 
 def test_foreground_launch_stops_everything_on_ctrl_c(tmp_path):
     run_dir = tmp_path / "fg"
-    proc = subprocess.Popen([RLFLEET, "up", "--run-dir", str(run_dir)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([RLFLEET, "up", "--run-dir", str(run_dir), "--model-cache-dir", MODEL_CACHE["dir"]],
+                            stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if "all healthy" in line:
             break

@@ -258,12 +258,14 @@ async def test_the_warm_pool_serves_creates_and_refills_in_the_background(driver
         pooled = {p.name for p in d.config.root.iterdir() if p.is_dir()}
         assert len(pooled) == 2
         h = await d.create(SandboxSpec(files={"a": "1"}))
-        assert h.id in pooled  # served from the pool, not made on the request path
+        assert h.id in pooled and h.from_warm_pool  # served from the pool, not made on the request path
         await d.pool.wait_full()
         assert len(d.pool) == 2
         assert (await d.exec(h, ["cat", "a"])).stdout == b"1"
         pooled_dirs = [p for p in d.config.root.iterdir() if p.is_dir()]
         assert len(pooled_dirs) == 3
+    async with driver_factory(pool_size=0) as d:
+        assert not (await d.create()).from_warm_pool
     assert [p.name for p in d.config.root.iterdir()] == [".driver.lock"]  # close() cleans up the pool too
 
 

@@ -37,6 +37,24 @@ async def _ping_line(address: str, expect: bytes, timeout_s: float, greeting: bo
         writer.close()
 
 
+async def _http_ok(address: str, path: str, timeout_s: float) -> bool:
+    """GET `path` answers 200: engines speak SGLang's HTTP API, not gRPC."""
+    host, port = address.rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    except (TimeoutError, OSError):
+        return False
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n".encode())
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), timeout_s)
+        return status.split()[1:2] == [b"200"]
+    except (TimeoutError, OSError):
+        return False
+    finally:
+        writer.close()
+
+
 async def probe_one(record: ProcessRecord, timeout_s: float = 2.0) -> Health:
     from rlfleet.common.grpc_server import check_health
 
@@ -49,6 +67,8 @@ async def probe_one(record: ProcessRecord, timeout_s: float = 2.0) -> Health:
         healthy = await _ping_line(record.address, b"PONG", timeout_s, greeting=True)
     elif record.kind == "redis":
         healthy = await _ping_line(record.address, b"+PONG", timeout_s, greeting=False)
+    elif record.kind == "engine":
+        healthy = await _http_ok(record.address, "/health", timeout_s)
     else:
         healthy = await check_health(record.address, timeout_s=timeout_s)
     return Health(record.name, record.pid, record.address, True, healthy, "" if healthy else "health check failed")

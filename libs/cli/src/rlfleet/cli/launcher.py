@@ -181,21 +181,32 @@ def run_dir_for(config: PlatformConfig) -> Path:
     return Path(config.run_dir or f"runs/{config.run_id}").resolve()
 
 
-def service_args(name: str, config: PlatformConfig, state: PlatformState, run_dir: Path) -> list[str]:
+def service_args(name: str, config: PlatformConfig, state: PlatformState, run_dir: Path,
+                 model: Path | None = None) -> list[str]:
     """Peer addresses and data paths each service gets from the launch."""
     nats_url = state.by_name("nats").url
     redis_url = state.by_name("redis").url
+    engine_records = [r for r in state.processes if r.kind == "engine"]
+    engines = [{"engine_id": r.name, "url": r.url, "pool": "canary" if i < config.canary_engines else "fleet",
+                "kind": "cpu"} for i, r in enumerate(engine_records)]
+    model_args = ["--set", f"tokenizer_path={model}"] if model is not None else []
     peers: dict[str, list[str]] = {
         "sandbox-manager": ["--redis.url", redis_url, "--root", str(run_dir / "sandboxes")],
-        "rollout-gateway": ["--redis.url", redis_url],
-        "trainer": ["--nats.url", nats_url, "--weight-store", str(run_dir / "weights")],
+        # As --set, so that the same keys in `overrides` (which come later) win.
+        "rollout-gateway": ["--redis.url", redis_url, "--set", f"engines={json.dumps(engines)}"],
+        "trainer": ["--nats.url", nats_url, "--weight-store", str(run_dir / "weights"),
+                    *(["--set", f"model_path={model}"] if model is not None else [])],
         "session-server": ["--nats.url", nats_url, "--redis.url", redis_url,
-                           "--gateway-address", _address(state, "rollout-gateway")],
+                           "--gateway-address", _address(state, "rollout-gateway"),
+                           *model_args],
         "weight-broker": ["--nats.url", nats_url, "--redis.url", redis_url,
                           "--gateway-address", _address(state, "rollout-gateway"),
-                          "--weight-store", str(run_dir / "weights")],
+                          "--weight-store", str(run_dir / "weights"),
+                          # Without canary engines there is no gate to wait for: versions go to the fleet.
+                          "--set", f"auto_promote={'false' if config.canary_engines else 'true'}"],
         "verifier": ["--redis.url", redis_url, "--sandbox-address", _address(state, "sandbox-manager"),
-                     "--session-address", _address(state, "session-server")],
+                     "--session-address", _address(state, "session-server"),
+                     "--suites-dir", str(run_dir / "suites"), *model_args],
     }
     args = ["--run-id", config.run_id, "--log.format", config.log_format, *peers[name]]
     for key, value in _flatten(config.overrides.get(name, {})):
@@ -220,6 +231,46 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return items
 
 
+def model_cache(config: PlatformConfig, run_dir: Path) -> Path:
+    root = Path(config.model_cache_dir).resolve() if config.model_cache_dir else run_dir.parent / ".cache"
+    return root / f"model-seed{config.model_seed}"
+
+
+def resolve_model(config: PlatformConfig, run_dir: Path, log: Path, timeout_s: float = 600.0) -> Path:
+    """The model directory: `model_path`, or the default model built once into the cache and reused.
+
+    The build goes to a temporary directory that is renamed into place, so a launch that is stopped
+    halfway, or two launches building at once, never leave a half-written model behind."""
+    if config.model_path:
+        path = Path(config.model_path).resolve()
+        if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
+            raise StartupError(f"model_path {path} is not a model directory (config.json and tokenizer.json)")
+        return path
+    target = model_cache(config, run_dir)
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    building = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(building, ignore_errors=True)
+    cmd = [bin_path("rlfleet-build-model"), "--out", str(building), "--seed", str(config.model_seed)]
+    proc = spawn(cmd, log, env=_service_env())
+    try:
+        code = proc.wait(timeout_s)
+    except BaseException:  # timeout or Ctrl-C: do not leave the builder running
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    if code != 0:
+        shutil.rmtree(building, ignore_errors=True)
+        raise StartupError(f"building the default model failed (exit {code}): {last_line(log)}")
+    try:
+        building.rename(target)
+    except OSError:  # another launch finished the same build first: use theirs
+        shutil.rmtree(building, ignore_errors=True)
+    return target
+
+
 # Services that need another service's address start after it.
 TIERS = (("sandbox-manager", "rollout-gateway", "trainer"), ("session-server", "weight-broker"), ("verifier",))
 SCRIPTS = {
@@ -240,6 +291,7 @@ class Platform:
         self.run_dir = run_dir_for(config)
         self.logs = self.run_dir / "logs"
         self.state = PlatformState(config.run_id, str(self.run_dir), os.getpid())
+        self.model: Path | None = None
 
     def up(self) -> PlatformState:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -247,6 +299,9 @@ class Platform:
         try:
             self._start_nats()
             self._start_redis()
+            if self.config.engines or "session-server" in self.config.services:
+                self.model = resolve_model(self.config, self.run_dir, self.logs / "build-model.log")
+            self._start_engines()
             for tier in TIERS:
                 self._start_services([name for name in tier if name in self.config.services])
         except BaseException:
@@ -331,13 +386,35 @@ class Platform:
             return
         raise StartupError(f"redis-server could not bind a port: {last_line(log)}")
 
+    def _start_engines(self) -> None:
+        """CPU engines, all loading at once, each with its own log and ready file."""
+        started = []
+        for index in range(self.config.engines):
+            name = f"engine-{index}"
+            ready = self.run_dir / "ready" / f"{name}.json"
+            ready.unlink(missing_ok=True)
+            log = self.logs / f"{name}.log"
+            # Version "0": rlfleet's policy versions are integers and the initial weights are version 0.
+            cmd = [bin_path("rlfleet-cpu-engine"), "--model-path", str(self.model), "--engine-id", name,
+                   "--torch-threads", str(self.config.engine_torch_threads), "--weight-version", "0",
+                   "--ready-file", str(ready)]
+            proc = spawn(cmd, log, env=_service_env())
+            self._record(ProcessRecord(name, proc.pid, start_ticks(proc.pid) or 0, cmd, str(log), kind="engine"))
+            started.append((name, proc, ready, log))
+        for name, proc, ready, log in started:
+            info = wait_for(lambda r=ready: _read_json(r), self.config.start_timeout_s, name, proc, log)
+            record = self.state.by_name(name)
+            record.url = info["url"]
+            record.address = f"127.0.0.1:{info['port']}"
+            self.state.save()
+
     def _start_services(self, names: list[str]) -> None:
         started = []
         for name in names:
             ready = self.run_dir / "ready" / f"{name}.json"
             ready.unlink(missing_ok=True)
             log = self.logs / f"{name}.log"
-            cmd = [bin_path(SCRIPTS[name]), *service_args(name, self.config, self.state, self.run_dir),
+            cmd = [bin_path(SCRIPTS[name]), *service_args(name, self.config, self.state, self.run_dir, self.model),
                    "--ready-file", str(ready)]
             proc = spawn(cmd, log, env=_service_env())
             self._record(ProcessRecord(name, proc.pid, start_ticks(proc.pid) or 0, cmd, str(log)))

@@ -1,5 +1,6 @@
 """`rlfleet`: launch, inspect and stop a local platform.
 
+    rlfleet run CONFIG.toml                                the RL loop: warm start, baseline, async RL, report
     rlfleet up [--config FILE] [--run-id ID] [--detach]   start NATS, Redis and every service
     rlfleet status [--run-dir DIR]                         health of what a launch started
     rlfleet down [--run-dir DIR]                           stop exactly what a launch started
@@ -16,7 +17,7 @@ import threading
 from rlfleet.common.config import ConfigError
 from rlfleet.common.errors import StartupError
 
-COMMANDS = ("up", "down", "status")
+COMMANDS = ("run", "up", "down", "status")
 
 
 def _run_dir_arg(argv: list[str], prog: str) -> str:
@@ -36,28 +37,36 @@ def cmd_up(argv: list[str]) -> int:
     config = load_config(PlatformConfig, argv, prog="rlfleet up",
                          description="Start NATS, Redis and every service; --detach to return once healthy.")
     platform = Platform(config)
-    stop = threading.Event()
-    # Until the platform is up, Ctrl-C aborts the start (and `up` cleans up what it started).
     print(f"starting rlfleet in {platform.run_dir} ...", flush=True)
-    state = platform.up()
-    rows = asyncio.run(probe(state))
-    print(table(rows, state), flush=True)
-    if not all(row.healthy for row in rows):
+    state = platform.up()  # on Ctrl-C or failure while starting, it stops what it started
+    try:
+        stop = threading.Event()
+        if not detach:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+        rows = asyncio.run(probe(state))
+        print(table(rows, state), flush=True)
+        if not all(row.healthy for row in rows):
+            print("rlfleet up: not every process is healthy; stopping everything", file=sys.stderr, flush=True)
+            platform.down()
+            return 1
+        if detach:
+            print(f"\nrunning detached; stop with: rlfleet down --run-dir {platform.run_dir}")
+            return 0
+        print("\nall healthy. Ctrl-C stops everything.", flush=True)
+        stop.wait()
+    except BaseException:
         platform.down()
-        print("rlfleet up: not every process is healthy; stopped everything", file=sys.stderr)
-        return 1
-    if detach:
-        print(f"\nrunning detached; stop with: rlfleet down --run-dir {platform.run_dir}")
-        return 0
-    print("\nall healthy. Ctrl-C stops everything.", flush=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        if not any(p.kind == "service" for p in state.processes):
-            break
+        raise
     killed = platform.down()
     print("stopped" + (f" (killed after timeout: {', '.join(killed)})" if killed else ""))
     return 0
+
+
+def cmd_run(argv: list[str]) -> int:
+    from rlfleet.cli.rl_loop import main as run_main
+
+    return run_main(argv)
 
 
 def cmd_down(argv: list[str]) -> int:
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         raise SystemExit(0 if not argv or argv[0] in ("-h", "--help") else 2)
-    command = {"up": cmd_up, "down": cmd_down, "status": cmd_status}[argv[0]]
+    command = {"run": cmd_run, "up": cmd_up, "down": cmd_down, "status": cmd_status}[argv[0]]
     try:
         raise SystemExit(command(argv[1:]))
     except (ConfigError, StartupError) as exc:

@@ -31,5 +31,14 @@ class PlatformConfig(StrictModel):
     log_format: str = Field("json", pattern="^(json|text)$", description="log format of the services")
     nats: NatsServerConfig = Field(default_factory=NatsServerConfig)
     redis: RedisServerConfig = Field(default_factory=RedisServerConfig)
+    engines: int = Field(1, ge=0, le=16, description="CPU engines started before the gateway (0 = none: bring "
+                         "your own fleet through overrides.rollout-gateway.engines)")
+    model_path: str = Field("", description="HF model directory the engines serve and the session server "
+                            "tokenizes with; empty = the default model, built once into the model cache")
+    model_seed: int = Field(0, ge=0, description="seed of the default model (when model_path is empty)")
+    model_cache_dir: str = Field("", description="where the default model is built and reused across runs; "
+                                 "empty = .cache beside the run directory (runs/.cache)")
+    canary_engines: int = Field(0, ge=0, description="how many of the engines form the canary pool (the rest: fleet)")
+    engine_torch_threads: int = Field(1, ge=1, description="torch intra-op threads of each engine")
     overrides: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per-service config overrides, e.g. {\"trainer\": {\"max_staleness\": 2}}")

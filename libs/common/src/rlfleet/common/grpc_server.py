@@ -62,7 +62,9 @@ class GrpcServer:
         self.server = grpc.aio.server(
             interceptors=[aio_server_interceptor(), ErrorInterceptor()],
             # Without SO_REUSEPORT off, a second server on a taken port "binds" and splits traffic.
-            options=[*message_options(config.max_message_bytes), ("grpc.so_reuseport", 0)])
+            # A bounded connection age makes clients re-resolve, so new replicas get traffic.
+            options=[*message_options(config.max_message_bytes), ("grpc.so_reuseport", 0),
+                     ("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 30_000)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = []
@@ -97,8 +99,10 @@ def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Itera
     """A client channel with raised limits and trace propagation."""
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
+    # round_robin over every address a name resolves to (`dns:///session-server:50051`), so scaled
+    # replicas share the load instead of one taking every call.
     options = [*message_options(max_message_bytes), ("grpc.enable_retries", 1),
-               ("grpc.keepalive_time_ms", 30_000)]
+               ("grpc.keepalive_time_ms", 30_000), ("grpc.lb_policy_name", "round_robin")]
     return grpc.aio.insecure_channel(address, options=options,
                                      interceptors=[*aio_client_interceptors(), *interceptors])
 

@@ -33,6 +33,14 @@ class EngineConfig(BaseModel):
         None, description="name reported by /get_model_info; default cpu-engine-<pid>"
     )
     weight_version: str = Field("default", description="weight version reported until the first update")
+    weight_store_root: Path | None = Field(
+        None,
+        description="weight store root that load_format rlfleet_delta/rlfleet_full may read from; a model_path "
+        "outside it is refused (default: any store, the version directory's grandparent)",
+    )
+    weight_store_workers: int = Field(
+        1, ge=1, description="threads that decode and hash weight-store versions (outside the pause)"
+    )
     dist_timeout_s: float = Field(
         300.0, gt=0, description="timeout of torch.distributed weight-update groups"
     )

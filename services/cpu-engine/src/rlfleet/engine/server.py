@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from rlfleet.engine.config import EngineConfig
 from rlfleet.engine.model_runner import ModelRunner, WeightLoadError, read_checkpoint
 from rlfleet.engine.protocol import BadRequest, GenerateItem, Limits, SamplingSpec, parse_generate
 from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
+from rlfleet.engine.store_weights import LOAD_FORMATS, StoreLoadError, StoreWeights
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ class EngineServer:
         self.limits = Limits(runner.vocab_size, context, config.max_total_tokens)
         self._groups: dict[str, Any] = {}
         self._groups_lock = threading.Lock()
+        self.store = StoreWeights(runner, config.weight_store_root, config.weight_store_workers)
+        # One weight update at a time: a store load prepares against the version held at its start.
+        self._weights_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024**2)
@@ -137,6 +142,9 @@ class EngineServer:
                 "tokenizer_path": str(self.runner.model_path),
                 "is_generation": True,
                 "weight_version": self.scheduler.weight_version,
+                # rlfleet extension: the weight-store version whose exact bytes are served, if any.
+                "weight_store_version": self.store.held_version,
+                "weight_store_path": self.store.held_path,
                 "engine_id": self.engine_id,
                 "engine_kind": "rlfleet-cpu",
                 "vocab_size": self.runner.vocab_size,
@@ -189,14 +197,80 @@ class EngineServer:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             return _error("update_weights_from_disk needs 'model_path'")
-        if body.get("load_format") not in (None, "auto", "safetensors"):
-            return _error(f"load_format {body['load_format']!r} is not supported; use safetensors")
+        load_format = body.get("load_format")
+        if load_format in LOAD_FORMATS:
+            return await self._load_from_store(body, path, load_format)
+        if load_format not in (None, "auto", "safetensors"):
+            formats = ", ".join(("safetensors", *LOAD_FORMATS))
+            return _error(f"load_format {load_format!r} is not supported; use one of {formats}")
         version = _optional_str(body, "weight_version")
-        try:
-            named = await asyncio.to_thread(read_checkpoint, Path(path))
-        except (WeightLoadError, OSError, ValueError) as exc:
-            return _weight_reply(False, f"Failed to read {path}: {exc}")
-        return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
+        async with self._weights_lock:
+            try:
+                named = await asyncio.to_thread(read_checkpoint, Path(path))
+            except (WeightLoadError, OSError, ValueError) as exc:
+                return _weight_reply(False, f"Failed to read {path}: {exc}")
+            return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
+
+    async def _load_from_store(self, body: dict[str, Any], path: str, load_format: str) -> web.Response:
+        """rlfleet_delta / rlfleet_full: prepare while serving, then pause only for the swap.
+
+        The pause mode is the request's `pause_mode` (abort | retract | in_place; default retract,
+        abort when `abort_all_requests`). An engine that is already paused (by the gateway, around a
+        full reload) stays paused: the caller resumes it.
+        """
+        mode = "abort" if body.get("abort_all_requests") else body.get("pause_mode", "retract")
+        if mode not in PAUSE_MODES:
+            return _error(f"unknown pause_mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        async with self._weights_lock:
+            try:
+                ref = self.store.locate(path)
+                if load_format == "rlfleet_delta":
+                    prepared = await asyncio.to_thread(self.store.prepare_delta, ref)
+                    install, finish = self.store.swap_delta, self.store.finish_delta
+                    stats = {
+                        "base_version": prepared.decoded.base_version,
+                        "fetch_s": prepared.fetch_s,
+                        "preverify_s": prepared.preverify_s,
+                        "stage_s": prepared.stage_s,
+                        "bytes": prepared.payload_bytes,
+                        "changed_fraction": prepared.changed_fraction,
+                    }
+                else:
+                    prepared = await asyncio.to_thread(self.store.prepare_full, ref)
+                    install, finish = self.store.install_full, None
+                    stats = {"load_s": prepared.load_s, "bytes": prepared.bytes_read}
+            except StoreLoadError as exc:
+                return _weight_reply(False, f"Failed to load {path} ({load_format}): {exc}")
+            version = _optional_str(body, "weight_version") or str(ref.version)
+
+            def swap() -> tuple[int, float]:
+                own_pause = self.scheduler.paused is None
+                started = time.perf_counter()
+                queued = len(self.scheduler.running) + len(self.scheduler.waiting)
+                if own_pause:
+                    self.scheduler.pause(mode)
+                try:
+                    install(prepared)
+                    self.scheduler.weight_version = version
+                finally:
+                    if own_pause:
+                        self.scheduler.resume()
+                return queued, time.perf_counter() - started
+
+            paused_requests, pause_s = await self._call(swap)
+            if finish is not None:
+                await asyncio.to_thread(finish, prepared)
+        return _weight_reply(
+            True,
+            f"Succeeded to update model weights to store version {ref.version} ({load_format}).",
+            weight_version=version,
+            store_version=ref.version,
+            load_format=load_format,
+            pause_mode=mode,
+            pause_s=pause_s,
+            num_paused_requests=paused_requests,
+            **stats,
+        )
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -245,14 +319,15 @@ class EngineServer:
             return _weight_reply(
                 False, f"no weight update group named {name!r}; call init_weights_update_group"
             )
-        try:
-            # The sender is already broadcasting: receive everything even if a name turns out to be
-            # wrong, so the two sides stay in step; the load below then refuses the whole update.
-            named = await asyncio.to_thread(distributed.receive, group, names, dtypes, shapes)
-        except Exception as exc:
-            return _weight_reply(False, f"Failed to receive weights over {name!r}: {exc}")
-        version = _optional_str(body, "weight_version")
-        return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
+        async with self._weights_lock:
+            try:
+                # The sender is already broadcasting: receive everything even if a name turns out to be
+                # wrong, so the two sides stay in step; the load below then refuses the whole update.
+                named = await asyncio.to_thread(distributed.receive, group, names, dtypes, shapes)
+            except Exception as exc:
+                return _weight_reply(False, f"Failed to receive weights over {name!r}: {exc}")
+            version = _optional_str(body, "weight_version")
+            return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         name = str((await _body(request)).get("group_name", "weight_update_group"))
@@ -283,8 +358,16 @@ class EngineServer:
         paused = await self._call(
             lambda: len(self.scheduler.running) + len(self.scheduler.waiting) if self.scheduler.paused else 0
         )
-        success, message = await self._call(lambda: self.scheduler.update_weights(named, version, abort_all))
-        return _weight_reply(success, message, num_paused_requests=paused)
+
+        def swap() -> tuple[bool, str, float]:
+            started = time.perf_counter()
+            success, message = self.scheduler.update_weights(named, version, abort_all)
+            if success:
+                self.store.forget()  # no longer the exact bytes of a weight-store version
+            return success, message, time.perf_counter() - started
+
+        success, message, swap_s = await self._call(swap)
+        return _weight_reply(success, message, num_paused_requests=paused, pause_s=swap_s)
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self.scheduler.call(fn))

@@ -164,3 +164,68 @@ def generate_in_process(runner, ids: list[int], **sampling):
     while not outputs:
         scheduler.step()
     return outputs[0]
+
+
+class StoreTrainer:
+    """A trainer stand-in for weight-sync tests: a copy of a model directory's weights in fp32 that
+    takes AdamW steps on random tokens and publishes each version to a `DirectoryWeightStore`.
+
+    `served(v)` is what the trainer published as version v (its bf16 bytes), the reference an
+    engine's weights must equal bit for bit.
+    """
+
+    def __init__(self, model_path: Path, store, lr: float = 1e-4, seed: int = 0) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.store = store
+        self.version = 0
+        self.published: dict[int, object] = {}
+
+    def step(self, tokens: int = 32) -> None:
+        import torch
+
+        ids = torch.randint(0, self.model.config.vocab_size, (2, tokens))
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def publish(self, kind: str | None = None) -> dict:
+        """Writes the current weights as the next version; returns the store's manifest."""
+        from rlfleet.weights import to_served
+
+        self.version += 1
+        manifest = self.store.write_version(self.version, self.model.state_dict(), kind=kind)
+        self.published[self.version] = to_served(self.model.state_dict())
+        return manifest
+
+    def served(self, version: int):
+        return self.published[version]
+
+
+async def read_engine_weights(url: str, names) -> dict:
+    """Every row of each named parameter, read back through `/get_weights_by_name` (fp32 values)."""
+    import torch
+
+    weights = {}
+    for name in names:
+        status, values = await http_call(url, "/get_weights_by_name", {"name": name, "truncate_size": 1 << 30})
+        if status != 200:
+            raise AssertionError(f"get_weights_by_name {name}: {status} {values}")
+        weights[name] = torch.tensor(values, dtype=torch.float32)
+    return weights
+
+
+async def assert_engine_serves(url: str, served) -> None:
+    """The engine's fp32 weights are exactly `served` (a `ServedTensors`, e.g. bf16 bytes) upcast."""
+    import torch
+
+    got = await read_engine_weights(url, list(served))
+    for name in served:
+        want = torch.from_numpy(served.to_float32(name).reshape(served[name].shape))
+        if not torch.equal(got[name], want):
+            diff = (got[name] != want).sum().item()
+            raise AssertionError(f"{name}: {diff} values differ from the trainer's")

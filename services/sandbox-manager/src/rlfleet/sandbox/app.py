@@ -1,23 +1,68 @@
-"""The sandbox-manager service process."""
+"""The sandbox-manager service process: Redis, the bubblewrap driver, leases, the gRPC servicer."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 from rlfleet.api.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
+from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import GrpcServer
-from rlfleet.common.service import PeersApp, placeholder_servicer
+from rlfleet.common.service import PeersApp
+from rlfleet.sandbox.bubblewrap import BubblewrapConfig, BubblewrapDriver
 from rlfleet.sandbox.config import SandboxManagerConfig
+from rlfleet.sandbox.errors import SandboxDriverUnavailable
+from rlfleet.sandbox.leases import LeaseStore, Owner
+from rlfleet.sandbox.manager import ReadLimits, SandboxManager
+from rlfleet.sandbox.policy import RequestPolicy
+from rlfleet.sandbox.servicer import SandboxServicer
 
 SERVICE_NAME = sandbox_pb2.DESCRIPTOR.services_by_name["SandboxService"].full_name
+log = logging.getLogger(__name__)
 
 
 class SandboxManagerApp(PeersApp):
     uses_nats = False
     uses_redis = True
+    config: SandboxManagerConfig
+
+    def __init__(self, config: SandboxManagerConfig, name: str) -> None:
+        super().__init__(config, name)
+        self.manager: SandboxManager | None = None
 
     async def start(self, server: GrpcServer) -> None:
         await self.connect()
-        servicer = placeholder_servicer(sandbox_pb2_grpc.SandboxServiceServicer, SERVICE_NAME, "issue #4: environments")
-        server.add(sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, servicer, SERVICE_NAME)
+        self.manager = build_manager(self.config, self.redis)
+        try:
+            recovery = await self.manager.start()
+        except SandboxDriverUnavailable as exc:
+            self.manager = None
+            raise StartupError(f"sandbox driver unavailable: {exc}") from None
+        log.info("sandbox manager ready", extra={
+            "instance": self.manager.leases.owner.instance_id, "root": self.config.root,
+            "predecessor_leases_removed": len(recovery.predecessor_leases),
+            "dead_owner_leases_removed": len(recovery.dead_owner_leases)})
+        server.add(sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, SandboxServicer(self.manager), SERVICE_NAME)
+
+    async def stop(self) -> None:
+        try:
+            if self.manager is not None:
+                await self.manager.close()
+        finally:
+            await super().stop()
+
+
+def build_manager(config: SandboxManagerConfig, redis) -> SandboxManager:
+    driver = BubblewrapDriver(BubblewrapConfig(
+        root=Path(config.root), pool_size=config.warm_pool_size, uid_base=config.uid_base,
+        max_sandboxes=config.max_sandboxes, cgroups=config.cgroups, max_read_bytes=config.max_read_bytes,
+        reap_interval_s=config.reap_interval_s))
+    leases = LeaseStore(redis, config.run_id, Owner.this_process(config.root),
+                        grace_s=config.lease_grace_s, heartbeat_s=config.heartbeat_s)
+    policy = RequestPolicy(config.default_limits.as_limits(), config.max_limits.as_limits(),
+                           config.default_ttl_s, config.max_ttl_s, config.allow_network)
+    return SandboxManager(driver, leases, policy, ReadLimits(config.max_read_bytes, config.default_read_bytes_per_file),
+                          reap_interval_s=config.reap_interval_s, pool_size=lambda: len(driver.pool))
 
 
 def build(config: SandboxManagerConfig) -> SandboxManagerApp:

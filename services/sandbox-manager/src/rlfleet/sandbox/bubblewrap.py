@@ -218,7 +218,8 @@ class BubblewrapDriver:
         if not isinstance(spec, SandboxSpec):
             raise InvalidSandboxRequest("spec must be a SandboxSpec", field="spec")
         files = _encode_files(spec.files, spec.limits, self.config.max_write_bytes)
-        slot = self._pool.take() or prepare_slot(self.config.root, self._uids, self._cgroups)
+        pooled = self._pool.take()
+        slot = pooled or prepare_slot(self.config.root, self._uids, self._cgroups)
         try:
             if slot.cgroup is not None:
                 # + bwrap's monitor and tini, which live in the exec's cgroup too.
@@ -230,7 +231,7 @@ class BubblewrapDriver:
             await asyncio.to_thread(remove_slot, slot, self._uids)
             raise
         now = time.time()
-        handle = SandboxHandle(slot.id, spec, now, now + spec.ttl_seconds)
+        handle = SandboxHandle(slot.id, spec, now, now + spec.ttl_seconds, from_warm_pool=pooled is not None)
         self._sandboxes[slot.id] = _Live(handle, slot)
         return handle
 

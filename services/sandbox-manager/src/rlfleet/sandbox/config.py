@@ -2,14 +2,73 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
 
-from rlfleet.common.config import RedisConfig, ServiceConfig
+from pydantic import Field, model_validator
+
+from rlfleet.common.config import RedisConfig, ServiceConfig, StrictModel
+from rlfleet.sandbox.errors import InvalidSandboxRequest
+from rlfleet.sandbox.limits import GiB, Limits, MiB
+
+
+class LimitsConfig(StrictModel):
+    """Per-exec resource limits (see rlfleet.sandbox.limits.LIMIT_RANGES for the platform's hard ranges)."""
+
+    cpu_seconds: float = Field(10.0, description="CPU seconds per process (RLIMIT_CPU)")
+    memory_bytes: int = Field(512 * MiB, description="resident memory of the sandbox")
+    wall_seconds: float = Field(30.0, description="wall-clock seconds per exec")
+    max_processes: int = Field(64, description="processes and threads at once")
+    max_file_bytes: int = Field(64 * MiB, description="size of any one file written")
+    max_output_bytes: int = Field(1 * MiB, description="stdout and stderr kept per exec, each")
+
+    @model_validator(mode="after")
+    def _in_platform_ranges(self) -> LimitsConfig:
+        try:
+            self.as_limits()
+        except InvalidSandboxRequest as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def as_limits(self) -> Limits:
+        return Limits(**self.model_dump())
+
+
+def _max_limits() -> LimitsConfig:
+    return LimitsConfig(cpu_seconds=600, memory_bytes=4 * GiB, wall_seconds=600, max_processes=512,
+                        max_file_bytes=1 * GiB, max_output_bytes=16 * MiB)
 
 
 class SandboxManagerConfig(ServiceConfig):
     """Sandbox manager: a fresh isolated sandbox per episode."""
 
     redis: RedisConfig = Field(default_factory=RedisConfig)
-    root: str = Field("/var/lib/rlfleet/sandboxes", description="directory holding sandbox workspaces")
+    root: str = Field("/var/lib/rlfleet/sandboxes", description="directory holding sandbox workspaces (one driver each)")
     warm_pool_size: int = Field(4, ge=0, description="sandboxes kept ready for a fast create")
+    max_sandboxes: int = Field(256, ge=1, le=65536,
+                               description="sandbox slots (one uid each), warm pool included; beyond: RESOURCE_EXHAUSTED")
+    uid_base: int = Field(200_000, ge=1000, description="sandboxes run as uids uid_base .. uid_base+max_sandboxes-1")
+    cgroups: Literal["auto", "off", "require"] = Field(
+        "auto", description="memory/pids cgroups: auto (use when the host allows), off, or require")
+    default_limits: LimitsConfig = Field(default_factory=LimitsConfig,
+                                         description="limits for fields a create request leaves at 0")
+    max_limits: LimitsConfig = Field(default_factory=_max_limits,
+                                     description="largest limits a create request may ask for")
+    default_ttl_s: float = Field(3600.0, gt=0, description="sandbox lifetime when a request gives none")
+    max_ttl_s: float = Field(24 * 3600.0, gt=0, le=7 * 24 * 3600, description="longest lifetime a request may ask for")
+    allow_network: bool = Field(False, description="let create requests turn networking on (off: INVALID_ARGUMENT)")
+    max_read_bytes: int = Field(32 * MiB, ge=1, description="bytes one ReadFiles call may return in total")
+    default_read_bytes_per_file: int = Field(8 * MiB, ge=1, description="per-file read cap when a request gives none")
+    reap_interval_s: float = Field(2.0, gt=0, description="how often expired sandboxes are destroyed")
+    heartbeat_s: float = Field(5.0, gt=0, description="how often this manager refreshes its liveness key")
+    lease_grace_s: float = Field(60.0, ge=0, description="Redis keeps a lease this long past its sandbox's expiry")
+
+    @model_validator(mode="after")
+    def _defaults_within_maxima(self) -> SandboxManagerConfig:
+        for name, default in self.default_limits.model_dump().items():
+            if default > getattr(self.max_limits, name):
+                raise ValueError(f"default_limits.{name}={default} is above max_limits.{name}")
+        if self.default_ttl_s > self.max_ttl_s:
+            raise ValueError("default_ttl_s is above max_ttl_s")
+        if self.default_read_bytes_per_file > self.max_read_bytes:
+            raise ValueError("default_read_bytes_per_file is above max_read_bytes")
+        return self

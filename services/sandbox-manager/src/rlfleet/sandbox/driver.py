@@ -133,6 +133,7 @@ class SandboxHandle:
     spec: SandboxSpec
     created_at: float
     expires_at: float
+    from_warm_pool: bool = False
 
     @property
     def labels(self) -> Mapping[str, str]:

@@ -1,12 +1,30 @@
-"""The trainer service process."""
+"""The trainer service process: gRPC status/control in front, the training loop behind.
+
+The server answers health and status at once; the model loads and the loop runs in the
+background (GetStatus says `starting` meanwhile). Without a model_path the trainer only serves
+health and status (`no_model`), so `rlfleet up` without a model still comes up healthy. An
+unexpected error in the loop ends the process with status 1 after logging it: a supervisor
+restarts it and it resumes from its last checkpoint, which is exactly what the ack discipline
+makes safe.
+"""
 
 from __future__ import annotations
 
-from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from rlfleet.common.grpc_server import GrpcServer
-from rlfleet.common.service import PeersApp, placeholder_servicer
-from rlfleet.trainer.service_config import TrainerConfig
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
 
+from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from rlfleet.common.config import require
+from rlfleet.common.errors import StartupError
+from rlfleet.common.grpc_server import GrpcServer
+from rlfleet.common.service import PeersApp
+from rlfleet.trainer.service_config import TrainerConfig
+from rlfleet.trainer.servicer import NO_MODEL, TrainerServicer
+
+log = logging.getLogger(__name__)
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 
 
@@ -14,10 +32,59 @@ class TrainerApp(PeersApp):
     uses_nats = True
     uses_redis = False
 
+    def __init__(self, config: TrainerConfig, name: str) -> None:
+        super().__init__(config, name)
+        self.config: TrainerConfig = config
+        self.loop = None
+        self.task: asyncio.Task | None = None
+        self.worker = None
+
     async def start(self, server: GrpcServer) -> None:
         await self.connect()
-        servicer = placeholder_servicer(trainer_pb2_grpc.TrainerServiceServicer, SERVICE_NAME, "issue #5: trainer")
-        server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, SERVICE_NAME)
+        if self.config.has_model:
+            await self._start_training()
+        else:
+            log.warning(NO_MODEL)
+        server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(self.config, self.loop),
+                   SERVICE_NAME)
+
+    async def _start_training(self) -> None:
+        cfg = self.config
+        if not (Path(cfg.model_path) / "config.json").is_file():
+            raise StartupError(f"model_path {cfg.model_path} is not an HF model directory (no config.json)")
+        require(cfg.weight_store, "weight_store")
+        from rlfleet.trainer.consumer import TrajectoryConsumer
+        from rlfleet.trainer.learner import Worker
+        from rlfleet.trainer.loop import TrainerLoop
+        from rlfleet.weights import DirectoryWeightStore, WeightStoreConfig
+
+        store = DirectoryWeightStore(cfg.weight_store, cfg.run_id, WeightStoreConfig(
+            served_dtype=cfg.weights.served_dtype, full_every=cfg.weights.full_every,
+            encoding=cfg.weights.encoding, base_dir=Path(cfg.model_path)))
+        consumer = TrajectoryConsumer(self.js, cfg.run_id, cfg.consumer_name(), cfg.consumer)
+        await consumer.start()
+        self.worker = Worker()
+        self.loop = TrainerLoop(cfg, consumer, store, self.js, self.worker)
+        self.task = asyncio.create_task(self.loop.run())
+        self.task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.critical("training loop failed; exiting so that a supervisor restarts the trainer from its last "
+                     "checkpoint", exc_info=task.exception())
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    async def stop(self) -> None:
+        if self.loop is not None and self.task is not None:
+            await self.loop.shutdown(self.task)
+            await self.loop.consumer.stop()
+            await self.worker.call(self.loop.learner.close)
+            self.worker.shutdown()
+        await super().stop()
 
 
 def build(config: TrainerConfig) -> TrainerApp:

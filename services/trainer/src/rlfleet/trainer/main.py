@@ -1,9 +1,19 @@
-"""Console script `rlfleet-trainer`: parses config first, imports the service after (instant --help)."""
+"""Console script `rlfleet-trainer`: parses config first, imports the service after (instant --help).
+
+Under torchrun, rank 0 runs the service and the other ranks follow it (learner.follow).
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+from rlfleet.common.config import ConfigError, load_config
 from rlfleet.common.service import run_service
 from rlfleet.trainer.service_config import TrainerConfig
+
+NAME = "rlfleet-trainer"
 
 
 def build_app(config: TrainerConfig):
@@ -12,8 +22,35 @@ def build_app(config: TrainerConfig):
     return build(config)
 
 
+def is_follower() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
+
+
+def follow() -> None:
+    """A rank >= 1: trains what rank 0 sends until rank 0 closes (or dies, which fails the collective)."""
+    try:
+        config = load_config(TrainerConfig, prog=NAME)
+    except ConfigError as exc:
+        print(f"{NAME}: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from rlfleet.common.logs import setup_logging
+
+    setup_logging(f"{NAME}-rank{os.environ['RANK']}", config.log.level, config.log.format)
+    if not config.has_model:
+        return  # rank 0 only serves status; nothing to follow
+    # torchrun forwards SIGTERM to every rank; rank 0 still needs this one for its last checkpoint.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    from rlfleet.trainer.learner import follow as follow_rank0
+
+    follow_rank0(config)
+
+
 def main() -> None:
-    run_service("rlfleet-trainer", TrainerConfig, build_app)
+    if is_follower():
+        follow()
+    else:
+        run_service(NAME, TrainerConfig, build_app)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,119 @@
-"""Configuration of the trainer service."""
+"""Configuration of the trainer service (importable without torch: `--help` stays instant).
+
+The learning core's own models (`LossConfig`, `BatchConfig`, `OptimConfig`) are nested as they are,
+so `--loss.algorithm gspo` or `[optim] lr = 1e-6` in TOML reach the core unchanged.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Literal
 
-from rlfleet.common.config import NatsConfig, ServiceConfig
+from pydantic import Field, model_validator
+
+from rlfleet.common.config import NatsConfig, ServiceConfig, StrictModel
+from rlfleet.trainer.config import BatchConfig, LossConfig, OptimConfig
+
+
+class GroupFilterConfig(StrictModel):
+    """Which groups are not worth a step, and what happens to a group that never completes."""
+
+    min_samples: int = Field(2, ge=1, description="a group with fewer trainable samples than this is dropped "
+                             "(too_few_samples): a group-relative advantage needs company")
+    drop_all_equal_rewards: bool = Field(True, description="drop a group whose rewards are all equal "
+                                         "(all_equal_rewards): its GRPO/GSPO advantages are all zero (not applied with PPO)")
+    timeout_s: float = Field(600.0, gt=0, description="a group still incomplete this long after its first "
+                             "sample arrived is closed: see on_timeout")
+    on_timeout: Literal["train", "drop"] = Field(
+        "train", description="train: a timed-out group is trained with the samples that arrived (if at least "
+        "min_samples; late members are then dropped as late_for_group); drop: it is dropped (group_timeout)")
+
+
+class CheckpointConfig(StrictModel):
+    dir: str = Field("", description="checkpoint directory; empty = <weight_store>/../checkpoints/<run_id>")
+    every: int = Field(1, ge=1, description="checkpoint every N optimizer steps; trajectories are acked only "
+                       "once a checkpoint that includes their training is durable")
+    keep: int = Field(2, ge=1, description="checkpoints kept on disk (oldest removed first)")
+    on_stop: bool = Field(True, description="write a checkpoint on SIGTERM when steps are not yet in one")
+
+
+class WeightsConfig(StrictModel):
+    """How each policy version is written to the weight store."""
+
+    served_dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="dtype the engines serve")
+    full_every: int = Field(10, ge=1, description="a full checkpoint every K versions, deltas in between")
+    encoding: Literal["xor", "overwrite", "auto"] = Field("xor", description="delta encoding (see rlfleet.weights)")
+
+
+class ConsumerConfig(StrictModel):
+    """The durable JetStream pull consumer on the run's TRAJECTORIES subject."""
+
+    name: str = Field("", pattern=r"^[A-Za-z0-9_-]{0,64}$",
+                      description="durable consumer name; empty = trainer-<run_id>")
+    ack_wait_s: float = Field(60.0, gt=0, description="redelivery after this long without an ack; held "
+                              "messages are kept alive with in-progress acks every ack_wait_s / 3, so this "
+                              "is also how long a restarted trainer waits for its predecessor's messages")
+    max_ack_pending: int = Field(4096, ge=1, description="unacked messages the server lets this consumer hold; "
+                                 "must cover the samples of checkpoint.every + 2 steps, prefetched groups and "
+                                 "incomplete groups")
+    fetch_batch: int = Field(64, ge=1, description="messages asked for per pull")
+    fetch_timeout_s: float = Field(1.0, gt=0, description="longest a pull waits for messages")
+
+
+class BackendOptions(StrictModel):
+    """Options of the torch backend (the model itself comes from model_path)."""
+
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu or cuda")
+    bf16: bool = Field(False, description="bf16 autocast for forward/backward (weights stay fp32)")
+    seed: int = Field(0, description="seed of everything random in the trainer")
+    recompute_old_logprobs: bool = Field(True, description="recompute the trainer's log-probs of each batch "
+                                         "before the update (the proximal policy of the clipped ratio)")
 
 
 class TrainerConfig(ServiceConfig):
-    """Trainer: consumes trajectory groups, steps the policy, publishes versions."""
+    """Trainer: consumes trajectory groups, steps the policy, checkpoints, publishes versions."""
 
     nats: NatsConfig = Field(default_factory=NatsConfig)
-    model_path: str = Field("", description="HF-format directory of the starting policy")
+    model_path: str = Field("", description="HF-format directory of the starting policy; empty = the trainer "
+                            "serves health and status but does not train")
     weight_store: str = Field("", description="weight store root (directory)")
-    max_staleness: int = Field(4, ge=0, description="drop trajectories older than this many versions")
+    max_staleness: int = Field(4, ge=0, description="drop trajectories whose oldest generated span is more "
+                               "than this many versions behind the trainer (stale)")
+    group_size: int = Field(8, ge=1, description="samples per group (G) when a trajectory does not say "
+                            "(its own `group_size` field wins when set)")
+    groups_per_step: int = Field(4, ge=1, description="complete groups per optimizer step")
+    prefetch_groups: int = Field(0, ge=0, description="complete groups held ready beyond the next step's; "
+                                 "consuming pauses above it (holding more only makes them staler)")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
+    group_filter: GroupFilterConfig = Field(default_factory=GroupFilterConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    backend: BackendOptions = Field(default_factory=BackendOptions)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    consumer: ConsumerConfig = Field(default_factory=ConsumerConfig)
+
+    @model_validator(mode="after")
+    def _consumer_can_hold_what_is_not_yet_checkpointed(self) -> TrainerConfig:
+        # Unacked at once: the steps since the last checkpoint and the one in progress, the groups
+        # ready for the next step (and prefetched), and incomplete groups besides.
+        held = self.group_size * (self.groups_per_step * (self.checkpoint.every + 2) + self.prefetch_groups)
+        if self.consumer.max_ack_pending < held:
+            raise ValueError(f"consumer.max_ack_pending ({self.consumer.max_ack_pending}) must be at least "
+                             f"group_size * (groups_per_step * (checkpoint.every + 2) + prefetch_groups) = {held}: "
+                             "trajectories stay unacked until the checkpoint that includes them")
+        return self
+
+    @property
+    def has_model(self) -> bool:
+        return bool(self.model_path)
+
+    def consumer_name(self) -> str:
+        return self.consumer.name or f"trainer-{self.run_id}"
+
+    def checkpoint_dir(self) -> Path:
+        if self.checkpoint.dir:
+            return Path(self.checkpoint.dir)
+        return Path(self.weight_store).resolve().parent / "checkpoints" / self.run_id

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +64,156 @@ def write_tiny_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path
+
+
+def write_tiny_model(out_dir: str | Path, vocab_size: int = 320, seed: int = 0, **config: Any) -> Path:
+    """A random tiny Qwen2 as an HF directory (config.json, model.safetensors, tokenizer.json): a
+    `model_path` for the trainer service in tests and benchmarks."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    params = tiny_qwen2_config(vocab_size=vocab_size, **config)
+    hf_config = transformers.AutoConfig.for_model(params.pop("model_type"), **params)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    model.save_pretrained(out)
+    corpus = [f"<|im_start|>user\nwhat is {a} * {a + 3}?<|im_end|>\n<|im_start|>assistant\n<calc>{a}*{a + 3}</calc>"
+              for a in range(200)]
+    write_tiny_tokenizer(out, corpus, vocab_size=min(vocab_size, 300))
+    return out
+
+
+def trajectory_protos(num_groups: int, group_size: int, run_id: str, vocab_size: int = 320, seed: int = 0,
+                      policy_version: int = 0, lengths: tuple[int, int] = (6, 12), prefix: str = "") -> list:
+    """`Trajectory` protos shaped like make_samples' (prompt, generated, observation, generated),
+    with spans, verdicts and status: what the session server publishes on TRAJECTORIES."""
+    from rlfleet.api.common.v1 import common_pb2
+
+    out = []
+    for s in make_samples(num_groups, group_size, lengths=lengths, vocab_size=vocab_size, seed=seed):
+        k = int(s.trajectory_id.rsplit("-", 1)[1])
+        traj = common_pb2.Trajectory(
+            schema_version=common_pb2.SCHEMA_VERSION_1, trajectory_id=f"{prefix}{run_id}-{s.trajectory_id}",
+            run_id=run_id, task_id=f"task-{s.group_id}", group_id=f"{prefix}{run_id}-{s.group_id}",
+            sample_index=k, group_size=group_size, token_ids=s.token_ids, rollout_logprobs=s.rollout_logprobs,
+            loss_mask=s.loss_mask, status=common_pb2.TRAJECTORY_STATUS_COMPLETED,
+            verdict=common_pb2.Verdict(schema_version=1, reward=s.reward, passed=s.reward > 0))
+        traj.spans.extend(_spans(s.loss_mask, policy_version))
+        out.append(traj)
+    return out
+
+
+def _spans(mask: list[int], policy_version: int) -> list:
+    """Spans tiling the sequence: PROMPT first, then GENERATED runs (mask 1) and OBSERVATION runs (mask 0)."""
+    from rlfleet.api.common.v1 import common_pb2
+
+    spans, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            if mask[start]:
+                kind, version = common_pb2.SPAN_KIND_GENERATED, policy_version
+            else:
+                kind = common_pb2.SPAN_KIND_PROMPT if start == 0 else common_pb2.SPAN_KIND_OBSERVATION
+                version = -1
+            spans.append(common_pb2.Span(kind=kind, start=start, end=i, policy_version=version))
+            start = i
+    return spans
+
+
+async def publish_trajectories(js: Any, run_id: str, trajectories: list) -> None:
+    """Publishes `Trajectory` protos on the run's TRAJECTORIES subject, as the session server does."""
+    from rlfleet.common.streams import publish
+
+    for traj in trajectories:
+        await publish(js, "TRAJECTORIES", run_id, traj.SerializeToString(), msg_type="Trajectory",
+                      msg_id=traj.trajectory_id)
+
+
+class TrainerProcess:
+    """The `rlfleet-trainer` console script as a subprocess (integration tests, benchmarks); stopped by PID."""
+
+    def __init__(self, workdir: str | Path, nats_url: str, run_id: str, model_path: str | Path | None,
+                 *args: str, name: str = "trainer", nproc: int = 1) -> None:
+        self.workdir = Path(workdir)
+        self.name = name
+        self.nproc = nproc  # > 1: under `torchrun --standalone`, rank 0 serving
+        self.ready_file = self.workdir / f"{name}.ready.json"
+        self.log_file = self.workdir / f"{name}.log"
+        self.args = ["--nats.url", nats_url, "--run-id", run_id, "--ready-file", str(self.ready_file),
+                     "--torch-threads", "1", "--log.format", "text", *args]
+        if model_path is not None:
+            self.args += ["--model-path", str(model_path), "--weight-store", str(self.workdir / "weights")]
+        self.proc = None
+        self.info: dict[str, Any] = {}
+
+    def start(self, timeout_s: float = 60.0) -> TrainerProcess:
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ready_file.unlink(missing_ok=True)
+        script = Path(sys.executable).with_name("rlfleet-trainer")
+        launcher = [str(script.with_name("torchrun")), "--standalone", f"--nproc-per-node={self.nproc}",
+                    "--no-python"] if self.nproc > 1 else []
+        with open(self.log_file, "a") as log:
+            self.proc = subprocess.Popen([*launcher, str(script), *self.args], stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not start:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+        self.info = json.loads(self.ready_file.read_text())
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.info["grpc_address"]
+
+    def call(self, method: str, timeout_s: float = 30.0):
+        import grpc
+
+        from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+
+        request = getattr(trainer_pb2, f"{method}Request", None) or trainer_pb2.GetStatusRequest
+        with grpc.insecure_channel(self.address) as channel:
+            return getattr(trainer_pb2_grpc.TrainerServiceStub(channel), method)(request(), timeout=timeout_s)
+
+    def status(self):
+        return self.call("GetStatus")
+
+    def wait_for(self, predicate, timeout_s: float = 60.0, what: str = "condition"):
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            status = self.status()
+            if predicate(status):
+                return status
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: no {what} after {timeout_s}s; last status:\n{status}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup at all, as a crash."""
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL after timeout_s; returns the exit status."""
+
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_file.read_text() if self.log_file.exists() else ""

@@ -2,9 +2,56 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
 
-from rlfleet.common.config import NatsConfig, RedisConfig, ServiceConfig
+from pydantic import Field, model_validator
+
+from rlfleet.common.config import NatsConfig, RedisConfig, ServiceConfig, StrictModel
+
+TransportName = Literal["disk_delta", "disk_full", "distributed"]
+PoolName = Literal["canary", "fleet"]
+PauseModeName = Literal["abort", "retract", "in_place"]
+
+
+class StaticEngine(StrictModel):
+    engine_id: str = Field(min_length=1, description="the engine's name in the broker's status")
+    url: str = Field(min_length=1, description="base URL of its SGLang-compatible HTTP API")
+    pool: PoolName = Field("fleet", description="canary (gets new versions first) or fleet")
+
+
+class SyncConfig(StrictModel):
+    """When and how versions go to engines."""
+
+    transport: TransportName = Field(
+        "disk_delta",
+        description="disk_delta (fetch + decode a store delta before a pause that covers only the swap; "
+        "full load when no delta applies), disk_full (always a full load), distributed (the trainer "
+        "broadcasts over torch.distributed; engines that miss a broadcast catch up from the store)",
+    )
+    every_n_versions: int = Field(
+        1, ge=1, description="sync a version when it is at least this many versions past the last synced one"
+    )
+    max_lag_s: float = Field(
+        0.0,
+        ge=0,
+        description="sync the newest waiting version once a version has waited this long, even when "
+        "every_n_versions says to wait; 0 = off",
+    )
+    max_delta_chain: int = Field(
+        4,
+        ge=1,
+        description="an engine at most this many store versions behind catches up delta by delta; further "
+        "behind (or on an unknown version) it gets one full load",
+    )
+    pause_mode: PauseModeName = Field(
+        "retract", description="how engines pause around a swap: abort | retract | in_place (SGLang's modes)"
+    )
+    update_timeout_s: float = Field(600.0, gt=0, description="longest one engine weight update may take")
+    drain_stale_engines: bool = Field(
+        True,
+        description="have the gateway mark an engine DRAINING while it catches up from weights that are no "
+        "version of this run (a new or restarted engine), and HEALTHY once it serves its target",
+    )
 
 
 class WeightBrokerConfig(ServiceConfig):
@@ -12,5 +59,33 @@ class WeightBrokerConfig(ServiceConfig):
 
     nats: NatsConfig = Field(default_factory=NatsConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
-    gateway_address: str = Field("", description="host:port of the rollout gateway")
-    weight_store: str = Field("", description="weight store root (directory)")
+    gateway_address: str = Field(
+        "", description="host:port of the rollout gateway (engines come from its ListEngines); empty = use engines"
+    )
+    weight_store: str = Field("", description="weight store root (directory shared with the trainer and engines)")
+    engines: list[StaticEngine] = Field(
+        default_factory=list,
+        description="static engine list, used when no gateway_address is set "
+        '(e.g. [{"engine_id": "e0", "url": "http://10.0.0.5:30000", "pool": "canary"}])',
+    )
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    auto_promote: bool = Field(
+        False,
+        description="promote a version to the fleet as soon as the canary pool serves it (no promotion gate); "
+        "with no canary engines, at once",
+    )
+    reconcile_interval_s: float = Field(
+        2.0, gt=0, description="how often every engine's weight version is compared with its pool's target"
+    )
+    consume_policy_stream: bool = Field(
+        True, description="take version announcements from the POLICY stream (PublishVersion works either way)"
+    )
+
+    @model_validator(mode="after")
+    def _one_engine_source(self) -> WeightBrokerConfig:
+        if self.gateway_address and self.engines:
+            raise ValueError("set either gateway_address (engines from the gateway) or engines, not both")
+        ids = [e.engine_id for e in self.engines]
+        if len(ids) != len(set(ids)):
+            raise ValueError("engine_id values in engines must be unique")
+        return self

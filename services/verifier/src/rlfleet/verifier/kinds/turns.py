@@ -14,6 +14,7 @@ verifier does not take a client's word for them:
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from rlfleet.common.chat import TOOL_CALL_RE
@@ -69,6 +70,16 @@ def read_turns(episode: Episode, tools: list[str], max_turns: int) -> TurnReadin
                     _invalid(f"the {name} tool reported an error", turn, name, record.observation)
                 )
     return reading
+
+
+def offered_call(text: str, tools: Collection[str]) -> tuple[str, str] | None:
+    """``(tool, args)`` when the turn's first tag is a well-formed call of an offered tool: the turns
+    whose calls a worker runs (those within ``max_turns``) and that get an observation back."""
+    tag = _ANY_TAG_RE.search(text)
+    if tag is None or tag.group(1) or tag.group(2) == "answer" or tag.group(2) not in tools:
+        return None
+    call = TOOL_CALL_RE.match(text, tag.start())
+    return None if call is None else (call["tool"], call["args"])
 
 
 def _invalid(message: str, turn: int, tool: str, text: str) -> Reason:

@@ -25,39 +25,45 @@ _sym_db = _symbol_database.Default()
 from rlfleet.api.common.v1 import common_pb2 as rlfleet_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erlfleet/broker/v1/broker.proto\x12\x11rlfleet.broker.v1\x1a\x1erlfleet/common/v1/common.proto\"\xcf\x01\n\rVersionRecord\x12\x31\n\x07version\x18\x01 \x01(\x0b\x32 .rlfleet.common.v1.PolicyVersion\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x19\n\x11\x61nnounced_unix_ms\x18\x04 \x01(\x03\x12\x16\n\x0e\x63\x61nary_unix_ms\x18\x05 \x01(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_unix_ms\x18\x06 \x01(\x03\"H\n\x16PublishVersionResponse\x12.\n\x05state\x18\x01 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\"\x12\n\x10GetStatusRequest\"\xcb\x01\n\rEngineVersion\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0clast_pause_s\x18\x05 \x01(\x01\x12\x12\n\nlast_bytes\x18\x06 \x01(\x04\x12\x34\n\x0elast_transport\x18\x07 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\x12\x12\n\nlast_error\x18\x08 \x01(\t\"\xcc\x01\n\x0c\x42rokerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61nary_version\x18\x03 \x01(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x04 \x01(\x03\x12\x31\n\x07\x65ngines\x18\x05 \x03(\x0b\x32 .rlfleet.broker.v1.EngineVersion\x12/\n\ttransport\x18\x06 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\"$\n\x13ListVersionsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"J\n\x14ListVersionsResponse\x12\x32\n\x08versions\x18\x01 \x03(\x0b\x32 .rlfleet.broker.v1.VersionRecord\"1\n\x0ePromoteRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\x0fPromoteResponse\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x01 \x01(\x03\"5\n\x0fRollbackRequest\x12\x12\n\nto_version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\x10RollbackResponse\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x01 \x01(\x03*t\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSPORT_DISK_FULL\x10\x01\x12\x18\n\x14TRANSPORT_DISK_DELTA\x10\x02\x12\x19\n\x15TRANSPORT_DISTRIBUTED\x10\x03*\xd6\x01\n\x0cVersionState\x12\x1d\n\x19VERSION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17VERSION_STATE_ANNOUNCED\x10\x01\x12\x19\n\x15VERSION_STATE_SKIPPED\x10\x02\x12\x18\n\x14VERSION_STATE_CANARY\x10\x03\x12\x1a\n\x16VERSION_STATE_ACCEPTED\x10\x04\x12\x1a\n\x16VERSION_STATE_REJECTED\x10\x05\x12\x1d\n\x19VERSION_STATE_ROLLED_BACK\x10\x06\x32\xc9\x03\n\rBrokerService\x12]\n\x0ePublishVersion\x12 .rlfleet.common.v1.PolicyVersion\x1a).rlfleet.broker.v1.PublishVersionResponse\x12Q\n\tGetStatus\x12#.rlfleet.broker.v1.GetStatusRequest\x1a\x1f.rlfleet.broker.v1.BrokerStatus\x12_\n\x0cListVersions\x12&.rlfleet.broker.v1.ListVersionsRequest\x1a\'.rlfleet.broker.v1.ListVersionsResponse\x12P\n\x07Promote\x12!.rlfleet.broker.v1.PromoteRequest\x1a\".rlfleet.broker.v1.PromoteResponse\x12S\n\x08Rollback\x12\".rlfleet.broker.v1.RollbackRequest\x1a#.rlfleet.broker.v1.RollbackResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erlfleet/broker/v1/broker.proto\x12\x11rlfleet.broker.v1\x1a\x1erlfleet/common/v1/common.proto\"\x88\x02\n\rVersionRecord\x12\x31\n\x07version\x18\x01 \x01(\x0b\x32 .rlfleet.common.v1.PolicyVersion\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x19\n\x11\x61nnounced_unix_ms\x18\x04 \x01(\x03\x12\x16\n\x0e\x63\x61nary_unix_ms\x18\x05 \x01(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_unix_ms\x18\x06 \x01(\x03\x12\x1d\n\x15\x66leet_serving_unix_ms\x18\x07 \x01(\x03\x12\x18\n\x10rejected_unix_ms\x18\x08 \x01(\x03\"H\n\x16PublishVersionResponse\x12.\n\x05state\x18\x01 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\"\x12\n\x10GetStatusRequest\"\x94\x02\n\rEngineVersion\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0clast_pause_s\x18\x05 \x01(\x01\x12\x12\n\nlast_bytes\x18\x06 \x01(\x04\x12\x34\n\x0elast_transport\x18\x07 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\x12\x12\n\nlast_error\x18\x08 \x01(\t\x12\x0b\n\x03url\x18\t \x01(\t\x12\x16\n\x0etarget_version\x18\n \x01(\x03\x12\x0f\n\x07updates\x18\x0b \x01(\x04\x12\x11\n\tfallbacks\x18\x0c \x01(\x04\"\xf9\x01\n\x0c\x42rokerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61nary_version\x18\x03 \x01(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x04 \x01(\x03\x12\x31\n\x07\x65ngines\x18\x05 \x03(\x0b\x32 .rlfleet.broker.v1.EngineVersion\x12/\n\ttransport\x18\x06 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\x12\x14\n\x0c\x61uto_promote\x18\x07 \x01(\x08\x12\x15\n\rfleet_version\x18\x08 \x01(\x03\"$\n\x13ListVersionsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"J\n\x14ListVersionsResponse\x12\x32\n\x08versions\x18\x01 \x03(\x0b\x32 .rlfleet.broker.v1.VersionRecord\"1\n\x0ePromoteRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\x0fPromoteResponse\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x01 \x01(\x03\"5\n\x0fRollbackRequest\x12\x12\n\nto_version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\x10RollbackResponse\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x01 \x01(\x03\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xbe\x01\n\x1bStartDistributedSyncRequest\x12\x31\n\x07version\x18\x01 \x01(\x0b\x32 .rlfleet.common.v1.PolicyVersion\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12.\n\x07tensors\x18\x05 \x03(\x0b\x32\x1d.rlfleet.broker.v1.TensorSpec\"\x8a\x01\n\x1cStartDistributedSyncResponse\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nengine_ids\x18\x03 \x03(\t\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState*t\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSPORT_DISK_FULL\x10\x01\x12\x18\n\x14TRANSPORT_DISK_DELTA\x10\x02\x12\x19\n\x15TRANSPORT_DISTRIBUTED\x10\x03*\xd6\x01\n\x0cVersionState\x12\x1d\n\x19VERSION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17VERSION_STATE_ANNOUNCED\x10\x01\x12\x19\n\x15VERSION_STATE_SKIPPED\x10\x02\x12\x18\n\x14VERSION_STATE_CANARY\x10\x03\x12\x1a\n\x16VERSION_STATE_ACCEPTED\x10\x04\x12\x1a\n\x16VERSION_STATE_REJECTED\x10\x05\x12\x1d\n\x19VERSION_STATE_ROLLED_BACK\x10\x06\x32\xc2\x04\n\rBrokerService\x12]\n\x0ePublishVersion\x12 .rlfleet.common.v1.PolicyVersion\x1a).rlfleet.broker.v1.PublishVersionResponse\x12Q\n\tGetStatus\x12#.rlfleet.broker.v1.GetStatusRequest\x1a\x1f.rlfleet.broker.v1.BrokerStatus\x12_\n\x0cListVersions\x12&.rlfleet.broker.v1.ListVersionsRequest\x1a\'.rlfleet.broker.v1.ListVersionsResponse\x12P\n\x07Promote\x12!.rlfleet.broker.v1.PromoteRequest\x1a\".rlfleet.broker.v1.PromoteResponse\x12S\n\x08Rollback\x12\".rlfleet.broker.v1.RollbackRequest\x1a#.rlfleet.broker.v1.RollbackResponse\x12w\n\x14StartDistributedSync\x12..rlfleet.broker.v1.StartDistributedSyncRequest\x1a/.rlfleet.broker.v1.StartDistributedSyncResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.broker.v1.broker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=1113
-  _globals['_TRANSPORT']._serialized_end=1229
-  _globals['_VERSIONSTATE']._serialized_start=1232
-  _globals['_VERSIONSTATE']._serialized_end=1446
+  _globals['_TRANSPORT']._serialized_start=1680
+  _globals['_TRANSPORT']._serialized_end=1796
+  _globals['_VERSIONSTATE']._serialized_start=1799
+  _globals['_VERSIONSTATE']._serialized_end=2013
   _globals['_VERSIONRECORD']._serialized_start=86
-  _globals['_VERSIONRECORD']._serialized_end=293
-  _globals['_PUBLISHVERSIONRESPONSE']._serialized_start=295
-  _globals['_PUBLISHVERSIONRESPONSE']._serialized_end=367
-  _globals['_GETSTATUSREQUEST']._serialized_start=369
-  _globals['_GETSTATUSREQUEST']._serialized_end=387
-  _globals['_ENGINEVERSION']._serialized_start=390
-  _globals['_ENGINEVERSION']._serialized_end=593
-  _globals['_BROKERSTATUS']._serialized_start=596
-  _globals['_BROKERSTATUS']._serialized_end=800
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=802
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=838
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=840
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=914
-  _globals['_PROMOTEREQUEST']._serialized_start=916
-  _globals['_PROMOTEREQUEST']._serialized_end=965
-  _globals['_PROMOTERESPONSE']._serialized_start=967
-  _globals['_PROMOTERESPONSE']._serialized_end=1010
-  _globals['_ROLLBACKREQUEST']._serialized_start=1012
-  _globals['_ROLLBACKREQUEST']._serialized_end=1065
-  _globals['_ROLLBACKRESPONSE']._serialized_start=1067
-  _globals['_ROLLBACKRESPONSE']._serialized_end=1111
-  _globals['_BROKERSERVICE']._serialized_start=1449
-  _globals['_BROKERSERVICE']._serialized_end=1906
+  _globals['_VERSIONRECORD']._serialized_end=350
+  _globals['_PUBLISHVERSIONRESPONSE']._serialized_start=352
+  _globals['_PUBLISHVERSIONRESPONSE']._serialized_end=424
+  _globals['_GETSTATUSREQUEST']._serialized_start=426
+  _globals['_GETSTATUSREQUEST']._serialized_end=444
+  _globals['_ENGINEVERSION']._serialized_start=447
+  _globals['_ENGINEVERSION']._serialized_end=723
+  _globals['_BROKERSTATUS']._serialized_start=726
+  _globals['_BROKERSTATUS']._serialized_end=975
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=977
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=1013
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1015
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1089
+  _globals['_PROMOTEREQUEST']._serialized_start=1091
+  _globals['_PROMOTEREQUEST']._serialized_end=1140
+  _globals['_PROMOTERESPONSE']._serialized_start=1142
+  _globals['_PROMOTERESPONSE']._serialized_end=1185
+  _globals['_ROLLBACKREQUEST']._serialized_start=1187
+  _globals['_ROLLBACKREQUEST']._serialized_end=1240
+  _globals['_ROLLBACKRESPONSE']._serialized_start=1242
+  _globals['_ROLLBACKRESPONSE']._serialized_end=1286
+  _globals['_TENSORSPEC']._serialized_start=1288
+  _globals['_TENSORSPEC']._serialized_end=1344
+  _globals['_STARTDISTRIBUTEDSYNCREQUEST']._serialized_start=1347
+  _globals['_STARTDISTRIBUTEDSYNCREQUEST']._serialized_end=1537
+  _globals['_STARTDISTRIBUTEDSYNCRESPONSE']._serialized_start=1540
+  _globals['_STARTDISTRIBUTEDSYNCRESPONSE']._serialized_end=1678
+  _globals['_BROKERSERVICE']._serialized_start=2016
+  _globals['_BROKERSERVICE']._serialized_end=2594
 # @@protoc_insertion_point(module_scope)

@@ -37,20 +37,24 @@ VERSION_STATE_REJECTED: VersionState
 VERSION_STATE_ROLLED_BACK: VersionState
 
 class VersionRecord(_message.Message):
-    __slots__ = ("version", "state", "reason", "announced_unix_ms", "canary_unix_ms", "accepted_unix_ms")
+    __slots__ = ("version", "state", "reason", "announced_unix_ms", "canary_unix_ms", "accepted_unix_ms", "fleet_serving_unix_ms", "rejected_unix_ms")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ANNOUNCED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CANARY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_SERVING_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     version: _common_pb2.PolicyVersion
     state: VersionState
     reason: str
     announced_unix_ms: int
     canary_unix_ms: int
     accepted_unix_ms: int
-    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., state: _Optional[_Union[VersionState, str]] = ..., reason: _Optional[str] = ..., announced_unix_ms: _Optional[int] = ..., canary_unix_ms: _Optional[int] = ..., accepted_unix_ms: _Optional[int] = ...) -> None: ...
+    fleet_serving_unix_ms: int
+    rejected_unix_ms: int
+    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., state: _Optional[_Union[VersionState, str]] = ..., reason: _Optional[str] = ..., announced_unix_ms: _Optional[int] = ..., canary_unix_ms: _Optional[int] = ..., accepted_unix_ms: _Optional[int] = ..., fleet_serving_unix_ms: _Optional[int] = ..., rejected_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PublishVersionResponse(_message.Message):
     __slots__ = ("state",)
@@ -63,7 +67,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineVersion(_message.Message):
-    __slots__ = ("engine_id", "pool", "policy_version", "state", "last_pause_s", "last_bytes", "last_transport", "last_error")
+    __slots__ = ("engine_id", "pool", "policy_version", "state", "last_pause_s", "last_bytes", "last_transport", "last_error", "url", "target_version", "updates", "fallbacks")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +76,10 @@ class EngineVersion(_message.Message):
     LAST_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool: str
     policy_version: int
@@ -80,23 +88,31 @@ class EngineVersion(_message.Message):
     last_bytes: int
     last_transport: Transport
     last_error: str
-    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., last_pause_s: _Optional[float] = ..., last_bytes: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ...) -> None: ...
+    url: str
+    target_version: int
+    updates: int
+    fallbacks: int
+    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., last_pause_s: _Optional[float] = ..., last_bytes: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ..., url: _Optional[str] = ..., target_version: _Optional[int] = ..., updates: _Optional[int] = ..., fallbacks: _Optional[int] = ...) -> None: ...
 
 class BrokerStatus(_message.Message):
-    __slots__ = ("run_id", "latest_version", "canary_version", "accepted_version", "engines", "transport")
+    __slots__ = ("run_id", "latest_version", "canary_version", "accepted_version", "engines", "transport", "auto_promote", "fleet_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    AUTO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    FLEET_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     latest_version: int
     canary_version: int
     accepted_version: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineVersion]
     transport: Transport
-    def __init__(self, run_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., canary_version: _Optional[int] = ..., accepted_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineVersion, _Mapping]]] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+    auto_promote: bool
+    fleet_version: int
+    def __init__(self, run_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., canary_version: _Optional[int] = ..., accepted_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineVersion, _Mapping]]] = ..., transport: _Optional[_Union[Transport, str]] = ..., auto_promote: _Optional[bool] = ..., fleet_version: _Optional[int] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ("limit",)
@@ -137,3 +153,39 @@ class RollbackResponse(_message.Message):
     ACCEPTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     accepted_version: int
     def __init__(self, accepted_version: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StartDistributedSyncRequest(_message.Message):
+    __slots__ = ("version", "master_address", "master_port", "backend", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: _common_pb2.PolicyVersion
+    master_address: str
+    master_port: int
+    backend: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class StartDistributedSyncResponse(_message.Message):
+    __slots__ = ("group_name", "world_size", "engine_ids", "state")
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    world_size: int
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    state: VersionState
+    def __init__(self, group_name: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[VersionState, str]] = ...) -> None: ...

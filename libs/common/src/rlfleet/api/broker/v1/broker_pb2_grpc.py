@@ -60,6 +60,11 @@ class BrokerServiceStub:
                 request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.RollbackResponse.FromString,
                 _registered_method=True)
+        self.StartDistributedSync = channel.unary_unary(
+                '/rlfleet.broker.v1.BrokerService/StartDistributedSync',
+                request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServiceServicer:
@@ -98,6 +103,16 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartDistributedSync(self, request, context):
+        """The distributed transport: the sender (trainer rank 0) asks which engines to broadcast a version
+        to; the broker has those engines join a torch.distributed group with the sender at
+        master_address:master_port and receive the tensors (SGLang's init_weights_update_group +
+        update_weights_from_distributed). See rlfleet.broker.distributed_sender.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +140,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.RollbackRequest.FromString,
                     response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.RollbackResponse.SerializeToString,
+            ),
+            'StartDistributedSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartDistributedSync,
+                    request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncRequest.FromString,
+                    response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +282,33 @@ class BrokerService:
             '/rlfleet.broker.v1.BrokerService/Rollback',
             rlfleet_dot_broker_dot_v1_dot_broker__pb2.RollbackRequest.SerializeToString,
             rlfleet_dot_broker_dot_v1_dot_broker__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartDistributedSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.broker.v1.BrokerService/StartDistributedSync',
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncRequest.SerializeToString,
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,18 +51,20 @@ PAUSE_MODE_RETRACT: PauseMode
 PAUSE_MODE_IN_PLACE: PauseMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "input_ids", "sampling", "return_logprob", "request_id")
+    __slots__ = ("session_id", "input_ids", "sampling", "return_logprob", "request_id", "engine_pool")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_POOL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     return_logprob: bool
     request_id: str
-    def __init__(self, session_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    engine_pool: EnginePool
+    def __init__(self, session_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., request_id: _Optional[str] = ..., engine_pool: _Optional[_Union[EnginePool, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("output_ids", "output_logprobs", "finish_reason", "policy_version", "engine_id", "prompt_tokens", "cached_tokens", "latency_s", "text", "rerouted", "reroute_reason")
@@ -201,6 +203,18 @@ class ResumeEnginesResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[EngineResult]
     def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class UpdateEngineStateRequest(_message.Message):
+    __slots__ = ("engine_id", "state", "reason", "policy_version")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    state: EngineState
+    reason: str
+    policy_version: int
+    def __init__(self, engine_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., reason: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("session_id", "run_id")

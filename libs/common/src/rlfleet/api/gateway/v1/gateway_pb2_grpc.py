@@ -64,6 +64,11 @@ class GatewayServiceStub:
                 request_serializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.ResumeEnginesRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.ResumeEnginesResponse.FromString,
                 _registered_method=True)
+        self.UpdateEngineState = channel.unary_unary(
+                '/rlfleet.gateway.v1.GatewayService/UpdateEngineState',
+                request_serializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.UpdateEngineStateRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.Engine.FromString,
+                _registered_method=True)
         self.Admit = channel.unary_unary(
                 '/rlfleet.gateway.v1.GatewayService/Admit',
                 request_serializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.AdmitRequest.SerializeToString,
@@ -126,6 +131,15 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateEngineState(self, request, context):
+        """Sets an engine's routing state: DRAINING (takes no new sessions, e.g. while the weight broker
+        brings it to the accepted version) or HEALTHY (takes traffic again). Used by the weight broker
+        to un-drain an engine registered with `start_draining` once it serves the accepted version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Admit(self, request, context):
         """Admission control: a session asks before it starts and releases its slot when it ends.
         """
@@ -184,6 +198,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.ResumeEngines,
                     request_deserializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.ResumeEnginesRequest.FromString,
                     response_serializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.ResumeEnginesResponse.SerializeToString,
+            ),
+            'UpdateEngineState': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateEngineState,
+                    request_deserializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.UpdateEngineStateRequest.FromString,
+                    response_serializer=rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.Engine.SerializeToString,
             ),
             'Admit': grpc.unary_unary_rpc_method_handler(
                     servicer.Admit,
@@ -368,6 +387,33 @@ class GatewayService:
             '/rlfleet.gateway.v1.GatewayService/ResumeEngines',
             rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.ResumeEnginesRequest.SerializeToString,
             rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.ResumeEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateEngineState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.gateway.v1.GatewayService/UpdateEngineState',
+            rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.UpdateEngineStateRequest.SerializeToString,
+            rlfleet_dot_gateway_dot_v1_dot_gateway__pb2.Engine.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,213 @@
+"""What the service path costs: engine tokens/s straight to the engine vs through session server + gateway.
+
+    .venv/bin/python bench/service_path.py [--concurrency 1 8 32] [--new-tokens 64] [--turns 4]
+                                           [--episodes 2] [--repeats 2] [--threads 1] [--model DIR]
+
+Starts NATS, Redis, a CPU engine on the default model (built into a temp dir unless --model is
+given), a gateway and a session server, all on free loopback ports. At concurrency C, C workers
+each run `--episodes` multi-turn episodes back to back: a chat prompt, then `--turns` times
+"generate --new-tokens tokens (ignore_eos), append an 8-token observation".
+
+- direct: the worker keeps the token list itself and calls the engine's /generate with it.
+- service: OpenSession, Generate / AppendObservation through the session server (which calls the
+  gateway, which calls the engine), CloseSession (the trajectory is published on JetStream).
+
+Both paths send the engine the same requests (same prompt lengths, same new tokens). Printed per
+concurrency: generated tokens/s of each path and their ratio; the per-turn latency the service
+path adds (a Generate call's wall time minus its engine round trip as the gateway measured it,
+plus the AppendObservation call), p50 and p99; and the median turn latency of both paths. Each
+level runs `--repeats` times, alternating which path goes first, and the median is reported. On a
+shared machine the ratio moves with other load: read it with the per-turn figures, which do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.api.session.v1 import session_pb2 as pb
+from rlfleet.api.session.v1 import session_pb2_grpc
+from rlfleet.common.chat import render_messages
+from rlfleet.common.engine_client import EngineClient, EngineTimeouts
+from rlfleet.common.grpc_server import channel
+
+OBSERVATION = [1, 40, 41, 42, 43, 44, 45, 2]  # an 8-token tool result
+
+
+@dataclass
+class LevelResult:
+    generated: int = 0
+    elapsed: float = 0.0
+    turn_latencies: list[float] = field(default_factory=list)
+    added: list[float] = field(default_factory=list)  # service path only
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.elapsed
+
+
+def sampling(args, seed: int) -> dict:
+    return {"max_new_tokens": args.new_tokens, "ignore_eos": True, "sampling_seed": seed}
+
+
+async def direct_level(url: str, prompts: list[list[int]], concurrency: int, args) -> LevelResult:
+    result = LevelResult()
+    async with EngineClient(url, timeouts=EngineTimeouts(generate_s=3600)) as client:
+
+        async def worker(index: int) -> None:
+            for episode in range(args.episodes):
+                ids = list(prompts[(index + episode) % len(prompts)])
+                for turn in range(args.turns):
+                    started = time.perf_counter()
+                    reply = await client.generate(ids, sampling(args, index * 1000 + episode * 10 + turn))
+                    result.turn_latencies.append(time.perf_counter() - started)
+                    ids += reply.output_ids + OBSERVATION
+                    result.generated += len(reply.output_ids)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        result.elapsed = time.perf_counter() - started
+    return result
+
+
+async def service_level(address: str, prompts: list[list[int]], concurrency: int, args) -> LevelResult:
+    result = LevelResult()
+    async with channel(address) as ch:
+        sessions = session_pb2_grpc.SessionServiceStub(ch)
+
+        async def worker(index: int) -> None:
+            for episode in range(args.episodes):
+                opened = await sessions.OpenSession(pb.OpenSessionRequest(
+                    prompt_token_ids=common_pb2.TokenIds(ids=prompts[(index + episode) % len(prompts)]),
+                    max_total_tokens=0))
+                walls, appends = [], []
+                for turn in range(args.turns):
+                    params = sampling(args, index * 1000 + episode * 10 + turn)
+                    request = pb.GenerateRequest(session_id=opened.session_id, sampling=common_pb2.SamplingParams(
+                        max_new_tokens=params["max_new_tokens"], ignore_eos=True, seed=params["sampling_seed"]))
+                    started = time.perf_counter()
+                    reply = await sessions.Generate(request)
+                    walls.append(time.perf_counter() - started)
+                    result.generated += len(reply.token_ids)
+                    started = time.perf_counter()
+                    await sessions.AppendObservation(pb.AppendObservationRequest(
+                        session_id=opened.session_id, token_ids=common_pb2.TokenIds(ids=OBSERVATION)))
+                    appends.append(time.perf_counter() - started)
+                closed = await sessions.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id,
+                                                                            return_trajectory=True))
+                engine_round_trips = [s.latency_s for s in closed.trajectory.spans
+                                      if s.kind == common_pb2.SPAN_KIND_GENERATED]
+                for wall, append, engine in zip(walls, appends, engine_round_trips, strict=True):
+                    result.turn_latencies.append(wall)
+                    result.added.append(wall - engine + append)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        result.elapsed = time.perf_counter() - started
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def bench(engine_url: str, session_address: str, tokenizer_path: Path, args) -> dict[int, tuple]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    questions = [f"What is {a}*({a + 3}+{a % 7})?" for a in range(1, 41)]
+    prompts = [tokenizer.encode(render_messages([{"role": "user", "content": q}], add_generation_prompt=True),
+                                add_special_tokens=False).ids for q in questions]
+    warm = argparse.Namespace(**{**vars(args), "turns": 1, "episodes": 1, "new_tokens": 8})
+    await direct_level(engine_url, prompts, 4, warm)
+    await service_level(session_address, prompts, 4, warm)
+    results = {}
+    for concurrency in args.concurrency:
+        direct_runs, service_runs = [], []
+        for repeat in range(args.repeats):
+            # Alternate which path goes first, so that drift in the machine's load favours neither.
+            if repeat % 2 == 0:
+                direct_runs.append(await direct_level(engine_url, prompts, concurrency, args))
+            service_runs.append(await service_level(session_address, prompts, concurrency, args))
+            if repeat % 2 == 1:
+                direct_runs.append(await direct_level(engine_url, prompts, concurrency, args))
+        direct = statistics.median(r.tokens_per_s for r in direct_runs)
+        service = statistics.median(r.tokens_per_s for r in service_runs)
+        added = [a for r in service_runs for a in r.added]
+        direct_turn = statistics.median(t for r in direct_runs for t in r.turn_latencies)
+        service_turn = statistics.median(t for r in service_runs for t in r.turn_latencies)
+        results[concurrency] = (direct, service, percentile(added, 0.5), percentile(added, 0.99))
+        print(f"concurrency {concurrency:>3}: direct {direct:8.1f} tok/s   service {service:8.1f} tok/s   "
+              f"ratio {service / direct:5.1%}   added per turn p50 {percentile(added, 0.5) * 1000:6.1f} ms "
+              f"p99 {percentile(added, 0.99) * 1000:6.1f} ms   turn p50 direct {direct_turn * 1000:6.0f} ms "
+              f"service {service_turn * 1000:6.0f} ms", flush=True)
+    return results
+
+
+def build_default_model(out: Path) -> None:
+    from rlfleet.engine.build_model import ModelSpec, build, load_corpus
+
+    build(out, load_corpus(None, seed=0), seed=0, spec=ModelSpec())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per turn")
+    parser.add_argument("--turns", type=int, default=4, help="generate + observation turns per episode")
+    parser.add_argument("--episodes", type=int, default=2, help="episodes per worker, back to back")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per level and path (median reported)")
+    parser.add_argument("--threads", type=int, default=1, help="engine torch threads")
+    parser.add_argument("--model", type=Path, default=None, help="model directory (default: build the default)")
+    args = parser.parse_args()
+
+    from rlfleet.common.testing import _stop as stop_server
+    from rlfleet.common.testing import start_nats, start_redis
+    from rlfleet.engine.testing import EngineProcess
+    from rlfleet.session.testing import ServiceProcess, gateway_args, session_server_args
+
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
+        work = Path(tmp)
+        model = args.model
+        if model is None:
+            model = work / "model"
+            build_default_model(model)
+        config = json.loads((model / "config.json").read_text())
+        print(f"model: qwen2 hidden {config['hidden_size']} x {config['num_hidden_layers']} layers, vocab "
+              f"{config['vocab_size']}; engine torch threads {args.threads}; {args.turns} turns x {args.new_tokens} "
+              f"new tokens per episode, {args.episodes} episodes per worker", flush=True)
+        nats_url, nats = start_nats(work / "nats")
+        redis_url, redis = start_redis(work / "redis")
+        processes = []
+        try:
+            engine = EngineProcess(model, work / "engine", torch_threads=args.threads, max_running_requests=64,
+                                   weight_version="0", engine_id="e0").start()
+            processes.append(engine)
+            gateway = ServiceProcess("rlfleet-gateway", work, *gateway_args(
+                redis_url, "bench", [("e0", engine.url)])).start()
+            processes.append(gateway)
+            session = ServiceProcess("rlfleet-session-server", work, *session_server_args(
+                nats_url, redis_url, "bench", gateway.address, str(model),
+                max_open_sessions=1024, max_total_tokens=config["max_position_embeddings"])).start()
+            processes.append(session)
+            results = asyncio.run(bench(engine.url, session.address, model / "tokenizer.json", args))
+        finally:
+            for process in reversed(processes):
+                process.stop()
+            stop_server(redis)
+            stop_server(nats)
+    if 32 in results:
+        direct, service, _p50, _p99 = results[32]
+        print(f"service path at concurrency 32: {service / direct:.1%} of the engine's throughput (aim >= 90%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Weight-sync bench: what one update ships and how long the engine stops generating, per transport.
+
+For each model (the default ~3M-parameter CPU-engine policy, and a ~100M config) and learning rate
+(1e-6, 1e-5, 1e-4), a trainer in this process (the model in fp32, AdamW on random tokens) publishes
+every step to a weight store (`DirectoryWeightStore`, deltas against the previously served bf16
+bytes), and one CPU engine process takes each version three ways, through the weight broker's own
+transports (`rlfleet.broker.transports`):
+
+  delta  `update_weights_from_disk` with load_format rlfleet_delta: fetch + decode + preverify while
+         serving, then pause (retract) only for the in-place swap. Pause: the engine's `pause_s`.
+  dist   `update_weights_from_distributed`, this process broadcasting bf16 tensors as rank 0 over
+         gloo; the receive overlaps generation, the engine pauses for the swap (its `pause_s`).
+  full   pause_generation -> update_weights_from_disk rlfleet_full of a full checkpoint of the
+         same weights (read, every checksum verified, copied into the model) ->
+         continue_generation, timed around the whole thing as the broker's full-reload path does
+         it (page cache warm: the checkpoint was just written).
+  rebuilt  the same, for the delta version itself (the broker's fallback when a delta is refused:
+         the nearest full checkpoint plus every delta after it, rebuilt and verified).
+
+Per update it prints the full checkpoint size, the delta payload (and its share of the full), the
+share of bf16 values that changed, and the three pauses; then a summary against the aims.
+
+    .venv/bin/python bench/weight_sync.py            # default model x 3 steps per lr, 100M x 1 step per lr
+    .venv/bin/python bench/weight_sync.py --quick    # default model x 2 steps per lr
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+LRS = (1e-6, 1e-5, 1e-4)
+MODELS = {
+    "default": {},  # rlfleet.engine.build_model.ModelSpec defaults (~3M parameters)
+    "100M": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4),
+}
+
+
+@dataclass
+class Row:
+    model: str
+    params_m: float
+    lr: float
+    version: int
+    full_mb: float
+    delta_kb: float
+    delta_pct: float  # of the full checkpoint
+    changed_pct: float  # of bf16 values
+    delta_prepare_ms: float  # fetch + decode + preverify, while serving
+    delta_pause_ms: float
+    dist_pause_ms: float
+    dist_total_ms: float  # the broadcast, while serving, plus the swap
+    full_pause_ms: float
+    rebuilt_pause_ms: float  # full load of the delta version (chain rebuilt from the store)
+    full_over_delta: float  # full pause / delta pause
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build(name: str, out: Path) -> Path:
+    from rlfleet.engine.build_model import ModelSpec
+    from rlfleet.engine.build_model import build as build_model
+    from rlfleet.engine.testing import calc_dialogues
+
+    return build_model(out, calc_dialogues(300), 0, ModelSpec(**MODELS[name]))
+
+
+class Trainer:
+    """Publishes each version twice: into a run of deltas, and as a full checkpoint into a second run."""
+
+    def __init__(self, model_dir: Path, store, full_store, lr: float) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.store = store
+        self.full_store = full_store
+        self.version = 0
+
+    def step(self) -> None:
+        import torch
+
+        ids = torch.randint(0, self.model.config.vocab_size, (2, 64))
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def publish(self) -> dict:
+        manifest = self.store.write_version(self.version, self.model.state_dict())
+        self.full_store.write_version(self.version, self.model.state_dict(), kind="full")
+        self.version += 1
+        return manifest
+
+    def bf16_named(self) -> list:
+        import torch
+
+        from rlfleet.broker.distributed_sender import _unique
+
+        return [(n, t.detach().to(torch.bfloat16).contiguous()) for n, t in _unique(self.model.state_dict().items())]
+
+
+async def distributed_update(pools, engine, trainer, info) -> tuple[float, float]:
+    from rlfleet.broker.transports import BroadcastPlan, Distributed
+    from rlfleet.engine import distributed
+
+    named = trainer.bf16_named()
+    port = free_port()
+    plan = BroadcastPlan("127.0.0.1", port, f"bench-{port}", "gloo", [n for n, _ in named],
+                         ["bfloat16"] * len(named), [list(t.shape) for _, t in named])  # fmt: skip
+
+    def send() -> None:
+        group = distributed.join_group("127.0.0.1", port, 0, 2, plan.group_name, "gloo", 120.0)
+        try:
+            distributed.send(group, [t for _, t in named])
+        finally:
+            distributed.leave_group(group)
+
+    started = time.perf_counter()
+    receiving = asyncio.create_task(Distributed(pools, plan).update([engine], info))
+    sender = threading.Thread(target=send)
+    sender.start()
+    (outcome,) = await receiving
+    await asyncio.to_thread(sender.join)
+    assert outcome.ok, outcome.message
+    return outcome.pause_s, time.perf_counter() - started
+
+
+async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
+    from rlfleet.broker.pools import EngineRef, Pools
+    from rlfleet.broker.transports import DiskDelta, DiskFull, Pauser, VersionInfo
+    from rlfleet.common.engine_client import EngineTimeouts
+    from rlfleet.engine.testing import EngineProcess
+    from rlfleet.weights import DirectoryWeightStore
+
+    model_dir = await asyncio.to_thread(build, name, workdir / f"model-{name}")
+    engine_proc = await asyncio.to_thread(
+        EngineProcess(model_dir, workdir / f"engine-{name}", weight_store_root=workdir / "store").start, 300.0)
+    pools = Pools([], None, EngineTimeouts(weights_s=600))
+    engine = EngineRef(name, engine_proc.url, "fleet")
+    delta, full = DiskDelta(pools), DiskFull(pools, Pauser(pools, None))
+    rows: list[Row] = []
+    try:
+        for lr in lrs:
+            store = DirectoryWeightStore(workdir / "store", f"{name}-{lr:g}", full_every=10**6, max_delta_fraction=10.0)
+            full_store = DirectoryWeightStore(workdir / "store", f"{name}-{lr:g}-full", full_every=1)
+            trainer = await asyncio.to_thread(Trainer, model_dir, store, full_store, lr)
+            params_m = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+            await asyncio.to_thread(trainer.publish)
+            (first,) = await full.update([engine], VersionInfo.from_store(store, 0))
+            assert first.ok, first.message
+            for _ in range(steps):
+                await asyncio.to_thread(trainer.step)
+                manifest = await asyncio.to_thread(trainer.publish)
+                version = manifest["version"]
+                info = VersionInfo.from_store(store, version)
+                assert info.kind == "delta", manifest
+                (f,) = await full.update([engine], VersionInfo.from_store(full_store, version))
+                assert f.ok, f.message
+                dist_pause, dist_total = await distributed_update(pools, engine, trainer, info)
+                (rebuilt,) = await full.update([engine], VersionInfo.from_store(store, version - 1))
+                assert rebuilt.ok, rebuilt.message  # the engine holds the delta's base again
+                (d,) = await delta.update([engine], info)
+                assert d.ok, d.message
+                reply = d.reply
+                row = Row(
+                    name, round(params_m, 1), lr, version, info.full_bytes / 2**20, d.bytes / 1024,
+                    100 * d.bytes / info.full_bytes, 100 * (info.changed_fraction or 0),
+                    1000 * (reply["fetch_s"] + reply["preverify_s"]), 1000 * d.pause_s, 1000 * dist_pause,
+                    1000 * dist_total, 1000 * f.pause_s, 1000 * rebuilt.pause_s, f.pause_s / max(d.pause_s, 1e-9),
+                )  # fmt: skip
+                print_row(row)
+                rows.append(row)
+    finally:
+        await pools.close()
+        engine_proc.stop()
+    return rows
+
+
+HEADER = (f"{'model':>7} {'params':>7} {'lr':>6} {'v':>2} {'full MB':>8} {'delta KB':>9} {'delta%':>7} "
+          f"{'changed%':>8} {'prep ms':>8} {'pause: delta':>12} {'dist':>8} {'full':>8} {'full/delta':>10} "
+          f"{'rebuilt':>8} {'dist total':>10}")  # fmt: skip
+
+
+def print_row(r: Row) -> None:
+    print(f"{r.model:>7} {r.params_m:>6.1f}M {r.lr:>6.0e} {r.version:>2} {r.full_mb:>8.1f} {r.delta_kb:>9.1f} "
+          f"{r.delta_pct:>6.2f}% {r.changed_pct:>7.2f}% {r.delta_prepare_ms:>8.1f} {r.delta_pause_ms:>9.1f} ms "
+          f"{r.dist_pause_ms:>5.1f} ms {r.full_pause_ms:>5.0f} ms {r.full_over_delta:>9.1f}x "
+          f"{r.rebuilt_pause_ms:>5.0f} ms {r.dist_total_ms:>7.0f} ms", flush=True)  # fmt: skip
+
+
+def summary(rows: list[Row]) -> None:
+    print("\nsummary (medians per model and lr):")
+    ok_small, ok_smaller, ok_pause = True, True, True
+    for (model, lr) in dict.fromkeys((r.model, r.lr) for r in rows):
+        group = [r for r in rows if r.model == model and r.lr == lr]
+        pct = statistics.median(r.delta_pct for r in group)
+        dp = statistics.median(r.delta_pause_ms for r in group)
+        fp = statistics.median(r.full_pause_ms for r in group)
+        dist = statistics.median(r.dist_pause_ms for r in group)
+        print(f"  {model:>7} lr {lr:.0e}: delta {pct:6.2f}% of full, pause delta {dp:7.1f} ms / dist {dist:7.1f} ms"
+              f" / full {fp:7.0f} ms  (full/delta {fp / dp:6.1f}x)")  # fmt: skip
+        ok_small &= lr != 1e-6 or pct <= 5.0
+        ok_smaller &= all(r.delta_pct < 100 for r in group)
+        ok_pause &= dp * 10 < fp
+    print(f"\naims: delta <= 5% of full at lr 1e-6: {'met' if ok_small else 'NOT met'}; "
+          f"delta smaller than full at every rate: {'met' if ok_smaller else 'NOT met'}; "
+          f"delta pause < 1/10 of a full reload's: {'met' if ok_pause else 'NOT met (see the per-row ratios)'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="default model only, 2 steps per learning rate")
+    parser.add_argument("--steps", type=int, default=3, help="updates per learning rate on the default model")
+    parser.add_argument("--big-steps", type=int, default=1, help="updates per learning rate on the 100M model")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+
+    torch.set_num_threads(2)
+    plan = [("default", 2 if args.quick else args.steps)] + ([] if args.quick else [("100M", args.big_steps)])
+    started = time.monotonic()
+    print(HEADER)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
+        for name, steps in plan:
+            rows += asyncio.run(run_model(name, steps, LRS, Path(tmp)))
+    summary(rows)
+    print(f"\n{len(rows)} updates in {time.monotonic() - started:.0f}s")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

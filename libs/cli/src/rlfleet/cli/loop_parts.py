@@ -1,0 +1,236 @@
+"""The pieces of the RL loop driver: tasks in, observations out, evaluations, CPU samples.
+
+Each piece is small and talks to the platform only through its public surfaces: TASKS, TRAJECTORIES
+and POLICY on JetStream, and the services' gRPC APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.cli.report import EvalResult, RunRecord, TrajectoryRecord
+from rlfleet.cli.run_config import ToolLatencyConfig
+from rlfleet.common.streams import publish, subject
+
+log = logging.getLogger(__name__)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+
+
+def task_messages(tasks, run_id: str, group_size: int, temperature: float, system_prompt: bool):
+    """The public view of each task as the `Task` message a worker receives."""
+    from rlfleet.envkit.tasks import task_message
+
+    messages = []
+    for task in tasks:
+        message = task_message(task, run_id, group_size=group_size, temperature=temperature)
+        if not system_prompt:
+            keep = [m for m in message.messages if m.role != "system"]
+            del message.messages[:]
+            message.messages.extend(keep)
+        messages.append(message)
+    return messages
+
+
+class Feeder:
+    """Keeps the TASKS queue topped up with training tasks (async mode), or hands out one step's
+    worth at a time (sync mode)."""
+
+    def __init__(self, js, run_id: str, tasks: list[common_pb2.Task]) -> None:
+        self.js = js
+        self.run_id = run_id
+        self.tasks = tasks
+        self.published = 0
+
+    async def publish(self, n: int) -> None:
+        for _ in range(n):
+            task = self.tasks[self.published % len(self.tasks)]
+            epoch = self.published // len(self.tasks)
+            await publish(self.js, "TASKS", self.run_id, task.SerializeToString(), msg_type="Task",
+                          msg_id=f"{self.run_id}/{task.task_id}/e{epoch}")
+            self.published += 1
+
+    async def keep_topped_up(self, groups_done: Callable[[], int], in_flight_target: int, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            missing = in_flight_target - (self.published - groups_done())
+            if missing > 0:
+                await self.publish(missing)
+            await asyncio.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Observing what the platform publishes
+
+
+class Observer:
+    """Follows TRAJECTORIES and POLICY from now on; fills the run record and tells listeners about
+    new policy versions (admission control needs the trainer's version)."""
+
+    def __init__(self, js, run_id: str, record: RunRecord, clock: Clock) -> None:
+        self.js = js
+        self.run_id = run_id
+        self.record = record
+        self.clock = clock
+        self.latest_version = 0
+        self.version_listeners: list[Callable[[common_pb2.PolicyVersion], None]] = []
+        self.groups: dict[str, int] = {}
+        self.groups_done = 0
+        self.train_trajectories = 0
+        self._subs = []
+
+    async def start(self) -> None:
+        from nats.js.api import DeliverPolicy
+
+        self._subs.append(await self.js.subscribe(subject("TRAJECTORIES", self.run_id), cb=self._on_trajectory,
+                                                  ordered_consumer=True, deliver_policy=DeliverPolicy.NEW))
+        self._subs.append(await self.js.subscribe(subject("POLICY", self.run_id), cb=self._on_policy,
+                                                  ordered_consumer=True, deliver_policy=DeliverPolicy.ALL))
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+
+    async def _on_policy(self, msg) -> None:
+        version = common_pb2.PolicyVersion.FromString(msg.data)
+        self.latest_version = max(self.latest_version, version.version)
+        for listener in self.version_listeners:
+            listener(version)
+
+    async def _on_trajectory(self, msg) -> None:
+        traj = common_pb2.Trajectory.FromString(msg.data)
+        generated = [s for s in traj.spans if s.kind == common_pb2.SPAN_KIND_GENERATED]
+        min_version = min((s.policy_version for s in generated), default=0)
+        observations = [s for s in traj.spans if s.kind == common_pb2.SPAN_KIND_OBSERVATION]
+        status = common_pb2.TrajectoryStatus.Name(traj.status).removeprefix("TRAJECTORY_STATUS_").lower()
+        self.record.trajectories.append(TrajectoryRecord(
+            elapsed_s=self.clock.elapsed(), length=len(traj.token_ids), generated=sum(traj.loss_mask),
+            reward=traj.verdict.reward, passed=traj.verdict.passed, status=status, split=traj.split or "train",
+            min_version=min_version, staleness=max(0, self.latest_version - min_version),
+            tool_wait_s=traj.timings.tool_wait_s or sum(s.latency_s for s in observations),
+            generate_latencies_s=[s.latency_s for s in generated]))
+        if (traj.split or "train") == "train" and status in ("completed", "truncated"):
+            self.train_trajectories += 1
+            seen = self.groups.get(traj.group_id, 0) + 1
+            self.groups[traj.group_id] = seen
+            if seen == (traj.group_size or 1):
+                self.groups_done += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+async def evaluate(clients, tasks: list[common_pb2.Task], *, version: int, split: str, label: str, pool: str,
+                   concurrency: int, clock: Clock, tag: str) -> EvalResult:
+    """Runs each task once through the platform, pinned to an engine pool, scored by the verifier."""
+    from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
+
+    loop = AgentLoop(clients)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, task: common_pb2.Task):
+        async with slots:
+            spec = EpisodeSpec(task=task, session_id=f"eval-{tag}-{i}", group_id=f"eval-{tag}-{i}",
+                               metadata={"engine_pool": pool, "eval": label})
+            return await loop.run(spec)
+
+    summaries = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+    n = len(summaries) or 1
+    return EvalResult(version=version, split=split, episodes=len(summaries),
+                      success=sum(s.passed for s in summaries) / n,
+                      invalid_tool_calls=sum(s.invalid_calls for s in summaries) / n,
+                      safety_violations=sum(s.safety_violations for s in summaries) / n,
+                      time_to_completion_s=sum(s.episode_s for s in summaries) / n,
+                      interactions=sum(s.turns for s in summaries) / n,
+                      elapsed_s=clock.elapsed(), label=label)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slow tools
+
+
+def latency_sampler(config: ToolLatencyConfig, seed: int) -> Callable[[], float]:
+    rng = random.Random(seed)
+    if config.distribution == "none":
+        return lambda: 0.0
+    if config.distribution == "constant":
+        return lambda: min(config.median_s, config.max_s)
+    mu = math.log(max(config.median_s, 1e-6))
+    return lambda: min(rng.lognormvariate(mu, config.sigma), config.max_s)
+
+
+@dataclass
+class SlowTools:
+    """An environment whose tool calls take extra time drawn from a distribution (slow tools)."""
+
+    inner: object
+    delay: Callable[[], float]
+
+    @property
+    def suite(self) -> str:
+        return self.inner.suite
+
+    @property
+    def tools(self):
+        return self.inner.tools
+
+    async def setup(self, sandbox, task) -> None:
+        await self.inner.setup(sandbox, task)
+
+    async def run_tool(self, sandbox, call):
+        result = await self.inner.run_tool(sandbox, call)
+        await asyncio.sleep(self.delay())
+        return result
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+
+
+class CpuSampler:
+    """CPU use of every process of the run (services, engines, NATS, Redis, this driver)."""
+
+    def __init__(self, pids: list[int], record: RunRecord, clock: Clock, interval_s: float = 2.0) -> None:
+        import psutil
+
+        self.processes = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+        self.processes.append(psutil.Process())
+        self.record = record
+        self.clock = clock
+        self.interval_s = interval_s
+        self.cores = psutil.cpu_count() or 1
+
+    async def run(self, stop: asyncio.Event) -> None:
+        import psutil
+
+        for p in self.processes:
+            try:
+                p.cpu_percent(None)
+            except psutil.Error:
+                pass
+        while not stop.is_set():
+            await asyncio.sleep(self.interval_s)
+            total = 0.0
+            for p in self.processes:
+                try:
+                    total += p.cpu_percent(None)
+                except psutil.Error:
+                    pass
+            self.record.cpu.append((self.clock.elapsed(), total / self.cores))

@@ -1,0 +1,235 @@
+"""The run report: `summary.json`, PNG plots and one HTML page in the run directory.
+
+Everything is computed from the run's record (`RunRecord`), which the loop fills from what the
+platform itself publishes: the TRAJECTORIES audit log, the POLICY announcements, evaluations, the
+gate's decisions, the trainer's and broker's status, and CPU samples.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class EvalResult:
+    version: int
+    split: str              # heldout | regression
+    episodes: int
+    success: float          # share of episodes the verifier passed
+    invalid_tool_calls: float  # per episode
+    safety_violations: float   # per episode
+    time_to_completion_s: float  # mean episode wall time
+    interactions: float     # mean generate turns per episode
+    elapsed_s: float        # since the loop started
+    label: str = ""         # baseline | candidate | accepted | final
+
+
+@dataclass
+class GateDecision:
+    version: int
+    accepted: bool
+    reasons: list[str]
+    elapsed_s: float
+
+
+@dataclass
+class StepRecord:
+    step: int
+    version: int
+    elapsed_s: float
+    reward_mean: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrajectoryRecord:
+    elapsed_s: float
+    length: int
+    generated: int
+    reward: float
+    passed: bool
+    status: str
+    split: str
+    min_version: int
+    staleness: int          # newest announced version at receipt - oldest generated span's version
+    tool_wait_s: float
+    generate_latencies_s: list[float]
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    mode: str
+    config: dict[str, Any]
+    started_unix: float
+    wall_s: float = 0.0
+    steps: list[StepRecord] = field(default_factory=list)
+    evals: list[EvalResult] = field(default_factory=list)
+    gate: list[GateDecision] = field(default_factory=list)
+    trajectories: list[TrajectoryRecord] = field(default_factory=list)
+    weight_pauses_s: list[float] = field(default_factory=list)
+    cpu: list[tuple[float, float]] = field(default_factory=list)  # (elapsed_s, percent of all cores)
+    trainer_idle_fraction: float = 0.0
+    accepted_version: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def percentiles(values: list[float], points=(50, 90, 99)) -> dict[str, float]:
+    if not values:
+        return {f"p{p}": 0.0 for p in points}
+    ordered = sorted(values)
+    return {f"p{p}": ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in points}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _eval_of(record: RunRecord, label: str, split: str = "heldout") -> EvalResult | None:
+    found = [e for e in record.evals if e.label == label and e.split == split]
+    return found[-1] if found else None
+
+
+def summarize(record: RunRecord) -> dict[str, Any]:
+    train = [t for t in record.trajectories if t.split == "train"]
+    latencies = [lat for t in train for lat in t.generate_latencies_s]
+    baseline, final = _eval_of(record, "baseline"), _eval_of(record, "final")
+    comparison = {}
+    for name, result in (("baseline", baseline), ("rl_accepted", final)):
+        if result is not None:
+            comparison[name] = {"version": result.version, "task_success": result.success,
+                                "invalid_tool_calls_per_episode": result.invalid_tool_calls,
+                                "time_to_completion_s": result.time_to_completion_s,
+                                "interactions_per_episode": result.interactions,
+                                "safety_violations_per_episode": result.safety_violations,
+                                "episodes": result.episodes}
+    staleness = [t.staleness for t in train]
+    return {
+        "run_id": record.run_id, "mode": record.mode, "wall_s": round(record.wall_s, 1),
+        "steps": len(record.steps), "final_version": record.steps[-1].version if record.steps else 0,
+        "accepted_version": record.accepted_version,
+        "baseline_vs_rl": comparison,
+        "heldout_success_gain": (final.success - baseline.success) if baseline and final else None,
+        "trajectories": {"train": len(train), "all": len(record.trajectories),
+                         "per_second": len(train) / record.wall_s if record.wall_s else 0.0,
+                         "length": percentiles([t.length for t in train]),
+                         "reward_mean": _mean([t.reward for t in train])},
+        "rollout_latency_s": percentiles(latencies),
+        "tool_wait_s": percentiles([t.tool_wait_s for t in train]),
+        "staleness": {"max": max(staleness, default=0), "mean": _mean(staleness),
+                      "histogram": {str(k): staleness.count(k) for k in sorted(set(staleness))}},
+        "weight_update_pause_s": percentiles(record.weight_pauses_s) | {"count": len(record.weight_pauses_s)},
+        "trainer_idle_fraction": record.trainer_idle_fraction,
+        "cpu_percent_mean": _mean([c for _, c in record.cpu]),
+        "gate": [asdict(d) for d in record.gate],
+        "notes": record.notes,
+    }
+
+
+def _plots(record: RunRecord, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        made.append(name)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if record.steps:
+        ax.plot([s.elapsed_s for s in record.steps], [s.reward_mean for s in record.steps], label="train reward (batch mean)")
+    held = [e for e in record.evals if e.split == "heldout"]
+    if held:
+        ax.plot([e.elapsed_s for e in held], [e.success for e in held], "o-", label="held-out success")
+    base = _eval_of(record, "baseline")
+    if base:
+        ax.axhline(base.success, color="grey", ls="--", label="baseline (SFT) held-out")
+    ax.set_xlabel("seconds since the loop started")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("Reward and held-out success")
+    save(fig, "reward_success.png")
+
+    train = [t for t in record.trajectories if t.split == "train"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    lat = [x for t in train for x in t.generate_latencies_s]
+    axes[0].hist(lat or [0], bins=30)
+    axes[0].set_title("rollout latency per turn (s)")
+    axes[1].hist([t.tool_wait_s for t in train] or [0], bins=30)
+    axes[1].set_title("tool wait per episode (s)")
+    axes[2].hist([t.length for t in train] or [0], bins=30)
+    axes[2].set_title("trajectory length (tokens)")
+    save(fig, "rollout.png")
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    staleness = [t.staleness for t in train]
+    if staleness:
+        axes[0].hist(staleness, bins=range(0, max(staleness) + 2), align="left", rwidth=0.8)
+    axes[0].set_title("staleness (versions)")
+    axes[1].plot([t.elapsed_s for t in train], [t.min_version for t in train], ".", ms=2)
+    axes[1].set_title("policy version of trajectories")
+    axes[2].hist(record.weight_pauses_s or [0], bins=20)
+    axes[2].set_title("weight-update pause (s)")
+    save(fig, "versions.png")
+
+    if record.cpu:
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        ax.plot([c[0] for c in record.cpu], [c[1] for c in record.cpu])
+        ax.set_ylim(0, 105)
+        ax.set_title("CPU use of the platform (% of all cores)")
+        ax.set_xlabel("seconds")
+        save(fig, "cpu.png")
+    return made
+
+
+def _table(rows: list[list[str]]) -> str:
+    head, *body = rows
+    cells = "".join(f"<th>{html.escape(c)}</th>" for c in head)
+    lines = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
+    return f"<table><tr>{cells}</tr>{lines}</table>"
+
+
+def write_report(record: RunRecord, run_dir: Path) -> dict[str, Any]:
+    out = run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(record)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "record.json").write_text(json.dumps(asdict(record), default=str))
+    plots = _plots(record, out)
+    comparison = summary["baseline_vs_rl"]
+    rows = [["metric", *comparison]]
+    for metric in ("task_success", "invalid_tool_calls_per_episode", "time_to_completion_s",
+                   "interactions_per_episode", "safety_violations_per_episode", "version", "episodes"):
+        rows.append([metric, *(f"{comparison[k][metric]:.3g}" for k in comparison)])
+    gate_rows = [["version", "accepted", "reasons"]] + [
+        [str(d["version"]), "yes" if d["accepted"] else "no", "; ".join(d["reasons"])] for d in summary["gate"]]
+    stats = [["figure", "value"],
+             ["trajectories/s (train)", f"{summary['trajectories']['per_second']:.2f}"],
+             ["rollout latency p50/p99 (s)", f"{summary['rollout_latency_s']['p50']:.3f} / {summary['rollout_latency_s']['p99']:.3f}"],
+             ["tool wait p50/p99 (s)", f"{summary['tool_wait_s']['p50']:.3f} / {summary['tool_wait_s']['p99']:.3f}"],
+             ["staleness max / mean", f"{summary['staleness']['max']} / {summary['staleness']['mean']:.2f}"],
+             ["weight-update pause p50/p99 (s)", f"{summary['weight_update_pause_s']['p50']:.4f} / {summary['weight_update_pause_s']['p99']:.4f}"],
+             ["trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}"],
+             ["CPU use (mean % of cores)", f"{summary['cpu_percent_mean']:.0f}"],
+             ["wall time (s)", f"{summary['wall_s']:.0f}"]]
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rlfleet run {html.escape(record.run_id)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:4px 10px;text-align:left}}img{{max-width:100%}}</style></head><body>
+<h1>rlfleet run <code>{html.escape(record.run_id)}</code> ({html.escape(record.mode)})</h1>
+<h2>Baseline vs RL (held-out split)</h2>{_table(rows)}
+<h2>Loop</h2>{_table(stats)}
+<h2>Promotion gate</h2>{_table(gate_rows)}
+{''.join(f'<h2>{html.escape(p.removesuffix(".png").replace("_", " "))}</h2><img src="report/{p}">' for p in plots)}
+<h2>Notes</h2><ul>{''.join(f'<li>{html.escape(n)}</li>' for n in record.notes)}</ul>
+</body></html>"""
+    (run_dir / "report.html").write_text(page)
+    return summary

@@ -1,0 +1,111 @@
+"""The base policy: the default model, warm-started by SFT on generated demonstrations, cached.
+
+The cache key is everything that decides the result (model seed and shape, demonstrations, SFT
+settings), so a second run with the same config reuses the policy and a changed knob rebuilds it.
+Both steps run as child processes (`rlfleet-build-model`, `python -m rlfleet.trainer.sft`), so this
+CLI never imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from rlfleet.common.config import StrictModel
+from rlfleet.common.errors import StartupError
+
+
+class ModelSpec(StrictModel):
+    seed: int = Field(0, ge=0, description="seed of the tokenizer corpus and the initial weights")
+    hidden_size: int = Field(256, ge=32, description="width of the default Qwen2 model")
+    num_hidden_layers: int = Field(4, ge=1, description="layers of the default model")
+
+
+class WarmStartConfig(StrictModel):
+    enabled: bool = Field(True, description="SFT the model on demonstrations before RL")
+    demonstrations: int = Field(4000, ge=10, description="calc demonstrations generated for SFT")
+    imperfection: float = Field(0.5, ge=0, le=1, description="share of flawed demonstrations (see envkit.demos)")
+    difficulty: int = Field(1, ge=1, le=3, description="calc difficulty of the demonstrations")
+    epochs: int = Field(3, ge=1, description="SFT epochs")
+    lr: float = Field(1e-3, gt=0, description="SFT learning rate")
+    batch_size: int = Field(32, ge=1, description="SFT batch size (sequences)")
+    torch_threads: int = Field(2, ge=1, description="torch threads for SFT (nothing else runs then)")
+
+
+def cache_key(model: ModelSpec, warm: WarmStartConfig, system_prompt: bool) -> str:
+    blob = json.dumps({"model": model.model_dump(), "warm": warm.model_dump(exclude={"torch_threads"}),
+                       "system_prompt": system_prompt, "format": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _run(cmd: list[str], log: Path, what: str, threads: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RLFLEET_TORCH_THREADS": str(threads)}
+    with open(log, "ab") as out:
+        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if code != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        raise StartupError(f"{what} failed (exit {code}): {' | '.join(tail)} (see {log})")
+
+
+def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig, system_prompt: bool,
+                       say=print) -> Path:
+    """Returns the base policy directory, building and warm-starting it once per cache key."""
+    key = cache_key(model, warm, system_prompt)
+    target = cache_root / f"policy-{key}"
+    if (target / "model.safetensors").exists():
+        say(f"base policy: cached {target}")
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    building = cache_root / f".building-{key}-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
+    building.mkdir()
+    log = building / "warm-start.log"
+    bin_dir = Path(sys.executable).parent
+    start = time.monotonic()
+    initial = building / "initial"
+    _run([str(bin_dir / "rlfleet-build-model"), "--out", str(initial), "--seed", str(model.seed),
+          "--hidden-size", str(model.hidden_size), "--num-hidden-layers", str(model.num_hidden_layers)],
+         log, "building the default model", warm.torch_threads)
+    say(f"base policy: built the initial model ({time.monotonic() - start:.0f} s)")
+    policy = building / "policy"
+    if warm.enabled:
+        from rlfleet.envkit.demos import generate_demos, write_demos
+
+        demos = generate_demos(warm.demonstrations, seed=model.seed, imperfection=warm.imperfection,
+                               difficulty=warm.difficulty)
+        if not system_prompt:
+            for demo in demos:
+                demo["messages"] = [m for m in demo["messages"] if m["role"] != "system"]
+        data = building / "demos.jsonl"
+        write_demos(demos, data)
+        say(f"base policy: SFT warm start on {len(demos)} demonstrations "
+            f"({warm.imperfection:.0%} flawed), {warm.epochs} epochs ...")
+        _run([sys.executable, "-m", "rlfleet.trainer.sft", "--model-dir", str(initial), "--data", str(data),
+              "--out", str(policy), "--epochs", str(warm.epochs), "--lr", str(warm.lr),
+              "--batch-size", str(warm.batch_size), "--seed", str(model.seed)],
+             log, "the SFT warm start", warm.torch_threads)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (initial / name).exists() and not (policy / name).exists():
+                shutil.copy2(initial / name, policy / name)
+    else:
+        initial.rename(policy)
+    (policy / "rlfleet_warm_start.json").write_text(json.dumps(
+        {"key": key, "model": model.model_dump(), "warm_start": warm.model_dump(),
+         "system_prompt": system_prompt, "seconds": round(time.monotonic() - start, 1)}, indent=2))
+    shutil.copy2(log, policy / "warm-start.log")
+    try:
+        policy.rename(target)  # atomic: a concurrent run that finished first wins, ours is dropped
+    except OSError:
+        if not (target / "model.safetensors").exists():
+            raise
+    shutil.rmtree(building, ignore_errors=True)
+    say(f"base policy: ready in {time.monotonic() - start:.0f} s -> {target}")
+    return target

@@ -1,0 +1,125 @@
+"""Running one task as a group of G samples, idempotently across redeliveries.
+
+Identity is a function of the stream, not of the worker: `group_id = f"{task_id}-{sequence}"` and
+sample i's session is `f"{group_id}-s{i}"`. On a redelivery (delivery d > 1) each sample is looked
+up first: a sample whose session (under any earlier ID) is CLOSED is already published and skipped;
+one still OPEN belonged to a worker that is gone and is aborted; the sample then runs again as
+`f"{group_id}-s{i}-r{d}"`, an ID no earlier delivery used, so two deliveries never drive one session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.api.session.v1 import session_pb2
+from rlfleet.envkit.sdk.clients import SessionClient
+from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
+from rlfleet.envkit.sdk.errors import Superseded
+from rlfleet.envkit.sdk.summary import EpisodeSummary
+from rlfleet.envkit.worker_config import SamplingDefaults
+
+PUBLISHED = (common_pb2.TRAJECTORY_STATUS_COMPLETED, common_pb2.TRAJECTORY_STATUS_TRUNCATED,
+             common_pb2.TRAJECTORY_STATUS_FAILED)
+
+
+def group_id_of(task_id: str, sequence: int) -> str:
+    return f"{task_id}-{sequence}"
+
+
+def session_id_of(group_id: str, sample_index: int, delivery: int = 1) -> str:
+    base = f"{group_id}-s{sample_index}"
+    return base if delivery <= 1 else f"{base}-r{delivery}"
+
+
+@dataclass
+class GroupResult:
+    group_id: str
+    episodes: list[EpisodeSummary] = field(default_factory=list)
+    skipped: int = 0  # samples an earlier delivery had published already
+    unfinished: list[str] = field(default_factory=list)  # "s<i>: why" for samples not published
+    superseded: bool = False  # a newer delivery took the group over
+
+    @property
+    def complete(self) -> bool:
+        return not self.unfinished and not self.superseded
+
+
+class GroupRunner:
+    def __init__(self, loop: AgentLoop, sessions: SessionClient, slots: asyncio.Semaphore, *,
+                 sampling: SamplingDefaults, max_total_tokens: int = 0) -> None:
+        self.loop = loop
+        self.sessions = sessions
+        self.slots = slots
+        self.sampling = sampling
+        self.max_total_tokens = max_total_tokens
+
+    async def run(self, task: common_pb2.Task, sequence: int, delivery: int,
+                  on_episode: Callable[[EpisodeSummary], None] = lambda summary: None) -> GroupResult:
+        """Runs the samples not published yet, concurrently (bounded by the shared slots);
+        `on_episode` sees each summary as soon as its episode ends."""
+        result = GroupResult(group_id_of(task.task_id, sequence))
+        size = task.group_size
+        plans = await asyncio.gather(*(self._plan(result.group_id, i, delivery) for i in range(size)))
+        result.skipped = sum(1 for session_id in plans if session_id is None)
+        try:
+            async with asyncio.TaskGroup() as samples:
+                running = [samples.create_task(self._sample(task, result.group_id, i, session_id, on_episode))
+                           for i, session_id in enumerate(plans) if session_id is not None]
+        except* Superseded:
+            result.superseded = True
+        if result.superseded:
+            return result
+        for summary in (t.result() for t in running):
+            result.episodes.append(summary)
+            if summary.status not in PUBLISHED:
+                result.unfinished.append(f"s{summary.sample_index}: {summary.error or summary.end}")
+        return result
+
+    async def _plan(self, group_id: str, index: int, delivery: int) -> str | None:
+        """The session ID sample `index` runs under in this delivery, or None when it is published."""
+        if delivery <= 1:
+            return session_id_of(group_id, index)
+        for earlier in range(1, delivery):
+            session_id = session_id_of(group_id, index, earlier)
+            session = await self.sessions.get(session_id)
+            if session is None:
+                continue
+            if session.state == session_pb2.SESSION_STATE_CLOSED:
+                await self.sessions.close(session_id)  # idempotent: publishes it if the first close could not
+                return None
+            if session.state == session_pb2.SESSION_STATE_OPEN:
+                await self.sessions.abort(session_id, f"task redelivered (delivery {delivery}); its worker is gone")
+        return session_id_of(group_id, index, delivery)
+
+    async def _sample(self, task: common_pb2.Task, group_id: str, index: int, session_id: str,
+                      on_episode: Callable[[EpisodeSummary], None]) -> EpisodeSummary:
+        async with self.slots:
+            spec = EpisodeSpec(task=task, session_id=session_id, group_id=group_id, sample_index=index,
+                               group_size=task.group_size, sampling=self.sampling_for(task, session_id, index),
+                               max_total_tokens=self.max_total_tokens)
+            summary = await self.loop.run(spec)
+        on_episode(summary)
+        return summary
+
+    def sampling_for(self, task: common_pb2.Task, session_id: str, index: int) -> common_pb2.SamplingParams:
+        """The task's sampling, its unset fields filled from the worker's defaults; a distinct seed per sample."""
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(task.sampling)
+        defaults = self.sampling
+        sampling.max_new_tokens = sampling.max_new_tokens or defaults.max_new_tokens
+        if not sampling.HasField("temperature"):
+            sampling.temperature = defaults.temperature
+        if not sampling.HasField("top_p"):
+            sampling.top_p = defaults.top_p
+        if not sampling.HasField("top_k"):
+            sampling.top_k = defaults.top_k
+        if sampling.HasField("seed"):
+            sampling.seed = (sampling.seed + index) % 2**63  # the same seed would give G identical samples
+        elif defaults.seed is not None:
+            digest = hashlib.sha256(f"{defaults.seed}:{session_id}".encode()).digest()
+            sampling.seed = int.from_bytes(digest[:8], "big") % 2**63
+        return sampling

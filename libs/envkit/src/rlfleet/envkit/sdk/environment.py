@@ -1,0 +1,174 @@
+"""What an environment is to the agent loop: the tools it runs, and how it runs one in a sandbox.
+
+Writing your own environment means writing one class:
+
+    class MyEnvironment:
+        suite = "my-suite"
+        tools = ("search",)
+
+        async def setup(self, sandbox: SandboxHandle, task) -> None:
+            await sandbox.write_files({"data.txt": "..."})
+
+        async def run_tool(self, sandbox: SandboxHandle, call: ToolCall) -> ToolResult:
+            result = await sandbox.exec(["grep", "-n", call.args, "data.txt"])
+            return exec_observation(result, sandbox.tool_timeout_s)
+
+and registering it with :func:`register_environment`. The agent loop does everything else: the
+session, turns, parsing, limits, verification and cleanup. The tools run only inside the
+episode's sandbox; the verifier later reads that sandbox's execs and files itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.api.sandbox.v1 import sandbox_pb2
+from rlfleet.envkit.actions import ToolCall
+from rlfleet.envkit.errors import EnvkitError
+from rlfleet.envkit.sdk.clients import SandboxClient
+from rlfleet.envkit.sdk.errors import RequestRejected, SandboxFailure
+from rlfleet.envkit.suites import calc, code
+
+MAX_OBSERVATION_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One tool call's outcome: the observation the policy sees, and what the loop counts."""
+
+    observation: str
+    ok: bool = True  # False: the tool rejected the call (counted as an invalid tool call)
+    violations: tuple[str, ...] = ()  # sandbox violation kinds recorded during the call, lower case
+
+
+class SandboxHandle:
+    """The episode's sandbox, as the environment sees it: exec and files, with the task's tool limit."""
+
+    def __init__(self, client: SandboxClient, sandbox_id: str, tool_timeout_s: float) -> None:
+        self.client = client
+        self.sandbox_id = sandbox_id
+        self.tool_timeout_s = tool_timeout_s
+
+    async def exec(self, argv: list[str] | tuple[str, ...], stdin: bytes | str = b"",
+                   timeout_s: float | None = None, cwd: str = "") -> sandbox_pb2.ExecResult:
+        return await self.client.exec(self.sandbox_id, argv, stdin, timeout_s or self.tool_timeout_s, cwd)
+
+    async def write_files(self, files: Mapping[str, bytes | str]) -> None:
+        await self.client.write_files(self.sandbox_id, files)
+
+    async def read_files(self, paths: list[str]) -> dict[str, bytes]:
+        return await self.client.read_files(self.sandbox_id, paths)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    suite: str
+    tools: tuple[str, ...]  # tool names this environment can run
+
+    async def setup(self, sandbox: SandboxHandle, task: common_pb2.Task) -> None:
+        """Prepares a fresh sandbox before the first turn (files, data); may do nothing."""
+
+    async def run_tool(self, sandbox: SandboxHandle, call: ToolCall) -> ToolResult:
+        """Runs one valid call of one of `tools` in the sandbox; errors are observations, not raises."""
+
+
+class CalcEnvironment:
+    """The `calc` suite: the calculator script runs in the sandbox, the expression on stdin."""
+
+    suite = calc.SUITE
+    tools = (calc.TOOL.name,)
+
+    async def setup(self, sandbox: SandboxHandle, task: common_pb2.Task) -> None:
+        return None
+
+    async def run_tool(self, sandbox: SandboxHandle, call: ToolCall) -> ToolResult:
+        result = await sandbox.exec(calc.CALC_TOOL_ARGV, stdin=call.args)
+        if result.exit_code < 0 and not result.violations:
+            # The calculator never kills itself and stays far below every limit: not the policy's doing.
+            raise SandboxFailure(f"the calculator in sandbox {sandbox.sandbox_id} was killed by signal "
+                                 f"{-result.exit_code} with no limit violation recorded")
+        return exec_observation(result, sandbox.tool_timeout_s)
+
+
+class CodeEnvironment:
+    """The `code` suite: `write_file` (first line the path, then the contents) and `python` (run code)."""
+
+    suite = code.SUITE
+    tools = ("write_file", "python")
+
+    async def setup(self, sandbox: SandboxHandle, task: common_pb2.Task) -> None:
+        return None
+
+    async def run_tool(self, sandbox: SandboxHandle, call: ToolCall) -> ToolResult:
+        if call.tool == "write_file":
+            return await self._write_file(sandbox, call.args)
+        # `-c` puts the workspace first on sys.path, so `import solution` works from the tool.
+        result = await sandbox.exec(("python3", "-c", call.args))
+        return exec_observation(result, sandbox.tool_timeout_s, merge_stderr=True)
+
+    async def _write_file(self, sandbox: SandboxHandle, args: str) -> ToolResult:
+        path, _, content = args.lstrip("\n").partition("\n")
+        path = path.strip()
+        if not path:
+            return ToolResult("error: write_file needs the file's path on its first line", ok=False)
+        try:
+            await sandbox.write_files({path: content})
+        except RequestRejected as exc:
+            return ToolResult(f"error: cannot write {path}: {exc.details}", ok=False)
+        return ToolResult(f"wrote {path}")
+
+
+def exec_observation(result: sandbox_pb2.ExecResult, limit_s: float, merge_stderr: bool = False) -> ToolResult:
+    """The observation of one exec: its stdout (and stderr), then one error line per sandbox violation,
+    or one error line when it printed nothing and failed."""
+    kinds = tuple(_violation_kind(v) for v in result.violations)
+    out = result.stdout.decode("utf-8", errors="replace")
+    if merge_stderr:
+        out += result.stderr.decode("utf-8", errors="replace")
+    lines = [out.rstrip("\n")] if out.strip() else []
+    for violation, kind in zip(result.violations, kinds, strict=True):
+        if kind == "timeout":
+            lines.append(f"error: the tool ran past its time limit of {limit_s:g} s")
+        else:
+            lines.append(f"error: {kind} limit: {violation.message or 'exceeded'}")
+    if not lines and result.exit_code != 0:
+        err = result.stderr.decode("utf-8", errors="replace").strip().splitlines()
+        lines.append(err[-1] if err else f"error: the tool exited with status {result.exit_code}")
+    text = "\n".join(lines) or "(no output)"
+    if len(text) > MAX_OBSERVATION_CHARS:
+        text = text[:MAX_OBSERVATION_CHARS] + f"\n... ({len(text) - MAX_OBSERVATION_CHARS} more characters)"
+    return ToolResult(text, ok=result.exit_code == 0 and not kinds, violations=kinds)
+
+
+def _violation_kind(violation: sandbox_pb2.Violation) -> str:
+    return sandbox_pb2.ViolationKind.Name(violation.kind).removeprefix("VIOLATION_KIND_").lower()
+
+
+class UnknownSuite(EnvkitError, LookupError):
+    """No environment is registered for a task's suite."""
+
+    def __init__(self, suite: str) -> None:
+        self.suite = suite
+        super().__init__(f"no environment for suite {suite!r}; known: {', '.join(sorted(_REGISTRY))}")
+
+
+_REGISTRY: dict[str, Callable[[], Environment]] = {"calc": CalcEnvironment, "code": CodeEnvironment}
+
+
+def register_environment(suite: str, factory: Callable[[], Environment]) -> None:
+    """Makes `environment_for(suite)` (and so the rollout workers) run `suite` with `factory()`."""
+    _REGISTRY[suite] = factory
+
+
+def environment_for(suite: str) -> Environment:
+    try:
+        return _REGISTRY[suite]()
+    except KeyError:
+        raise UnknownSuite(suite) from None
+
+
+def known_suites() -> list[str]:
+    return sorted(_REGISTRY)

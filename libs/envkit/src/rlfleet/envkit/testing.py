@@ -1,0 +1,328 @@
+"""Test helpers for environments and workers: a scripted policy behind the SGLang HTTP API, a tokenizer,
+and a platform launched with `rlfleet up --detach` in a temporary run directory.
+
+The **scripted engine** stands in for the *policy*, not for an rlfleet service: it answers `/generate`
+with the token IDs of a scripted assistant turn, so an episode's path through the real gateway,
+session server, sandbox manager and verifier is deterministic. The script of a task is written in
+its user message, `[script: calc, answer]` (the default for a calc question, an ideal episode):
+
+    calc     <calc>EXPR</calc>           EXPR from "What is EXPR?"
+    answer   <answer>LAST TOOL OUTPUT</answer>
+    wrong    <answer>-1</answer>
+    bad      <calc>EXPR                  (not closed: an invalid call)
+    unknown  <python>1</python>          (a tool the task does not offer)
+    noop     I do not know.              (no action)
+    ramble   text until max_new_tokens   (finish reason length)
+    solve    <write_file>solution.py ...</write_file>   the code task's reference solution
+    run      <python>import solution; print("imported")</python>
+    done     <answer>done</answer>
+
+A code task's default script is `solve, done`.
+
+Turn k of the episode plays the k-th entry (the last one repeats). Every turn ends with
+`<|im_end|>` like a trained ChatML model's, except `ramble`. `POST /script {"delay_s": 1.5}` slows
+every later turn down (for tests that kill a worker mid-episode).
+
+    python -m rlfleet.envkit.testing --tokenizer DIR --ready-file F   (prints nothing; F gets {"url"})
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlfleet.common.chat import IM_END, IM_START
+
+_MESSAGE_RE = re.compile(re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)" + re.escape(IM_END), re.DOTALL)
+_SCRIPT_RE = re.compile(r"\[script:\s*(?P<steps>[a-z, ]+)\]")
+_EXPRESSION_RE = re.compile(r"What is (?P<expr>.+?)\?")
+BIN = Path(sys.executable).parent
+
+
+# -- the scripted policy --------------------------------------------------------------------------
+
+
+def scripted_turn(conversation: str) -> str:
+    """The assistant text the script gives for the conversation so far (ChatML, generation prompt open)."""
+    messages = [(m["role"], m["content"]) for m in _MESSAGE_RE.finditer(conversation)]
+    user = next((content for role, content in reversed(messages) if role == "user"), "")
+    script = _SCRIPT_RE.search(user)
+    default = ["solve", "done"] if "solution.py" in user else ["calc", "answer"]
+    steps = [s.strip() for s in script["steps"].split(",")] if script else default
+    turn = sum(1 for role, _ in messages if role == "assistant")
+    step = steps[min(turn, len(steps) - 1)]
+    expression = _EXPRESSION_RE.search(user)
+    expr = expression["expr"] if expression else "1+1"
+    last_tool = next((content for role, content in reversed(messages) if role == "tool"), "")
+    return {
+        "calc": f"<calc>{expr}</calc>",
+        "answer": f"<answer>{last_tool}</answer>",
+        "wrong": "<answer>-1</answer>",
+        "bad": f"<calc>{expr}",
+        "unknown": "<python>1</python>",
+        "noop": "I do not know.",
+        "ramble": "la " * 400,
+        "solve": f"<write_file>solution.py\n{_reference_solution(user)}</write_file>",
+        "run": '<python>import solution; print("imported")</python>',
+        "done": "<answer>done</answer>",
+    }.get(step, "I do not know.")
+
+
+def _reference_solution(prompt: str) -> str:
+    from rlfleet.envkit.suites.code_templates import TEMPLATES
+
+    return next((t.solution for t in TEMPLATES if f"`{t.signature}`" in prompt), "pass\n")
+
+
+class ScriptedEngine:
+    """The subset of SGLang's HTTP API the gateway uses, answering from `scripted_turn`."""
+
+    def __init__(self, tokenizer_dir: str | Path, delay_s: float = 0.0) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        self.end_id = self.tokenizer.token_to_id(IM_END)
+        self.delay_s = delay_s
+        self.requests = 0
+
+    def complete(self, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], str]:
+        conversation = self.tokenizer.decode(input_ids, skip_special_tokens=False)
+        text = scripted_turn(conversation)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not text.startswith("la "):
+            ids.append(self.end_id)
+        if len(ids) > max_new_tokens:
+            return ids[:max_new_tokens], "length"
+        return ids, "stop"
+
+    def app(self):
+        from aiohttp import web
+
+        async def generate(request: web.Request) -> web.Response:
+            body = await request.json()
+            self.requests += 1
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            sampling = body.get("sampling_params") or {}
+            started = time.monotonic()
+            ids, finish = self.complete(list(body["input_ids"]), int(sampling.get("max_new_tokens", 128)))
+            meta = {"id": body.get("rid", ""), "prompt_tokens": len(body["input_ids"]),
+                    "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": "0",
+                    "finish_reason": {"type": finish, **({"matched": self.end_id} if finish == "stop" else {})},
+                    "output_token_logprobs": [[-0.25, token, None] for token in ids],
+                    "e2e_latency": time.monotonic() - started}
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            return web.json_response({"text": text, "output_ids": ids, "meta_info": meta})
+
+        async def script(request: web.Request) -> web.Response:
+            self.delay_s = float((await request.json()).get("delay_s", self.delay_s))
+            return web.json_response({"delay_s": self.delay_s})
+
+        def static(payload: Any):
+            async def handler(request: web.Request) -> web.Response:
+                return web.json_response(payload)
+            return handler
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_post("/script", script)
+        app.router.add_get("/health", static({}))
+        app.router.add_get("/health_generate", static({}))
+        app.router.add_get("/get_weight_version", static({"weight_version": "0"}))
+        app.router.add_get("/get_model_info", static({"model_path": "scripted", "is_generation": True}))
+        app.router.add_get("/get_load", static({"num_reqs": 0, "num_waiting_reqs": 0}))
+        app.router.add_post("/flush_cache", static({}))
+        return app
+
+
+async def _serve(tokenizer_dir: str, ready_file: str, delay_s: float) -> None:
+    from aiohttp import web
+
+    from rlfleet.common.service import write_ready_file
+
+    runner = web.AppRunner(ScriptedEngine(tokenizer_dir, delay_s).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    write_ready_file(ready_file, {"url": f"http://127.0.0.1:{port}", "pid": os.getpid()})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlfleet.envkit.testing", description="the scripted engine")
+    parser.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
+    parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--delay-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    asyncio.run(_serve(args.tokenizer, args.ready_file, args.delay_s))
+
+
+# -- fixtures' building blocks --------------------------------------------------------------------
+
+
+def build_tokenizer(out: Path, vocab_size: int = 512) -> Path:
+    """The default tokenizer format (ChatML special tokens at 0, 1, 2) trained on a small calc corpus."""
+    from rlfleet.common.chat import CHAT_TEMPLATE
+    from rlfleet.engine.build_model import tokenizer_config, train_tokenizer
+    from rlfleet.envkit.corpus import default_corpus
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(default_corpus(seed=0, n=300), vocab_size)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = tokenizer_config(4096)
+    assert config["chat_template"] == CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    # What a launcher checks a model directory by; the scripted engine needs no weights.
+    (out / "config.json").write_text(json.dumps({"model_type": "scripted", "max_position_embeddings": 4096}))
+    return out
+
+
+class ChildProcess:
+    """A helper process started here and stopped by its PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, argv: list[str], workdir: Path, name: str) -> None:
+        self.argv = argv
+        self.workdir = Path(workdir)
+        self.name = name
+        self.process: subprocess.Popen | None = None
+        self.log_path = self.workdir / f"{name}.log"
+
+    def start(self) -> ChildProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_for_file(self, path: Path, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if path.exists():
+                try:
+                    return json.loads(path.read_text())
+                except json.JSONDecodeError:
+                    pass
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.log()[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s} s: {self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_scripted_engine(tokenizer_dir: Path, workdir: Path, delay_s: float = 0.0) -> tuple[ChildProcess, str]:
+    ready = Path(workdir) / f"scripted-engine-{time.monotonic_ns()}.json"
+    child = ChildProcess([sys.executable, "-m", "rlfleet.envkit.testing", "--tokenizer", str(tokenizer_dir),
+                          "--ready-file", str(ready), "--delay-s", str(delay_s)], workdir, "scripted-engine").start()
+    return child, child.wait_for_file(ready)["url"]
+
+
+class LaunchedPlatform:
+    """`rlfleet up --detach` in `run_dir` with the rollout services; `down()` stops exactly what it started.
+
+    With `engine_url` the gateway gets that one engine (e.g. the scripted one) and the launcher starts
+    none; without, the launcher starts `engines` CPU engines serving `model_dir`.
+    """
+
+    SERVICES = ("sandbox-manager", "rollout-gateway", "session-server", "verifier")
+
+    def __init__(self, run_dir: Path, run_id: str, model_dir: Path, engine_url: str = "", engines: int = 1,
+                 services: tuple[str, ...] = SERVICES, overrides: dict[str, dict] | None = None,
+                 start_timeout_s: float = 120.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.start_timeout_s = start_timeout_s  # generous: shared CPUs make a cold start slow
+        self.run_id = run_id
+        self.model_dir = Path(model_dir)
+        self.engine_url = engine_url
+        self.engines = 0 if engine_url else engines
+        self.services = services
+        self.overrides = overrides or {}
+        self.info = None
+
+    def config_text(self) -> str:
+        from rlfleet.cli.platform_config import PlatformConfig
+
+        model = json.dumps(str(self.model_dir))
+        sections: dict[str, dict[str, str]] = {"session-server": {"tokenizer_path": model},
+                                               "verifier": {"tokenizer_path": model}}
+        if self.engine_url:
+            sections["rollout-gateway"] = {"engines": f'[{{engine_id = "e0", url = "{self.engine_url}"}}]'}
+        for service, values in self.overrides.items():
+            for key, value in values.items():
+                sections.setdefault(service, {})[key] = json.dumps(value)
+        lines = [f'run_id = "{self.run_id}"', f"run_dir = {json.dumps(str(self.run_dir))}",
+                 f"services = {json.dumps(list(self.services))}", 'log_format = "json"',
+                 f"start_timeout_s = {self.start_timeout_s}"]
+        if "engines" in PlatformConfig.model_fields:  # a launcher that starts CPU engines itself
+            lines += [f"engines = {self.engines}", f"model_path = {model}"]
+        for service, values in sections.items():
+            lines.append(f'[overrides."{service}"]')
+            lines.extend(f"{key} = {value}" for key, value in values.items())
+        return "\n".join(lines) + "\n"
+
+    def up(self, timeout_s: float = 300.0) -> LaunchedPlatform:
+        from rlfleet.envkit.run_dir import RunDir
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config = self.run_dir.parent / f"{self.run_dir.name}-platform.toml"
+        config.write_text(self.config_text())
+        result = subprocess.run([str(BIN / "rlfleet"), "up", "--detach", "--config", str(config)],
+                                capture_output=True, text=True, timeout=timeout_s)
+        if result.returncode != 0:
+            self.down()
+            raise RuntimeError(f"rlfleet up failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        self.info = RunDir.load(self.run_dir)
+        return self
+
+    def down(self) -> None:
+        if (self.run_dir / "platform.json").exists():
+            subprocess.run([str(BIN / "rlfleet"), "down", "--run-dir", str(self.run_dir)], capture_output=True,
+                           timeout=60)
+
+    def __enter__(self) -> LaunchedPlatform:
+        return self.up()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.down()
+
+
+if __name__ == "__main__":
+    main()

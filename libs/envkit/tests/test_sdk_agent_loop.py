@@ -1,0 +1,247 @@
+"""The agent loop's control flow, against in-memory stand-ins of the three services.
+
+The real services are exercised end to end in tests/integration/test_envkit_*.py; here each branch of
+the loop (limits, invalid calls, budgets, time limit, failures, cancellation) is pinned down quickly.
+"""
+
+import asyncio
+
+import grpc
+import pytest
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.api.sandbox.v1 import sandbox_pb2
+from rlfleet.api.session.v1 import session_pb2
+from rlfleet.envkit.sdk import AgentLoop, Backoff, EpisodeSpec, Superseded
+from rlfleet.envkit.sdk.errors import Backpressure, PeerUnavailable, RequestRejected
+from rlfleet.envkit.suites import calc
+from rlfleet.envkit.suites.calc_tool import evaluate_expression
+from rlfleet.envkit.tasks import task_message
+
+STOP = common_pb2.FINISH_REASON_STOP
+
+
+class FakeSession:
+    """Plays the policy's turns from a list; records the calls in order."""
+
+    def __init__(self, turns, log, *, delay_s=0.0, budget_after=None, refuse_opens=0):
+        self.turns = list(turns)
+        self.log = log
+        self.delay_s = delay_s
+        self.budget_after = budget_after
+        self.refuse_opens = refuse_opens
+        self.appended = []
+        self.state = session_pb2.SESSION_STATE_OPEN
+        self.generated = 0
+
+    async def open(self, request):
+        if self.refuse_opens:
+            self.refuse_opens -= 1
+            raise Backpressure("session", "OpenSession", grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        self.log.append("open")
+        return session_pb2.OpenSessionResponse(session_id=request.session_id, prompt_token_ids=[1, 7, 2, 8, 1, 9])
+
+    async def generate(self, session_id, sampling=None, timeout_s=None):
+        if self.state == session_pb2.SESSION_STATE_ABORTED:
+            raise RequestRejected("session", "Generate", grpc.StatusCode.FAILED_PRECONDITION, "aborted")
+        await asyncio.sleep(self.delay_s)
+        text = self.turns[min(self.generated, len(self.turns) - 1)]
+        self.generated += 1
+        self.log.append("generate")
+        return session_pb2.GenerateResponse(text=text, token_ids=[40, 2], finish_reason=STOP,
+                                            budget_exhausted=self.generated == self.budget_after)
+
+    async def append_text(self, session_id, text):
+        self.appended.append(text)
+        self.log.append("append")
+        return session_pb2.AppendObservationResponse()
+
+    async def get(self, session_id):
+        return session_pb2.Session(session_id=session_id, state=self.state)
+
+    async def close(self, session_id, status=common_pb2.TRAJECTORY_STATUS_COMPLETED, metadata=None):
+        self.log.append(("close", common_pb2.TrajectoryStatus.Name(status)))
+        self.state = session_pb2.SESSION_STATE_CLOSED
+        return session_pb2.CloseSessionResponse(trajectory_id="t-" + session_id)
+
+    async def abort(self, session_id, reason):
+        self.log.append(("abort", reason.split(":")[0]))
+        self.state = session_pb2.SESSION_STATE_ABORTED
+        return session_pb2.AbortSessionResponse(trajectory_id="a-" + session_id)
+
+
+class FakeSandbox:
+    """Runs the calculator in-process, as the sandbox would run its script."""
+
+    def __init__(self, log, fail_exec=None, killed=False):
+        self.log = log
+        self.fail_exec = fail_exec
+        self.killed = killed
+        self.execs = []
+
+    async def create(self, session_id="", labels=None, files=None, ttl_s=0.0):
+        self.log.append("create")
+        return sandbox_pb2.Sandbox(sandbox_id="sb-1")
+
+    async def exec(self, sandbox_id, argv, stdin=b"", timeout_s=0.0, cwd=""):
+        if self.fail_exec is not None:
+            raise self.fail_exec
+        self.execs.append(stdin)
+        if self.killed:
+            return sandbox_pb2.ExecResult(exit_code=-9, signal=9)
+        out = evaluate_expression(stdin if isinstance(stdin, str) else stdin.decode())
+        return sandbox_pb2.ExecResult(exit_code=1 if out.startswith("error:") else 0, stdout=(out + "\n").encode())
+
+    async def destroy(self, sandbox_id):
+        self.log.append("destroy")
+
+
+class FakeVerifier:
+    def __init__(self, log, fail=None):
+        self.log = log
+        self.fail = fail
+
+    async def verify(self, session_id, suite, task_id, sandbox_id=""):
+        self.log.append("verify")
+        if self.fail is not None:
+            raise self.fail
+        return common_pb2.Verdict(session_id=session_id, reward=1.0, passed=True)
+
+
+class FakeClients:
+    def __init__(self, turns, **options):
+        self.log = []
+        self.session = FakeSession(turns, self.log, **{k: v for k, v in options.items()
+                                                       if k in ("delay_s", "budget_after", "refuse_opens")})
+        self.sandbox = FakeSandbox(self.log, options.get("fail_exec"), options.get("killed", False))
+        self.verifier = FakeVerifier(self.log, options.get("fail_verify"))
+
+
+def spec(max_turns=3, timeout_s=30.0):
+    task = task_message(calc.make_task("2+3", 1), run_id="r1", group_size=1)
+    task.max_turns = max_turns
+    task.episode_timeout_s = timeout_s
+    return EpisodeSpec(task=task, session_id="calc-1-x-7-s0", group_id="calc-1-x-7")
+
+
+def run(clients, episode_spec=None, **options):
+    loop = AgentLoop(clients, admission=Backoff(0.001, 0.01, give_up_after_s=5.0), **options)
+    return asyncio.run(loop.run(episode_spec or spec()))
+
+
+def test_an_ideal_calc_episode_calls_the_tool_once_then_verifies_closes_and_destroys():
+    clients = FakeClients(["<calc>2+3</calc>", "<answer>5</answer>"])
+    summary = run(clients)
+    assert (summary.end, summary.turns, summary.tool_calls, summary.invalid_calls) == ("answer", 2, 1, 0)
+    assert summary.final_answer == "5" and summary.reward == 1.0 and summary.passed
+    assert summary.status == common_pb2.TRAJECTORY_STATUS_COMPLETED and summary.trajectory_id == "t-calc-1-x-7-s0"
+    assert clients.session.appended == ["\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"]
+    assert clients.log == ["open", "create", "generate", "append", "generate", "verify",
+                           ("close", "TRAJECTORY_STATUS_COMPLETED"), "destroy"]
+
+
+def test_invalid_calls_are_fed_back_as_error_observations_and_counted():
+    clients = FakeClients(["<calc>1+2", "<python>1</python>", "<calc>1/0</calc>", "<answer>3</answer>"])
+    summary = run(clients, spec(max_turns=3))
+    assert summary.invalid_calls == 3 and summary.tool_calls == 1 and summary.end == "answer"
+    observations = [text.split("\n")[2].removesuffix("<|im_end|>") for text in clients.session.appended]
+    assert observations == ["error: malformed tool call: <calc> is not closed by </calc>",
+                            "error: unknown tool 'python'; available: calc", "error: division by zero"]
+
+
+def test_a_call_beyond_max_turns_is_not_run_and_ends_the_episode_truncated():
+    clients = FakeClients(["<calc>1+1</calc>"])
+    summary = run(clients, spec(max_turns=1))
+    assert clients.sandbox.execs == ["1+1"]
+    assert (summary.turns, summary.tool_calls, summary.invalid_calls, summary.end) == (2, 1, 1, "turn_limit")
+    assert ("close", "TRAJECTORY_STATUS_TRUNCATED") in clients.log
+
+
+def test_a_call_beyond_max_turns_gets_the_limit_error_while_turns_remain():
+    clients = FakeClients(["<calc>1+1</calc>", "<calc>2+2</calc>", "<bad>", "<answer>4</answer>"])
+    summary = run(clients, spec(max_turns=1))
+    # turn 3 is malformed (does not count as a call); only max_turns + 1 = 2 turns are played anyway
+    assert summary.turns == 2 and summary.end == "turn_limit"
+
+
+def test_a_turn_without_a_tag_ends_the_episode_completed_without_an_answer():
+    summary = run(FakeClients(["I think it is 5."]))
+    assert summary.end == "no_action" and summary.final_answer is None
+    assert summary.status == common_pb2.TRAJECTORY_STATUS_COMPLETED
+
+
+def test_a_spent_token_budget_closes_the_session_truncated():
+    clients = FakeClients(["<calc>2+3</calc>"], budget_after=1)
+    summary = run(clients)
+    assert summary.end == "budget" and summary.turns == 1
+    assert ("close", "TRAJECTORY_STATUS_TRUNCATED") in clients.log
+
+
+def test_the_episode_time_limit_stops_the_turns_but_the_episode_is_still_verified_and_closed():
+    clients = FakeClients(["<calc>2+3</calc>"], delay_s=0.2)
+    summary = run(clients, spec(max_turns=10, timeout_s=0.5))
+    assert summary.end == "timeout" and summary.outcome == "timeout"
+    assert clients.log[-3:] == ["verify", ("close", "TRAJECTORY_STATUS_TRUNCATED"), "destroy"]
+
+
+def test_an_unreachable_sandbox_aborts_the_session_so_a_redelivery_runs_it_again():
+    unreachable = PeerUnavailable("sandbox", "Exec", grpc.StatusCode.UNAVAILABLE, "connection refused")
+    clients = FakeClients(["<calc>2+3</calc>"], fail_exec=unreachable)
+    summary = run(clients)
+    assert summary.status == common_pb2.TRAJECTORY_STATUS_ABORTED and summary.outcome == "error"
+    assert "connection refused" in summary.error and clients.log[-1] == "destroy"
+
+
+def test_a_calculator_killed_without_a_violation_is_an_environment_failure_not_an_invalid_call():
+    clients = FakeClients(["<calc>2+3</calc>"], killed=True)
+    summary = run(clients)
+    assert summary.invalid_calls == 0 and summary.outcome == "error" and "signal 9" in summary.error
+    assert summary.status == common_pb2.TRAJECTORY_STATUS_ABORTED  # so that a redelivery runs it again
+
+
+def test_a_rejected_request_closes_the_session_failed_so_it_is_never_trained_on():
+    rejected = RequestRejected("verifier", "Verify", grpc.StatusCode.INVALID_ARGUMENT, "bad task")
+    clients = FakeClients(["<answer>5</answer>"], fail_verify=rejected)
+    summary = run(clients)
+    assert summary.status == common_pb2.TRAJECTORY_STATUS_FAILED
+    assert ("close", "TRAJECTORY_STATUS_FAILED") in clients.log and clients.log[-1] == "destroy"
+
+
+def test_admission_refusals_are_retried_until_the_session_opens():
+    retries = []
+    clients = FakeClients(["<answer>5</answer>"], refuse_opens=2)
+    from rlfleet.envkit.sdk import EpisodeHooks
+
+    summary = run(clients, hooks=EpisodeHooks(on_admission_retry=retries.append))
+    assert len(retries) == 2 and summary.end == "answer"
+
+
+def test_cancelling_an_episode_aborts_its_session_and_destroys_its_sandbox():
+    clients = FakeClients(["<calc>2+3</calc>"], delay_s=5.0)
+
+    async def main():
+        loop = AgentLoop(clients)
+        task = asyncio.create_task(loop.run(spec()))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert clients.log[-2:] == [("abort", "cancelled"), "destroy"]
+
+
+def test_a_session_aborted_by_another_worker_raises_superseded_and_still_destroys_the_sandbox():
+    clients = FakeClients(["<calc>2+3</calc>"])
+    clients.session.state = session_pb2.SESSION_STATE_ABORTED
+    with pytest.raises(Superseded):
+        run(clients)
+    assert clients.log[-1] == "destroy" and not any(isinstance(e, tuple) for e in clients.log)
+
+
+def test_a_task_offering_a_tool_its_environment_cannot_run_fails_before_any_session():
+    episode = spec()
+    episode.task.tools.append("browser")
+    clients = FakeClients(["<answer>5</answer>"])
+    summary = run(clients, episode)
+    assert summary.outcome == "error" and "browser" in summary.error and "open" not in clients.log

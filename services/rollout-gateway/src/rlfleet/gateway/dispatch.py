@@ -1,0 +1,90 @@
+"""One generate call: route it, forward it to the engine, and retry once elsewhere if the engine fails.
+
+A failure is reported, never hidden: the engine is marked UNHEALTHY with the error, the reply says
+`rerouted=true` with the reason, and the reroute is counted. An engine that rejects the request
+(4xx) is not failing; its message goes back to the caller as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rlfleet.api.gateway.v1 import gateway_pb2
+from rlfleet.common.engine_client import EngineRejected, EngineUnavailable, GenerateResult
+from rlfleet.gateway.engine_io import generate_response, sampling_params, validate_input_ids
+from rlfleet.gateway.errors import EngineRejectedRequest, NoEngineAvailable
+from rlfleet.gateway.health import parse_version
+from rlfleet.gateway.metrics import GatewayMetrics
+from rlfleet.gateway.registry import EngineRecord, EngineRegistry
+from rlfleet.gateway.router import Route, Router
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(self, registry: EngineRegistry, router: Router, metrics: GatewayMetrics) -> None:
+        self.registry = registry
+        self.router = router
+        self.metrics = metrics
+
+    async def generate(self, request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateResponse:
+        params = sampling_params(request.sampling)
+        validate_input_ids(request.input_ids)
+        input_ids = list(request.input_ids)
+        route = await self.router.route(request.session_id, request.engine_pool)
+        if route.rerouted:
+            self._count_reroute(route, "unhealthy")
+        try:
+            result, latency = await self._forward(route.engine, input_ids, params, request)
+        except EngineUnavailable as first:
+            await self._engine_failed(route.engine, first)
+            reason = f"engine {route.engine.engine_id} failed: {first.message}"
+            try:
+                route = await self.router.reroute(request.session_id, route.engine, reason, request.engine_pool)
+            except NoEngineAvailable as none:
+                raise NoEngineAvailable(f"{reason}; {none.message}", tried=(route.engine.engine_id,)) from None
+            self._count_reroute(route, "failed")
+            try:
+                result, latency = await self._forward(route.engine, input_ids, params, request)
+            except EngineUnavailable as second:
+                await self._engine_failed(route.engine, second)
+                raise NoEngineAvailable(
+                    f"{reason}; the retry on engine {route.engine.engine_id} failed too: {second.message}",
+                    tried=(route.engine.engine_id,)) from None
+        await self.router.touch(request.session_id, route.engine.engine_id)
+        self._observe(route.engine, result)
+        return generate_response(result, route.engine.engine_id, latency, route.rerouted, route.reason)
+
+    async def _forward(self, engine: EngineRecord, input_ids: list[int], params: dict,
+                       request: gateway_pb2.GenerateRequest) -> tuple[GenerateResult, float]:
+        client = self.registry.client(engine)
+        self.registry.begin_request(engine.engine_id)
+        started = time.monotonic()
+        try:
+            result = await client.generate(input_ids, params, return_logprob=request.return_logprob,
+                                           rid=request.request_id or None)
+        except EngineRejected as exc:
+            raise EngineRejectedRequest(f"engine {engine.engine_id} rejected the request: {exc.message}",
+                                        engine_id=engine.engine_id, status=exc.status) from None
+        finally:
+            self.registry.end_request(engine.engine_id)
+        latency = time.monotonic() - started
+        self.metrics.generate_seconds.record(latency, {"engine_id": engine.engine_id})
+        return result, latency
+
+    async def _engine_failed(self, engine: EngineRecord, exc: EngineUnavailable) -> None:
+        log.warning("engine failed a generate call", extra={"engine_id": engine.engine_id, "error": exc.message})
+        self.metrics.engine_failures.add(1, {"engine_id": engine.engine_id})
+        await self.registry.mark_unhealthy(engine.engine_id, exc.message)
+
+    def _count_reroute(self, route: Route, cause: str) -> None:
+        log.info("session rerouted", extra={"engine_id": route.engine.engine_id, "reason": route.reason})
+        self.metrics.reroutes.add(1, {"cause": cause})
+
+    def _observe(self, engine: EngineRecord, result: GenerateResult) -> None:
+        self.metrics.generated_tokens.add(len(result.output_ids), {"engine_id": engine.engine_id})
+        # The reply carries the engine's version: fresher than the last probe, for staleness checks.
+        version = parse_version(result.weight_version)
+        if version >= 0:
+            engine.policy_version = version

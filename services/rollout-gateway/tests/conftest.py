@@ -1,0 +1,57 @@
+"""One tiny-model engine process for the gateway's tests (registered under several engine ids when a
+test needs more than one engine), and an in-process gateway per test on real Redis."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import redis.asyncio as aioredis
+
+from rlfleet.api.gateway.v1 import gateway_pb2_grpc
+from rlfleet.common.config import MetricsConfig, RedisConfig
+from rlfleet.common.grpc_server import GrpcServer, channel
+from rlfleet.common.testing import unique_run_id
+from rlfleet.engine.testing import EngineProcess
+from rlfleet.gateway.app import RolloutGatewayApp, build
+from rlfleet.gateway.config import EngineSpec, RolloutGatewayConfig
+from rlfleet.session.testing import tiny_model
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.getbasetemp() / "models")
+
+
+@pytest.fixture(scope="session")
+def engine_url(model_dir, tmp_path_factory):
+    process = EngineProcess(model_dir, tmp_path_factory.mktemp("gateway-engine"), weight_version="3").start()
+    yield process.url
+    process.stop()
+
+
+@dataclass
+class Gateway:
+    stub: gateway_pb2_grpc.GatewayServiceStub
+    app: RolloutGatewayApp
+    redis: aioredis.Redis
+    run_id: str
+    address: str
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(redis_url: str, engines: dict[str, str], run_id: str | None = None, **overrides):
+    config = RolloutGatewayConfig(
+        run_id=run_id or unique_run_id("gw"), redis=RedisConfig(url=redis_url), metrics=MetricsConfig(enabled=False),
+        engines=[EngineSpec(engine_id=e, url=url) for e, url in engines.items()], **overrides)
+    app = build(config)
+    server = GrpcServer(config.grpc)
+    await app.start(server)
+    port = await server.start()
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            yield Gateway(gateway_pb2_grpc.GatewayServiceStub(ch), app, app.redis, config.run_id, f"127.0.0.1:{port}")
+    finally:
+        await server.stop()
+        await app.stop()

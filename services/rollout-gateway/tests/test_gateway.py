@@ -1,0 +1,241 @@
+"""The gateway in-process over gRPC, against real Redis and a real CPU engine.
+
+Several engine ids can point at the one engine process: routing tells them apart by id. A dead
+engine is a URL nobody listens on; a hung one is a small HTTP server that never answers /generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+from aiohttp import web
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.api.gateway.v1 import gateway_pb2 as pb
+from rlfleet.common.redis_store import key
+
+from .conftest import running_gateway
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 40, 41, 42, 43]
+
+
+def generate(session_id: str = "", max_new_tokens: int = 4, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(session_id=session_id, input_ids=PROMPT, return_logprob=True,
+                              sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, seed=1, **sampling))
+
+
+def dead_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def engines_by_id(gateway) -> dict[str, pb.Engine]:
+    return {e.engine_id: e for e in (await gateway.stub.ListEngines(pb.ListEnginesRequest())).engines}
+
+
+async def test_generate_returns_tokens_logprobs_and_the_engines_policy_version(redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:
+        reply = await gateway.stub.Generate(generate("s1", max_new_tokens=6, ignore_eos=True))
+    assert len(reply.output_ids) == len(reply.output_logprobs) == 6
+    assert all(lp <= 0 for lp in reply.output_logprobs)
+    assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (reply.engine_id, reply.policy_version, reply.prompt_tokens) == ("e0", 3, len(PROMPT))
+    assert reply.latency_s > 0 and not reply.rerouted
+
+
+async def test_every_turn_of_a_session_goes_to_its_engine_and_new_sessions_spread_out(redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url, "e1": engine_url}) as gateway:
+        first = {s: (await gateway.stub.Generate(generate(s))).engine_id for s in ("a", "b", "c", "d")}
+        assert sorted(first.values()) == ["e0", "e0", "e1", "e1"]  # least loaded: two sessions each
+        for _turn in range(3):
+            for session_id, engine_id in first.items():
+                assert (await gateway.stub.Generate(generate(session_id))).engine_id == engine_id
+        listed = await engines_by_id(gateway)
+        assert listed["e0"].sessions == listed["e1"].sessions == 2
+        await gateway.stub.Release(pb.ReleaseRequest(session_id="a"))
+        assert (await engines_by_id(gateway))[first["a"]].sessions == 1
+
+
+async def test_a_failed_engine_is_marked_unhealthy_and_the_turn_is_rerouted_once(redis_url, engine_url):
+    dead = dead_url()
+    async with running_gateway(redis_url, {"live": engine_url, "dead": dead}, health_interval_s=60) as gateway:
+        # The dead engine passed its last probe and the session is affine to it: it dies before the next probe.
+        await gateway.redis.hset(key(gateway.run_id, "engine", "dead"), "healthy", "1")
+        await gateway.app.registry.refresh()
+        await gateway.redis.set(key(gateway.run_id, "affinity", "s"), "dead")
+        reply = await gateway.stub.Generate(generate("s"))
+        assert reply.rerouted and reply.engine_id == "live"
+        assert reply.reroute_reason.startswith("engine dead failed:") and "Connect" in reply.reroute_reason
+        dead_engine = (await engines_by_id(gateway))["dead"]
+        assert dead_engine.state == pb.ENGINE_STATE_UNHEALTHY and dead_engine.last_error
+        again = await gateway.stub.Generate(generate("s"))  # the new affinity holds
+        assert again.engine_id == "live" and not again.rerouted
+
+
+async def test_a_session_whose_engine_went_unhealthy_moves_with_the_reason(redis_url, engine_url):
+    async with running_gateway(redis_url, {"live": engine_url, "dead": dead_url()}) as gateway:
+        await gateway.redis.set(key(gateway.run_id, "affinity", "s"), "dead")  # the probe found it dead
+        reply = await gateway.stub.Generate(generate("s"))
+    assert reply.rerouted and reply.engine_id == "live"
+    assert reply.reroute_reason.startswith("engine dead is unhealthy:")
+
+
+async def test_no_engine_to_route_to_is_unavailable_with_a_clear_message(redis_url):
+    async with running_gateway(redis_url, {}) as gateway:
+        with pytest.raises(grpc.aio.AioRpcError) as none:
+            await gateway.stub.Generate(generate("s"))
+        await gateway.stub.RegisterEngine(pb.RegisterEngineRequest(engine_id="gone", url=dead_url()))
+        with pytest.raises(grpc.aio.AioRpcError) as dead:
+            await gateway.stub.Generate(generate("s"))
+    assert none.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no engine is registered with the gateway" in none.value.details()
+    assert dead.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "gone: unhealthy" in dead.value.details()
+
+
+async def test_an_engine_rejection_is_invalid_argument_with_the_engines_message(redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:
+        bad = generate("s")
+        bad.input_ids[:] = [1, 100_000]
+        with pytest.raises(grpc.aio.AioRpcError) as rejected:
+            await gateway.stub.Generate(bad)
+        with pytest.raises(grpc.aio.AioRpcError) as empty:
+            await gateway.stub.Generate(pb.GenerateRequest(session_id="s", sampling=common_pb2.SamplingParams(
+                max_new_tokens=2)))
+        with pytest.raises(grpc.aio.AioRpcError) as no_tokens:
+            await gateway.stub.Generate(generate("s", max_new_tokens=0))
+        assert (await engines_by_id(gateway))["e0"].state == pb.ENGINE_STATE_HEALTHY  # not the engine's fault
+    assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input_ids[1] = 100000 is outside the vocabulary" in rejected.value.details()
+    assert empty.value.code() == no_tokens.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input_ids is empty" in empty.value.details()
+    assert "max_new_tokens must be > 0" in no_tokens.value.details()
+
+
+async def test_pause_and_resume_answer_per_engine_and_show_in_the_registry(redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url, "dead": dead_url()}) as gateway:
+        paused = await gateway.stub.PauseEngines(pb.PauseEnginesRequest(mode=pb.PAUSE_MODE_RETRACT))
+        results = {r.engine_id: r for r in paused.results}
+        assert results["e0"].ok and not results["dead"].ok and results["dead"].message
+        assert (await engines_by_id(gateway))["e0"].state == pb.ENGINE_STATE_PAUSED
+        unknown = await gateway.stub.ResumeEngines(pb.ResumeEnginesRequest(engine_ids=["e0", "nope"]))
+        assert [(r.engine_id, r.ok) for r in unknown.results] == [("e0", True), ("nope", False)]
+        assert (await engines_by_id(gateway))["e0"].state == pb.ENGINE_STATE_HEALTHY
+        assert (await gateway.stub.Generate(generate("s"))).engine_id == "e0"  # it serves again
+
+
+async def test_registrations_are_shared_by_gateway_replicas_and_draining_takes_no_new_sessions(
+        redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url}) as first:
+        async with running_gateway(redis_url, {}, run_id=first.run_id) as second:
+            added = await second.stub.RegisterEngine(pb.RegisterEngineRequest(
+                engine_id="e1", url=engine_url, pool=pb.ENGINE_POOL_CANARY, labels={"zone": "a"}, start_draining=True))
+            assert (added.state, added.policy_version, added.pool) == (pb.ENGINE_STATE_DRAINING, 3,
+                                                                        pb.ENGINE_POOL_CANARY)
+            seen = await engines_by_id(first)
+            assert set(seen) == {"e0", "e1"} and seen["e1"].labels["zone"] == "a"
+            for session in ("a", "b", "c"):
+                assert (await first.stub.Generate(generate(session))).engine_id == "e0"
+            # A replica routes a session the way another one placed it.
+            assert (await second.stub.Generate(generate("a"))).engine_id == "e0"
+            await second.stub.RegisterEngine(pb.RegisterEngineRequest(engine_id="e1", url=engine_url))
+            assert (await engines_by_id(first))["e1"].state == pb.ENGINE_STATE_HEALTHY
+            await first.stub.DeregisterEngine(pb.DeregisterEngineRequest(engine_id="e1"))
+            assert set(await engines_by_id(second)) == {"e0"}
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await first.stub.DeregisterEngine(pb.DeregisterEngineRequest(engine_id="e1"))
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await first.stub.RegisterEngine(pb.RegisterEngineRequest(engine_id="x", url="127.0.0.1:1"))
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "url" in bad.value.details()
+
+
+async def test_admission_refuses_beyond_the_inflight_budget_and_a_release_frees_a_slot(redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url}, max_inflight_sessions=2, retry_after_ms=250) as gateway:
+        admit = [await gateway.stub.Admit(pb.AdmitRequest(session_id=s)) for s in ("a", "b", "c")]
+        assert [a.admitted for a in admit] == [True, True, False]
+        assert (admit[2].reason, admit[2].retry_after_ms) == ("inflight_limit", 250)
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="a"))).admitted  # a retried admit
+        await gateway.stub.Release(pb.ReleaseRequest(session_id="a"))
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="c"))).admitted
+        status = await gateway.stub.GetAdmissionStatus(pb.GetAdmissionStatusRequest())
+    assert (status.inflight_sessions, status.admitted_total, status.refused_total) == (2, 3, 1)
+    assert dict(status.refused_by_reason) == {"inflight_limit": 1}
+    assert status.policy.max_inflight_sessions == 2
+
+
+async def test_admission_refuses_new_sessions_while_the_fleet_is_too_stale(redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:  # the engine serves version 3
+        status = await gateway.stub.SetAdmissionPolicy(pb.AdmissionPolicy(trainer_version=6, max_staleness=2))
+        assert status.fleet_min_version == 3
+        refused = await gateway.stub.Admit(pb.AdmitRequest(session_id="s"))
+        assert not refused.admitted and refused.reason == "stale" and refused.retry_after_ms > 0
+        await gateway.stub.SetAdmissionPolicy(pb.AdmissionPolicy(trainer_version=5, max_staleness=2))
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="s"))).admitted
+        await gateway.stub.SetAdmissionPolicy(pb.AdmissionPolicy(trainer_version=50, max_staleness=-1))
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="t"))).admitted  # staleness off
+        status = await gateway.stub.GetAdmissionStatus(pb.GetAdmissionStatusRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as other_run:
+            await gateway.stub.Admit(pb.AdmitRequest(session_id="u", run_id="another-run"))
+    assert dict(status.refused_by_reason) == {"stale": 1}
+    assert other_run.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture
+async def hung_engine():
+    """Answers health and version, never finishes a /generate."""
+    async def version(request):
+        return web.json_response({"weight_version": "3"})
+
+    async def ok(request):
+        return web.json_response({})
+
+    async def hang(request):
+        await asyncio.sleep(3600)
+
+    app = web.Application()
+    app.router.add_get("/get_weight_version", version)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/get_load", ok)
+    app.router.add_post("/generate", hang)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    await runner.cleanup()
+
+
+async def test_a_hung_engine_times_out_and_the_turn_goes_elsewhere(redis_url, engine_url, hung_engine):
+    async with running_gateway(redis_url, {"hung": hung_engine, "live": engine_url}, generate_timeout_s=1.0,
+                               health_interval_s=60) as gateway:
+        await gateway.redis.set(key(gateway.run_id, "affinity", "s"), "hung")
+        reply = await gateway.stub.Generate(generate("s"))
+    assert reply.rerouted and reply.engine_id == "live"
+    assert "engine hung failed" in reply.reroute_reason and "Timeout" in reply.reroute_reason
+
+
+async def test_an_engine_can_be_drained_and_undrained_by_the_weight_broker(redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url, "e1": engine_url}) as gateway:
+        drained = await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(
+            engine_id="e1", state=pb.ENGINE_STATE_DRAINING, reason="catching up to v4"))
+        assert drained.state == pb.ENGINE_STATE_DRAINING
+        assert {(await gateway.stub.Generate(generate(s))).engine_id for s in "abcd"} == {"e0"}
+        back = await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(
+            engine_id="e1", state=pb.ENGINE_STATE_HEALTHY, policy_version=4))
+        assert (back.state, back.policy_version) == (pb.ENGINE_STATE_HEALTHY, 4)
+        assert (await gateway.stub.Generate(generate("e"))).engine_id == "e1"  # the least loaded again
+        with pytest.raises(grpc.aio.AioRpcError) as bad_state:
+            await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(
+                engine_id="e1", state=pb.ENGINE_STATE_PAUSED))
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(
+                engine_id="nope", state=pb.ENGINE_STATE_HEALTHY))
+    assert bad_state.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND

@@ -1,0 +1,102 @@
+"""Closing a session into one published Trajectory, exactly once however often the close is retried.
+
+The state machine, in Redis (see store.py):
+
+    OPEN --(build trajectory, compare-and-set)--> CLOSED|ABORTED + trajectory stored
+         --(publish, Nats-Msg-Id = trajectory_id)--> published=1
+         --(gateway Release)--> released=1
+
+The trajectory is built and stored before it is published, so a retry after a crash anywhere
+re-publishes the same bytes under the same ID (JetStream drops the duplicate inside its window, and
+`published` stops a retry after it) and answers the same trajectory_id with published_now=false.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.verdicts import load_verdict
+from rlfleet.session.errors import ConcurrentSessionCall, GatewayUnavailable, SessionNotOpen
+from rlfleet.session.gateway_client import GatewayClient
+from rlfleet.session.metrics import SessionMetrics
+from rlfleet.session.publisher import TrajectoryPublisher
+from rlfleet.session.state import ABORTED, CLOSED, OPEN, SessionState, build_trajectory
+from rlfleet.session.store import SessionStore
+
+log = logging.getLogger(__name__)
+ABORTED_STATUS = common_pb2.TRAJECTORY_STATUS_ABORTED
+
+
+@dataclass(frozen=True)
+class Closed:
+    trajectory: common_pb2.Trajectory
+    published_now: bool
+
+
+class Closer:
+    def __init__(self, store: SessionStore, redis: aioredis.Redis, publisher: TrajectoryPublisher,
+                 gateway: GatewayClient, metrics: SessionMetrics) -> None:
+        self.store = store
+        self.redis = redis
+        self.publisher = publisher
+        self.gateway = gateway
+        self.metrics = metrics
+
+    async def close(self, session_id: str, status: int, metadata: dict[str, str]) -> Closed:
+        """Closes (or, with status ABORTED, aborts) the session; a retry returns the first close's trajectory."""
+        for _attempt in range(5):
+            state = await self.store.load(session_id)
+            if state.session.state == OPEN:
+                try:
+                    trajectory = await self._seal(state, status, metadata)
+                except ConcurrentSessionCall:
+                    continue  # a turn or another close landed meanwhile: look again
+            else:
+                trajectory = self._sealed(state, aborting=status == ABORTED_STATUS)
+            return Closed(trajectory, await self._deliver(state, trajectory))
+        raise ConcurrentSessionCall(f"session {session_id!r} kept changing while it was being closed",
+                                    session_id=session_id)
+
+    async def _seal(self, state: SessionState, status: int, metadata: dict[str, str]) -> common_pb2.Trajectory:
+        verdict = await load_verdict(self.redis, state.session.run_id, state.session_id)
+        trajectory = build_trajectory(state, uuid.uuid4().hex, status, verdict, metadata)
+        state.session.state = ABORTED if trajectory.status == ABORTED_STATUS else CLOSED
+        state.session.trajectory_id = trajectory.trajectory_id
+        state.trajectory = trajectory.SerializeToString()
+        await self.store.commit(state)
+        return trajectory
+
+    def _sealed(self, state: SessionState, aborting: bool) -> common_pb2.Trajectory:
+        """The stored trajectory of a finished session, if this call asks for the same ending."""
+        was_aborted = state.session.state == ABORTED
+        if aborting != was_aborted:
+            asked = "abort" if aborting else "close"
+            raise SessionNotOpen(
+                f"cannot {asked} session {state.session_id!r}: it was already {state.state_name} "
+                f"(trajectory {state.session.trajectory_id})", session_id=state.session_id, state=state.state_name)
+        return common_pb2.Trajectory.FromString(state.trajectory)
+
+    async def _deliver(self, state: SessionState, trajectory: common_pb2.Trajectory) -> bool:
+        published_now = False
+        if not state.published:
+            published_now = await self.publisher.publish(trajectory)
+            await self.store.mark(state.session_id, "published")
+            if published_now:
+                status = common_pb2.TrajectoryStatus.Name(trajectory.status).removeprefix("TRAJECTORY_STATUS_")
+                self.metrics.trajectories.add(1, {"status": status.lower()})
+        if not state.released:
+            try:
+                await self.gateway.release(state.session_id)
+            except GatewayUnavailable as exc:
+                # The trajectory is safe; the admission slot is freed by the next close retry or the
+                # gateway's lease. Failing the close here would only make the client retry it.
+                log.warning("admission release failed", extra={"session_id": state.session_id, "error": exc.message})
+                self.metrics.release_failures.add(1)
+            else:
+                await self.store.mark(state.session_id, "released")
+        return published_now

@@ -1,0 +1,73 @@
+"""The session domain's errors.
+
+Each one also subclasses the shared kind it is (`rlfleet.common.errors`), so the servicer boundary
+maps it to a gRPC status without knowing about sessions. Fields are structured so that a caller (or
+a log query) never has to parse a message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlfleet.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    RlfleetError,
+    Unavailable,
+)
+
+
+class SessionError(RlfleetError):
+    """Base of every session error; `session_id` is set when the error concerns one session."""
+
+    def __init__(self, message: str, *, session_id: str | None = None, **details: Any) -> None:
+        super().__init__(message, session_id=session_id, **details)
+        self.session_id = session_id
+
+
+class InvalidSessionRequest(SessionError, InvalidArgument):
+    """The request is malformed; `field` names the offending input."""
+
+    def __init__(self, message: str, *, field: str, session_id: str | None = None, **details: Any) -> None:
+        super().__init__(message, session_id=session_id, field=field, **details)
+        self.field = field
+
+
+class SessionNotFound(SessionError, NotFound):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} not found (never opened, or expired)", session_id=session_id)
+
+
+class SessionNotOpen(SessionError, FailedPrecondition):
+    """The session is closed or aborted (`state`), or its budget is spent."""
+
+    def __init__(self, message: str, *, session_id: str, state: str) -> None:
+        super().__init__(message, session_id=session_id, state=state)
+        self.state = state
+
+
+class ConcurrentSessionCall(SessionError, FailedPrecondition):
+    """Another call changed the session while this one ran; this one's change was discarded."""
+
+
+class SessionsExhausted(SessionError, ResourceExhausted):
+    """No new session now: too many open here, or the gateway refused admission (`reason`)."""
+
+    def __init__(self, message: str, *, reason: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, reason=reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class GatewayUnavailable(SessionError, Unavailable):
+    """The gateway (or every engine behind it) cannot serve the call now."""
+
+
+class GatewayRejected(SessionError, InvalidArgument):
+    """The gateway or its engine found the request invalid; the message is theirs."""
+
+
+class PublishFailed(SessionError, Unavailable):
+    """JetStream did not acknowledge the trajectory; closing again publishes it (once)."""

@@ -1,0 +1,151 @@
+"""SessionService: the RPCs, each a few lines over the session server's components."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import grpc
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
+from rlfleet.session.closing import ABORTED_STATUS, Closer
+from rlfleet.session.errors import InvalidSessionRequest, SessionNotOpen, SessionsExhausted
+from rlfleet.session.gateway_client import GatewayClient
+from rlfleet.session.inputs import Inputs
+from rlfleet.session.metrics import SessionMetrics
+from rlfleet.session.state import OPEN, SessionState, append_generated, append_observation, append_prompt
+from rlfleet.session.store import SessionStore
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+CLOSE_STATUSES = set(common_pb2.TrajectoryStatus.values())
+
+
+class SessionServicer(session_pb2_grpc.SessionServiceServicer):
+    def __init__(self, run_id: str, store: SessionStore, inputs: Inputs, gateway: GatewayClient, closer: Closer,
+                 metrics: SessionMetrics) -> None:
+        self.run_id = run_id
+        self.store = store
+        self.inputs = inputs
+        self.gateway = gateway
+        self.closer = closer
+        self.metrics = metrics
+
+    async def OpenSession(self, request: session_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext):
+        session_id = _session_id(request.session_id) if request.session_id else uuid.uuid4().hex
+        self._check_run(request.run_id)
+        existing = await self.store.find(session_id)
+        if existing is not None:  # a retried open: same answer
+            return _opened(existing)
+        budget = self.inputs.budget(request.max_total_tokens)
+        prompt = self.inputs.prompt_ids(request, budget)
+        self.inputs.check_sampling_defaults(request.sampling, budget)
+        state = _new_state(session_id, self.run_id, request, budget, self.inputs.metadata(request.metadata))
+        append_prompt(state, prompt)
+        await self._admit(session_id)
+        try:
+            created = await self.store.create(state)
+        except SessionsExhausted:
+            await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
+            raise
+        if not created:  # opened concurrently under the same id
+            return _opened(await self.store.load(session_id))
+        self.metrics.sessions_opened.add(1)
+        return _opened(state)
+
+    async def Generate(self, request: session_pb2.GenerateRequest, context):
+        started = time.monotonic()
+        state = await self._open_session(request.session_id)
+        sampling = self.inputs.turn_sampling(state, request.sampling if request.HasField("sampling") else None)
+        request_id = f"{state.session_id}-{len(state.session.spans)}-{uuid.uuid4().hex[:8]}"
+        # `engine_pool` in the session's metadata pins it to a pool (evaluations of a canary candidate).
+        reply = await self.gateway.generate(state.session_id, state.session.token_ids, sampling, request_id,
+                                            state.session.metadata.get("engine_pool", ""))
+        span_index = append_generated(state, reply, time.time())
+        await self.store.commit(state)
+        text = self.inputs.tokenizer.decode(list(reply.output_ids))
+        elapsed = time.monotonic() - started
+        self.metrics.generate_seconds.record(elapsed)
+        self.metrics.overhead_seconds.record(max(0.0, elapsed - reply.latency_s))
+        self.metrics.generated_tokens.add(len(reply.output_ids))
+        return session_pb2.GenerateResponse(
+            token_ids=reply.output_ids, logprobs=reply.output_logprobs, finish_reason=reply.finish_reason,
+            policy_version=reply.policy_version, text=text, engine_id=reply.engine_id, span_index=span_index,
+            total_tokens=state.total_tokens, budget_exhausted=state.budget_exhausted)
+
+    async def AppendObservation(self, request: session_pb2.AppendObservationRequest, context):
+        state = await self._open_session(request.session_id)
+        ids = self.inputs.observation_ids(request, state)
+        span_index, waited = append_observation(state, ids, time.time())
+        await self.store.commit(state)
+        self.metrics.observation_tokens.add(len(ids))
+        return session_pb2.AppendObservationResponse(
+            token_ids=ids, span_index=span_index, total_tokens=state.total_tokens, tool_wait_s=waited,
+            budget_exhausted=state.budget_exhausted)
+
+    async def GetSession(self, request: session_pb2.GetSessionRequest, context):
+        return (await self.store.load(_session_id(request.session_id))).session
+
+    async def CloseSession(self, request: session_pb2.CloseSessionRequest, context):
+        if request.status not in CLOSE_STATUSES:
+            raise InvalidSessionRequest(f"unknown trajectory status {request.status}", field="status")
+        metadata = self.inputs.metadata(request.metadata)
+        closed = await self.closer.close(_session_id(request.session_id), request.status, metadata)
+        response = session_pb2.CloseSessionResponse(trajectory_id=closed.trajectory.trajectory_id,
+                                                    verdict=closed.trajectory.verdict,
+                                                    published_now=closed.published_now)
+        if request.return_trajectory:
+            response.trajectory.CopyFrom(closed.trajectory)
+        return response
+
+    async def AbortSession(self, request: session_pb2.AbortSessionRequest, context):
+        metadata = {"abort_reason": request.reason} if request.reason else {}
+        closed = await self.closer.close(_session_id(request.session_id), ABORTED_STATUS,
+                                         self.inputs.metadata(metadata, "reason"))
+        return session_pb2.AbortSessionResponse(trajectory_id=closed.trajectory.trajectory_id)
+
+    # --- helpers --------------------------------------------------------------------------------
+    async def _open_session(self, session_id: str) -> SessionState:
+        state = await self.store.load(_session_id(session_id))
+        if state.session.state != OPEN:
+            raise SessionNotOpen(
+                f"session {state.session_id!r} is {state.state_name} (trajectory {state.session.trajectory_id})",
+                session_id=state.session_id, state=state.state_name)
+        return state
+
+    async def _admit(self, session_id: str) -> None:
+        try:
+            await self.gateway.admit(session_id, self.run_id)
+        except SessionsExhausted as exc:
+            self.metrics.sessions_refused.add(1, {"reason": exc.reason})
+            raise
+
+    def _check_run(self, run_id: str) -> None:
+        if run_id and run_id != self.run_id:
+            raise InvalidSessionRequest(f"this session server serves run {self.run_id!r}, not {run_id!r}",
+                                        field="run_id")
+
+
+def _session_id(session_id: str) -> str:
+    if not SESSION_ID.match(session_id):
+        raise InvalidSessionRequest(
+            f"session_id must be 1-128 characters of letters, digits and _.:-, got {session_id!r}",
+            field="session_id")
+    return session_id
+
+
+def _new_state(session_id: str, run_id: str, request: session_pb2.OpenSessionRequest, budget: int,
+               metadata: dict[str, str]) -> SessionState:
+    session = session_pb2.Session(
+        session_id=session_id, state=OPEN, run_id=run_id, task_id=request.task_id, group_id=request.group_id,
+        sample_index=request.sample_index, max_total_tokens=budget, metadata=metadata)
+    return SessionState(session=session, sampling=request.sampling, group_size=request.group_size,
+                        suite=request.suite, split=request.split, opened_ms=int(time.time() * 1000))
+
+
+def _opened(state: SessionState) -> session_pb2.OpenSessionResponse:
+    prompt = state.session.spans[0]
+    return session_pb2.OpenSessionResponse(session_id=state.session_id,
+                                           prompt_token_ids=state.session.token_ids[prompt.start:prompt.end],
+                                           max_total_tokens=state.session.max_total_tokens)

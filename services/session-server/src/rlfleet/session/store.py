@@ -1,0 +1,111 @@
+"""Session state in Redis, so that any replica serves any session and a restart loses nothing.
+
+Redis layout (namespaced by run):
+
+    rlfleet:<run>:session:<session_id>   HASH  session (Session proto), sampling (SamplingParams proto),
+                                               info (JSON: timings, counters), rev, trajectory
+                                               (Trajectory proto, once closing), published, released
+    rlfleet:<run>:sessions:open          ZSET  session_id -> last change (unix s): the open-session limit
+
+Every change is a compare-and-set on `rev`: a call reads the session, does its work (e.g. a whole
+engine round trip) and writes back only if nobody changed the session meanwhile. Nothing is locked,
+so a server killed mid-call leaves nothing stuck; a concurrent second call on one session loses.
+Keys expire `session_ttl_s` after their last change.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from rlfleet.common.redis_store import key
+from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
+from rlfleet.session.state import SessionState
+
+# KEYS: session hash, open zset. ARGV: session_id, now, stale cutoff, max open, ttl, field/value pairs...
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'exists' end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[3])
+if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then return 'full' end
+redis.call('HSET', KEYS[1], 'rev', 1, unpack(ARGV, 6))
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return 'created'
+"""
+
+# KEYS: session hash, open zset. ARGV: expected rev, ttl, session_id, now, still open (1/0), field/value pairs...
+_COMMIT = """
+local rev = redis.call('HGET', KEYS[1], 'rev')
+if not rev then return -1 end
+if rev ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('HINCRBY', KEYS[1], 'rev', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+if ARGV[5] == '1' then
+  redis.call('ZADD', KEYS[2], 'XX', ARGV[4], ARGV[3])
+else
+  redis.call('ZREM', KEYS[2], ARGV[3])
+end
+return 1
+"""
+
+
+class SessionStore:
+    def __init__(self, redis: aioredis.Redis, run_id: str, ttl_s: float, max_open: int) -> None:
+        self.redis = redis
+        self.run_id = run_id
+        self.ttl_s = int(max(1, ttl_s))
+        self.max_open = max_open
+        self._open_key = key(run_id, "sessions", "open")
+        self._create = redis.register_script(_CREATE)
+        self._commit = redis.register_script(_COMMIT)
+
+    def _key(self, session_id: str) -> str:
+        return key(self.run_id, "session", session_id)
+
+    async def load(self, session_id: str) -> SessionState:
+        raw = await self.redis.hgetall(self._key(session_id))
+        if not raw:
+            raise SessionNotFound(session_id)
+        return SessionState.from_fields(raw)
+
+    async def find(self, session_id: str) -> SessionState | None:
+        raw = await self.redis.hgetall(self._key(session_id))
+        return SessionState.from_fields(raw) if raw else None
+
+    async def create(self, state: SessionState) -> bool:
+        """Stores a new open session; False when one with this id exists already (a retried open)."""
+        now = time.time()
+        args = [state.session_id, now, now - self.ttl_s, self.max_open, self.ttl_s, *_pairs(state.fields())]
+        outcome = (await self._create(keys=[self._key(state.session_id), self._open_key], args=args)).decode()
+        if outcome == "full":
+            raise SessionsExhausted(f"{self.max_open} sessions are open on this run (max_open_sessions); "
+                                    "close some or retry later", reason="max_open_sessions")
+        if outcome == "created":
+            state.rev = 1
+        return outcome == "created"
+
+    async def commit(self, state: SessionState) -> None:
+        """Writes the state if nobody changed it since it was loaded; raises ConcurrentSessionCall otherwise."""
+        still_open = "1" if not state.trajectory else "0"
+        args = [state.rev, self.ttl_s, state.session_id, time.time(), still_open, *_pairs(state.fields())]
+        result = await self._commit(keys=[self._key(state.session_id), self._open_key], args=args)
+        if result == -1:
+            raise SessionNotFound(state.session_id)
+        if result == 0:
+            raise ConcurrentSessionCall(
+                f"session {state.session_id!r} was changed by another call while this one ran; this call's "
+                "change was discarded (calls on one session must not overlap)", session_id=state.session_id)
+        state.rev += 1
+
+    async def mark(self, session_id: str, flag: str) -> None:
+        """Records a close step that needs no compare-and-set (published, released): it only ever goes 0 -> 1."""
+        await self.redis.hset(self._key(session_id), flag, "1")
+
+    async def open_count(self) -> int:
+        return await self.redis.zcount(self._open_key, time.time() - self.ttl_s, "+inf")
+
+
+def _pairs(fields: dict[str, bytes]) -> list[str | bytes]:
+    return [item for name, value in fields.items() for item in (name, value)]

@@ -1,0 +1,184 @@
+"""The learning core as the service drives it: one backend, run on one worker thread.
+
+Every torch call (load, step, checkpoint, export) and the weight-store write go through the same
+single thread, so torch always sees one caller and the asyncio loop stays free to serve gRPC,
+keep held messages alive and consume the next groups while a step runs.
+
+Under torchrun (WORLD_SIZE >= 2) rank 0 is the service: it consumes, groups, checkpoints and
+publishes, and before each collective operation it broadcasts the operation and its arguments
+(the whole batch of samples, a checkpoint path) to the other ranks, which run `follow`: no gRPC,
+no NATS, just the same calls on their shard (FSDP2). Checkpoint paths must be on a filesystem
+every rank sees (each rank writes its RNG state there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rlfleet.trainer.service_config import TrainerConfig
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """One thread for everything heavy."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-worker")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def model_limits(model_path: str) -> tuple[int, int]:
+    """(vocab size, max positions) from the model's config.json."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return int(text["vocab_size"]), int(text.get("max_position_embeddings") or 1 << 30)
+
+
+class LearnerCore:
+    """What every rank runs: the backend(s) and the collective operations, called by name."""
+
+    COMMANDS = ("train", "save_checkpoint", "load_checkpoint", "export", "noop", "close")
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.backend = None
+        self.reference = None
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size if self.backend is not None else 1
+
+    def load(self) -> None:
+        import torch
+        import transformers
+
+        from rlfleet.trainer.config import TorchBackendConfig
+        from rlfleet.trainer.torch_backend import TorchBackend
+
+        transformers.utils.logging.disable_progress_bar()  # no progress bars in JSON logs
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        b = self.config.backend
+        cfg = TorchBackendConfig(model_dir=self.config.model_path, attn_implementation=b.attn_implementation,
+                                 device=b.device, bf16=b.bf16, seed=b.seed, optim=self.config.optim,
+                                 batch=self.config.batch, value_head=self.config.loss.algorithm == "ppo")
+        self.backend = TorchBackend(cfg)  # under torchrun: joins the process group, shards the model
+        if self.config.loss.kl_coef > 0:
+            # The frozen starting policy, for the KL penalty; never stepped.
+            self.reference = TorchBackend(cfg.model_copy(update={"value_head": False}))
+
+    def train(self, samples: list[Any]) -> dict[str, float]:
+        from rlfleet.trainer.objectives import rl_step
+
+        start = time.perf_counter()
+        metrics = rl_step(self.backend, samples, self.config.loss, self.config.batch, reference=self.reference,
+                          recompute_old_logprobs=self.config.backend.recompute_old_logprobs)
+        metrics["rl_step_s"] = time.perf_counter() - start  # batch assembly, old log-probs, update
+        return metrics
+
+    def save_checkpoint(self, ckpt_dir: Path) -> None:
+        self.backend.save_checkpoint(ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: Path) -> None:
+        self.backend.load_checkpoint(ckpt_dir)
+
+    def export(self) -> dict[str, Any]:
+        """The policy's HF-named fp32 state dict (full on rank 0, empty elsewhere)."""
+        return self.backend.state_dict_for_export()
+
+    def noop(self) -> None:
+        """Keeps the followers' wait for the next command under the process group's timeout."""
+
+    def close(self) -> None:
+        for b in (self.backend, self.reference):
+            if b is not None:
+                b.close()
+
+
+def _broadcast_command(command: list[Any]) -> list[Any]:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(command, src=0)
+    return command
+
+
+def follow(config: TrainerConfig) -> None:
+    """Ranks >= 1 under torchrun: do what rank 0 (the service) says, collectively, until it says close."""
+    core = LearnerCore(config)
+    core.load()
+    while True:
+        name, args = _broadcast_command([None, None])
+        if name not in LearnerCore.COMMANDS:
+            raise RuntimeError(f"rank 0 sent an unknown command {name!r}")
+        getattr(core, name)(*args)
+        if name == "close":
+            log.info("rank %d: closed by rank 0", core.backend.rank)
+            return
+
+
+class Learner:
+    """The service's side (rank 0): every operation runs on the worker thread; under torchrun it is
+    first broadcast to the other ranks, which run it with the same arguments (see `follow`)."""
+
+    keep_alive_s = 60.0
+
+    def __init__(self, config: TrainerConfig, worker: Worker) -> None:
+        self.config = config
+        self.worker = worker
+        self.core = LearnerCore(config)
+
+    @property
+    def backend(self):
+        return self.core.backend
+
+    @property
+    def step(self) -> int:
+        return self.core.backend.step if self.core.backend is not None else 0
+
+    def run(self, name: str, *args: Any) -> Any:
+        """On the worker thread: tells the followers, then does it here."""
+        if self.core.world_size > 1:
+            _broadcast_command([name, args])
+        return getattr(self.core, name)(*args)
+
+    async def load(self) -> None:
+        await self.worker.call(self.core.load)
+
+    async def train(self, samples: Sequence[Any]) -> dict[str, float]:
+        return await self.worker.call(self.run, "train", list(samples))
+
+    def save_checkpoint(self, ckpt_dir: Path) -> None:
+        """On the worker thread (the Checkpointer calls it there)."""
+        self.run("save_checkpoint", ckpt_dir)
+
+    async def load_checkpoint(self, ckpt_dir: Path) -> None:
+        await self.worker.call(self.run, "load_checkpoint", ckpt_dir)
+
+    def export(self) -> dict[str, Any]:
+        """On the worker thread: the policy's HF-named fp32 state dict."""
+        return self.run("export")
+
+    async def keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self.keep_alive_s)
+            if self.core.world_size > 1:
+                await self.worker.call(self.run, "noop")
+
+    def close(self) -> None:
+        """On the worker thread; releases the followers too."""
+        if self.core.backend is not None:
+            self.run("close")

@@ -1,0 +1,253 @@
+"""The trainer's loop: consume → group → filter → batch → step → checkpoint → publish.
+
+Exactly once, from the model's point of view: a trajectory's message is acked only after a
+checkpoint that includes its training is durable. A crash before that loses the step on both sides
+(the weights and the ledger roll back to the checkpoint) while JetStream redelivers the messages,
+which are then trained again from the restored weights; a redelivery of anything the checkpoint
+already includes is acked and skipped. Version numbers only move forward (see publisher.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from rlfleet.trainer.checkpointer import Checkpointer, ServiceState
+from rlfleet.trainer.filters import GroupFilters
+from rlfleet.trainer.groups import GroupBuffer
+from rlfleet.trainer.intake import Intake, ReadyGroup
+from rlfleet.trainer.learner import Learner, Worker, model_limits
+from rlfleet.trainer.ledger import TrainedLedger
+from rlfleet.trainer.metrics import TrainerMetrics
+from rlfleet.trainer.publisher import VersionPublisher
+from rlfleet.trainer.service_config import TrainerConfig
+from rlfleet.trainer.validation import Candidate, Limits
+
+log = logging.getLogger(__name__)
+
+REPORTED = ("loss", "pg_loss", "entropy", "clip_frac", "approx_kl", "kl", "grad_norm", "logprob_gap_mean",
+            "logprob_gap_max", "tis_weight_mean", "tis_clip_frac", "reward_mean", "lr", "tokens",
+            "loss_tokens", "seqs", "step_time_s", "rl_step_s", "tokens_per_s", "value_loss", "skipped")
+
+
+class TrainerLoop:
+    def __init__(self, config: TrainerConfig, consumer: Any, store: Any, js: Any, worker: Worker) -> None:
+        self.config = config
+        self.consumer = consumer
+        self.store = store
+        self.worker = worker
+        self.learner = Learner(config, worker)
+        self.checkpointer = Checkpointer(config.checkpoint_dir(), config.checkpoint.keep)
+        self.publisher = VersionPublisher(store, js, config.run_id, worker)
+        self.metrics = TrainerMetrics()
+        self.ledger = TrainedLedger()
+        self.filters = GroupFilters(config.group_filter, config.max_staleness,
+                                    group_relative=config.loss.algorithm != "ppo")
+        self.intake = Intake(consumer, Limits(config.run_id, 0, 0), self.ledger,
+                             GroupBuffer(config.group_size, config.group_filter.timeout_s), self.filters,
+                             version=lambda: self.version, capacity=config.groups_per_step + config.prefetch_groups,
+                             heartbeat_s=config.consumer.ack_wait_s / 3, on_drop=self._dropped)
+        self.busy = asyncio.Lock()
+        self.version = 0
+        self.parent_version = -1
+        self.next_version = 1
+        self.state = "starting"
+        self.state_message = "loading the model"
+        self.last_metrics: dict[str, float] = {}
+        self.last_checkpoint = ""
+        self._started = 0.0
+        self._busy_s = 0.0
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        await self.restore()
+        async with self._background(self.intake.run(), self.intake.keep_alive(), self.learner.keep_alive()):
+            while True:
+                groups = await self._wait_for(self.config.groups_per_step)   # consume → group → filter
+                async with self._busy():
+                    if self.intake.paused:                                    # paused while we waited
+                        await self.intake.requeue(groups)
+                        continue
+                    samples = await self.fresh(groups)                        # staleness at this version
+                    if not samples:
+                        continue
+                    metrics = await self.learner.train([c.sample for c in samples])   # batch → step
+                    self.record(samples, metrics)
+                    if len(self.ledger.uncommitted) >= self.config.checkpoint.every:
+                        await self.checkpoint()                               # durable, then ack
+                    await self.publish(metrics)                               # v+1: store, then POLICY
+
+    async def restore(self) -> None:
+        """The latest checkpoint (weights, optimizer, ledger, version) or the starting model; then
+        makes sure the store and POLICY have the version the trainer holds."""
+        await self.learner.load()
+        vocab, max_tokens = model_limits(self.config.model_path)
+        self.intake.limits = Limits(self.config.run_id, vocab, max_tokens)
+        self.checkpointer.remove_temporaries()
+        restored = self.checkpointer.latest()
+        if restored is not None:
+            await self.learner.load_checkpoint(restored.path)
+            self.ledger = self.intake.ledger = restored.ledger
+            self.version, self.parent_version = restored.state.policy_version, restored.state.parent_version
+            self.intake.dropped_by_reason.update(restored.state.dropped_by_reason)
+            self.last_checkpoint = str(restored.path)
+            log.info("restored checkpoint %s: step %d, version %d, %d trajectories trained", restored.path,
+                     self.learner.step, self.version, self.ledger.trained_count)
+        await self._sync_versions()
+        self.metrics.version.set(self.version)
+        self.state, self.state_message = "running", ""
+        self._started = time.monotonic()
+
+    async def _sync_versions(self) -> None:
+        latest = self.store.latest_version()
+        if latest is None or latest < self.version:
+            # First start (version 0, the starting model), or a checkpoint whose version never reached the store.
+            await self.publisher.publish(self.version, -1 if latest is None else self.parent_version,
+                                         self.learner.export, self.learner.step, {})
+        elif latest == self.version:
+            announced = await self.publisher.last_announced()
+            if announced is None or announced < latest:
+                await self.publisher.announce(self.store.manifest(latest), self.parent_version, self.learner.step, {})
+        else:
+            log.warning("versions %d..%d were published after the last checkpoint and are abandoned; continuing "
+                        "from version %d", self.version + 1, latest, self.version)
+        self.next_version = max(latest if latest is not None else -1, self.version) + 1
+
+    async def fresh(self, groups: list[ReadyGroup]) -> list[Candidate]:
+        """The groups' members that are still fresh enough at the trainer's current version."""
+        samples = []
+        for group in groups:
+            screened = self.filters.screen_members(group.members, self.version)
+            await self.intake.drop(screened.dropped)
+            samples += screened.kept
+        return samples
+
+    def record(self, samples: list[Candidate], metrics: dict[str, float]) -> None:
+        staleness = [self.filters.staleness.of(c, self.version) for c in samples]
+        self.parent_version, self.version = self.version, self.next_version
+        self.next_version += 1
+        self.ledger.record(self.learner.step, self.version, [c.trajectory_id for c in samples])
+        self.last_metrics = {k: float(metrics[k]) for k in REPORTED if k in metrics}
+        self.last_metrics.update(staleness_mean=sum(staleness) / len(staleness), staleness_max=max(staleness),
+                                 samples=len(samples), groups=len({c.group_id for c in samples}))
+        self.metrics.step(metrics, staleness, len(samples))
+        self.metrics.version.set(self.version)
+        log.info("step %d -> version %d: %d samples, loss %.4f", self.learner.step, self.version, len(samples),
+                 self.last_metrics.get("loss", float("nan")),
+                 extra={"step": self.learner.step, "version": self.version,
+                        **{k: round(v, 6) for k, v in self.last_metrics.items()}})
+
+    async def checkpoint(self) -> Path:
+        """Writes a checkpoint of the current state; once it is durable, acks what it includes."""
+        start = time.monotonic()
+        state = ServiceState(self.config.run_id, self.learner.step, self.version, self.parent_version,
+                             self.ledger.trained_count, dict(self.intake.dropped_by_reason))
+        path = await self.worker.call(self.checkpointer.save, state, self.ledger.records(),
+                                      self.learner.save_checkpoint)
+        await self.intake.settle(self.ledger.commit())
+        self.last_checkpoint = str(path)
+        self.metrics.checkpoint_time.record(time.monotonic() - start)
+        return path
+
+    async def publish(self, metrics: dict[str, float]) -> None:
+        start = time.monotonic()
+        await self.publisher.publish(self.version, self.parent_version, self.learner.export, self.learner.step,
+                                     self.last_metrics)
+        self.metrics.publish_time.record(time.monotonic() - start)
+
+    # ------------------------------------------------------------ control (gRPC)
+
+    async def pause(self) -> None:
+        """Stops consuming; returns once a step in progress (with its checkpoint and publish) is done."""
+        await self.intake.pause()
+        async with self.busy:
+            pass
+
+    async def resume(self) -> None:
+        await self.intake.resume()
+
+    async def checkpoint_now(self) -> Path:
+        async with self._busy():
+            return await self.checkpoint()
+
+    async def shutdown(self, run: asyncio.Task) -> None:
+        """Stops consuming, lets a step in progress finish, checkpoints what no checkpoint has yet,
+        stops `run` (never inside a step) and hands the other held messages back for redelivery."""
+        await self.intake.pause()
+        async with self.busy:
+            if self.ledger.uncommitted and self.config.checkpoint.on_stop:
+                path = await self.checkpoint()
+                log.info("checkpoint on stop", extra={"path": str(path)})
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+        await self.intake.release()
+
+    # ------------------------------------------------------------ status
+
+    @property
+    def idle_fraction(self) -> float:
+        if not self._started:
+            return 0.0
+        active = time.monotonic() - self._started - self.intake.paused_s
+        return max(active - self._busy_s, 0.0) / active if active > 0 else 0.0
+
+    def describe(self) -> tuple[str, str]:
+        if self.state in ("starting", "failed"):
+            return self.state, self.state_message
+        if self.intake.paused:
+            return "paused", "consuming is paused (Resume to continue)"
+        if self.busy.locked():
+            return "training", f"step {self.learner.step + 1}"
+        need = self.config.groups_per_step
+        return "waiting_for_data", (f"waiting for {need} complete groups: {len(self.intake.ready)} ready, "
+                                    f"{len(self.intake.buffer)} incomplete")
+
+    def _dropped(self, reason: str, n: int) -> None:
+        self.metrics.dropped.add(n, {"reason": reason})
+
+    async def _wait_for(self, n: int) -> list[ReadyGroup]:
+        start, paused = time.monotonic(), self.intake.paused_s
+        groups = await self.intake.take(n)
+        self.metrics.wait.add(max(time.monotonic() - start - (self.intake.paused_s - paused), 0.0))
+        self.metrics.idle.set(self.idle_fraction)
+        self.metrics.pending_groups.set(len(self.intake.buffer))
+        return groups
+
+    @asynccontextmanager
+    async def _busy(self):
+        async with self.busy:
+            start = time.monotonic()
+            try:
+                yield
+            finally:
+                self._busy_s += time.monotonic() - start
+
+    @asynccontextmanager
+    async def _background(self, *coroutines):
+        """Runs helper tasks beside the loop; one that fails fails the loop (it is never left dead)."""
+        main = asyncio.current_task()
+        failures: list[BaseException] = []
+
+        def check(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())
+                main.cancel()
+
+        tasks = [asyncio.create_task(c) for c in coroutines]
+        for t in tasks:
+            t.add_done_callback(check)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if failures:
+                raise failures[0] from None
+            raise
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

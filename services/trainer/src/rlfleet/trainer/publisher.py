@@ -1,0 +1,90 @@
+"""Policy versions: weights to the weight store, then a `PolicyVersion` on POLICY.
+
+The store decides full vs delta (a full checkpoint every `full_every` versions, bf16 byte deltas
+in between) and writes each version atomically; full versions carry the starting model's config
+and tokenizer files so that engines and transformers load them as they are. The announcement's
+`Nats-Msg-Id` is `<run>-v<version>`, so a retried publish inside JetStream's duplicate window is
+dropped by the server.
+
+Version numbers are never reused: a version announced after the last checkpoint and then lost in
+a crash stays in the store (an engine may serve it), and the restarted trainer continues from the
+checkpoint's weights under the next free number, with `parent_version` naming the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.streams import publish, subject
+from rlfleet.trainer.learner import Worker
+
+log = logging.getLogger(__name__)
+
+FORMATS = {"full": common_pb2.WEIGHT_FORMAT_FULL, "delta": common_pb2.WEIGHT_FORMAT_DELTA}
+SERVED_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+ANNOUNCE_ATTEMPTS = 5
+
+
+class VersionPublisher:
+    def __init__(self, store: Any, js: Any, run_id: str, worker: Worker) -> None:
+        self.store = store
+        self.js = js
+        self.run_id = run_id
+        self.worker = worker
+
+    async def publish(self, version: int, parent: int, export: Callable[[], dict], step: int,
+                      metrics: dict[str, float]) -> common_pb2.PolicyVersion:
+        """Writes the weights `export()` returns (called on the worker thread) as `version` and announces it."""
+
+        def write() -> dict[str, Any]:
+            return self.store.write_version(version, export(), parent_version=parent if parent >= 0 else None)
+
+        manifest = await self.worker.call(write)
+        return await self.announce(manifest, parent, step, metrics)
+
+    async def announce(self, manifest: dict[str, Any], parent: int, step: int,
+                       metrics: dict[str, float]) -> common_pb2.PolicyVersion:
+        msg = self.policy_version(manifest, parent, step, metrics)
+        for attempt in range(1, ANNOUNCE_ATTEMPTS + 1):
+            try:
+                await publish(self.js, "POLICY", self.run_id, msg.SerializeToString(), msg_type="PolicyVersion",
+                              msg_id=f"{self.run_id}-v{msg.version}")
+                break
+            except (NatsError, TimeoutError) as exc:  # NATS reconnecting: retry; the message ID dedups
+                if attempt == ANNOUNCE_ATTEMPTS:
+                    raise
+                log.warning("announcing version %d failed (%s); retrying", msg.version, exc)
+                await asyncio.sleep(attempt)
+        log.info("published policy version %d (parent %d, %s, %d bytes)", msg.version, parent, manifest["kind"],
+                 manifest["bytes"], extra={"version": msg.version, "parent_version": parent})
+        return msg
+
+    def policy_version(self, manifest: dict[str, Any], parent: int, step: int,
+                       metrics: dict[str, float]) -> common_pb2.PolicyVersion:
+        delta = manifest["kind"] == "delta"
+        return common_pb2.PolicyVersion(
+            schema_version=common_pb2.SCHEMA_VERSION_1, run_id=self.run_id, version=manifest["version"],
+            parent_version=parent, format=FORMATS[manifest["kind"]],
+            base_version=manifest["base_version"] if delta else -1, uri=manifest["uri"],
+            full_uri=self.store.uri(manifest["full_version"]), checksum=manifest["checksum"],
+            num_bytes=manifest["bytes"], step=step, created_unix_ms=int(time.time() * 1000),
+            metrics={k: float(v) for k, v in metrics.items()},
+            served_dtype=SERVED_DTYPES.get(manifest["served_dtype"], manifest["served_dtype"]))
+
+    async def last_announced(self) -> int | None:
+        """The version of the run's newest announcement on POLICY, or None."""
+        try:
+            raw = await self.js.get_last_msg("POLICY", subject("POLICY", self.run_id))
+        except NotFoundError:
+            return None
+        msg = common_pb2.PolicyVersion()
+        msg.ParseFromString(raw.data)
+        return msg.version

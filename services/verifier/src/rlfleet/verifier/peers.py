@@ -1,0 +1,135 @@
+"""The verifier's peers over gRPC: the session server (episodes) and the sandbox manager (files, violations,
+a fresh sandbox for hidden tests). Their failures become our error kinds here, at the boundary."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import grpc
+
+from rlfleet.api.sandbox.v1 import sandbox_pb2 as sbx
+from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
+from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
+from rlfleet.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from rlfleet.common.grpc_server import channel
+from rlfleet.verifier.config import TestSandboxSection
+from rlfleet.verifier.kinds import TestRunRequest, TestRunResult, Violation
+
+log = logging.getLogger(__name__)
+
+
+def translate(exc: grpc.aio.AioRpcError, peer: str, what: str) -> Exception:
+    code, details = exc.code(), exc.details()
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(f"{what} not found ({peer}: {details})")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(f"{what}: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"{peer} is at capacity: {details}")
+    return Unavailable(f"{peer} failed on {what}: {code.name} {details}")
+
+
+class _Peer:
+    name = ""
+
+    def __init__(self, address: str, setting: str, timeout_s: float) -> None:
+        self.address = address
+        self.setting = setting
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+
+    def _open(self) -> grpc.aio.Channel:
+        if not self.address:
+            raise FailedPrecondition(f"this verifier has no {self.name} to ask: set {self.setting}")
+        if self._channel is None:
+            self._channel = channel(self.address)
+        return self._channel
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class SessionPeer(_Peer):
+    name = "session server"
+
+    async def session(self, session_id: str) -> session_pb2.Session:
+        stub = session_pb2_grpc.SessionServiceStub(self._open())
+        try:
+            return await stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, self.name, f"session {session_id!r}") from None
+
+
+class SandboxPeer(_Peer):
+    name = "sandbox manager"
+
+    def __init__(self, address: str, setting: str, timeout_s: float, tests: TestSandboxSection) -> None:
+        super().__init__(address, setting, timeout_s)
+        self.tests = tests
+
+    @property
+    def stub(self) -> sandbox_pb2_grpc.SandboxServiceStub:
+        return sandbox_pb2_grpc.SandboxServiceStub(self._open())
+
+    async def violations(self, sandbox_id: str) -> list[Violation]:
+        try:
+            box = await self.stub.GetSandbox(sbx.GetSandboxRequest(sandbox_id=sandbox_id), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, self.name, f"sandbox {sandbox_id!r}") from None
+        return [Violation(sbx.ViolationKind.Name(v.kind).removeprefix("VIOLATION_KIND_").lower(), v.message)
+                for v in box.violations]
+
+    async def read_files(self, sandbox_id: str, paths: Sequence[str]) -> dict[str, bytes]:
+        """The candidate files that exist in the policy's sandbox (missing ones are left out)."""
+        request = sbx.ReadFilesRequest(sandbox_id=sandbox_id, paths=list(paths),
+                                       max_bytes_per_file=self.tests.max_solution_bytes)
+        try:
+            reply = await self.stub.ReadFiles(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, self.name, f"files of sandbox {sandbox_id!r}") from None
+        return {f.path: f.content for f in reply.files}
+
+    async def run_tests(self, request: TestRunRequest, session_id: str = "") -> TestRunResult:
+        """Runs the hidden script in a fresh sandbox holding only it and the candidate's files, then destroys it."""
+        files = [sbx.File(path=path, content=_bytes(content)) for path, content in request.files.items()]
+        files.append(sbx.File(path=request.test_file, content=request.tests.encode()))
+        cpu = max(1.0, float(math.ceil(request.timeout_s)))
+        limits = sbx.Limits(cpu_seconds=cpu, wall_seconds=request.timeout_s, memory_bytes=self.tests.memory_bytes,
+                            max_processes=self.tests.max_processes, max_output_bytes=self.tests.max_output_bytes)
+        create = sbx.CreateSandboxRequest(files=files, limits=limits, ttl_seconds=request.timeout_s + 120,
+                                          labels={"purpose": "hidden-tests"}, session_id=session_id)
+        try:
+            box = await self.stub.CreateSandbox(create, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, self.name, "a sandbox for the hidden tests") from None
+        try:
+            result = await self.stub.Exec(sbx.ExecRequest(sandbox_id=box.sandbox_id, argv=["python3", request.test_file]),
+                                          timeout=request.timeout_s + self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, self.name, "the hidden tests' run") from None
+        finally:
+            await self._destroy(box.sandbox_id)
+        output = (result.stdout + result.stderr).decode("utf-8", "replace")
+        timed_out = any(v.kind == sbx.VIOLATION_KIND_TIMEOUT for v in result.violations)
+        return TestRunResult(exit_code=result.exit_code, output=output, timed_out=timed_out)
+
+
+    async def _destroy(self, sandbox_id: str) -> None:
+        try:
+            await self.stub.DestroySandbox(sbx.DestroySandboxRequest(sandbox_id=sandbox_id), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:  # its TTL reaps it; the verdict does not depend on this
+            log.warning("could not destroy the hidden tests' sandbox %s: %s", sandbox_id, exc.details())
+
+
+def _bytes(content: bytes | str) -> bytes:
+    return content.encode() if isinstance(content, str) else bytes(content)
+

@@ -1,0 +1,549 @@
+"""The broker: version announcements in, pool targets out, and a reconcile loop that makes every
+engine serve its pool's target.
+
+    announce(v)  -> registry: ANNOUNCED; sync policy: canary target = v (older waiting: SKIPPED)
+    reconcile    -> each engine: get_weight_version; behind its pool's target -> Rollout.sync
+                    a canary engine serves v -> CANARY (auto_promote: ACCEPTED, fleet target = v)
+    Promote(v)   -> v must be CANARY: ACCEPTED, fleet target = v
+    Rollback()   -> both targets = the newest ACCEPTED version older than the current one;
+                    newer accepted versions ROLLED_BACK, newer canary versions REJECTED
+
+Targets are level-triggered: a change only updates the registry and wakes the loop, so an engine
+that was down, a new engine, or a restarted broker converge the same way. An engine the broker is
+updating is `busy` and skipped by other rounds. A version no engine can load in full (the store
+cannot rebuild it exactly) is REJECTED and its pool falls back to the previous good version; an
+engine that cannot load a version other engines serve is left alone for `RETRY_REFUSED_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from rlfleet.api.broker.v1 import broker_pb2
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.broker.config import WeightBrokerConfig
+from rlfleet.broker.errors import BadAnnouncement, NothingToRollBackTo, NotPromotable, UnknownVersion
+from rlfleet.broker.metrics import BrokerMetrics
+from rlfleet.broker.policy import SyncPolicy
+from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
+from rlfleet.broker.registry import State, Targets, VersionRegistry, now_ms, state_name
+from rlfleet.broker.rollout import Rollout, SyncResult
+from rlfleet.broker.transports import BroadcastPlan, Distributed, UpdateOutcome, VersionInfo
+from rlfleet.common.engine_client import EngineError
+from rlfleet.weights import DirectoryWeightStore, PathOutsideStore, VersionNotFound, WeightStoreError
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = {
+    "disk_full": broker_pb2.TRANSPORT_DISK_FULL,
+    "disk_delta": broker_pb2.TRANSPORT_DISK_DELTA,
+    "distributed": broker_pb2.TRANSPORT_DISTRIBUTED,
+}
+RETRY_REFUSED_S = 30.0
+SERVED = {State.VERSION_STATE_CANARY, State.VERSION_STATE_ACCEPTED}
+
+
+def parse_version(weight_version: str) -> int | None:
+    try:
+        return int(weight_version)
+    except ValueError:
+        return None
+
+
+class Broker:
+    def __init__(
+        self,
+        config: WeightBrokerConfig,
+        registry: VersionRegistry,
+        store: DirectoryWeightStore,
+        pools: Pools,
+        gateway: GatewayLink | None,
+        metrics: BrokerMetrics,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.store = store
+        self.pools = pools
+        self.gateway = gateway
+        self.metrics = metrics
+        self.policy = SyncPolicy(config.sync)
+        self.rollout = Rollout(store, pools, gateway, metrics, config.sync)
+        self._lock = asyncio.Lock()  # targets and version states
+        self._busy: set[str] = set()  # engines being updated
+        self._refused: dict[str, tuple[int, float]] = {}  # engine -> (version it refused, retry after)
+        self._counts: dict[str, tuple[int, int]] = {}  # engine -> (updates, fallbacks) since start
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no engine is busy
+        self._idle.set()
+        self._rounds_allowed = asyncio.Event()  # cleared while a broadcast is being set up
+        self._rounds_allowed.set()
+        self._holds = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+
+    # --- life -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._reconcile_loop(), name="broker-reconcile")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # --- announcements --------------------------------------------------------------------------
+    def _validate(self, pv: common_pb2.PolicyVersion) -> int:
+        if pv.schema_version != common_pb2.SCHEMA_VERSION_1:
+            raise BadAnnouncement(f"PolicyVersion schema_version {pv.schema_version} is not supported (want 1)")
+        if pv.run_id and pv.run_id != self.config.run_id:
+            raise BadAnnouncement(f"PolicyVersion of run {pv.run_id!r} sent to the broker of run {self.config.run_id!r}")
+        if pv.version < 0:
+            raise BadAnnouncement(f"version {pv.version} is negative")
+        for name, uri in (("uri", pv.uri or str(self.store.path(pv.version))), ("full_uri", pv.full_uri)):
+            if not uri:
+                continue
+            try:
+                named = self.store.version_from_uri(uri)
+            except PathOutsideStore as exc:
+                raise BadAnnouncement(f"{name}: {exc}") from None
+            except VersionNotFound as exc:
+                raise BadAnnouncement(f"{name}: {exc}") from None
+            if name == "uri" and named != pv.version:
+                raise BadAnnouncement(f"uri {uri!r} names version {named}, not {pv.version}")
+        try:
+            self.store.index(pv.version)
+        except VersionNotFound as exc:
+            raise UnknownVersion(pv.version, f"not in the weight store ({exc})") from None
+        except WeightStoreError as exc:
+            raise BadAnnouncement(f"version {pv.version} in the store is unreadable: {exc}") from None
+        return pv.version
+
+    async def announce(self, pv: common_pb2.PolicyVersion) -> int:
+        """Records a version (idempotent) and applies the sync policy; returns its state."""
+        version = await asyncio.to_thread(self._validate, pv)
+        async with self._lock:
+            record = await self.registry.get(version)
+            if record is None:
+                stored = common_pb2.PolicyVersion()
+                stored.CopyFrom(pv)
+                stored.run_id = self.config.run_id
+                stored.uri = stored.uri or self.store.uri(version)
+                record = broker_pb2.VersionRecord(
+                    version=stored, state=State.VERSION_STATE_ANNOUNCED, announced_unix_ms=now_ms()
+                )
+                await self.registry.put(record)
+                targets = await self.registry.targets()
+                await self.registry.set_targets(latest=max(version, targets.latest or version))
+                log.info("version %d announced", version)
+            if self.policy.transport != "distributed":
+                await self._apply_policy()
+            record = await self.registry.get(version)
+        self.wake()
+        return record.state  # type: ignore[union-attr]
+
+    async def _waiting(self, targets: Targets) -> dict[int, int]:
+        """ANNOUNCED versions not yet made a target -> announce time."""
+        records = await self.registry.records(await self.registry.versions())
+        return {
+            r.version.version: r.announced_unix_ms
+            for r in records
+            if r.state == State.VERSION_STATE_ANNOUNCED and r.version.version != targets.canary
+        }
+
+    async def _apply_policy(self, only: int | None = None) -> int | None:
+        """Under the lock: makes the policy's choice the canary target; returns it. With `only`,
+        nothing happens unless the choice is that version."""
+        targets = await self.registry.targets()
+        decision = self.policy.decide(targets.last_synced, await self._waiting(targets), now_ms())
+        if only is not None and decision.version != only:
+            return None
+        for version in decision.skipped:
+            await self._set_state(version, State.VERSION_STATE_SKIPPED, "passed over by the sync policy")
+        if decision.version is None:
+            return None
+        if targets.canary is not None:
+            # A canary target that no canary engine served yet is superseded.
+            await self._set_state(targets.canary, State.VERSION_STATE_SKIPPED,
+                                  f"superseded by {decision.version} before the canary served it",
+                                  only_from={State.VERSION_STATE_ANNOUNCED})  # fmt: skip
+        await self.registry.set_targets(canary=decision.version, last_synced=decision.version)
+        log.info("version %d -> canary pool (%s)", decision.version, decision.reason)
+        if self.config.auto_promote and not self.pools.members("canary"):
+            await self._accept(decision.version, "auto_promote (no canary engines)")
+        return decision.version
+
+    async def _set_state(self, version: int, state: int, reason: str, only_from: set[int] | None = None) -> None:
+        record = await self.registry.get(version)
+        if record is not None and (only_from is None or record.state in only_from):
+            await self.registry.set_state(record, state, reason)
+
+    async def _accept(self, version: int, reason: str) -> None:
+        await self._set_state(version, State.VERSION_STATE_ACCEPTED, reason)
+        await self.registry.set_targets(fleet=version)
+        log.info("version %d accepted: %s", version, reason)
+
+    # --- promotion and rollback -----------------------------------------------------------------
+    async def promote(self, version: int, reason: str) -> int:
+        async with self._lock:
+            record = await self.registry.get(version)
+            if record is None:
+                raise UnknownVersion(version)
+            targets = await self.registry.targets()
+            if record.state == State.VERSION_STATE_ACCEPTED and targets.fleet == version:
+                return version
+            if record.state != State.VERSION_STATE_CANARY:
+                raise NotPromotable(
+                    f"version {version} is {state_name(record.state)}: only a version the canary pool "
+                    "served (CANARY) can be promoted"
+                )
+            if targets.fleet is not None and version < targets.fleet:
+                raise NotPromotable(f"version {version} is older than the accepted {targets.fleet}; use Rollback")
+            await self._accept(version, reason or "promoted")
+        self.wake()
+        return version
+
+    async def rollback(self, to_version: int, reason: str) -> int:
+        reason = reason or "rollback"
+        async with self._lock:
+            targets = await self.registry.targets()
+            current = max((v for v in (targets.canary, targets.fleet) if v is not None), default=None)
+            if to_version:
+                record = await self.registry.get(to_version)
+                if record is None:
+                    raise UnknownVersion(to_version)
+                if record.state != State.VERSION_STATE_ACCEPTED:
+                    raise NothingToRollBackTo(
+                        f"version {to_version} is {state_name(record.state)}; only an accepted version can be "
+                        "rolled back to"
+                    )
+                target = to_version
+            else:
+                target = None if current is None else await self.registry.newest_in_state(
+                    {State.VERSION_STATE_ACCEPTED}, below=current)  # fmt: skip
+                if target is None:
+                    raise NothingToRollBackTo(
+                        "nothing accepted to roll back to" if current is None
+                        else f"nothing accepted to roll back to: no accepted version older than the current {current}"
+                    )  # fmt: skip
+            if current is not None and current > target:
+                for record in await self.registry.records(await self.registry.versions(target + 1, current)):
+                    if record.state == State.VERSION_STATE_ACCEPTED:
+                        await self.registry.set_state(record, State.VERSION_STATE_ROLLED_BACK, reason)
+                    elif record.state in (State.VERSION_STATE_CANARY, State.VERSION_STATE_ANNOUNCED):
+                        await self.registry.set_state(record, State.VERSION_STATE_REJECTED, reason)
+            await self.registry.set_targets(canary=target, fleet=target)
+            log.info("rolled back to version %d: %s", target, reason)
+        self.wake()
+        return target
+
+    # --- the distributed transport --------------------------------------------------------------
+    async def start_distributed(
+        self, request: broker_pb2.StartDistributedSyncRequest
+    ) -> broker_pb2.StartDistributedSyncResponse:
+        version = request.version.version
+        state = await self.announce(request.version)
+        if self.policy.transport != "distributed":
+            raise NotPromotable(f"the broker's transport is {self.policy.transport}, not distributed")
+        if not request.master_address or not request.master_port or not request.tensors:
+            raise BadAnnouncement("StartDistributedSync needs master_address, master_port and tensors")
+        # No reconcile round may take engines while the broadcast is set up; one under way may finish.
+        self._hold_rounds(True)
+        try:
+            await self._wait_idle(5.0)
+            async with self._lock:
+                chosen = await self._apply_policy(only=version)
+                if chosen is None:
+                    record = await self.registry.get(version)
+                    return broker_pb2.StartDistributedSyncResponse(world_size=1, state=record.state)  # type: ignore[union-attr]
+                if self.config.auto_promote:
+                    await self._accept(version, "auto_promote (broadcast to every pool)")
+                pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
+                await self.pools.refresh()
+                candidates = [e for p in pools for e in self.pools.members(p) if e.engine_id not in self._busy]
+                up = await asyncio.gather(*(self._reachable(e) for e in candidates))
+                engines = [e for e, ok in zip(candidates, up, strict=True) if ok]
+                self._claim(e.engine_id for e in engines)
+                state = (await self.registry.get(version)).state  # type: ignore[union-attr]
+        finally:
+            self._hold_rounds(False)
+        plan = BroadcastPlan(
+            request.master_address, request.master_port,
+            f"rlfleet-{self.config.run_id}-v{version}-{uuid.uuid4().hex[:6]}", request.backend or "gloo",
+            [t.name for t in request.tensors], [t.dtype for t in request.tensors],
+            [list(t.shape) for t in request.tensors],
+        )  # fmt: skip
+        if engines:
+            self._spawn(self._broadcast(engines, plan, version))
+        return broker_pb2.StartDistributedSyncResponse(
+            group_name=plan.group_name, world_size=len(engines) + 1 if engines else 1,
+            engine_ids=[e.engine_id for e in engines], state=state,
+        )  # fmt: skip
+
+    def _hold_rounds(self, hold: bool) -> None:
+        self._holds += 1 if hold else -1
+        if self._holds:
+            self._rounds_allowed.clear()
+        else:
+            self._rounds_allowed.set()
+
+    async def _wait_idle(self, within_s: float) -> None:
+        """Lets a reconcile round that holds engines finish (it is short unless it is loading weights)."""
+        if self._busy:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), within_s)
+
+    def _claim(self, engine_ids) -> None:
+        self._busy.update(engine_ids)
+        if self._busy:
+            self._idle.clear()
+
+    def _release(self, engine_ids) -> None:
+        self._busy.difference_update(engine_ids)
+        if not self._busy:
+            self._idle.set()
+
+    async def _reachable(self, engine: EngineRef) -> bool:
+        try:
+            await asyncio.wait_for(self.pools.client(engine).weight_version(), 5.0)
+        except (EngineError, TimeoutError):
+            return False
+        return True
+
+    async def _broadcast(self, engines: list[EngineRef], plan: BroadcastPlan, version: int) -> None:
+        try:
+            info = await asyncio.to_thread(VersionInfo.from_store, self.store, version)
+            outcomes = await Distributed(self.pools, plan).update(engines, info)
+            for engine, outcome in zip(engines, outcomes, strict=True):
+                self.metrics.record(outcome)
+                result = SyncResult(engine.engine_id, version, [outcome], version if outcome.ok else None)
+                await self._record_engine(engine, result, version)
+        finally:
+            self._release(e.engine_id for e in engines)
+        await self._advance()
+        self.wake()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- reconcile ------------------------------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                await self.reconcile_once()
+            except Exception:
+                log.exception("reconcile round failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval_s)
+
+    async def reconcile_once(self) -> None:
+        engines = await self.pools.refresh()
+        await self.registry.forget_engines(e.engine_id for e in engines)
+        if self.policy.transport != "distributed" and self.policy.max_lag_ms:
+            async with self._lock:
+                await self._apply_policy()
+        await self._rounds_allowed.wait()
+        targets = await self.registry.targets()
+        known = await self.registry.engines()
+        drained = await self.registry.drained()
+        await self._rounds_allowed.wait()
+        todo = [e for e in engines if e.engine_id not in self._busy]
+        self._claim(e.engine_id for e in todo)
+        try:
+            await asyncio.gather(*(
+                self._converge(e, targets.for_pool(e.pool), e.engine_id not in known, e.engine_id in drained)
+                for e in todo
+            ))  # fmt: skip
+        finally:
+            self._release(e.engine_id for e in todo)
+        await self._advance()
+
+    async def _converge(self, engine: EngineRef, target: int | None, new: bool, drained: bool) -> None:
+        """Brings one engine to `target` (or just records what it serves when there is none)."""
+        try:
+            current_text = await self.pools.client(engine).weight_version()
+        except EngineError as exc:
+            await self._record_engine(engine, SyncResult(engine.engine_id, target or -1), target, down=str(exc))
+            return
+        current = parse_version(current_text)
+        if current is not None and current == target and not await self._same_run(engine, current):
+            current = None  # the same number, of another run's store
+        if target is None or current == target:
+            await self._record_engine(engine, SyncResult(engine.engine_id, target or -1, serving=current), target)
+            if target is not None and engine.draining and (drained or new):
+                await self._undrain(engine, target)
+            elif drained and engine.gateway_state == "healthy":
+                await self.registry.mark_drained(engine.engine_id, False)  # un-drained by someone else
+            return
+        refused = self._refused.get(engine.engine_id)
+        if refused and refused[0] == target and time.monotonic() < refused[1]:
+            return
+        if self.gateway is not None and self.config.sync.drain_stale_engines and not drained:
+            drained = await self._drain_for_catch_up(engine, current_text, target, new)
+        log.info("engine %s: %s -> %d", engine.engine_id, current_text, target)
+        await self._record_engine(engine, SyncResult(engine.engine_id, target, serving=current), target,
+                                  syncing=True)  # fmt: skip
+        result = await self.rollout.sync(engine, current, target)
+        await self._record_engine(engine, result, target)
+        if result.ok:
+            self._refused.pop(engine.engine_id, None)
+            if drained:
+                await self._undrain(engine, target)
+        elif result.full_refused:
+            await self._full_refused(engine, target, result.last)  # type: ignore[arg-type]
+
+    async def _drain_for_catch_up(self, engine: EngineRef, current_text: str, target: int, new: bool) -> bool:
+        """Whether the broker un-drains this engine once it serves its target: a new engine, or one on
+        weights that are no version of this run (restarted), is kept out of traffic until then. One an
+        operator drained (known to the broker, on a version of this run) is left as it is."""
+        if not (new or parse_version(current_text) is None):
+            return False
+        if not engine.draining:
+            reason = f"catching up from weights {current_text!r} to version {target}"
+            if not await self.gateway.set_draining(engine.engine_id, True, reason):  # type: ignore[union-attr]
+                if not new:
+                    return False
+        await self.registry.mark_drained(engine.engine_id, True)
+        return True
+
+    async def _same_run(self, engine: EngineRef, version: int) -> bool:
+        """Whether an engine reporting `version` holds this run's version rather than the same number of
+        another run: the CPU engine names the store directory it loaded (`weight_store_path`). Engines
+        that name none (SGLang; weights that came by broadcast) are taken at their word."""
+        try:
+            path = (await self.pools.client(engine).model_info()).get("weight_store_path")
+        except EngineError:
+            return True  # judged on the next round
+        # Compared by run and version directory names: engines may mount the store elsewhere.
+        return not path or Path(path).parts[-2:] == self.store.path(version).parts[-2:]
+
+    async def _undrain(self, engine: EngineRef, version: int) -> None:
+        if self.gateway is not None and await self.gateway.set_draining(
+            engine.engine_id, False, f"serves version {version}", version
+        ):
+            await self.registry.mark_drained(engine.engine_id, False)
+            log.info("engine %s serves %d: back to HEALTHY", engine.engine_id, version)
+
+    async def _full_refused(self, engine: EngineRef, version: int, outcome: UpdateOutcome) -> None:
+        """No engine serves the version and one could not load it in full: the store cannot give the
+        trainer's weights, so the version is rejected and its pools fall back. If other engines serve
+        it, this engine is the problem: it is left alone for a while."""
+        self._refused[engine.engine_id] = (version, time.monotonic() + RETRY_REFUSED_S)
+        serving = [r for r in (await self.registry.engines()).values() if r.policy_version == version]
+        if serving:
+            log.error("engine %s cannot load version %d that %d engines serve: %s",
+                      engine.engine_id, version, len(serving), outcome.message)  # fmt: skip
+            return
+        async with self._lock:
+            record = await self.registry.get(version)
+            if record is None or record.state in (State.VERSION_STATE_REJECTED, State.VERSION_STATE_ROLLED_BACK):
+                return
+            await self.registry.set_state(
+                record, State.VERSION_STATE_REJECTED, f"engine {engine.engine_id} cannot load it: {outcome.message}"
+            )
+            targets = await self.registry.targets()
+            changes: dict[str, int | None] = {}
+            if targets.fleet == version:
+                changes["fleet"] = await self.registry.newest_in_state({State.VERSION_STATE_ACCEPTED}, below=version)
+            if targets.canary == version:
+                fallback = await self.registry.newest_in_state(SERVED, below=version)
+                fleet = changes.get("fleet", targets.fleet)
+                changes["canary"] = max((v for v in (fallback, fleet) if v is not None), default=None)
+            await self.registry.set_targets(**changes)
+            log.error("version %d rejected (%s); targets now %s", version, outcome.message, changes)
+        self.wake()
+
+    async def _record_engine(
+        self, engine: EngineRef, result: SyncResult, target: int | None, down: str = "", syncing: bool = False
+    ) -> None:
+        previous = await self.registry.engine(engine.engine_id) or broker_pb2.EngineVersion()
+        record = broker_pb2.EngineVersion()
+        record.CopyFrom(previous)
+        updates, fallbacks = self._counts.get(engine.engine_id, (0, 0))
+        updates += sum(1 for o in result.outcomes if o.ok)
+        fallbacks += int(result.fallback)
+        self._counts[engine.engine_id] = (updates, fallbacks)
+        record.engine_id, record.pool, record.url = engine.engine_id, engine.pool, engine.url
+        record.target_version = -1 if target is None else target
+        record.updates, record.fallbacks = updates, fallbacks
+        if down:
+            record.state, record.last_error = "down", down
+        else:
+            record.policy_version = -1 if result.serving is None else result.serving
+            record.state = "serving" if target is None or result.serving == target else (
+                "syncing" if syncing else "behind")
+        last = result.last
+        if last is not None:
+            record.last_transport = TRANSPORTS[last.transport]
+            record.last_error = "" if last.ok else last.message
+            ok = [o for o in result.outcomes if o.ok]
+            if ok:
+                record.last_pause_s = sum(o.pause_s for o in ok)
+                record.last_bytes = sum(o.bytes for o in ok)
+        await self.registry.put_engine(record)
+
+    async def _advance(self) -> None:
+        """Version states that follow from what the engines serve: CANARY (and auto-promotion),
+        and when the whole fleet first serves its target."""
+        async with self._lock:
+            targets = await self.registry.targets()
+            engines = await self.registry.engines()
+            live = self.pools.engines
+            by_pool = {p: [r for r in engines.values() if r.pool == p and r.engine_id in live] for p in ("canary", "fleet")}
+            promoted = None
+            if targets.canary is not None:
+                record = await self.registry.get(targets.canary)
+                if record is not None and record.state == State.VERSION_STATE_ANNOUNCED and any(
+                    r.policy_version == targets.canary for r in by_pool["canary"]
+                ):
+                    await self.registry.set_state(record, State.VERSION_STATE_CANARY, "served by the canary pool")
+                    if self.config.auto_promote:
+                        await self._accept(targets.canary, "auto_promote")
+                        promoted = targets.canary
+            version = targets.fleet if by_pool["fleet"] else targets.canary
+            pool = by_pool["fleet"] or by_pool["canary"]
+            if version is not None and pool and all(r.policy_version == version for r in pool):
+                record = await self.registry.get(version)
+                if record is not None and not record.fleet_serving_unix_ms:
+                    record.fleet_serving_unix_ms = now_ms()
+                    await self.registry.put(record)
+                    if record.version.created_unix_ms:
+                        self.metrics.publish_to_serving.record(
+                            max(0.0, (record.fleet_serving_unix_ms - record.version.created_unix_ms) / 1000))
+        if promoted is not None:
+            self.wake()
+
+    # --- reading --------------------------------------------------------------------------------
+    async def status(self) -> broker_pb2.BrokerStatus:
+        targets = await self.registry.targets()
+        engines = await self.registry.engines()
+        accepted = await self.registry.newest_in_state({State.VERSION_STATE_ACCEPTED})
+        return broker_pb2.BrokerStatus(
+            run_id=self.config.run_id,
+            latest_version=_or(targets.latest),
+            canary_version=_or(targets.canary),
+            accepted_version=_or(targets.fleet if targets.fleet is not None else accepted),
+            fleet_version=_or(targets.fleet),
+            engines=[engines[k] for k in sorted(engines) if k in self.pools.engines],
+            transport=TRANSPORTS[self.policy.transport],
+            auto_promote=self.config.auto_promote,
+        )
+
+    async def list_versions(self, limit: int) -> list[broker_pb2.VersionRecord]:
+        return await self.registry.newest(limit)
+
+
+def _or(value: int | None) -> int:
+    return -1 if value is None else value

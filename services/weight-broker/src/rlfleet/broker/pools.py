@@ -1,0 +1,173 @@
+"""The engines the broker serves, in two pools (canary, fleet), and its links to them and the gateway.
+
+Engines come from the rollout gateway's `ListEngines` when a gateway is configured, else from the
+static `engines` list of the config. `GatewayLink` wraps the gateway calls the broker makes (list,
+pause/resume around a full reload, drain/un-drain) and degrades gracefully when the gateway lacks
+an RPC (UNIMPLEMENTED: logged once, then the broker talks to the engine directly or skips it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from rlfleet.broker.config import StaticEngine
+from rlfleet.common.engine_client import EngineClient, EngineRejected, EngineTimeouts
+from rlfleet.common.errors import Unavailable
+from rlfleet.common.grpc_server import channel
+
+log = logging.getLogger(__name__)
+
+POOL_NAMES = {gateway_pb2.ENGINE_POOL_CANARY: "canary", gateway_pb2.ENGINE_POOL_FLEET: "fleet"}
+PAUSE_MODES = {
+    "abort": gateway_pb2.PAUSE_MODE_ABORT,
+    "retract": gateway_pb2.PAUSE_MODE_RETRACT,
+    "in_place": gateway_pb2.PAUSE_MODE_IN_PLACE,
+}
+
+
+@dataclass(frozen=True)
+class EngineRef:
+    engine_id: str
+    url: str
+    pool: str  # canary | fleet
+    gateway_state: str = ""  # healthy | unhealthy | paused | draining (from the gateway); "" = no gateway
+
+    @property
+    def draining(self) -> bool:
+        return self.gateway_state == "draining"
+
+
+class BrokerEngineClient(EngineClient):
+    """The shared SGLang client plus the weight-update calls whose full reply the broker needs
+    (pause time, bytes, changed share): store loads (`load_format` rlfleet_delta / rlfleet_full)
+    and distributed updates."""
+
+    async def load_from_store(
+        self, model_path: str, load_format: str, *, weight_version: str, pause_mode: str
+    ) -> dict[str, Any]:
+        body = {
+            "model_path": model_path,
+            "load_format": load_format,
+            "weight_version": weight_version,
+            "pause_mode": pause_mode,
+            "flush_cache": True,
+        }
+        return await self._weights_reply("/update_weights_from_disk", body)
+
+    async def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._weights_reply("/update_weights_from_distributed", body)
+
+    async def _weights_reply(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = await self._request("POST", path, body, self.timeouts.weights_s)
+        if not isinstance(reply, dict):
+            reply = {"message": str(reply)}
+        if reply.get("success") is False:
+            raise EngineRejected(str(reply.get("message", "weight update failed")), url=self.base_url + path, status=200)
+        return reply
+
+
+class GatewayLink:
+    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = channel(address)
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+        self.missing: set[str] = set()  # RPCs the gateway answered UNIMPLEMENTED
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method: str, request: Any) -> Any | None:
+        """The reply, or None when the gateway does not implement `method`; Unavailable otherwise."""
+        if method in self.missing:
+            return None
+        try:
+            return await getattr(self.stub, method)(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.warning("gateway %s does not implement %s: %s", self.address, method, exc.details())
+                self.missing.add(method)
+                return None
+            raise Unavailable(f"gateway {self.address} {method}: {exc.code().name}: {exc.details()}") from None
+
+    async def list_engines(self) -> list[EngineRef] | None:
+        reply = await self._call("ListEngines", gateway_pb2.ListEnginesRequest())
+        if reply is None:
+            return None
+        return [
+            EngineRef(
+                e.engine_id,
+                e.url,
+                POOL_NAMES.get(e.pool, "fleet"),
+                gateway_pb2.EngineState.Name(e.state).removeprefix("ENGINE_STATE_").lower(),
+            )
+            for e in reply.engines
+        ]
+
+    async def pause(self, engine_id: str, mode: str) -> bool:
+        """True when the gateway paused the engine (and knows it is paused)."""
+        request = gateway_pb2.PauseEnginesRequest(engine_ids=[engine_id], mode=PAUSE_MODES[mode])
+        reply = await self._call("PauseEngines", request)
+        return reply is not None and all(r.ok for r in reply.results) and len(reply.results) == 1
+
+    async def resume(self, engine_id: str) -> bool:
+        reply = await self._call("ResumeEngines", gateway_pb2.ResumeEnginesRequest(engine_ids=[engine_id]))
+        return reply is not None and all(r.ok for r in reply.results) and len(reply.results) == 1
+
+    async def set_draining(self, engine_id: str, draining: bool, reason: str, version: int | None = None) -> bool:
+        """Marks the engine DRAINING or HEALTHY; False when the gateway cannot (UNIMPLEMENTED)."""
+        state = gateway_pb2.ENGINE_STATE_DRAINING if draining else gateway_pb2.ENGINE_STATE_HEALTHY
+        request = gateway_pb2.UpdateEngineStateRequest(engine_id=engine_id, state=state, reason=reason)
+        if version is not None:
+            request.policy_version = version
+        return await self._call("UpdateEngineState", request) is not None
+
+
+class Pools:
+    """The current engines by id; refreshed from the gateway (or the static list) each reconcile."""
+
+    def __init__(
+        self, static: list[StaticEngine], gateway: GatewayLink | None, timeouts: EngineTimeouts
+    ) -> None:
+        self.static = [EngineRef(e.engine_id, e.url.rstrip("/"), e.pool) for e in static]
+        self.gateway = gateway
+        self.timeouts = timeouts
+        self.engines: dict[str, EngineRef] = {e.engine_id: e for e in self.static}
+        self._clients: dict[str, BrokerEngineClient] = {}
+        self._closing: list[BrokerEngineClient] = []
+
+    async def refresh(self) -> list[EngineRef]:
+        if self.gateway is not None:
+            try:
+                listed = await self.gateway.list_engines()
+            except Unavailable as exc:
+                log.warning("keeping the last engine list: %s", exc)
+                listed = None
+            if listed is not None:
+                self.engines = {e.engine_id: e for e in listed}
+        while self._closing:
+            await self._closing.pop().close()
+        return list(self.engines.values())
+
+    def members(self, pool: str) -> list[EngineRef]:
+        return [e for e in self.engines.values() if e.pool == pool]
+
+    def client(self, engine: EngineRef) -> BrokerEngineClient:
+        current = self._clients.get(engine.engine_id)
+        if current is None or current.base_url != engine.url.rstrip("/"):
+            if current is not None:  # the engine moved: its old connections go
+                self._closing.append(current)
+            current = BrokerEngineClient(engine.url, timeouts=self.timeouts)
+            self._clients[engine.engine_id] = current
+        return current
+
+    async def close(self) -> None:
+        for client in [*self._clients.values(), *self._closing]:
+            await client.close()
+        self._clients.clear()
+        self._closing.clear()

@@ -1,0 +1,227 @@
+"""Weight transports: how one version gets into a set of engines.
+
+Every transport implements `WeightTransport.update(engines, target)` and returns one
+`UpdateOutcome` per engine (never raises for an engine's failure); contract tests
+(`tests/test_transport_contract.py`) hold every implementation to the same behaviour: afterwards an
+engine either serves exactly the trainer's weights of `target` and reports its version, or is
+unchanged and the outcome says why.
+
+* `DiskDelta`: `update_weights_from_disk` with `load_format: rlfleet_delta`. The engine fetches,
+  decodes and preverifies the delta while it serves, then pauses only for the in-place swap
+  (pause mode from the config) and reports the pause.
+* `DiskFull`: `load_format: rlfleet_full` (the version rebuilt exactly from the store), with the
+  engine paused around the whole load through the gateway's `PauseEngines` (so it routes
+  elsewhere), or directly when there is no gateway.
+* `Distributed`: SGLang's `init_weights_update_group` on each engine (ranks 1..n, the sender is
+  rank 0), then `update_weights_from_distributed` with names/dtypes/shapes while the sender (the
+  trainer, `rlfleet.broker.distributed_sender`) broadcasts; the group is destroyed afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
+from rlfleet.common.engine_client import EngineError, EngineRejected
+from rlfleet.weights import DirectoryWeightStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """A version as the store holds it."""
+
+    version: int
+    path: str  # the version directory engines read
+    kind: str  # full | delta
+    base_version: int | None
+    nbytes: int  # this version's files
+    full_bytes: int  # all tensors in the served dtype
+    changed_fraction: float | None
+
+    @classmethod
+    def from_store(cls, store: DirectoryWeightStore, version: int) -> VersionInfo:
+        index = store.index(version)
+        changed = None if index.changed_values is None else index.changed_values / max(index.total_values, 1)
+        return cls(version, str(store.path(version)), index.kind, index.base_version,
+                   index.total_bytes, index.full_bytes, changed)  # fmt: skip
+
+
+@dataclass
+class UpdateOutcome:
+    engine_id: str
+    version: int
+    transport: str  # disk_delta | disk_full | distributed
+    ok: bool
+    pause_s: float = 0.0
+    bytes: int = 0
+    changed_fraction: float | None = None
+    message: str = ""
+    # The engine answered and refused (4xx / success false): the same request will not succeed.
+    refused: bool = False
+    reply: dict = field(default_factory=dict, repr=False)
+
+
+class WeightTransport(Protocol):
+    name: str
+
+    async def update(self, engines: Sequence[EngineRef], target: VersionInfo) -> list[UpdateOutcome]:
+        """Brings each engine to `target`; one outcome per engine, in order."""
+
+
+def _failed(engine: EngineRef, target: VersionInfo, transport: str, exc: EngineError) -> UpdateOutcome:
+    return UpdateOutcome(engine.engine_id, target.version, transport, False,
+                         message=exc.message, refused=isinstance(exc, EngineRejected))  # fmt: skip
+
+
+class DiskDelta:
+    name = "disk_delta"
+
+    def __init__(self, pools: Pools, pause_mode: str = "retract") -> None:
+        self.pools = pools
+        self.pause_mode = pause_mode
+
+    async def update(self, engines: Sequence[EngineRef], target: VersionInfo) -> list[UpdateOutcome]:
+        return list(await asyncio.gather(*(self._one(e, target) for e in engines)))
+
+    async def _one(self, engine: EngineRef, target: VersionInfo) -> UpdateOutcome:
+        try:
+            reply = await self.pools.client(engine).load_from_store(
+                target.path, "rlfleet_delta", weight_version=str(target.version), pause_mode=self.pause_mode
+            )
+        except EngineError as exc:
+            return _failed(engine, target, self.name, exc)
+        return UpdateOutcome(
+            engine.engine_id, target.version, self.name, True, float(reply.get("pause_s", 0.0)),
+            int(reply.get("bytes", target.nbytes)), reply.get("changed_fraction", target.changed_fraction),
+            str(reply.get("message", "")), reply=reply,
+        )  # fmt: skip
+
+
+class Pauser:
+    """Pauses an engine around a full reload: through the gateway when there is one (it then routes
+    around the engine), directly on the engine otherwise or when the gateway cannot."""
+
+    def __init__(self, pools: Pools, gateway: GatewayLink | None) -> None:
+        self.pools = pools
+        self.gateway = gateway
+
+    async def pause(self, engine: EngineRef, mode: str) -> str:
+        if self.gateway is not None and await self.gateway.pause(engine.engine_id, mode):
+            return "gateway"
+        await self.pools.client(engine).pause(mode)  # type: ignore[arg-type]
+        return "engine"
+
+    async def resume(self, engine: EngineRef, how: str) -> None:
+        if how == "gateway" and self.gateway is not None and await self.gateway.resume(engine.engine_id):
+            return
+        await self.pools.client(engine).resume()
+
+
+class DiskFull:
+    name = "disk_full"
+
+    def __init__(self, pools: Pools, pauser: Pauser, pause_mode: str = "retract") -> None:
+        self.pools = pools
+        self.pauser = pauser
+        self.pause_mode = pause_mode
+
+    async def update(self, engines: Sequence[EngineRef], target: VersionInfo) -> list[UpdateOutcome]:
+        return list(await asyncio.gather(*(self._one(e, target) for e in engines)))
+
+    async def _one(self, engine: EngineRef, target: VersionInfo) -> UpdateOutcome:
+        started = time.perf_counter()
+        try:
+            how = await self.pauser.pause(engine, self.pause_mode)
+        except EngineError as exc:
+            return _failed(engine, target, self.name, exc)
+        try:
+            reply = await self.pools.client(engine).load_from_store(
+                target.path, "rlfleet_full", weight_version=str(target.version), pause_mode=self.pause_mode
+            )
+        except EngineError as exc:
+            outcome = _failed(engine, target, self.name, exc)
+        else:
+            outcome = UpdateOutcome(engine.engine_id, target.version, self.name, True,
+                                    bytes=int(reply.get("bytes", 0)), message=str(reply.get("message", "")),
+                                    reply=reply)  # fmt: skip
+        finally:
+            try:
+                await self.pauser.resume(engine, how)
+            except EngineError as exc:  # the engine went away mid-update: it is down, whatever the load said
+                log.warning("resuming %s after a full load failed: %s", engine.engine_id, exc)
+        outcome.pause_s = time.perf_counter() - started
+        return outcome
+
+
+@dataclass(frozen=True)
+class BroadcastPlan:
+    """One broadcast from the sender (rank 0): where it rendezvous and what it sends, in order."""
+
+    master_address: str
+    master_port: int
+    group_name: str
+    backend: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+    @property
+    def nbytes(self) -> int:
+        sizes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4,
+                 "int16": 2, "int8": 1, "uint8": 1, "bool": 1}  # fmt: skip
+        total = 0
+        for dtype, shape in zip(self.dtypes, self.shapes, strict=True):
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * sizes.get(dtype, 4)
+        return total
+
+
+class Distributed:
+    name = "distributed"
+
+    def __init__(self, pools: Pools, plan: BroadcastPlan) -> None:
+        self.pools = pools
+        self.plan = plan
+
+    async def update(self, engines: Sequence[EngineRef], target: VersionInfo) -> list[UpdateOutcome]:
+        plan, world = self.plan, len(engines) + 1
+        clients = [self.pools.client(e) for e in engines]
+        # Every rank blocks in the rendezvous until all have arrived, the sender included.
+        joined = await asyncio.gather(
+            *(c.init_weights_update_group(plan.master_address, plan.master_port, rank, world,
+                                          group_name=plan.group_name, backend=plan.backend)
+              for rank, c in enumerate(clients, start=1)),
+            return_exceptions=True,
+        )  # fmt: skip
+        body = {"names": plan.names, "dtypes": plan.dtypes, "shapes": plan.shapes,
+                "group_name": plan.group_name, "weight_version": str(target.version), "flush_cache": True}  # fmt: skip
+        if any(isinstance(j, BaseException) for j in joined):
+            replies: list = [j if isinstance(j, BaseException) else EngineRejected(
+                "another engine failed to join the group; no broadcast", url="") for j in joined]  # fmt: skip
+        else:
+            replies = await asyncio.gather(*(c.update_from_distributed(body) for c in clients), return_exceptions=True)
+        await asyncio.gather(
+            *(c.destroy_weights_update_group(plan.group_name) for c, j in zip(clients, joined, strict=True)
+              if not isinstance(j, BaseException)),
+            return_exceptions=True,
+        )  # fmt: skip
+        outcomes = []
+        for engine, reply in zip(engines, replies, strict=True):
+            if isinstance(reply, EngineError):
+                outcomes.append(_failed(engine, target, self.name, reply))
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                outcomes.append(UpdateOutcome(engine.engine_id, target.version, self.name, True,
+                                              float(reply.get("pause_s", 0.0)), plan.nbytes,
+                                              message=str(reply.get("message", "")), reply=reply))  # fmt: skip
+        return outcomes

@@ -1,0 +1,321 @@
+"""deploy/k8s: a Kustomize base and two overlays, checked without a cluster."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+
+import deploy_helpers as h
+import pytest
+import yaml
+
+from rlfleet.common.config import ConfigError, env_overrides, resolve
+
+HPA_SERVICES = ("session-server", "rollout-gateway", "verifier", "sandbox-manager")
+KUSTOMIZE_DIRS = [h.K8S / "base", *(h.K8S / "overlays" / o for o in h.OVERLAYS)]
+# Workloads allowed without probes: the workers serve nothing; the registrar is a sidecar.
+NO_PROBES = {"worker": "no server: restarted when its process exits"}
+SIDECARS = {"register"}
+K8S_VERSION = "1.30.0"
+
+
+def workloads(objects):
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def manifest_files():
+    for path in sorted(h.K8S.rglob("*.yaml")):
+        if path.name != "kustomization.yaml" and "helm" not in path.parts:
+            yield path
+
+
+def test_every_manifest_parses_and_names_its_objects():
+    count = 0
+    for path in manifest_files():
+        for doc in h.load_yaml_docs(path):
+            assert doc.get("apiVersion") and doc.get("kind"), f"{path}: object without apiVersion/kind"
+            assert doc.get("metadata", {}).get("name"), f"{path}: {doc['kind']} without metadata.name"
+            count += 1
+    assert count > 40
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZE_DIRS, ids=lambda d: d.name)
+def test_kustomization_lists_existing_files_and_every_file_is_listed(directory):
+    spec = h.kustomization(directory)
+    listed = set()
+    for entry in spec.get("resources", []) + h.patch_paths(spec):
+        target = (directory / entry).resolve()
+        assert target.exists(), f"{directory}/kustomization.yaml lists {entry}, which does not exist"
+        if target.is_dir():
+            assert (target / "kustomization.yaml").exists(), f"{entry} is a directory without kustomization.yaml"
+        listed.add(target)
+    present = {p.resolve() for p in directory.rglob("*.yaml") if p.name != "kustomization.yaml"}
+    assert present <= listed, f"{directory}: files not in kustomization.yaml: {sorted(map(str, present - listed))}"
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_the_test_renderer_agrees_with_kustomize(overlay):
+    if h.kustomize_command() is None:
+        pytest.skip("neither kustomize nor kubectl is installed: only the test renderer checks the overlays")
+    ours = h.by_kind_name(h.render(h.K8S / "overlays" / overlay))
+    theirs = h.by_kind_name(h.render_with_tool(h.K8S / "overlays" / overlay))
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert h.normalized(ours[key]) == h.normalized(theirs[key]), key
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_overlays_validate_against_the_kubernetes_schemas(overlay, rendered, tmp_path):
+    manifest = tmp_path / f"{overlay}.yaml"
+    manifest.write_text(yaml.safe_dump_all(rendered[overlay]))
+    if kubeconform := h.tool("kubeconform"):
+        command = [kubeconform, "-strict", "-summary", "-kubernetes-version", K8S_VERSION, str(manifest)]
+    elif validate := h.tool("kubernetes-validate"):
+        command = [validate, "--strict", "--quiet", "-k", K8S_VERSION, str(manifest)]
+    else:
+        pytest.skip("no Kubernetes schema validator: install kubeconform, or `pip install kubernetes-validate` "
+                    "in a tools venv on PATH")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ERROR" not in result.stdout + result.stderr
+
+
+def test_every_service_directory_and_the_worker_run_in_kubernetes(rendered):
+    for overlay, objects in rendered.items():
+        names = {o["metadata"]["name"] for o in workloads(objects)}
+        expected = set(h.GRPC_SERVICES) | {"worker"} | ({"cpu-engine"} if overlay == "cpu-local" else set())
+        assert expected <= names, f"{overlay} lacks {sorted(expected - names)}"
+    assert "sglang-engine" in {o["metadata"]["name"] for o in workloads(rendered["gpu-cluster"])}
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_workloads_have_probes_and_resources(overlay, rendered):
+    for obj in workloads(rendered[overlay]):
+        name = obj["metadata"]["name"]
+        spec = h.pod_spec(obj)
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            resources = container.get("resources", {})
+            assert resources.get("requests", {}).get("cpu") and resources["requests"].get("memory"), \
+                f"{overlay}: {name}/{container['name']} has no cpu/memory requests"
+            assert resources.get("limits", {}).get("memory"), f"{overlay}: {name}/{container['name']} no memory limit"
+        for container in spec["containers"]:
+            if name in NO_PROBES or container["name"] in SIDECARS:
+                continue
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert probe in container, f"{overlay}: {name}/{container['name']} has no {probe}"
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_grpc_services_use_native_grpc_probes_on_the_configured_port(overlay, rendered):
+    objects = rendered[overlay]
+    for obj in workloads(objects):
+        name = obj["metadata"]["name"]
+        if name not in h.GRPC_SERVICES:
+            continue
+        container = next(c for c in h.pod_spec(obj)["containers"] if c["name"] == name)
+        env = h.resolve_env(container, objects)
+        assert env["RLFLEET__GRPC__PORT"] == str(h.GRPC_PORT) and env["RLFLEET__GRPC__HOST"] == "0.0.0.0"
+        assert env["RLFLEET__METRICS__PORT"] == str(h.METRICS_PORT)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": h.GRPC_PORT}, f"{name}.{probe}"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == h.GRPC_PORT and ports["metrics"] == h.METRICS_PORT
+        annotations = obj["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true"
+        assert annotations.get("prometheus.io/port") == str(h.METRICS_PORT)
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_autoscalers_scale_the_stateless_services(overlay, rendered):
+    objects = h.by_kind_name(rendered[overlay])
+    for name in HPA_SERVICES:
+        hpa = objects[("HorizontalPodAutoscaler", name)]
+        target = hpa["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", name)
+        deployment = objects[("Deployment", name)]
+        assert "replicas" not in deployment["spec"], f"{name}: the HPA owns replicas"
+        assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+        container = h.pod_spec(deployment)["containers"][0]
+        assert container["resources"]["requests"]["cpu"], "a CPU target needs a CPU request"
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_services_select_pods_and_grpc_peers_are_headless(overlay, rendered):
+    objects = rendered[overlay]
+    pod_labels = [o["spec"]["template"]["metadata"]["labels"] for o in workloads(objects)]
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    for name, service in services.items():
+        selector = service["spec"]["selector"]
+        base_selector = {k: v for k, v in selector.items() if k != "apps.kubernetes.io/pod-index"}
+        assert any(base_selector.items() <= labels.items() for labels in pod_labels), f"Service {name} selects nothing"
+    for name in h.GRPC_SERVICES:
+        assert services[name]["spec"].get("clusterIP") == "None", \
+            f"{name}: gRPC clients balance per call only over a headless Service"
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_peer_addresses_name_existing_services(overlay, rendered):
+    objects = rendered[overlay]
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    for container in h.all_containers(objects):
+        for key, value in h.resolve_env(container, objects).items():
+            for host, port in re.findall(r"(?:dns:///|nats://|redis://|http://)([a-z][\w-]*):(\d+)", value):
+                assert host in services, f"{container['name']}: {key} names {host}, not a Service"
+                ports = {p["port"] for p in services[host]["spec"]["ports"]}
+                assert int(port) in ports, f"{container['name']}: {key}: {host} has no port {port}"
+
+
+def config_model(service):
+    if service == "worker":
+        for module_name, attribute in h.WORKER_CONFIG_CANDIDATES:
+            try:
+                return getattr(importlib.import_module(module_name), attribute)
+            except (ImportError, AttributeError):
+                continue
+        pytest.skip("the rollout worker's config model (WorkerConfig in rlfleet.envkit) does not exist yet")
+    module_name, attribute = h.CONFIG_MODELS[service]
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+@pytest.mark.parametrize("service", [*h.GRPC_SERVICES, "worker"])
+def test_service_environment_is_valid_config_for_that_service(overlay, service, rendered):
+    objects = rendered[overlay]
+    workload = h.by_kind_name(objects).get(("Deployment", service)) or h.by_kind_name(objects)[("StatefulSet", service)]
+    container = next(c for c in h.pod_spec(workload)["containers"] if c["name"] == service)
+    env = h.resolve_env(container, objects)
+    try:
+        resolve(config_model(service), {}, env_overrides(env), {})
+    except ConfigError as exc:
+        pytest.fail(f"{overlay}: {service}: its environment is not a valid config: {exc}")
+
+
+def test_cpu_engine_args_are_valid_engine_config(rendered):
+    from rlfleet.engine.main import config_from_args
+
+    deployment = h.by_kind_name(rendered["cpu-local"])[("Deployment", "cpu-engine")]
+    container = h.pod_spec(deployment)["containers"][0]
+    config = config_from_args(container["args"])
+    assert config.port == h.ENGINE_PORT and str(config.model_path) == "/models/policy"
+    assert container["ports"][0]["containerPort"] == h.ENGINE_PORT
+    gateway = h.by_kind_name(rendered["cpu-local"])[("Deployment", "rollout-gateway")]
+    engines = yaml.safe_load(h.resolve_env(h.pod_spec(gateway)["containers"][0], rendered["cpu-local"])
+                             ["RLFLEET__ENGINES"])
+    assert engines[0]["engine_id"] == config.engine_id
+    assert engines[0]["url"] == f"http://cpu-engine:{h.ENGINE_PORT}"
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_trainer_runs_under_torchrun_with_a_rendezvous_service(overlay, rendered):
+    objects = h.by_kind_name(rendered[overlay])
+    trainer = objects[("StatefulSet", "trainer")]
+    container = h.pod_spec(trainer)["containers"][0]
+    env = h.resolve_env(container, rendered[overlay])
+    assert container["command"] == ["torchrun"]
+    args = container["args"]
+    assert args[-2:] == ["--no-python", "rlfleet-trainer"]
+    assert "rlfleet-trainer" in h.console_scripts()
+    assert "--nnodes=$(TRAINER_NNODES)" in args and "--rdzv-backend=c10d" in args
+    assert int(env["TRAINER_NNODES"]) == trainer["spec"]["replicas"]
+    headless = objects[("Service", trainer["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    endpoint = next(a for a in args if a.startswith("--rdzv-endpoint="))
+    assert endpoint == f"--rdzv-endpoint=trainer-0.{trainer['spec']['serviceName']}:29400"
+    assert trainer["spec"]["podManagementPolicy"] == "Parallel"
+    if overlay == "gpu-cluster":
+        assert env["RLFLEET__BACKEND__DEVICE"] == "cuda"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == env["TRAINER_NPROC_PER_NODE"]
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_weight_store_is_one_volume_shared_by_trainer_broker_and_engines(overlay, rendered):
+    objects = rendered[overlay]
+    claim = h.by_kind_name(objects)[("PersistentVolumeClaim", "rlfleet-weights")]
+    expected_mode = "ReadWriteOnce" if overlay == "cpu-local" else "ReadWriteMany"
+    assert claim["spec"]["accessModes"] == [expected_mode]
+    engine = "cpu-engine" if overlay == "cpu-local" else "sglang-engine"
+    for name in ("trainer", "weight-broker", engine):
+        obj = next(o for o in workloads(objects) if o["metadata"]["name"] == name)
+        spec = h.pod_spec(obj)
+        volume = next(v["name"] for v in spec["volumes"]
+                      if v.get("persistentVolumeClaim", {}).get("claimName") == "rlfleet-weights")
+        mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", []) if m["name"] == volume]
+        assert [m["mountPath"] for m in mounts] == ["/var/lib/rlfleet/weights"], name
+
+
+def test_sglang_engines_run_on_gpus_and_register_with_the_gateway(rendered):
+    objects = rendered["gpu-cluster"]
+    deployment = h.by_kind_name(objects)[("Deployment", "sglang-engine")]
+    spec = h.pod_spec(deployment)
+    engine = next(c for c in spec["containers"] if c["name"] == "sglang")
+    assert h.split_image(engine["image"])[0] == "lmsysorg/sglang"
+    assert engine["command"] == ["python3", "-m", "sglang.launch_server"]
+    assert f"--port={h.ENGINE_PORT}" in engine["args"] and "--model-path=/models/policy" in engine["args"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+    register = next(c for c in spec["containers"] if c["name"] == "register")
+    assert register["command"] == ["rlfleet-register-engine"]
+    assert h.split_image(register["image"])[0] == "rlfleet/rollout-gateway"  # the image that carries it
+    env = h.resolve_env(register, objects)
+    assert env["ENGINE_URL"] == f"http://$(POD_IP):{h.ENGINE_PORT}" and env["ENGINE_KIND"] == "sglang"
+    assert env["GATEWAY_ADDRESS"] == f"dns:///rollout-gateway:{h.GRPC_PORT}"
+    names = [e["name"] for e in register["env"]]
+    assert names.index("POD_IP") < names.index("ENGINE_URL"), "$(POD_IP) expands only from earlier variables"
+    assert "preStop" in engine["lifecycle"], "deregister before SGLang stops"
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_only_the_sandbox_manager_runs_privileged_and_as_root(overlay, rendered):
+    for obj in workloads(rendered[overlay]):
+        name = obj["metadata"]["name"]
+        if name in ("sglang-engine",):
+            continue  # a third-party image that runs as root
+        spec = h.pod_spec(obj)
+        for container in spec["containers"]:
+            context = container.get("securityContext", {})
+            if name == "sandbox-manager":
+                assert context == {"runAsUser": 0, "runAsNonRoot": False, "privileged": True}
+                continue
+            assert not context.get("privileged"), f"{name}/{container['name']}"
+            assert context.get("allowPrivilegeEscalation") is False, f"{name}/{container['name']}"
+            assert spec["securityContext"].get("runAsNonRoot") or context.get("runAsNonRoot"), name
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_rlfleet_images_are_the_ones_the_dockerfiles_build_with_a_tag(overlay, rendered):
+    for container in h.all_containers(rendered[overlay]):
+        name, tag = h.split_image(container["image"])
+        if name.startswith("rlfleet/"):
+            assert name.removeprefix("rlfleet/") in h.IMAGES, container["image"]
+            assert tag, f"{container['image']} has no tag"
+
+
+def test_nats_is_jetstream_with_8mb_payloads_and_a_three_node_cluster_on_gpus(rendered):
+    for overlay, objects in rendered.items():
+        config = h.by_kind_name(objects)[("ConfigMap", "nats-config")]["data"]["nats.conf"]
+        assert "max_payload: 8MB" in config and "jetstream" in config
+        nats = h.by_kind_name(objects)[("StatefulSet", "nats")]
+        assert "-js" in h.pod_spec(nats)["containers"][0]["command"]
+        if overlay == "gpu-cluster":
+            assert nats["spec"]["replicas"] == 3
+            for index in range(3):
+                assert f"nats://nats-{index}.nats-headless:6222" in config
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_nats_server_accepts_the_rendered_config(overlay, rendered, tmp_path):
+    nats = h.tool("nats-server") or (str(h.ROOT / ".venv/bin/nats-server")
+                                     if (h.ROOT / ".venv/bin/nats-server").exists() else None)
+    if nats is None:
+        pytest.skip("nats-server is not installed")
+    conf = tmp_path / "nats.conf"
+    conf.write_text(h.by_kind_name(rendered[overlay])[("ConfigMap", "nats-config")]["data"]["nats.conf"])
+    result = subprocess.run([nats, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30,
+                            env={"POD_NAME": "nats-0", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_nats_helm_values_alternative_parses():
+    values = yaml.safe_load((h.K8S / "helm" / "nats-values.yaml").read_text())
+    assert values["config"]["jetstream"]["enabled"] and values["config"]["cluster"]["replicas"] == 3

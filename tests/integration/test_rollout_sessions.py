@@ -1,0 +1,258 @@
+"""The rollout tier end to end as processes (CPU engine, gateway, session server, NATS, Redis):
+multi-turn sessions keep the exact tokens, log-probs and loss mask, and close into one trajectory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+
+import grpc
+import pytest
+from tokenizers import Tokenizer
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.api.session.v1 import session_pb2 as pb
+from rlfleet.api.session.v1 import session_pb2_grpc
+from rlfleet.common.config import RedisConfig
+from rlfleet.common.grpc_server import channel
+from rlfleet.common.redis_store import connect_redis, key
+from rlfleet.common.testing import unique_run_id
+from rlfleet.common.verdicts import store_verdict
+from rlfleet.session.testing import Rollout, read_trajectories, tiny_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+GENERATED = common_pb2.SPAN_KIND_GENERATED
+
+
+@pytest.fixture(scope="module")
+def rollout(nats_url, redis_url, tmp_path_factory):
+    model = tiny_model(tmp_path_factory.getbasetemp() / "models")
+    stack = Rollout(tmp_path_factory.mktemp("rollout-sessions"), nats_url, redis_url, model,
+                    unique_run_id("sessions")).start(engines=1)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+async def sessions(rollout):
+    async with channel(rollout.session.address) as ch:
+        yield session_pb2_grpc.SessionServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(rollout) -> Tokenizer:
+    return Tokenizer.from_file(str(rollout.model / "tokenizer.json"))
+
+
+def chat(*messages: tuple[str, str]) -> common_pb2.ChatMessages:
+    return common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages])
+
+
+def sampling(max_new_tokens: int = 12, **extra) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_new_tokens=max_new_tokens, **extra)
+
+
+async def open_chat(sessions, question: str = "What is 12*(3+4)?", **request) -> pb.OpenSessionResponse:
+    return await sessions.OpenSession(pb.OpenSessionRequest(
+        messages=chat(("system", "You are a calculator agent."), ("user", question)),
+        sampling=request.pop("sampling", sampling(seed=5)), **request))
+
+
+@contextlib.asynccontextmanager
+async def redis_client(url: str):
+    redis = await connect_redis(RedisConfig(url=url))
+    try:
+        yield redis
+    finally:
+        await redis.aclose()
+
+
+async def published(rollout, trajectory_id: str) -> list[common_pb2.Trajectory]:
+    return [t for t in await read_trajectories(rollout.nats_url, rollout.run_id, wait_s=0.5)
+            if t.trajectory_id == trajectory_id]
+
+
+async def test_a_multi_turn_episode_is_published_with_exactly_the_tokens_it_was_built_from(
+        rollout, sessions, tokenizer):
+    opened = await open_chat(sessions, task_id="calc-1", group_id="g1", sample_index=1, group_size=4,
+                             metadata={"suite": "calc"}, suite="calc", split="train")
+    sid = opened.session_id
+    expected = list(opened.prompt_token_ids)
+    assert expected == tokenizer.encode(
+        "<|im_start|>system\nYou are a calculator agent.<|im_end|>\n<|im_start|>user\nWhat is 12*(3+4)?<|im_end|>\n"
+        "<|im_start|>assistant\n", add_special_tokens=False).ids
+    generated: list[tuple[list[int], list[float]]] = []
+    observations = [
+        pb.AppendObservationRequest(session_id=sid, text="<|im_end|>\n<|im_start|>tool\n84<|im_end|>\n"),
+        pb.AppendObservationRequest(session_id=sid, token_ids=common_pb2.TokenIds(ids=[1, 40, 41, 42])),
+        pb.AppendObservationRequest(session_id=sid, messages=chat(("user", "And 2+2?")), add_generation_prompt=True),
+    ]
+    for turn, observation in enumerate(observations):
+        reply = await sessions.Generate(pb.GenerateRequest(session_id=sid))
+        assert len(reply.token_ids) == len(reply.logprobs) > 0 and reply.span_index == 2 * turn + 1
+        assert reply.text == tokenizer.decode(list(reply.token_ids))
+        assert (reply.policy_version, reply.engine_id) == (0, "e0")
+        generated.append((list(reply.token_ids), list(reply.logprobs)))
+        expected += reply.token_ids
+        appended = await sessions.AppendObservation(observation)
+        assert appended.total_tokens == len(expected) + len(appended.token_ids)
+        expected += appended.token_ids
+        assert appended.tool_wait_s > 0
+    last = await sessions.Generate(pb.GenerateRequest(session_id=sid, sampling=sampling(5, ignore_eos=True)))
+    assert len(last.token_ids) == 5 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    generated.append((list(last.token_ids), list(last.logprobs)))
+    expected += last.token_ids
+
+    async with redis_client(rollout.redis_url) as redis:  # the verifier's verdict, stored before close
+        await store_verdict(redis, rollout.run_id, common_pb2.Verdict(session_id=sid, reward=1.0, passed=True,
+                                                                      verify_s=0.25))
+    closed = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, metadata={"worker": "w1"}))
+    assert closed.published_now and closed.verdict.passed
+    (trajectory,) = await published(rollout, closed.trajectory_id)
+
+    assert list(trajectory.token_ids) == expected
+    spans = list(trajectory.spans)
+    assert spans[0].start == 0 and spans[-1].end == len(expected)
+    assert all(a.end == b.start for a, b in itertools.pairwise(spans))
+    assert [s.kind for s in spans] == [common_pb2.SPAN_KIND_PROMPT] + [GENERATED, common_pb2.SPAN_KIND_OBSERVATION] * 3 \
+        + [GENERATED]
+    generated_spans = [s for s in spans if s.kind == GENERATED]
+    for span, (ids, logprobs) in zip(generated_spans, generated, strict=True):
+        assert list(trajectory.token_ids[span.start:span.end]) == ids
+        assert list(trajectory.rollout_logprobs[span.start:span.end]) == logprobs
+        assert (span.policy_version, span.engine_id) == (0, "e0") and span.latency_s > 0
+    mask = list(trajectory.loss_mask)
+    assert mask == [1 if any(s.start <= i < s.end for s in generated_spans) else 0 for i in range(len(expected))]
+    assert all(lp == 0 for lp, m in zip(trajectory.rollout_logprobs, mask, strict=True) if not m)
+    assert (trajectory.status, trajectory.num_turns, trajectory.num_observations) == (
+        common_pb2.TRAJECTORY_STATUS_COMPLETED, 4, 3)
+    assert (trajectory.task_id, trajectory.group_id, trajectory.sample_index, trajectory.group_size) == (
+        "calc-1", "g1", 1, 4)
+    assert dict(trajectory.metadata) == {"suite": "calc", "worker": "w1"}
+    assert trajectory.verdict.reward == 1.0 and trajectory.timings.verify_s == 0.25
+    assert trajectory.timings.tool_wait_s > 0 and trajectory.timings.generate_s > 0
+    assert trajectory.schema_version == common_pb2.SCHEMA_VERSION_1 and trajectory.run_id == rollout.run_id
+    session = await sessions.GetSession(pb.GetSessionRequest(session_id=sid))
+    assert session.state == pb.SESSION_STATE_CLOSED and session.trajectory_id == closed.trajectory_id
+
+
+def boundary_pair(tokenizer: Tokenizer) -> tuple[str, str]:
+    """Two texts that BPE merges across their boundary when tokenized together."""
+    for whole in (" calc", " answer", " result", " what", " is"):
+        for cut in range(2, len(whole) - 1):
+            a, b = whole[:cut], whole[cut:]
+            if tokenizer.encode(a).ids + tokenizer.encode(b).ids != tokenizer.encode(whole).ids:
+                return a, b
+    raise AssertionError("no merging pair found")
+
+
+async def test_the_trajectory_keeps_the_true_ids_where_retokenizing_its_text_would_not(rollout, sessions, tokenizer):
+    a, b = boundary_pair(tokenizer)
+    opened = await open_chat(sessions)
+    sid = opened.session_id
+    first = await sessions.Generate(pb.GenerateRequest(session_id=sid))
+    # Observations whose text merges with its neighbours: the tool output split across two appends,
+    # and an observation that starts inside what would be one word with the next generated tokens.
+    obs_a = await sessions.AppendObservation(pb.AppendObservationRequest(session_id=sid, text=a))
+    obs_b = await sessions.AppendObservation(pb.AppendObservationRequest(session_id=sid, text=b))
+    second = await sessions.Generate(pb.GenerateRequest(session_id=sid))
+    closed = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, return_trajectory=True))
+    ids = list(closed.trajectory.token_ids)
+
+    assert ids == [*opened.prompt_token_ids, *first.token_ids, *obs_a.token_ids, *obs_b.token_ids, *second.token_ids]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    retokenized = tokenizer.encode(text, add_special_tokens=False).ids
+    assert retokenized != ids  # what a text-based pipeline would have trained on
+    boundary = len(opened.prompt_token_ids) + len(first.token_ids)
+    assert tokenizer.encode(a + b).ids != [*obs_a.token_ids, *obs_b.token_ids]
+    assert ids[boundary:boundary + len(obs_a.token_ids) + len(obs_b.token_ids)] == [*obs_a.token_ids, *obs_b.token_ids]
+
+
+async def test_rollout_logprobs_match_a_plain_transformers_forward_pass(rollout, sessions):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    opened = await open_chat(sessions, sampling=sampling(24, seed=11, temperature=1.0, ignore_eos=True))
+    sid = opened.session_id
+    await sessions.Generate(pb.GenerateRequest(session_id=sid))
+    await sessions.AppendObservation(pb.AppendObservationRequest(session_id=sid, text="<|im_start|>tool\n7<|im_end|>"))
+    await sessions.Generate(pb.GenerateRequest(session_id=sid))
+    trajectory = (await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, return_trajectory=True))).trajectory
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(rollout.model), dtype=torch.float32).eval()
+    ids = torch.tensor([list(trajectory.token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    recomputed = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    mask = torch.tensor(list(trajectory.loss_mask))[1:].bool()
+    rollout_lp = torch.tensor(list(trajectory.rollout_logprobs))[1:]
+    assert int(mask.sum()) == 48 and trajectory.loss_mask[0] == 0
+    assert float((recomputed[mask] - rollout_lp[mask]).abs().max()) <= 1e-4
+
+
+async def test_closing_again_publishes_nothing_new_and_answers_the_same_trajectory(rollout, sessions):
+    opened = await open_chat(sessions)
+    await sessions.Generate(pb.GenerateRequest(session_id=opened.session_id))
+    close = pb.CloseSessionRequest(session_id=opened.session_id)
+    first, *retries = await asyncio.gather(*(sessions.CloseSession(close) for _ in range(4)))  # retried at once
+    later = await sessions.CloseSession(close)
+    replies = [first, *retries, later]
+    assert len({r.trajectory_id for r in replies}) == 1
+    assert sum(r.published_now for r in replies) == 1
+    # A close that stored its trajectory but crashed before recording the publish: the retry
+    # re-publishes the same bytes under the same Nats-Msg-Id, and JetStream drops the copy.
+    async with redis_client(rollout.redis_url) as redis:
+        await redis.hset(key(rollout.run_id, "session", opened.session_id), "published", "0")
+    again = await sessions.CloseSession(close)
+    assert again.trajectory_id == first.trajectory_id and not again.published_now
+    assert len(await published(rollout, first.trajectory_id)) == 1
+
+
+async def test_an_aborted_session_is_published_once_as_aborted_and_cannot_be_closed(rollout, sessions):
+    opened = await open_chat(sessions)
+    await sessions.Generate(pb.GenerateRequest(session_id=opened.session_id))
+    aborted = await sessions.AbortSession(pb.AbortSessionRequest(session_id=opened.session_id, reason="sandbox died"))
+    again = await sessions.AbortSession(pb.AbortSessionRequest(session_id=opened.session_id, reason="retry"))
+    assert again.trajectory_id == aborted.trajectory_id
+    with pytest.raises(grpc.aio.AioRpcError) as close:
+        await sessions.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
+    assert close.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already aborted" in close.value.details()
+    (trajectory,) = await published(rollout, aborted.trajectory_id)
+    assert trajectory.status == common_pb2.TRAJECTORY_STATUS_ABORTED
+    assert trajectory.metadata["abort_reason"] == "sandbox died"
+
+    done = await open_chat(sessions)
+    await sessions.CloseSession(pb.CloseSessionRequest(session_id=done.session_id))
+    with pytest.raises(grpc.aio.AioRpcError) as abort:
+        await sessions.AbortSession(pb.AbortSessionRequest(session_id=done.session_id))
+    assert abort.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already closed" in abort.value.details()
+
+
+async def test_opening_with_the_same_session_id_again_returns_the_same_session(rollout, sessions):
+    request = pb.OpenSessionRequest(session_id=unique_run_id("retry-open"),
+                                    prompt_token_ids=common_pb2.TokenIds(ids=[1, 40, 41]), sampling=sampling())
+    first = await sessions.OpenSession(request)
+    retry = await sessions.OpenSession(request)
+    assert first == retry and list(first.prompt_token_ids) == [1, 40, 41]
+    await sessions.AbortSession(pb.AbortSessionRequest(session_id=first.session_id))
+
+
+async def test_two_overlapping_calls_on_one_session_cannot_both_change_it(rollout, sessions):
+    opened = await open_chat(sessions)
+    request = pb.GenerateRequest(session_id=opened.session_id, sampling=sampling(32, ignore_eos=True))
+
+    async def generate():
+        return await sessions.Generate(request)
+
+    results = await asyncio.gather(generate(), generate(), return_exceptions=True)
+    won = [r for r in results if isinstance(r, pb.GenerateResponse)]
+    lost = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert len(won) == len(lost) == 1
+    assert lost[0].code() == grpc.StatusCode.FAILED_PRECONDITION and "changed by another call" in lost[0].details()
+    session = await sessions.GetSession(pb.GetSessionRequest(session_id=opened.session_id))
+    assert [s.kind for s in session.spans] == [common_pb2.SPAN_KIND_PROMPT, GENERATED]
+    assert list(session.token_ids) == [*opened.prompt_token_ids, *won[0].token_ids]
+    await sessions.AbortSession(pb.AbortSessionRequest(session_id=opened.session_id))

@@ -1,0 +1,66 @@
+"""Kill -9 the trainer at random moments; every published trajectory is trained exactly once."""
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from rlfleet.common.config import NatsConfig
+from rlfleet.common.streams import connect_nats, ensure_streams
+from rlfleet.common.testing import unique_run_id
+from rlfleet.trainer.checkpointer import Checkpointer
+from rlfleet.trainer.testing import TrainerProcess, publish_trajectories, trajectory_protos, write_tiny_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+G, GROUPS, PER_STEP = 4, 12, 2
+STEPS = GROUPS // PER_STEP
+
+
+async def publish_all(nats_url: str, run: str, published: list) -> None:
+    nc = await connect_nats(NatsConfig(url=nats_url), "test-kill")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    await publish_trajectories(js, run, published)
+    await nc.close()
+
+
+def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once(tmp_path, nats_url):
+    seed = time.time_ns() % 10**6
+    rng = random.Random(seed)
+    run = unique_run_id("tk")
+    # Longer sequences and a wider model than the other tests: steps long enough to be killed inside.
+    model = write_tiny_model(tmp_path / "model", hidden_size=128)
+    published = trajectory_protos(GROUPS, G, run, lengths=(96, 160), seed=seed)
+    asyncio.run(publish_all(nats_url, run, published))
+
+    args = ("--group-size", str(G), "--groups-per-step", str(PER_STEP), "--max-staleness", "1000",
+            "--consumer.ack-wait-s", "2", "--checkpoint.every", "1", "--optim.lr", "1e-3")
+    kills = []
+    for attempt in range(3):
+        trainer = TrainerProcess(tmp_path, nats_url, run, model, *args).start()
+        try:
+            restored_step = trainer.wait_for(lambda s: s.state != "starting", what="a restore").step
+            if attempt < 2:
+                # Killed at a random moment once this process has made progress of its own: inside a
+                # step, a checkpoint, a weight-store write or an announcement, or between them.
+                trainer.wait_for(lambda s, after=restored_step: s.step > after or s.trained_trajectories == G * GROUPS,
+                                 what="a step")
+                time.sleep(rng.uniform(0.0, 0.3))
+                trainer.kill()
+                kills.append(trainer.log().count("-> version"))
+                continue
+            status = trainer.wait_for(lambda s: s.trained_trajectories == G * GROUPS and s.queue_depth == 0,
+                                      timeout_s=60, what="every trajectory trained and acked")
+        finally:
+            trainer.stop()
+
+    context = f"seed {seed}, killed after {kills} steps logged"
+    assert "restored checkpoint" in trainer.log(), context
+    restored = Checkpointer(tmp_path / "checkpoints" / run).latest()
+    trained = [tid for record in restored.ledger.records() for tid in record.ids]
+    assert len(trained) == len(set(trained)), f"a trajectory was trained twice ({context})"
+    assert set(trained) == {t.trajectory_id for t in published}, f"trajectories lost ({context})"
+    assert [r.step for r in restored.ledger.records()] == list(range(1, STEPS + 1)), context
+    assert restored.state.step == STEPS and status.step == STEPS and status.trained_trajectories == len(published)
