@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 .PHONY: run test install proto proto-check lint up down status clean
 
 run: install
-	$(VENV)/bin/rlfleet up
+	$(VENV)/bin/rlfleet run $(CONFIG)
 
 test: install
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)

@@ -26,7 +26,7 @@ def test_gate_refuses_a_better_candidate_whose_invalid_tool_calls_or_safety_viol
 
 
 def test_gate_refuses_a_candidate_that_got_much_slower_or_regressed():
-    assert not decide(GateConfig(), result(0.7, time_s=2.0), result(0.5, time_s=1.0)).accepted
+    assert not decide(GateConfig(), result(0.7, time_s=2.5), result(0.5, time_s=1.0)).accepted
     decision = decide(GateConfig(), result(0.7), result(0.5), result(0.3, split="regression"),
                       result(0.6, split="regression"))
     assert not decision.accepted and any("regression" in r for r in decision.reasons)

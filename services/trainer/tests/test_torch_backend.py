@@ -171,3 +171,20 @@ def test_bf16_autocast_keeps_fp32_weights_and_close_log_probs():
     assert 0 < float(diff) < 0.1
     m = rl_step(bf16, make_samples(2, 2, seed=11), LossConfig(), BatchConfig(pack_length=64))
     assert math.isfinite(m["loss"]) and all(p.dtype == torch.float32 for p in bf16.model.parameters())
+
+
+def test_a_checkpoint_of_a_model_with_tied_embeddings_saves_and_restores(tmp_path):
+    import torch
+
+    from rlfleet.trainer.config import TorchBackendConfig
+    from rlfleet.trainer.testing import tiny_qwen2_config
+    from rlfleet.trainer.torch_backend import TorchBackend
+
+    config = tiny_qwen2_config()
+    config["tie_word_embeddings"] = True
+    backend = TorchBackend(TorchBackendConfig(model_config_dict=config, seed=0))
+    backend.save_checkpoint(tmp_path / "ckpt")
+    restored = TorchBackend(TorchBackendConfig(model_config_dict=config, seed=1))
+    restored.load_checkpoint(tmp_path / "ckpt")
+    for (name, a), (_, b) in zip(backend.model.state_dict().items(), restored.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

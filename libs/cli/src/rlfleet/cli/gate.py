@@ -23,7 +23,9 @@ class GateConfig(StrictModel):
     max_regression_drop: float = Field(0.05, ge=0, description="largest allowed drop on the regression set")
     max_invalid_tool_call_rise: float = Field(0.05, ge=0, description="largest allowed rise in invalid tool calls per episode")
     max_safety_violation_rise: float = Field(0.0, ge=0, description="largest allowed rise in safety violations per episode")
-    max_time_to_completion_rise: float = Field(0.25, ge=0, description="largest allowed relative rise in mean episode time")
+    max_time_to_completion_rise: float = Field(
+        1.0, ge=0, description="largest allowed relative rise in mean episode time (generous: a candidate is "
+        "measured on the canary while it also serves rollouts, the accepted version was not)")
 
 
 @dataclass

@@ -16,11 +16,15 @@ served, repeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
 
 from rlfleet.cli.gate import decide
 from rlfleet.cli.loop_parts import (
@@ -86,8 +90,11 @@ class RLRun:
                         "max_staleness": c.rollout.max_staleness, "torch_threads": c.trainer.torch_threads,
                         "loss": {"algorithm": c.trainer.loss}, "optim": {"lr": c.trainer.lr},
                         "backend": {"seed": c.seed}},
+            # With a gate the canary moves every `every_versions` versions: the delta chain must reach
+            # that far, or each move would be a full reload instead of a few deltas.
             "weight-broker": {"auto_promote": not gate,
-                              "sync": {"every_n_versions": c.gate.every_versions if gate and c.mode == "async" else 1}},
+                              "sync": {"every_n_versions": c.gate.every_versions if gate and c.mode == "async" else 1,
+                                       "max_delta_chain": max(4, c.gate.every_versions)}},
             "rollout-gateway": {"max_inflight_sessions": c.rollout.max_inflight_sessions,
                                 "route_pools": ["canary"]},
         }
@@ -102,44 +109,33 @@ class RLRun:
 
     # -- connections ----------------------------------------------------------------------------
 
-    class _Peers:
-        pass
+    @contextlib.asynccontextmanager
+    async def _connections(self, state):
+        """NATS, the SDK's clients and stubs of the gateway, trainer and broker, closed on the way out."""
+        from rlfleet.api.broker.v1 import broker_pb2_grpc
+        from rlfleet.api.gateway.v1 import gateway_pb2_grpc
+        from rlfleet.api.trainer.v1 import trainer_pb2_grpc
+        from rlfleet.common.config import NatsConfig
+        from rlfleet.common.grpc_server import channel
+        from rlfleet.common.streams import connect_nats
+        from rlfleet.envkit.sdk.clients import Clients
 
-    def _connections(self, state):
-        run = self
-
-        class Connections:
-            async def __aenter__(self):
-                from rlfleet.api.broker.v1 import broker_pb2_grpc
-                from rlfleet.api.gateway.v1 import gateway_pb2_grpc
-                from rlfleet.api.trainer.v1 import trainer_pb2_grpc
-                from rlfleet.common.config import NatsConfig
-                from rlfleet.common.grpc_server import channel
-                from rlfleet.common.streams import connect_nats
-                from rlfleet.envkit.sdk.clients import Clients
-
-                peers = RLRun._Peers()
-                peers.state = state
-                peers.nc = await connect_nats(NatsConfig(url=state.by_name("nats").url), "rlfleet-run")
-                peers.js = peers.nc.jetstream()
-                self.channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker")]
-                peers.gateway = gateway_pb2_grpc.GatewayServiceStub(self.channels[0])
-                peers.trainer = trainer_pb2_grpc.TrainerServiceStub(self.channels[1])
-                peers.broker = broker_pb2_grpc.BrokerServiceStub(self.channels[2])
-                peers.clients = Clients.connect(session=state.by_name("session-server").address,
-                                                sandbox=state.by_name("sandbox-manager").address,
-                                                verifier=state.by_name("verifier").address)
-                self.peers = peers
-                return peers
-
-            async def __aexit__(self, *exc):
-                await self.peers.clients.close()
-                for ch in self.channels:
-                    await ch.close()
-                await self.peers.nc.close()
-
-        del run
-        return Connections()
+        channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker")]
+        nc = await connect_nats(NatsConfig(url=state.by_name("nats").url), "rlfleet-run")
+        clients = Clients.connect(session=state.by_name("session-server").address,
+                                  sandbox=state.by_name("sandbox-manager").address,
+                                  verifier=state.by_name("verifier").address)
+        peers = SimpleNamespace(state=state, nc=nc, js=nc.jetstream(), clients=clients,
+                                gateway=gateway_pb2_grpc.GatewayServiceStub(channels[0]),
+                                trainer=trainer_pb2_grpc.TrainerServiceStub(channels[1]),
+                                broker=broker_pb2_grpc.BrokerServiceStub(channels[2]))
+        try:
+            yield peers
+        finally:
+            await clients.close()
+            for ch in channels:
+                await ch.close()
+            await nc.close()
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -315,8 +311,10 @@ class RLRun:
         while not self.stop.is_set():
             await asyncio.sleep(5.0)
             try:
-                status = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest())
-            except Exception:
+                status = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                say(f"[{self.clock.elapsed():5.0f}s] the trainer is not answering ({exc.code().name}); "
+                    f"see {self.run_dir / 'logs' / 'trainer.log'}")
                 continue
             self.record.trainer_idle_fraction = status.idle_fraction
             recent = [t for t in self.record.trajectories[-200:] if t.split == "train"]
@@ -332,14 +330,16 @@ class RLRun:
     async def _finish(self, peers, heldout, regression) -> None:
         from rlfleet.api.trainer.v1 import trainer_pb2
 
-        status = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest())
-        self.record.trainer_idle_fraction = status.idle_fraction
-        accepted = self.record.accepted_version
-        if accepted and not self.config.gate.enabled:
-            accepted = max(s.version for s in self.record.steps)
+        try:
+            status = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+            self.record.trainer_idle_fraction = status.idle_fraction
+        except grpc.aio.AioRpcError as exc:
+            self.record.notes.append(f"the trainer did not answer at the end: {exc.code().name}")
         if not self.config.gate.enabled and self.record.steps:
-            self.record.accepted_version = accepted = max(s.version for s in self.record.steps)
-        await self._wait_served(peers, accepted, pool="fleet")
+            self.record.accepted_version = max(s.version for s in self.record.steps)  # auto-promoted
+        accepted = self.record.accepted_version
+        if not await self._wait_served(peers, accepted, pool="fleet"):
+            self.record.notes.append(f"the fleet did not serve version {accepted} in time for the final evaluation")
         say(f"final: evaluating the accepted version {accepted} on the held-out split ...")
         await self._evaluate(peers, heldout, accepted, "heldout", "final", "fleet")
         if regression:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlfleet.cli.gate import GateConfig
 from rlfleet.cli.warm_start import ModelSpec, WarmStartConfig
@@ -69,3 +69,12 @@ class RunConfig(StrictModel):
     model_cache_dir: str = Field("", description="base policies are cached here; empty = runs/.cache")
     overrides: dict[str, dict[str, Any]] = Field(default_factory=dict,
                                                  description="extra per-service config, as in `rlfleet up`")
+
+    @model_validator(mode="after")
+    def _staleness_covers_the_gate(self) -> RunConfig:
+        # With a gate, the canary (rollout) engines get a version every `every_versions`; rollouts of
+        # an older one must still be trainable, or the loop would starve between syncs.
+        if self.mode == "async" and self.gate.enabled and self.rollout.max_staleness < self.gate.every_versions:
+            raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) must be at least "
+                             f"gate.every_versions ({self.gate.every_versions})")
+        return self

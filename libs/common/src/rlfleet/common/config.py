@@ -178,6 +178,8 @@ def format_validation_error(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"]) or "(root)"
         if error["type"] == "extra_forbidden":
             problems.append(f"unknown key '{where}'")
+        elif not error["loc"]:  # a check across fields: the message says it all
+            problems.append(error["msg"].removeprefix("Value error, "))
         else:
             problems.append(f"{where}: {error['msg']} (got {error.get('input')!r})")
     return "; ".join(problems)

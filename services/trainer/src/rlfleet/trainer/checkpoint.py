@@ -76,7 +76,15 @@ def save_checkpoint(backend: TorchBackend, ckpt_dir: Path) -> None:
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer, options=_full_options())
     if backend.rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in model_state.items()}, str(ckpt_dir / "model.safetensors"))
+        # Tied weights (embeddings = LM head) share storage, which safetensors refuses; each key gets
+        # its own copy, and loading writes the same values into the one shared parameter.
+        seen: set[int] = set()
+        tensors = {}
+        for k, v in model_state.items():
+            ptr = v.untyped_storage().data_ptr()
+            tensors[k] = v.contiguous().clone() if ptr in seen else v.contiguous()
+            seen.add(ptr)
+        save_file(tensors, str(ckpt_dir / "model.safetensors"))
         torch.save(optim_state, ckpt_dir / "optimizer.pt")
         torch.save({"step": backend.step, "scheduler": backend.scheduler.state_dict()}, ckpt_dir / "trainer_state.pt")
     backend.barrier()

@@ -59,7 +59,7 @@ class TrajectoryConsumer:
     async def fetch(self) -> list[Delivery]:
         try:
             return await self._sub.fetch(self.options.fetch_batch, timeout=self.options.fetch_timeout_s)
-        except NatsTimeout:
+        except (TimeoutError, NatsTimeout):  # nats-py raises the bare one when the deadline passed early
             return []
 
     async def queue_depth(self) -> int:

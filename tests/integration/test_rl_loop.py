@@ -1,0 +1,64 @@
+"""The RL loop end to end on a tiny model: versions advance, trajectories flow, staleness stays
+bounded, and the promotion gate refuses a deliberately worse policy."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+RLFLEET = str(Path(sys.executable).parent / "rlfleet")
+
+
+def test_a_short_async_run_trains_publishes_versions_and_refuses_a_worse_candidate(tmp_path):
+    config = tmp_path / "tiny.toml"
+    # lr 1.0 wrecks the policy on purpose: every candidate is worse, so the gate must refuse them
+    # and the fleet keeps serving version 0.
+    config.write_text("""
+run_id = "itest"
+group_size = 4
+[model]
+hidden_size = 64
+num_hidden_layers = 2
+[warm_start]
+demonstrations = 400
+epochs = 2
+lr = 3e-3
+[rollout]
+concurrency = 8
+max_staleness = 2
+[trainer]
+lr = 1.0
+groups_per_step = 2
+[eval]
+heldout = 24
+regression = 0
+[gate]
+every_versions = 2
+[budget]
+max_steps = 8
+max_minutes = 1.5
+""")
+    run_dir = tmp_path / "run"
+    result = subprocess.run([RLFLEET, "run", str(config), "--run-dir", str(run_dir),
+                             "--model-cache-dir", str(tmp_path / "cache")],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # Versions advanced (a wrecked policy soon earns equal rewards in every group, which the trainer
+    # drops, so the run may end on its time budget before max_steps).
+    assert summary["final_version"] >= 2
+    assert summary["trajectories"]["train"] >= 2 * 2 * 4  # groups of G flowed end to end
+    assert summary["staleness"]["max"] <= 2 + 1  # admission + trainer bound (+1: a version may land mid-episode)
+    assert summary["gate"], "the gate made no decision"
+    assert not any(d["accepted"] for d in summary["gate"])
+    # It is refused for being worse: more invalid tool calls, no better success.
+    reasons = " ".join(r for d in summary["gate"] for r in d["reasons"])
+    assert "invalid tool calls per episode rose" in reasons or "not above" in reasons
+    assert summary["accepted_version"] == 0
+    assert summary["baseline_vs_rl"]["rl_accepted"]["version"] == 0
+    assert (run_dir / "report.html").exists() and (run_dir / "report" / "reward_success.png").exists()
+    assert "gate: version" in result.stdout and "refused" in result.stdout
