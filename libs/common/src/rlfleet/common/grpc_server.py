@@ -95,14 +95,18 @@ class GrpcServer:
         await self.server.stop(self.config.grace_seconds)
 
 
-def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Iterable[Any] = ()) -> grpc.aio.Channel:
-    """A client channel with raised limits and trace propagation."""
+def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Iterable[Any] = (),
+            balance: bool = True) -> grpc.aio.Channel:
+    """A client channel with raised limits, retries, keepalive and trace propagation.
+
+    `balance` spreads calls round-robin over every address a name resolves to
+    (`dns:///session-server:50051`), so scaled replicas share the load; turn it off for a peer whose
+    state lives on one replica (a sandbox exists only on the manager that created it)."""
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-    # round_robin over every address a name resolves to (`dns:///session-server:50051`), so scaled
-    # replicas share the load instead of one taking every call.
-    options = [*message_options(max_message_bytes), ("grpc.enable_retries", 1),
-               ("grpc.keepalive_time_ms", 30_000), ("grpc.lb_policy_name", "round_robin")]
+    options = [*message_options(max_message_bytes), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000)]
+    if balance:
+        options.append(("grpc.lb_policy_name", "round_robin"))
     return grpc.aio.insecure_channel(address, options=options,
                                      interceptors=[*aio_client_interceptors(), *interceptors])
 

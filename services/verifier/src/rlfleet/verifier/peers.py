@@ -39,6 +39,7 @@ def translate(exc: grpc.aio.AioRpcError, peer: str, what: str) -> Exception:
 
 class _Peer:
     name = ""
+    balanced = True  # any replica serves this peer's state (it lives in Redis)
 
     def __init__(self, address: str, setting: str, timeout_s: float) -> None:
         self.address = address
@@ -50,7 +51,7 @@ class _Peer:
         if not self.address:
             raise FailedPrecondition(f"this verifier has no {self.name} to ask: set {self.setting}")
         if self._channel is None:
-            self._channel = channel(self.address)
+            self._channel = channel(self.address, balance=self.balanced)
         return self._channel
 
     async def close(self) -> None:
@@ -70,6 +71,7 @@ class SessionPeer(_Peer):
 
 
 class SandboxPeer(_Peer):
+    balanced = False  # a sandbox exists only on the manager replica that created it
     name = "sandbox manager"
 
     def __init__(self, address: str, setting: str, timeout_s: float, tests: TestSandboxSection) -> None:

@@ -21,7 +21,7 @@ from rlfleet.api.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from rlfleet.common.config import require
-from rlfleet.common.grpc_server import message_options
+from rlfleet.common.grpc_server import channel
 from rlfleet.envkit.sdk.errors import RpcNotFound, translate
 
 
@@ -174,9 +174,9 @@ class Clients:
         timeouts = timeouts or RpcTimeouts()
         # Sandboxes live on the manager replica that created them, so that channel stays on one replica
         # (pick_first); sessions and verdicts are in Redis, so any replica serves those calls.
-        channels = [_channel(require(session, "session_address"), balance=True),
-                    _channel(require(sandbox, "sandbox_address"), balance=False),
-                    _channel(require(verifier, "verifier_address"), balance=True)]
+        channels = [channel(require(session, "session_address")),
+                    channel(require(sandbox, "sandbox_address"), balance=False),
+                    channel(require(verifier, "verifier_address"))]
         return cls(SessionClient(channels[0], timeouts), SandboxClient(channels[1], timeouts),
                    VerifierClient(channels[2], timeouts), channels)
 
@@ -189,18 +189,6 @@ class Clients:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-
-def _channel(address: str, balance: bool) -> grpc.aio.Channel:
-    """`rlfleet.common.grpc_server.channel` (limits, retries, keepalive, tracing), optionally balancing
-    round-robin: with a `dns:///name:port` address every replica then gets calls, not only the first
-    one resolved."""
-    from opentelemetry.instrumentation.grpc import aio_client_interceptors
-
-    options = [*message_options(64 << 20), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000)]
-    if balance:
-        options.append(("grpc.lb_policy_name", "round_robin"))
-    return grpc.aio.insecure_channel(address, options=options, interceptors=aio_client_interceptors())
 
 
 def chat_messages(messages: list[dict[str, str]]) -> common_pb2.ChatMessages:
