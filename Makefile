@@ -3,12 +3,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= examples/calc.toml
+RUN_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: run test install proto proto-check lint up down status clean
 
 run: install
-	$(VENV)/bin/rlfleet run $(CONFIG)
+	$(VENV)/bin/rlfleet run $(CONFIG) $(RUN_ARGS)
 
 test: install
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)

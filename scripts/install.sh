@@ -7,14 +7,28 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 STAMP="$VENV/.install-stamp"
 
-# System packages: Redis for hot state, bubblewrap for sandboxes.
+# System packages: Redis for hot state, bubblewrap for sandboxes, tini as a sandbox's pid 1; and the
+# validators the deploy tests run: docker-compose (`config`) and promtool (from Debian's prometheus).
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v tini >/dev/null 2>&1 || missing+=(tini)
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "install: apt-get install ${missing[*]}"
+  # Packages with a daemon (prometheus, redis-server) start it from their postinst unless
+  # policy-rc.d forbids it; we only want the binaries, so forbid it for this install.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy"
+    trap 'rm -f "$policy"' EXIT
+  fi
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ ! -e /run/systemd/system ] && pgrep -x prometheus >/dev/null 2>&1; then
+    echo "install: warning: a prometheus server is running (not started by rlfleet); rlfleet needs only promtool" >&2
+  fi
 fi
 
 # The real interpreter, not a pyenv shim: sandboxes and child processes exec it directly.

@@ -88,7 +88,7 @@ async def episode(args: argparse.Namespace) -> dict:
                     break
                 if call["tool"] == "calc":
                     result = await sandboxes.Exec(sandbox_pb2.ExecRequest(
-                        sandbox_id=box.sandbox_id, argv=["python3", "-I", "-c", CALCULATOR],
+                        sandbox_id=box.sandbox_id, argv=["python3", "-I", "-S", "-c", CALCULATOR],
                         stdin=call["args"].encode(), timeout_seconds=5), timeout=30)
                     observation = result.stdout.decode(errors="replace").strip() or f"error: exit {result.exit_code}"
                     tool_calls += 1

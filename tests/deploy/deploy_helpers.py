@@ -52,13 +52,8 @@ CONFIG_MODELS = {
     "verifier": ("rlfleet.verifier.config", "VerifierConfig"),
     "weight-broker": ("rlfleet.broker.config", "WeightBrokerConfig"),
     "trainer": ("rlfleet.trainer.service_config", "TrainerConfig"),
+    "worker": ("rlfleet.envkit.worker_config", "WorkerConfig"),
 }
-# Where the rollout worker's config model may live once libs/envkit ships it.
-WORKER_CONFIG_CANDIDATES = (
-    ("rlfleet.envkit.worker_config", "WorkerConfig"),
-    ("rlfleet.envkit.worker_main", "WorkerConfig"),
-    ("rlfleet.envkit.worker", "WorkerConfig"),
-)
 
 
 def console_scripts() -> dict[str, Path]:
@@ -348,3 +343,34 @@ def resolve_env(container: dict[str, Any], objects: list[dict[str, Any]]) -> dic
     for item in container.get("env", []):
         env[item["name"]] = str(item["value"]) if "value" in item else "placeholder"
     return env
+
+
+# -- the metrics catalogue (docs/metrics.md) --------------------------------------------------------
+
+METRICS_DOC = ROOT / "docs" / "metrics.md"
+METRIC_TYPES = ("counter", "gauge", "histogram")
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    name: str        # as Prometheus sees it (counters with _total)
+    type: str        # counter | gauge | histogram
+    labels: tuple[str, ...]
+    service: str
+    meaning: str
+
+
+def metrics_catalogue() -> dict[str, CatalogueEntry]:
+    """The rows of docs/metrics.md's tables: | `name` | type | labels | service | meaning |."""
+    entries: dict[str, CatalogueEntry] = {}
+    for line in METRICS_DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or not cells[0].startswith("`rlfleet_"):
+            continue
+        name, kind, labels, service, meaning = cells
+        name = name.strip("`")
+        assert kind in METRIC_TYPES, f"{name}: type {kind!r} is not one of {METRIC_TYPES}"
+        assert name not in entries, f"{name} is catalogued twice"
+        label_names = tuple(sorted(x.strip("` ") for x in labels.split(",") if x.strip("` -—")))
+        entries[name] = CatalogueEntry(name, kind, label_names, service, meaning)
+    return entries

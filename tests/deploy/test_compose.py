@@ -156,13 +156,6 @@ def test_gateway_knows_the_cpu_engine(compose):
 
 
 def config_model(service: str):
-    if service == "worker":
-        for module_name, attribute in h.WORKER_CONFIG_CANDIDATES:
-            try:
-                return getattr(importlib.import_module(module_name), attribute)
-            except (ImportError, AttributeError):
-                continue
-        pytest.skip("the rollout worker's config model (WorkerConfig in rlfleet.envkit) does not exist yet")
     module_name, attribute = h.CONFIG_MODELS[service]
     return getattr(importlib.import_module(module_name), attribute)
 

@@ -167,13 +167,6 @@ def test_peer_addresses_name_existing_services(overlay, rendered):
 
 
 def config_model(service):
-    if service == "worker":
-        for module_name, attribute in h.WORKER_CONFIG_CANDIDATES:
-            try:
-                return getattr(importlib.import_module(module_name), attribute)
-            except (ImportError, AttributeError):
-                continue
-        pytest.skip("the rollout worker's config model (WorkerConfig in rlfleet.envkit) does not exist yet")
     module_name, attribute = h.CONFIG_MODELS[service]
     return getattr(importlib.import_module(module_name), attribute)
 

@@ -45,6 +45,7 @@ class PlatformState:
     run_dir: str
     launcher_pid: int
     processes: list[ProcessRecord] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)  # the launch's PlatformConfig, to tell what it runs
 
     def by_name(self, name: str) -> ProcessRecord:
         for record in self.processes:
@@ -290,7 +291,8 @@ class Platform:
         self.config = config
         self.run_dir = run_dir_for(config)
         self.logs = self.run_dir / "logs"
-        self.state = PlatformState(config.run_id, str(self.run_dir), os.getpid())
+        self.state = PlatformState(config.run_id, str(self.run_dir), os.getpid(),
+                                   config=config.model_dump(mode="json"))
         self.model: Path | None = None
 
     def up(self) -> PlatformState:
@@ -398,6 +400,9 @@ class Platform:
             cmd = [bin_path("rlfleet-cpu-engine"), "--model-path", str(self.model), "--engine-id", name,
                    "--torch-threads", str(self.config.engine_torch_threads), "--weight-version", "0",
                    "--ready-file", str(ready)]
+            # overrides."cpu-engine" (e.g. telemetry.span_file) reach every engine as --set, as a service's do.
+            for key, value in _flatten(self.config.overrides.get("cpu-engine", {})):
+                cmd += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
             proc = spawn(cmd, log, env=_service_env())
             self._record(ProcessRecord(name, proc.pid, start_ticks(proc.pid) or 0, cmd, str(log), kind="engine"))
             started.append((name, proc, ready, log))

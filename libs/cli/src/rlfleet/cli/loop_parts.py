@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class Clock:
-    def __init__(self) -> None:
-        self.start = time.monotonic()
+    """Loop time: seconds since the loop started, counting what earlier parts of a resumed run used."""
+
+    def __init__(self, already_s: float = 0.0) -> None:
+        self.start = time.monotonic() - already_s
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -53,18 +55,22 @@ class Feeder:
     """Keeps the TASKS queue topped up with training tasks (async mode), or hands out one step's
     worth at a time (sync mode)."""
 
-    def __init__(self, js, run_id: str, tasks: list[common_pb2.Task]) -> None:
+    def __init__(self, js, run_id: str, tasks: list[common_pb2.Task], *, attempt: str = "",
+                 published: int = 0) -> None:
         self.js = js
         self.run_id = run_id
         self.tasks = tasks
-        self.published = 0
+        self.attempt = attempt
+        self.published = published
 
     async def publish(self, n: int) -> None:
         for _ in range(n):
             task = self.tasks[self.published % len(self.tasks)]
             epoch = self.published // len(self.tasks)
+            # The message ID names the run's attempt: a resumed run republishing the task it was
+            # handing out when stopped is deduplicated, a new run on the same platform is not.
             await publish(self.js, "TASKS", self.run_id, task.SerializeToString(), msg_type="Task",
-                          msg_id=f"{self.run_id}/{task.task_id}/e{epoch}")
+                          msg_id=f"{self.run_id}/{self.attempt}/{task.task_id}/e{epoch}")
             self.published += 1
 
     async def keep_topped_up(self, groups_done: Callable[[], int], in_flight_target: int, stop: asyncio.Event) -> None:
@@ -90,8 +96,9 @@ class Observer:
         self.clock = clock
         self.latest_version = 0
         self.version_listeners: list[Callable[[common_pb2.PolicyVersion], None]] = []
-        self.groups: dict[str, int] = {}
+        self.groups: dict[str, list[float]] = {}  # rewards of each group's samples so far
         self.groups_done = 0
+        self.trainable_groups_done = 0  # complete groups whose rewards differ (GRPO trains on them)
         self.train_trajectories = 0
         self._subs = []
 
@@ -127,10 +134,12 @@ class Observer:
             generate_latencies_s=[s.latency_s for s in generated]))
         if (traj.split or "train") == "train" and status in ("completed", "truncated"):
             self.train_trajectories += 1
-            seen = self.groups.get(traj.group_id, 0) + 1
-            self.groups[traj.group_id] = seen
-            if seen == (traj.group_size or 1):
+            rewards = self.groups.setdefault(traj.group_id, [])
+            rewards.append(traj.verdict.reward)
+            if len(rewards) == (traj.group_size or 1):
                 self.groups_done += 1
+                self.trainable_groups_done += len(set(rewards)) > 1
+                del self.groups[traj.group_id]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +214,8 @@ class SlowTools:
 
 
 class CpuSampler:
-    """CPU use of every process of the run (services, engines, NATS, Redis, this driver)."""
+    """CPU use and resident memory of every process of the run (services, engines, NATS, Redis, this
+    driver)."""
 
     def __init__(self, pids: list[int], record: RunRecord, clock: Clock, interval_s: float = 2.0) -> None:
         import psutil
@@ -227,10 +237,13 @@ class CpuSampler:
                 pass
         while not stop.is_set():
             await asyncio.sleep(self.interval_s)
-            total = 0.0
+            total, rss = 0.0, 0
             for p in self.processes:
                 try:
                     total += p.cpu_percent(None)
+                    rss += p.memory_info().rss
                 except psutil.Error:
                     pass
-            self.record.cpu.append((self.clock.elapsed(), total / self.cores))
+            now = self.clock.elapsed()
+            self.record.cpu.append((now, total / self.cores))
+            self.record.memory_mb.append((now, rss / 2**20))

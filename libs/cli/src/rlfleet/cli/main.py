@@ -1,8 +1,10 @@
 """`rlfleet`: launch, inspect and stop a local platform.
 
-    rlfleet run CONFIG.toml                                the RL loop: warm start, baseline, async RL, report
+    rlfleet run CONFIG.toml [--resume|--fresh] [--keep-up|--up-only]
+                                                           the RL loop: warm start, baseline, async RL, report
     rlfleet up [--config FILE] [--run-id ID] [--detach]   start NATS, Redis and every service
-    rlfleet status [--run-dir DIR]                         health of what a launch started
+    rlfleet status [--run-dir DIR] [--once|--watch] [--json]
+                                                           live view: services, engines, queues, staleness
     rlfleet down [--run-dir DIR]                           stop exactly what a launch started
 """
 
@@ -82,16 +84,26 @@ def cmd_down(argv: list[str]) -> int:
 
 
 def cmd_status(argv: list[str]) -> int:
-    from rlfleet.cli.health import probe, table
     from rlfleet.cli.launcher import PlatformState
+    from rlfleet.cli.status_view import show
 
-    state = PlatformState.load(_run_dir_arg(argv, "rlfleet status"))
+    parser = argparse.ArgumentParser(prog="rlfleet status", description="A live view of a launched platform: "
+                                     "services, engines and their versions, queue depths, staleness, throughput.")
+    parser.add_argument("--run-dir", default="runs/local", help="run directory of the launch (default runs/local)")
+    parser.add_argument("--once", action="store_true", help="print one snapshot and exit (1 if a process is "
+                        "unhealthy); the default when the output is not a terminal, so scripts never hang")
+    parser.add_argument("--watch", action="store_true", help="refresh until Ctrl-C even when the output is not a terminal")
+    parser.add_argument("--json", action="store_true", help="snapshots as JSON")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    args = parser.parse_args(argv)
+    if args.interval <= 0:
+        parser.error("--interval must be > 0")
+    state = PlatformState.load(args.run_dir)
     if not state.processes:
         print(f"nothing is running for {state.run_dir}")
         return 1
-    rows = asyncio.run(probe(state))
-    print(table(rows, state))
-    return 0 if all(row.healthy for row in rows) else 1
+    once = args.once or not (args.watch or sys.stdout.isatty())
+    return show(state, once=once, as_json=args.json, interval_s=args.interval)
 
 
 def main(argv: list[str] | None = None) -> None:

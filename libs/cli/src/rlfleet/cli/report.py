@@ -73,8 +73,13 @@ class RunRecord:
     trajectories: list[TrajectoryRecord] = field(default_factory=list)
     weight_pauses_s: list[float] = field(default_factory=list)
     cpu: list[tuple[float, float]] = field(default_factory=list)  # (elapsed_s, percent of all cores)
+    memory_mb: list[tuple[float, float]] = field(default_factory=list)  # (elapsed_s, RSS of all processes)
     trainer_idle_fraction: float = 0.0
     accepted_version: int = 0
+    status: str = "running"  # running | finished | interrupted
+    gate_wait_s: float = 0.0  # loop time the rollouts stood still for the gate (sync mode only)
+    trainer_wait_s: float = 0.0     # the trainer's data-wait time during the loop
+    trainer_watched_s: float = 0.0  # loop time over which trainer_wait_s was measured
     notes: list[str] = field(default_factory=list)
 
 
@@ -108,14 +113,16 @@ def summarize(record: RunRecord) -> dict[str, Any]:
                                 "safety_violations_per_episode": result.safety_violations,
                                 "episodes": result.episodes}
     staleness = [t.staleness for t in train]
+    wall = record.wall_s or 0.0
     return {
-        "run_id": record.run_id, "mode": record.mode, "wall_s": round(record.wall_s, 1),
+        "run_id": record.run_id, "mode": record.mode, "status": record.status, "wall_s": round(wall, 1),
         "steps": len(record.steps), "final_version": record.steps[-1].version if record.steps else 0,
         "accepted_version": record.accepted_version,
         "baseline_vs_rl": comparison,
         "heldout_success_gain": (final.success - baseline.success) if baseline and final else None,
         "trajectories": {"train": len(train), "all": len(record.trajectories),
-                         "per_second": len(train) / record.wall_s if record.wall_s else 0.0,
+                         # what arrived within the loop: groups finishing while the workers drain don't count
+                         "per_second": sum(t.elapsed_s <= wall for t in train) / wall if wall else 0.0,
                          "length": percentiles([t.length for t in train]),
                          "reward_mean": _mean([t.reward for t in train])},
         "rollout_latency_s": percentiles(latencies),
@@ -124,7 +131,12 @@ def summarize(record: RunRecord) -> dict[str, Any]:
                       "histogram": {str(k): staleness.count(k) for k in sorted(set(staleness))}},
         "weight_update_pause_s": percentiles(record.weight_pauses_s) | {"count": len(record.weight_pauses_s)},
         "trainer_idle_fraction": record.trainer_idle_fraction,
+        "trained_tokens_per_s": sum(s.metrics.get("tokens", 0.0) for s in record.steps) / wall if wall else 0.0,
+        "heldout_curve": [{"elapsed_s": round(e.elapsed_s, 1), "version": e.version, "success": e.success,
+                           "label": e.label} for e in record.evals if e.split == "heldout"],
+        "gate_wait_s": round(record.gate_wait_s, 1),
         "cpu_percent_mean": _mean([c for _, c in record.cpu]),
+        "peak_rss_mb": round(max((m for _, m in record.memory_mb), default=0.0), 1),
         "gate": [asdict(d) for d in record.gate],
         "notes": record.notes,
     }

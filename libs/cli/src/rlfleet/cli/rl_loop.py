@@ -11,6 +11,12 @@
 
 `mode = "sync"` runs the same system in lock-step: one step's tasks, wait for the new version to be
 served, repeat.
+
+The run directory holds everything needed to go on after an interruption (Ctrl-C, a service that
+died, the driver killed): `rlfleet run CONFIG --resume` restarts the platform on its durable state
+(or attaches to it when it is still up) and continues from the trainer's last checkpoint, with the
+tasks, trajectories and budget where they were (see run_state.py). A platform left running
+(`--keep-up`, `--up-only`) is attached to by the next `rlfleet run` of the same run directory.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
+import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,6 +48,14 @@ from rlfleet.cli.loop_parts import (
 )
 from rlfleet.cli.report import GateDecision, RunRecord, StepRecord, write_report
 from rlfleet.cli.run_config import RunConfig
+from rlfleet.cli.run_state import (
+    RunState,
+    clear_run_outputs,
+    config_changes,
+    eval_from_dict,
+    record_from_dict,
+)
+from rlfleet.common.errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -47,31 +64,120 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+@dataclass
+class RunOptions:
+    """How this invocation treats the run directory (flags, not configuration)."""
+
+    resume: bool = False    # continue the interrupted run in the run directory
+    fresh: bool = False     # discard an interrupted run there and start over
+    keep_up: bool = False   # leave the platform running at the end
+    up_only: bool = False   # bring the platform up for this run and return
+    config_path: str = ""   # for the hints printed
+
+
 class RLRun:
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, options: RunOptions | None = None) -> None:
         self.config = config
+        self.options = options or RunOptions()
         self.run_dir = Path(config.run_dir or f"runs/{config.run_id}").resolve()
         self.clock = Clock()
         self.record = RunRecord(config.run_id, config.mode, config.model_dump(mode="json"), time.time())
+        self.state = RunState("running", config.model_dump(mode="json"), uuid.uuid4().hex[:12])
         self.stop = asyncio.Event()
+        self.interrupted = ""  # why the loop stopped before its budget, when it did
         self.accepted_eval = None
         self.accepted_regression = None
         self.last_gated = 0
+        self.feeder = None
+        self.resuming = False
+        self._trainer_mark: tuple[float, float] | None = None  # (data-wait counter, loop time) last read
 
     # -- the whole run ------------------------------------------------------------------------
 
     async def run(self) -> dict:
+        self._take_over_run_dir()
         base = await asyncio.to_thread(self._base_policy)
-        platform = await asyncio.to_thread(self._platform_up, base)
+        platform, owned = await asyncio.to_thread(self._platform, base)
+        if self.options.up_only:
+            say(f"platform: up for run {self.config.run_id}; `rlfleet run {self._config_arg()}` attaches to it, "
+                f"`rlfleet down --run-dir {self.run_dir}` stops it")
+            return {}
         try:
             async with self._connections(platform.state) as peers:
                 await self._loop(peers)
+        except BaseException as exc:
+            self.interrupted = self.interrupted or f"{type(exc).__name__}: {exc}"
+            raise
         finally:
-            await asyncio.to_thread(platform.down)
-        self.record.wall_s = self.record.wall_s or self.clock.elapsed()
+            self.record.wall_s = self.record.wall_s or self.clock.elapsed()
+            self.record.status = "interrupted" if self.interrupted else "finished"
+            self._save_state()
+            if owned and not self.options.keep_up:
+                await asyncio.to_thread(platform.down)
+            else:
+                say(f"platform: left running; stop it with `rlfleet down --run-dir {self.run_dir}`")
         summary = write_report(self.record, self.run_dir)
         self._print_summary(summary)
+        if self.interrupted:
+            say(f"interrupted ({self.interrupted}) after {self.record.wall_s:.0f} s of loop time; "
+                f"continue with: rlfleet run {self._config_arg()} --resume")
         return summary
+
+    def _config_arg(self) -> str:
+        return self.options.config_path or "CONFIG"
+
+    def _take_over_run_dir(self) -> None:
+        """Decides from the run directory whether this is a new run or the continuation of one."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        previous = RunState.load(self.run_dir)
+        if previous is not None and previous.status == "running" and _alive(previous.driver_pid, previous.driver_start):
+            raise StartupError(f"another `rlfleet run` (pid {previous.driver_pid}) is driving "
+                               f"{self.run_dir}; stop it first")
+        if self.options.resume:
+            if previous is None:
+                raise StartupError(f"nothing to resume in {self.run_dir} (no run_state.json); "
+                                   f"run without --resume to start a run")
+            changes = config_changes(previous.config, self.config.model_dump(mode="json"))
+            if changes:
+                raise StartupError("the config differs from the run being resumed in what it trains "
+                                   f"(only budget and eval.concurrency may change): {'; '.join(changes)}")
+            self._restore(previous)
+            return
+        if previous is not None and previous.status != "finished" and not self.options.fresh:
+            raise StartupError(f"{self.run_dir} holds an interrupted run ({previous.reason or previous.status}, "
+                               f"{previous.loop_s:.0f} s of loop time); `--resume` continues it, "
+                               f"`--fresh` discards it and starts over")
+
+    def _restore(self, previous: RunState) -> None:
+        self.resuming = True
+        self.state = previous
+        self.state.resumes.append(previous.loop_s)
+        self.record = record_from_dict(previous.record)
+        self.record.notes.append(f"resumed at {previous.loop_s:.0f} s of loop time"
+                                 + (f" after: {previous.reason}" if previous.reason else ""))
+        self.record.config = self.config.model_dump(mode="json")  # the budget may have grown
+        self.record.wall_s = 0.0
+        self.accepted_eval = eval_from_dict(previous.accepted_eval)
+        self.accepted_regression = eval_from_dict(previous.accepted_regression)
+        self.record.accepted_version = previous.accepted_version
+        self.last_gated = previous.last_gated
+        say(f"resume: {self.run_dir} at {previous.loop_s:.0f} s of loop time, accepted version "
+            f"{previous.accepted_version}, {previous.tasks_published} tasks handed out")
+
+    def _save_state(self) -> None:
+        s = self.state
+        s.status = "interrupted" if self.interrupted else ("finished" if self.record.status == "finished" else "running")
+        s.reason = self.interrupted
+        s.loop_s = self.clock.elapsed()
+        s.last_gated = self.last_gated
+        s.accepted_version = self.record.accepted_version
+        s.accepted_eval = asdict(self.accepted_eval) if self.accepted_eval else None
+        s.accepted_regression = asdict(self.accepted_regression) if self.accepted_regression else None
+        if self.feeder is not None:
+            s.tasks_published = self.feeder.published
+        s.record = asdict(self.record)
+        s.driver_pid, s.driver_start = os.getpid(), _start_ticks(os.getpid())
+        s.save(self.run_dir)
 
     def _base_policy(self) -> Path:
         from rlfleet.cli.warm_start import ensure_base_policy
@@ -79,8 +185,7 @@ class RLRun:
         cache = Path(self.config.model_cache_dir).resolve() if self.config.model_cache_dir else self.run_dir.parent / ".cache"
         return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt, say)
 
-    def _platform_up(self, base: Path):
-        from rlfleet.cli.launcher import Platform
+    def platform_config(self, base: Path):
         from rlfleet.cli.platform_config import PlatformConfig
 
         c = self.config
@@ -100,12 +205,43 @@ class RLRun:
         }
         for name, extra in c.overrides.items():
             overrides.setdefault(name, {}).update(extra)
+        return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=2, canary_engines=1,
+                              model_path=str(base), overrides=overrides, log_format="json")
+
+    def _platform(self, base: Path):
+        """The platform of this run directory: attached to when it is up, else started (returns it and
+        whether this run owns it)."""
+        from rlfleet.cli.launcher import Platform, PlatformState, is_ours
+
+        wanted = self.platform_config(base)
+        try:
+            running = PlatformState.load(self.run_dir)
+        except StartupError:
+            running = None
+        alive = [p for p in running.processes if is_ours(p)] if running else []
+        if alive:
+            down = [p.name for p in running.processes if not is_ours(p)]
+            if down:
+                raise StartupError(f"the platform in {self.run_dir} is partly down ({', '.join(down)}); "
+                                   f"`rlfleet down --run-dir {self.run_dir}` and run again (add --resume to continue)")
+            differs = _platform_differences(running.config, wanted.model_dump(mode="json"))
+            if differs:
+                raise StartupError(f"the platform running in {self.run_dir} was not started for this config "
+                                   f"({'; '.join(differs)}); stop it with `rlfleet down --run-dir {self.run_dir}`, "
+                                   f"or start it for this run with `rlfleet run {self._config_arg()} --up-only`")
+            say(f"platform: attached to the one running in {self.run_dir}")
+            attached = Platform(wanted)
+            attached.state = running
+            return attached, False
+        if not self.resuming:
+            removed = clear_run_outputs(self.run_dir)
+            if removed:
+                say(f"platform: starting over in {self.run_dir} (removed the previous run's {', '.join(removed)})")
         say(f"platform: starting in {self.run_dir} ...")
-        platform = Platform(PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=2, canary_engines=1,
-                                           model_path=str(base), overrides=overrides, log_format="json"))
+        platform = Platform(wanted)
         platform.up()
         say("platform: healthy (" + ", ".join(p.name for p in platform.state.processes) + ")")
-        return platform
+        return platform, True
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -142,45 +278,87 @@ class RLRun:
     async def _loop(self, peers) -> None:
         c = self.config
         train, heldout, regression = self._tasks(peers)
-        self.clock = Clock()
-        self.record.started_unix = time.time()
-        say(f"baseline: evaluating version 0 on {len(heldout)} held-out and {len(regression)} regression tasks ...")
-        self.accepted_eval = await self._evaluate(peers, heldout, 0, "heldout", "baseline", "fleet")
-        self.accepted_regression = await self._evaluate(peers, regression, 0, "regression", "baseline", "fleet") \
-            if regression else None
-        say(f"baseline: held-out success {self.accepted_eval.success:.3f}")
+        if not self.resuming:
+            await self._baseline(peers, heldout, regression)
+        # Loop time (the budget, every figure's time axis) starts after the baseline evaluation.
+        self.clock = Clock(self.state.loop_s)
+        if not self.resuming:
+            self.record.started_unix = time.time()
         observer = Observer(peers.js, c.run_id, self.record, self.clock)
         observer.version_listeners.append(lambda v: asyncio.ensure_future(self._admit_up_to(peers, v.version)))
-        observer.version_listeners.append(lambda v: self.record.steps.append(StepRecord(
-            step=int(v.step), version=int(v.version), elapsed_s=self.clock.elapsed(),
-            reward_mean=float(v.metrics.get("reward_mean", 0.0)), metrics=dict(v.metrics))) if v.version > 0 else None)
+        observer.version_listeners.append(self._note_step)
         await observer.start()
-        await self._admit_up_to(peers, 0)
+        await self._admit_up_to(peers, observer.latest_version)
         worker = self._worker(peers)
-        feeder = Feeder(peers.js, c.run_id, task_messages(train, c.run_id, c.group_size, c.rollout.temperature,
-                                                          c.system_prompt))
+        self.feeder = Feeder(peers.js, c.run_id, task_messages(train, c.run_id, c.group_size, c.rollout.temperature,
+                                                               c.system_prompt),
+                             attempt=self.state.attempt, published=self.state.tasks_published)
+        # Groups handed out before an interruption come back after their ack wait, or are already done:
+        # either way they are not counted as in flight, so the loop does not idle waiting for them.
+        observer.groups_done = self.feeder.published
+        done = observer.latest_version - self.state.start_version
         say(f"loop: {c.mode}, G={c.group_size}, {c.trainer.groups_per_step} groups/step, "
-            f"budget {c.budget.max_steps} steps or {c.budget.max_minutes:g} min")
+            f"budget {c.budget.max_steps} steps or {c.budget.max_minutes:g} min"
+            + (f" ({done} steps and {self.clock.elapsed():.0f} s done)" if self.resuming else ""))
+        self._trainer_mark = None
+        await self._measure_trainer_idle(peers)
         background = [asyncio.create_task(worker.run(self.stop)),
                       asyncio.create_task(CpuSampler([p.pid for p in peers.state.processes], self.record,
                                                      self.clock).run(self.stop)),
                       asyncio.create_task(self._watch_pauses(peers)),
+                      asyncio.create_task(self._watch_processes(peers.state)),
+                      asyncio.create_task(self._keep_state_saved()),
                       asyncio.create_task(self._progress(peers, observer))]
         try:
             if c.mode == "async":
                 in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
                 background.append(asyncio.create_task(
-                    feeder.keep_topped_up(lambda: observer.groups_done, in_flight, self.stop)))
+                    self.feeder.keep_topped_up(lambda: observer.groups_done, in_flight, self.stop)))
                 background.append(asyncio.create_task(self._gate_loop(peers, heldout, regression)))
                 await self._until_budget(observer)
             else:
-                await self._sync_steps(peers, feeder, observer, heldout, regression)
+                await self._sync_steps(peers, observer, heldout, regression)
         finally:
             self.record.wall_s = self.clock.elapsed()
             self.stop.set()
             await asyncio.gather(*background, return_exceptions=True)
             await observer.stop()
-        await self._finish(peers, heldout, regression)
+        await self._measure_trainer_idle(peers)
+        if self.interrupted:
+            await self._checkpoint(peers)
+        else:
+            await self._finish(peers, heldout, regression)
+
+    async def _baseline(self, peers, heldout, regression) -> None:
+        """The version the fleet serves before RL: 0 on a new platform, the accepted one on a platform
+        attached to after earlier runs."""
+        from rlfleet.api.broker.v1 import broker_pb2
+        from rlfleet.api.trainer.v1 import trainer_pb2
+
+        status = await peers.broker.GetStatus(broker_pb2.GetStatusRequest())
+        fleet = [e.policy_version for e in status.engines if e.pool == "fleet"]
+        version = min(fleet) if fleet else 0
+        trainer = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=30)
+        self.state.start_version = max(0, trainer.policy_version)
+        self.record.accepted_version = self.last_gated = version
+        say(f"baseline: evaluating version {version} on {len(heldout)} held-out and {len(regression)} "
+            f"regression tasks ...")
+        self.accepted_eval = await self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet")
+        self.accepted_regression = await self._evaluate(peers, regression, version, "regression", "baseline", "fleet") \
+            if regression else None
+        say(f"baseline: held-out success {self.accepted_eval.success:.3f}")
+        for result in (self.accepted_eval, self.accepted_regression):
+            if result is not None:
+                result.elapsed_s = 0.0  # the start of loop time
+
+    def _note_step(self, version) -> None:
+        # POLICY is replayed from its start on every (re)start: only versions not yet recorded are new.
+        newest = self.record.steps[-1].version if self.record.steps else self.state.start_version
+        if version.version > newest:
+            self.record.steps.append(StepRecord(step=int(version.step), version=int(version.version),
+                                                elapsed_s=self.clock.elapsed(),
+                                                reward_mean=float(version.metrics.get("reward_mean", 0.0)),
+                                                metrics=dict(version.metrics)))
 
     def _tasks(self, peers):
         from rlfleet.envkit.submit import write_for_verifier
@@ -225,30 +403,50 @@ class RLRun:
             max_inflight_sessions=self.config.rollout.max_inflight_sessions, trainer_version=trainer_version,
             max_staleness=self.config.rollout.max_staleness))
 
-    async def _until_budget(self, observer) -> None:
+    def _budget_spent(self, observer) -> bool:
         budget = self.config.budget
-        while not self.stop.is_set():
-            if observer.latest_version >= budget.max_steps or self.clock.elapsed() >= budget.max_minutes * 60:
-                return
+        return (observer.latest_version - self.state.start_version >= budget.max_steps
+                or self.clock.elapsed() >= budget.max_minutes * 60)
+
+    async def _until_budget(self, observer) -> None:
+        while not self.stop.is_set() and not self._budget_spent(observer):  # noqa: ASYNC110 - a clock, not an event
             await asyncio.sleep(0.5)
 
-    async def _sync_steps(self, peers, feeder, observer, heldout, regression) -> None:
-        c = self.config
-        for step in range(c.budget.max_steps):
-            if self.clock.elapsed() >= c.budget.max_minutes * 60 or self.stop.is_set():
-                return
-            await feeder.publish(c.trainer.groups_per_step)
-            while observer.latest_version < step + 1 and not self.stop.is_set():  # noqa: ASYNC110 - a counter, not an event
-                await asyncio.sleep(0.1)
-            await self._wait_served(peers, step + 1, pool="canary")
-            if c.gate.enabled and (step + 1) % c.gate.every_versions == 0:
-                await self._gate(peers, step + 1, heldout, regression)
+    async def _sync_steps(self, peers, observer, heldout, regression) -> None:
+        """Lock-step: hand out one step's groups, wait for the step and for its version to be served.
 
-    async def _wait_served(self, peers, version: int, pool: str, timeout_s: float = 120.0) -> bool:
+        Groups GRPO cannot learn from (all rewards equal) are dropped by the trainer, so when every
+        group handed out is done and the step has not happened, the missing groups are handed out."""
+        c = self.config
+        while not self.stop.is_set() and not self._budget_spent(observer):
+            target = observer.latest_version + 1
+            needed, trainable_before, quiet_since = c.trainer.groups_per_step, observer.trainable_groups_done, None
+            while not self.stop.is_set() and observer.latest_version < target:
+                if self.feeder.published - observer.groups_done <= 0:
+                    got = observer.trainable_groups_done - trainable_before
+                    if got < needed:
+                        await self.feeder.publish(needed - got)
+                        quiet_since = None
+                    elif quiet_since is None:
+                        quiet_since = time.monotonic()
+                    elif time.monotonic() - quiet_since > 30:
+                        # The trainer saw fewer learnable groups than counted here (say, samples it
+                        # rejected): hand out one more rather than wait forever.
+                        needed += 1
+                        quiet_since = None
+                await asyncio.sleep(0.05)
+            await self._wait_served(peers, target, pool="canary")
+            if c.gate.enabled and target - self.last_gated >= c.gate.every_versions:
+                began = self.clock.elapsed()
+                await self._gate(peers, target, heldout, regression)
+                self.record.gate_wait_s += self.clock.elapsed() - began
+
+    async def _wait_served(self, peers, version: int, pool: str, timeout_s: float = 120.0,
+                           until_stopped: bool = True) -> bool:
         from rlfleet.api.broker.v1 import broker_pb2
 
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self.stop.is_set():
+        while time.monotonic() < deadline and not (until_stopped and self.stop.is_set()):
             status = await peers.broker.GetStatus(broker_pb2.GetStatusRequest())
             engines = [e for e in status.engines if e.pool == pool]
             if engines and all(e.policy_version >= version for e in engines):
@@ -286,6 +484,7 @@ class RLRun:
             await peers.broker.Promote(broker_pb2.PromoteRequest(version=version, reason="; ".join(decision.reasons)))
             self.accepted_eval, self.accepted_regression = candidate, cand_reg
             self.record.accepted_version = version
+        self._save_state()
 
     # -- watching and printing -------------------------------------------------------------------
 
@@ -305,6 +504,29 @@ class RLRun:
                     self.record.weight_pauses_s.append(engine.last_pause_s)
             await asyncio.sleep(0.5)
 
+    async def _measure_trainer_idle(self, peers) -> None:
+        """Adds the trainer's data-wait time since the last reading to the loop's account (its own
+        counter, so the baseline evaluation before the loop does not count as idle)."""
+        import urllib.request
+
+        try:
+            port = peers.state.by_name("trainer").metrics_port
+            text = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3).read().decode())
+        except (OSError, KeyError):
+            return  # a trainer that is gone: its share of the loop is not measured
+        waited = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("rlfleet_trainer_data_wait_seconds_total")), None)
+        if waited is None:
+            return
+        now = self.clock.elapsed()
+        if self._trainer_mark is not None and waited >= self._trainer_mark[0]:
+            self.record.trainer_wait_s += waited - self._trainer_mark[0]
+            self.record.trainer_watched_s += now - self._trainer_mark[1]
+            if self.record.trainer_watched_s > 0:
+                self.record.trainer_idle_fraction = self.record.trainer_wait_s / self.record.trainer_watched_s
+        self._trainer_mark = (waited, now)
+
     async def _progress(self, peers, observer) -> None:
         from rlfleet.api.trainer.v1 import trainer_pb2
 
@@ -316,7 +538,7 @@ class RLRun:
                 say(f"[{self.clock.elapsed():5.0f}s] the trainer is not answering ({exc.code().name}); "
                     f"see {self.run_dir / 'logs' / 'trainer.log'}")
                 continue
-            self.record.trainer_idle_fraction = status.idle_fraction
+            await self._measure_trainer_idle(peers)
             recent = [t for t in self.record.trajectories[-200:] if t.split == "train"]
             reward = sum(t.reward for t in recent) / len(recent) if recent else 0.0
             stale = max((t.staleness for t in recent), default=0)
@@ -325,25 +547,54 @@ class RLRun:
             rate = observer.train_trajectories / max(self.clock.elapsed(), 1e-9)
             say(f"[{self.clock.elapsed():5.0f}s] step {status.step:3d}  v{status.policy_version:<3d} "
                 f"reward {reward:.2f}  held-out {self.accepted_eval.success:.2f} (accepted v{self.record.accepted_version})  "
-                f"staleness max {stale}  {rate:.1f} traj/s  pause p50 {pause:.0f} ms  idle {status.idle_fraction:.0%}")
+                f"staleness max {stale}  {rate:.1f} traj/s  pause p50 {pause:.0f} ms  "
+                f"trainer idle {self.record.trainer_idle_fraction:.0%}")
 
     async def _finish(self, peers, heldout, regression) -> None:
-        from rlfleet.api.trainer.v1 import trainer_pb2
 
-        try:
-            status = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
-            self.record.trainer_idle_fraction = status.idle_fraction
-        except grpc.aio.AioRpcError as exc:
-            self.record.notes.append(f"the trainer did not answer at the end: {exc.code().name}")
         if not self.config.gate.enabled and self.record.steps:
             self.record.accepted_version = max(s.version for s in self.record.steps)  # auto-promoted
         accepted = self.record.accepted_version
-        if not await self._wait_served(peers, accepted, pool="fleet"):
+        if not await self._wait_served(peers, accepted, pool="fleet", until_stopped=False):
             self.record.notes.append(f"the fleet did not serve version {accepted} in time for the final evaluation")
         say(f"final: evaluating the accepted version {accepted} on the held-out split ...")
         await self._evaluate(peers, heldout, accepted, "heldout", "final", "fleet")
         if regression:
             await self._evaluate(peers, regression, accepted, "regression", "final", "fleet")
+
+    async def _checkpoint(self, peers) -> None:
+        """After an interruption: make every step taken durable, so a resume retrains nothing."""
+        from rlfleet.api.trainer.v1 import trainer_pb2
+
+        try:
+            done = await peers.trainer.Checkpoint(trainer_pb2.CheckpointRequest(), timeout=60)
+            say(f"checkpoint: step {done.step}, version {done.policy_version}")
+        except grpc.aio.AioRpcError as exc:
+            # A trainer that is gone keeps its last checkpoint; the steps after it are redone from
+            # the trajectories JetStream still holds for it, exactly once.
+            self.record.notes.append(f"no checkpoint at the interruption ({exc.code().name}): the trainer "
+                                     "resumes from its last one")
+
+    async def _watch_processes(self, state) -> None:
+        """A platform process that dies stops the run as interrupted; the run directory can resume it."""
+        from rlfleet.cli.launcher import is_ours
+
+        while not self.stop.is_set():
+            gone = [p.name for p in state.processes if not is_ours(p)]
+            if gone:
+                self.interrupted = f"{', '.join(gone)} stopped running"
+                say(f"[{self.clock.elapsed():5.0f}s] {self.interrupted}; stopping the run (see "
+                    f"{self.run_dir / 'logs'})")
+                self.stop.set()
+                return
+            await asyncio.sleep(1.0)
+
+    async def _keep_state_saved(self, every_s: float = 10.0) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), every_s)
+            if not self.stop.is_set():
+                self._save_state()
 
     def _print_summary(self, summary: dict) -> None:
         rows = summary["baseline_vs_rl"]
@@ -357,22 +608,74 @@ class RLRun:
         say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
 
 
+def _start_ticks(pid: int) -> int:
+    from rlfleet.cli.launcher import start_ticks
+
+    return start_ticks(pid) or 0
+
+
+def _alive(pid: int, ticks: int) -> bool:
+    return _start_ticks(pid) == ticks != 0
+
+
+def _platform_differences(running: dict, wanted: dict) -> list[str]:
+    """What in the running platform's launch config would make it a different platform for this run."""
+    differs = []
+    for key in ("run_id", "engines", "canary_engines", "model_path", "overrides"):
+        if running.get(key) != wanted.get(key):
+            differs.append(f"{key}: running {running.get(key)!r}, this run needs {wanted.get(key)!r}")
+    return differs
+
+
+SIGNALLED = "stopped by a signal"
+FLAGS = {"--resume": "resume", "--fresh": "fresh", "--keep-up": "keep_up", "--up-only": "up_only"}
+USAGE = """rlfleet run CONFIG [--resume | --fresh] [--keep-up | --up-only] [config flags]
+
+  --resume    continue the interrupted run in the run directory from its last checkpoint
+  --fresh     discard an interrupted run in the run directory and start over
+  --keep-up   leave the platform running when the run ends (the next run attaches to it)
+  --up-only   bring the platform up for this config and return (a later run attaches to it)
+"""
+
+
 def main(argv: list[str]) -> int:
     from rlfleet.common.config import load_config
 
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+    options = RunOptions(**{FLAGS[a]: True for a in argv if a in FLAGS})
+    argv = [a for a in argv if a not in FLAGS]
+    if options.resume and options.fresh:
+        raise StartupError("--resume and --fresh contradict each other: choose one")
     if argv and not argv[0].startswith("-"):
+        options.config_path = argv[0]
         argv = ["--config", argv[0], *argv[1:]]
     config = load_config(RunConfig, argv, prog="rlfleet run")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    run = RLRun(config)
+    run = RLRun(config, options)
 
     async def go() -> dict:
         loop = asyncio.get_running_loop()
+        main_task = asyncio.current_task()
+
+        def interrupt() -> None:
+            if run.stop.is_set():  # a second Ctrl-C: stop waiting for the orderly end
+                main_task.cancel()
+                return
+            run.interrupted = run.interrupted or SIGNALLED
+            say("stopping (Ctrl-C again to stop at once) ...")
+            run.stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, run.stop.set)
+            loop.add_signal_handler(sig, interrupt)
         return await run.run()
 
     import uvloop
 
-    uvloop.run(go())
+    try:
+        uvloop.run(go())
+    except asyncio.CancelledError:
+        return 130
+    if run.interrupted:
+        return 130 if run.interrupted == SIGNALLED else 1
     return 0

@@ -23,7 +23,7 @@ class ToolLatencyConfig(StrictModel):
 class RolloutConfig(StrictModel):
     concurrency: int = Field(32, ge=1, description="episodes running at once")
     temperature: float = Field(1.0, ge=0, description="sampling temperature of rollouts")
-    max_staleness: int = Field(4, ge=0, description="versions a trajectory may lag the trainer (admission and trainer)")
+    max_staleness: int = Field(6, ge=0, description="versions a trajectory may lag the trainer (admission and trainer)")
     max_inflight_sessions: int = Field(64, ge=1, description="admission limit on open sessions")
     backlog_groups: int = Field(8, ge=1, description="tasks kept waiting in TASKS beyond those running")
     tool_latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig)

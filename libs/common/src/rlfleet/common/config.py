@@ -53,6 +53,8 @@ class MetricsConfig(StrictModel):
 class TelemetryConfig(StrictModel):
     otlp_endpoint: str = Field("", description="OTLP/gRPC collector for traces, e.g. http://otel:4317; empty = off")
     export_timeout_s: float = Field(1.0, gt=0, description="longest an export may block at shutdown")
+    span_file: str = Field("", description="also append every finished span as one JSON line to this file "
+                           "(several processes may share it); empty = off")
 
 
 class LogConfig(StrictModel):

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
+from opentelemetry import trace
+
+from rlfleet.common.telemetry import current_trace_context
 
 PauseMode = Literal["abort", "retract", "in_place"]
+
+
+_tracer = trace.get_tracer("rlfleet.engine_client")
 
 
 class EngineError(Exception):
@@ -104,8 +110,16 @@ class EngineClient:
         if rid is not None:
             body["rid"] = rid
         started = time.monotonic()
-        reply = await self._request("POST", "/generate", body, self.timeouts.generate_s)
-        return _generate_result(reply, time.monotonic() - started)
+        # A client span per engine call: the engine's own spans (SGLang's tracing) join the episode's
+        # trace through the traceparent header `_request` sends.
+        with _tracer.start_as_current_span("engine POST /generate", kind=trace.SpanKind.CLIENT,
+                                           attributes={"server.address": self.base_url,
+                                                       "rlfleet.input_tokens": len(body["input_ids"])}) as span:
+            reply = await self._request("POST", "/generate", body, self.timeouts.generate_s)
+            result = _generate_result(reply, time.monotonic() - started)
+            span.set_attributes({"rlfleet.output_tokens": len(result.output_ids),
+                                 "rlfleet.weight_version": result.weight_version})
+        return result
 
     async def generate_batch(
         self,
@@ -247,7 +261,8 @@ class EngineClient:
         url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.timeouts.connect_s)
         try:
-            async with self._client().request(method, url, json=body, timeout=timeout) as response:
+            async with self._client().request(method, url, json=body, timeout=timeout,
+                                              headers=current_trace_context()) as response:
                 text = await response.text()
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -3,16 +3,27 @@
 Metrics go through the OpenTelemetry API and are served for Prometheus on each process's own
 HTTP endpoint (`/metrics`). Traces propagate through gRPC (W3C trace context) always, and are
 exported over OTLP only when an endpoint is configured; the exporter's timeouts are short so a
-missing collector never stalls start-up or shutdown.
+missing collector never stalls start-up or shutdown. `telemetry.span_file` also appends every
+finished span as a JSON line to a file (for a laptop without a collector, and for tests).
+
+One trace per episode: the SDK's `AgentLoop.run` opens the root span, every gRPC hop (session
+server, gateway, sandbox manager, verifier) continues it through metadata, the gateway passes it to
+the engine in HTTP headers, and the session server stores it in the trajectory
+(`Trajectory.trace_context`), so the trainer's step span links to each episode it trained on.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry import metrics, trace
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from rlfleet.common.config import MetricsConfig, TelemetryConfig
 
@@ -81,6 +92,12 @@ def setup_telemetry(service: str, telemetry: TelemetryConfig, metrics_config: Me
                                     timeout=telemetry.export_timeout_s)
         tracer_provider.add_span_processor(
             BatchSpanProcessor(exporter, export_timeout_millis=int(telemetry.export_timeout_s * 1000)))
+    if telemetry.span_file:
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        # Batched, so the event loop never waits on the disk; a short delay keeps the file near live.
+        tracer_provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(telemetry.span_file),
+                                                              schedule_delay_millis=200))
     trace.set_tracer_provider(tracer_provider)
     state._tracer_provider = tracer_provider
     _active = state
@@ -102,3 +119,88 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 def seconds_histogram(m: metrics.Meter, name: str, description: str) -> metrics.Histogram:
     return m.create_histogram(name, unit="s", description=description,
                               explicit_bucket_boundaries_advisory=list(SECONDS_BUCKETS))
+
+
+# -- trace context carried in records (trajectories), not in RPC metadata -------------------------
+
+
+def current_trace_context() -> dict[str, str]:
+    """The active span's W3C trace context (`traceparent`, maybe `tracestate`); empty without one."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def link_to(carrier: Mapping[str, str], attributes: Mapping[str, Any] | None = None) -> trace.Link | None:
+    """A span link to the span a record's trace context names; None when it names none (an
+    untraced producer, or a malformed header, which must never fail the consumer)."""
+    context = trace.get_current_span(propagate.extract(dict(carrier))).get_span_context()
+    if not context.is_valid:
+        return None
+    return trace.Link(context, dict(attributes or {}))
+
+
+# -- the JSON-lines span file ----------------------------------------------------------------------
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    context = span.context
+    parent = span.parent
+    return {
+        "trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}",
+        "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
+        "name": span.name, "kind": span.kind.name,
+        "service": span.resource.attributes.get("service.name", ""), "pid": os.getpid(),
+        "start_unix_ns": span.start_time, "end_unix_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": {k: _jsonable(v) for k, v in (span.attributes or {}).items()},
+        "links": [{"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}",
+                   "attributes": {k: _jsonable(v) for k, v in (link.attributes or {}).items()}}
+                  for link in span.links],
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends one JSON object per finished span to a file that several processes may share.
+
+    Each export is a single `write` on an O_APPEND descriptor, which Linux keeps whole against
+    other appenders of a local file, so lines from different processes never interleave."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        data = "".join(json.dumps(span_record(s)) + "\n" for s in spans).encode()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # telemetry must never take the service down: say so and go on
+            log.warning("cannot append spans to %s: %s", self.path, exc.strerror)
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def read_span_file(path: str) -> list[dict[str, Any]]:
+    """The spans a span file holds (a partly written last line is skipped)."""
+    spans = []
+    try:
+        text = open(path, encoding="utf-8").read()
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        try:
+            spans.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return spans

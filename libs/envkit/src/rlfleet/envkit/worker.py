@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.queue_metrics import QueueDepthPoller
 from rlfleet.common.streams import connect_nats, ensure_streams
 from rlfleet.envkit.groups import GroupResult, GroupRunner, group_id_of
 from rlfleet.envkit.sdk.clients import Clients
@@ -33,7 +34,7 @@ from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeHooks
 from rlfleet.envkit.sdk.errors import RpcError
 from rlfleet.envkit.sdk.retry import Backoff
 from rlfleet.envkit.sdk.summary import EpisodeSummary
-from rlfleet.envkit.task_queue import Delivery, MaxDeliveriesWatch, TaskQueue
+from rlfleet.envkit.task_queue import TASKS, Delivery, MaxDeliveriesWatch, TaskQueue
 from rlfleet.envkit.tasks import BadTask, decode_task
 from rlfleet.envkit.worker_config import WorkerConfig
 from rlfleet.envkit.worker_metrics import WorkerMetrics
@@ -72,7 +73,7 @@ class RolloutWorker:
         self._pending = 0  # episodes of in-flight groups not finished yet
         self._changed = asyncio.Event()  # pending episodes or in-flight groups changed
         self._groups: set[asyncio.Task] = set()
-        self.nc = self.queue = self.watch = self.runner = None
+        self.nc = self.queue = self.watch = self.runner = self.depth = None
         self._own_clients = False
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -193,6 +194,8 @@ class RolloutWorker:
         self.queue = TaskQueue(js, config.run_id, config.consumer, ack_wait_s=config.effective_ack_wait_s,
                                max_deliver=config.max_deliver)
         await self.queue.start()
+        self.depth = QueueDepthPoller(js, TASKS, self.queue.durable)
+        self.depth.start()
         self.watch = MaxDeliveriesWatch(self.nc, self.queue)
         await self.watch.start()
         admission = Backoff(config.admission.first_backoff_s, config.admission.max_backoff_s,
@@ -213,6 +216,9 @@ class RolloutWorker:
             await asyncio.gather(*running, return_exceptions=True)
         if self.watch is not None:
             await self.watch.stop()
+        if self.depth is not None:
+            await self.depth.stop()
+            self.depth = None
         if self.queue is not None:
             await self.queue.stop()
         if self.clients is not None and self._own_clients:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlfleet.common.config import MetricsConfig, TelemetryConfig
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -48,3 +50,6 @@ class EngineConfig(BaseModel):
         None, description='written once listening: {"url": ..., "port": ..., "pid": ...}'
     )
     log_level: str = Field("info", description="python logging level")
+    # The sections every rlfleet service has (flags --telemetry.span-file, --metrics.port, ...).
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)

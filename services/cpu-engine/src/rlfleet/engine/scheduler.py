@@ -58,6 +58,7 @@ class RequestOutput:
     weight_version_spans: list[tuple[str, int, int]]
     e2e_latency: float
     retractions: int
+    queue_wait_s: float | None = None  # from submit to the batch's first pickup; None: never picked up
 
 
 class Request:
@@ -82,6 +83,7 @@ class Request:
         self.input_logprobs: list[tuple[float | None, int]] | None = None
         self.finish_reason: dict[str, Any] | None = None
         self.created = time.monotonic()
+        self.admitted: float | None = None  # first admission into the running batch (not re-admissions)
         self.retractions = 0
         self.checked_chars = 0  # output text already searched for stop strings
 
@@ -182,6 +184,8 @@ class Scheduler:
             if request.reserved_tokens > budget or (admitted and prefill > prefill_budget):
                 break  # FIFO: later requests do not overtake one that does not fit yet
             admitted.append(self.waiting.popleft())
+            if request.admitted is None:
+                request.admitted = time.monotonic()
             budget -= request.reserved_tokens
             prefill_budget -= prefill
         return admitted
@@ -362,6 +366,7 @@ class Scheduler:
             weight_version_spans=_spans(request.versions),
             e2e_latency=time.monotonic() - request.created,
             retractions=request.retractions,
+            queue_wait_s=None if request.admitted is None else request.admitted - request.created,
         )
 
 

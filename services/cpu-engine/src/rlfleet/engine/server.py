@@ -5,6 +5,13 @@ Handlers never touch the model: generation goes through `Scheduler.submit`, cont
 reading a checkpoint, joining a process group, receiving broadcast tensors -- runs in worker
 threads, so it neither stalls the event loop nor the decode loop; only the final swap is a
 scheduler command. Bad input answers 400 with `{"error": {"message": ...}}` as SGLang does.
+
+Tracing: `/generate` and the control and weight-update routes are SERVER spans, children of the
+caller's W3C `traceparent` (the gateway's `engine POST /generate` client span), so an episode's
+trace reaches into the engine. A generate span lives as long as its handler awaits the scheduler's
+reply -- queued, prefilled, decoded, finished -- and is described once, from the reply (tokens in
+and out, finish reason, queue wait, weight version): the scheduler thread never touches it, and
+nothing is recorded per token. Health and load polls are not traced.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from rlfleet.engine import distributed
 from rlfleet.engine.config import EngineConfig
@@ -31,11 +40,34 @@ from rlfleet.engine.store_weights import LOAD_FORMATS, StoreLoadError, StoreWeig
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
+SERVICE_NAME = "rlfleet-cpu-engine"
+# Routes that do work worth a span; the polled ones (health, load, info, version) are left out.
+TRACED_ROUTES = frozenset(
+    {
+        "/generate",
+        "/abort_request",
+        "/flush_cache",
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+    }
+)
 
 
 class EngineServer:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
         self.config = config
+        self.tracer = tracer or trace.get_tracer("rlfleet.engine")
         self.runner = runner
         self.scheduler = scheduler
         self.engine_id = config.engine_id or f"cpu-engine-{os.getpid()}"
@@ -48,7 +80,7 @@ class EngineServer:
         self._weights_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024**2)
+        app = web.Application(client_max_size=256 * 1024**2, middlewares=[self._traced])
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_get("/health", self.health)
@@ -70,6 +102,43 @@ class EngineServer:
         app.router.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
         return app
 
+    # --- tracing --------------------------------------------------------------------------------
+    @web.middleware
+    async def _traced(self, request: web.Request, handler) -> web.StreamResponse:
+        """A SERVER span around a traced route, continuing the caller's trace when it sent one.
+
+        Handlers describe their work on `trace.get_current_span()`; this records the outcome."""
+        if request.path not in TRACED_ROUTES:
+            return await handler(request)
+        parent = propagate.extract(request.headers)
+        attributes = {
+            "http.request.method": request.method,
+            "url.path": request.path,
+            "rlfleet.engine_id": self.engine_id,
+        }
+        with self.tracer.start_as_current_span(
+            f"{request.method} {request.path}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:
+                _record_status(span, exc.status)
+                raise
+            except asyncio.CancelledError:
+                span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+                raise
+            except Exception as exc:
+                span.record_exception(exc)
+                _record_status(span, 500, f"{type(exc).__name__}: {exc}")
+                raise
+            _record_status(span, response.status)
+            return response
+
     # --- generation -----------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         try:
@@ -77,6 +146,7 @@ class EngineServer:
         except BadRequest as exc:
             return _error(str(exc))
         outputs = await self._run(items)
+        _describe_generation(trace.get_current_span(), items, outputs)
         if any(out.finish_reason.get("status_code") == 500 for out in outputs):
             return _error(outputs[0].finish_reason.get("message", "engine error"), status=500)
         results = [_result(item, out) for item, out in zip(items, outputs, strict=True)]
@@ -187,6 +257,7 @@ class EngineServer:
             return _error("update_weight_version needs 'new_version' (a non-empty string)")
         abort_all = bool(body.get("abort_all_requests", False))
         await self._call(lambda: self.scheduler.set_weight_version(version, abort_all))
+        trace.get_current_span().set_attribute("rlfleet.weight_version", version)
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
         )
@@ -359,14 +430,17 @@ class EngineServer:
             lambda: len(self.scheduler.running) + len(self.scheduler.waiting) if self.scheduler.paused else 0
         )
 
-        def swap() -> tuple[bool, str, float]:
+        def swap() -> tuple[bool, str, float, str]:
             started = time.perf_counter()
             success, message = self.scheduler.update_weights(named, version, abort_all)
             if success:
                 self.store.forget()  # no longer the exact bytes of a weight-store version
-            return success, message, time.perf_counter() - started
+            return success, message, time.perf_counter() - started, self.scheduler.weight_version
 
-        success, message, swap_s = await self._call(swap)
+        success, message, swap_s, served = await self._call(swap)
+        trace.get_current_span().set_attributes(
+            {"rlfleet.weight_version": served, "rlfleet.tensors": len(named)}
+        )
         return _weight_reply(success, message, num_paused_requests=paused, pause_s=swap_s)
 
     async def _call(self, fn):
@@ -380,6 +454,37 @@ class EngineServer:
                 distributed.leave_group(group)
             except Exception:
                 log.exception("leaving a weight update group failed")
+
+
+def _record_status(span: trace.Span, status: int, message: str | None = None) -> None:
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:  # a 4xx is the caller's error, not the server's (HTTP semantic conventions)
+        span.set_status(Status(StatusCode.ERROR, message or f"HTTP {status}"))
+
+
+def _describe_generation(span: trace.Span, items: list[GenerateItem], outputs: list[RequestOutput]) -> None:
+    """What a generate span says about its reply: once per request, after the scheduler finished it."""
+    if not span.is_recording():
+        return
+    waits = [out.queue_wait_s for out in outputs if out.queue_wait_s is not None]
+    versions = sorted({version for out in outputs for version, _, _ in out.weight_version_spans})
+    attributes: dict[str, Any] = {
+        "rlfleet.requests": len(items),
+        "rlfleet.input_tokens": sum(out.prompt_tokens for out in outputs),
+        "rlfleet.output_tokens": sum(len(out.output_ids) for out in outputs),
+        # One reason for one request; the distinct reasons, sorted, for a batch.
+        "rlfleet.finish_reason": ",".join(sorted({str(out.finish_reason.get("type")) for out in outputs})),
+        # The version the reply reports (the one served at its end), and every version that produced
+        # some of its tokens (more than one when a weight update landed mid-generation).
+        "rlfleet.weight_version": ",".join(sorted({out.weight_version for out in outputs})),
+        "rlfleet.weight_versions": versions,
+        "rlfleet.retractions": sum(out.retractions for out in outputs),
+    }
+    if waits:
+        attributes["rlfleet.queue_wait_s"] = max(waits)
+    if len(items) == 1:
+        attributes["rlfleet.rid"] = items[0].rid
+    span.set_attributes(attributes)
 
 
 def _result(item: GenerateItem, out: RequestOutput) -> dict[str, Any]:
@@ -429,13 +534,38 @@ def _error(message: str, status: int = 400) -> web.Response:
 
 
 def _weight_reply(success: bool, message: str, **extra) -> web.Response:
+    span = trace.get_current_span()
+    if span.is_recording():
+        # The reply's numbers and names (version, load format, pause, bytes, ...) describe the update.
+        span.set_attribute("rlfleet.success", success)
+        span.set_attributes(
+            {
+                f"rlfleet.{key}": value
+                for key, value in extra.items()
+                if isinstance(value, str | int | float | bool)
+            }
+        )
+        if not success:
+            span.set_status(Status(StatusCode.ERROR, message))
     return web.json_response(
         {"success": success, "message": message, **extra}, status=200 if success else 400
     )
 
 
 async def serve(config: EngineConfig) -> None:
-    """Loads the model, starts the scheduler thread and serves until SIGTERM/SIGINT."""
+    """Sets up telemetry, loads the model, starts the scheduler thread and serves until SIGTERM/SIGINT."""
+    from rlfleet.common.telemetry import setup_telemetry
+
+    telemetry = setup_telemetry(SERVICE_NAME, config.telemetry, config.metrics)
+    try:
+        await _serve(config, telemetry.metrics_port)
+    finally:
+        # Last, so the spans of requests ended by the shutdown are exported too; bounded by the
+        # export timeout, so a missing collector never holds the exit up.
+        telemetry.shutdown(config.telemetry.export_timeout_s)
+
+
+async def _serve(config: EngineConfig, metrics_port: int) -> None:
     import torch
 
     torch.set_num_threads(config.torch_threads)
@@ -461,7 +591,14 @@ async def serve(config: EngineConfig) -> None:
     url = f"http://{config.host}:{port}"
     if config.ready_file is not None:
         _write_ready_file(
-            config.ready_file, {"url": url, "port": port, "pid": os.getpid(), "engine_id": server.engine_id}
+            config.ready_file,
+            {
+                "url": url,
+                "port": port,
+                "pid": os.getpid(),
+                "engine_id": server.engine_id,
+                "metrics_port": metrics_port,
+            },
         )
     log.info("cpu engine %s serving %s at %s", server.engine_id, config.model_path, url)
     stop = asyncio.Event()

@@ -40,7 +40,8 @@ class RolloutGatewayApp(PeersApp):
         await admission.seed_policy(config.max_inflight_sessions, config.max_staleness)
         pools = frozenset(gateway_pb2.EnginePool.Value(f"ENGINE_POOL_{p.upper()}") for p in config.route_pools)
         router = Router(self.redis, config.run_id, self.registry, config.affinity_ttl_s, pools)
-        metrics = GatewayMetrics(lambda: list(self.registry.engines.values()))
+        metrics = GatewayMetrics(lambda: list(self.registry.engines.values()), self.registry.busy_seconds,
+                                 lambda engine_id: self.registry.local_in_flight.get(engine_id, 0))
         self.health = HealthChecker(self.registry, config.health_interval_s, config.health_generate)
         # Serve with every engine's state known, but do not let a hung engine hold up the start.
         with contextlib.suppress(TimeoutError):

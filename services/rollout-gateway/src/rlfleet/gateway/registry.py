@@ -97,6 +97,8 @@ class EngineRegistry:
         self.timeouts = timeouts
         self.engines: dict[str, EngineRecord] = {}
         self.local_in_flight: dict[str, int] = {}
+        self._busy_s: dict[str, float] = {}
+        self._busy_since: dict[str, float] = {}
         self._clients: dict[str, EngineClient] = {}
         # No per-host connection cap: a busy engine gets as many concurrent requests as callers send.
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0))
@@ -199,10 +201,22 @@ class EngineRegistry:
 
     # --- this replica's load --------------------------------------------------------------------
     def begin_request(self, engine_id: str) -> None:
-        self.local_in_flight[engine_id] = self.local_in_flight.get(engine_id, 0) + 1
+        count = self.local_in_flight.get(engine_id, 0)
+        if count == 0:
+            self._busy_since[engine_id] = time.monotonic()
+        self.local_in_flight[engine_id] = count + 1
 
     def end_request(self, engine_id: str) -> None:
-        self.local_in_flight[engine_id] = max(0, self.local_in_flight.get(engine_id, 0) - 1)
+        count = max(0, self.local_in_flight.get(engine_id, 0) - 1)
+        self.local_in_flight[engine_id] = count
+        if count == 0 and engine_id in self._busy_since:
+            self._busy_s[engine_id] = self.busy_seconds(engine_id)
+            del self._busy_since[engine_id]
+
+    def busy_seconds(self, engine_id: str) -> float:
+        """Seconds this replica has had at least one request on the engine (its utilisation, over time)."""
+        since = self._busy_since.get(engine_id)
+        return self._busy_s.get(engine_id, 0.0) + (time.monotonic() - since if since is not None else 0.0)
 
 
 def now_ms() -> int:

@@ -18,8 +18,10 @@ import uuid
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from opentelemetry import trace
 
 from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.telemetry import current_trace_context
 from rlfleet.common.verdicts import load_verdict
 from rlfleet.session.errors import ConcurrentSessionCall, GatewayUnavailable, SessionNotOpen
 from rlfleet.session.gateway_client import GatewayClient
@@ -29,6 +31,7 @@ from rlfleet.session.state import ABORTED, CLOSED, OPEN, SessionState, build_tra
 from rlfleet.session.store import SessionStore
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("rlfleet.session")
 ABORTED_STATUS = common_pb2.TRAJECTORY_STATUS_ABORTED
 
 
@@ -65,6 +68,9 @@ class Closer:
     async def _seal(self, state: SessionState, status: int, metadata: dict[str, str]) -> common_pb2.Trajectory:
         verdict = await load_verdict(self.redis, state.session.run_id, state.session_id)
         trajectory = build_trajectory(state, uuid.uuid4().hex, status, verdict, metadata)
+        # Sealed with the episode's trace (this CloseSession call is part of it), so a retried
+        # close republishes the same bytes and the trainer links its step to the right trace.
+        trajectory.trace_context.update(current_trace_context())
         state.session.state = ABORTED if trajectory.status == ABORTED_STATUS else CLOSED
         state.session.trajectory_id = trajectory.trajectory_id
         state.trajectory = trajectory.SerializeToString()
@@ -84,11 +90,17 @@ class Closer:
     async def _deliver(self, state: SessionState, trajectory: common_pb2.Trajectory) -> bool:
         published_now = False
         if not state.published:
-            published_now = await self.publisher.publish(trajectory)
+            with tracer.start_as_current_span(
+                    "TRAJECTORIES publish", kind=trace.SpanKind.PRODUCER,
+                    attributes={"messaging.system": "nats", "messaging.destination.name": "TRAJECTORIES",
+                                "rlfleet.trajectory_id": trajectory.trajectory_id}) as span:
+                published_now = await self.publisher.publish(trajectory)
+                span.set_attribute("rlfleet.duplicate", not published_now)
             await self.store.mark(state.session_id, "published")
             if published_now:
                 status = common_pb2.TrajectoryStatus.Name(trajectory.status).removeprefix("TRAJECTORY_STATUS_")
                 self.metrics.trajectories.add(1, {"status": status.lower()})
+                self.metrics.trajectory_tokens.record(len(trajectory.token_ids), {"status": status.lower()})
         if not state.released:
             try:
                 await self.gateway.release(state.session_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rlfleet.common.telemetry import meter, seconds_histogram
 
+TOKEN_BUCKETS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
 class SessionMetrics:
     def __init__(self) -> None:
@@ -23,6 +24,10 @@ class SessionMetrics:
             "rlfleet_session_observation_tokens_total", description="tokens appended as observations (loss mask 0)")
         self.trajectories = m.create_counter(
             "rlfleet_session_trajectories_published_total", description="trajectories published, by status")
+        self.trajectory_tokens = m.create_histogram(
+            "rlfleet_session_trajectory_tokens", unit="1",
+            description="tokens per published trajectory (prompt, generated and observations), by status",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
         self.release_failures = m.create_counter(
             "rlfleet_session_release_failures_total",
             description="closes whose admission slot could not be released at the gateway (retried on the next close)")

@@ -38,6 +38,7 @@ class TrainerApp(PeersApp):
         self.loop = None
         self.task: asyncio.Task | None = None
         self.worker = None
+        self.depth = None
 
     async def start(self, server: GrpcServer) -> None:
         await self.connect()
@@ -53,7 +54,8 @@ class TrainerApp(PeersApp):
         if not (Path(cfg.model_path) / "config.json").is_file():
             raise StartupError(f"model_path {cfg.model_path} is not an HF model directory (no config.json)")
         require(cfg.weight_store, "weight_store")
-        from rlfleet.trainer.consumer import TrajectoryConsumer
+        from rlfleet.common.queue_metrics import QueueDepthPoller
+        from rlfleet.trainer.consumer import STREAM, TrajectoryConsumer
         from rlfleet.trainer.learner import Worker
         from rlfleet.trainer.loop import TrainerLoop
         from rlfleet.weights import DirectoryWeightStore, WeightStoreConfig
@@ -63,6 +65,8 @@ class TrainerApp(PeersApp):
             encoding=cfg.weights.encoding, base_dir=Path(cfg.model_path)))
         consumer = TrajectoryConsumer(self.js, cfg.run_id, cfg.consumer_name(), cfg.consumer)
         await consumer.start()
+        self.depth = QueueDepthPoller(self.js, STREAM, consumer.name)
+        self.depth.start()
         self.worker = Worker()
         self.loop = TrainerLoop(cfg, consumer, store, self.js, self.worker)
         self.task = asyncio.create_task(self.loop.run())
@@ -79,6 +83,8 @@ class TrainerApp(PeersApp):
         os._exit(1)
 
     async def stop(self) -> None:
+        if self.depth is not None:
+            await self.depth.stop()
         if self.loop is not None and self.task is not None:
             await self.loop.shutdown(self.task)
             await self.loop.consumer.stop()

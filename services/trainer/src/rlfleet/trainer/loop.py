@@ -16,6 +16,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from opentelemetry import trace
+
+from rlfleet.common.telemetry import link_to
 from rlfleet.trainer.checkpointer import Checkpointer, ServiceState
 from rlfleet.trainer.filters import GroupFilters
 from rlfleet.trainer.groups import GroupBuffer
@@ -28,6 +31,7 @@ from rlfleet.trainer.service_config import TrainerConfig
 from rlfleet.trainer.validation import Candidate, Limits
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("rlfleet.trainer")
 
 REPORTED = ("loss", "pg_loss", "entropy", "clip_frac", "approx_kl", "kl", "grad_norm", "logprob_gap_mean",
             "logprob_gap_max", "tis_weight_mean", "tis_clip_frac", "reward_mean", "lr", "tokens",
@@ -76,8 +80,10 @@ class TrainerLoop:
                     samples = await self.fresh(groups)                        # staleness at this version
                     if not samples:
                         continue
-                    metrics = await self.learner.train([c.sample for c in samples])   # batch → step
-                    self.record(samples, metrics)
+                    with step_span(samples, self.learner.step + 1) as span:   # linked to each episode
+                        metrics = await self.learner.train([c.sample for c in samples])   # batch → step
+                        self.record(samples, metrics)
+                        span.set_attribute("rlfleet.policy_version", self.version)
                     if len(self.ledger.uncommitted) >= self.config.checkpoint.every:
                         await self.checkpoint()                               # durable, then ack
                     await self.publish(metrics)                               # v+1: store, then POLICY
@@ -251,3 +257,12 @@ class TrainerLoop:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def step_span(samples: list[Candidate], step: int):
+    """The span of one optimizer step, linked to the trace of every episode it trains on (a step
+    is not part of any one episode's trace: it consumes many). The SDK keeps the first 128 links."""
+    links = [link for c in samples
+             if (link := link_to(c.trace_context, {"rlfleet.trajectory_id": c.trajectory_id})) is not None]
+    return tracer.start_as_current_span("trainer step", links=links,
+                                        attributes={"rlfleet.step": step, "rlfleet.samples": len(samples)})

@@ -9,7 +9,7 @@ TRUNCATED are trained; ABORTED and FAILED are dropped).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -56,6 +56,7 @@ class Candidate:
     group_size: int  # 0 when the trajectory does not say
     sample_index: int
     oldest_version: int | None  # policy version of the oldest generated span; None without one
+    trace_context: dict[str, str] = field(default_factory=dict)  # the episode's trace, for the step's link
 
     @property
     def trajectory_id(self) -> str:
@@ -128,7 +129,7 @@ def validate(traj: common_pb2.Trajectory, limits: Limits) -> Candidate:
                          rollout_logprobs=np.where(mask == 1, logprobs, 0.0).tolist(), loss_mask=mask.tolist(),
                          reward=reward, policy_version=oldest if oldest is not None else 0)
     return Candidate(sample=sample, group_size=traj.group_size, sample_index=traj.sample_index,
-                     oldest_version=oldest)
+                     oldest_version=oldest, trace_context=dict(traj.trace_context))
 
 
 def _oldest_generated_version(traj: common_pb2.Trajectory, mask: np.ndarray, reject) -> int | None:

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from opentelemetry import trace
+
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2
 from rlfleet.envkit.actions import (
@@ -62,6 +64,9 @@ from rlfleet.envkit.sdk.summary import (
 )
 
 log = logging.getLogger(__name__)
+# The API's tracer: a no-op until the process sets up telemetry (rlfleet.common.telemetry), so an
+# environment that traces nothing pays nothing.
+tracer = trace.get_tracer("rlfleet.envkit")
 
 COMPLETED = common_pb2.TRAJECTORY_STATUS_COMPLETED
 TRUNCATED = common_pb2.TRAJECTORY_STATUS_TRUNCATED
@@ -124,22 +129,29 @@ class AgentLoop:
 
     async def run(self, spec: EpisodeSpec) -> EpisodeSummary:
         """Runs the episode to its end and returns its summary; raises only when cancelled, or
-        `Superseded` when another worker took the session over (it aborted it)."""
+        `Superseded` when another worker took the session over (it aborted it).
+
+        The episode is one trace: this span is its root, and every RPC below continues it."""
         episode = _Episode(self, spec)
-        try:
-            await episode.open()
-            await episode.play()
-            await episode.verify()
-            await episode.close()
-        except asyncio.CancelledError:
-            await _shielded(episode.abort("cancelled"))
-            raise
-        except Superseded:
-            raise
-        except Exception as exc:  # the environment failed: the trajectory says so, the caller goes on
-            await _shielded(episode.fail(exc))
-        finally:
-            await _shielded(episode.destroy_sandbox())
+        with tracer.start_as_current_span("episode", attributes=_span_attributes(spec)) as span:
+            try:
+                await episode.open()
+                await episode.play()
+                await episode.verify()
+                await episode.close()
+            except asyncio.CancelledError:
+                await _shielded(episode.abort("cancelled"))
+                raise
+            except Superseded:
+                raise
+            except Exception as exc:  # the environment failed: the trajectory says so, the caller goes on
+                await _shielded(episode.fail(exc))
+            finally:
+                await _shielded(episode.destroy_sandbox())
+                summary = episode.summary
+                span.set_attributes({"rlfleet.end": summary.end, "rlfleet.turns": summary.turns,
+                                     "rlfleet.tool_calls": summary.tool_calls,
+                                     "rlfleet.trajectory_id": summary.trajectory_id or ""})
         return episode.summary
 
 
@@ -243,7 +255,9 @@ class _Episode:
     async def _run_tool(self, call: ToolCall) -> str:
         assert self.sandbox is not None
         started = time.monotonic()
-        result = await self.environment.run_tool(self.sandbox, call)
+        with tracer.start_as_current_span("tool", attributes={"rlfleet.tool": call.tool}) as span:
+            result = await self.environment.run_tool(self.sandbox, call)
+            span.set_attribute("rlfleet.tool_ok", result.ok)
         waited = time.monotonic() - started
         self.summary.tool_wait_s += waited
         self.summary.tool_calls += 1
@@ -335,6 +349,12 @@ class _Episode:
 
     def _finish(self) -> None:
         self.summary.episode_s = time.monotonic() - self.started
+
+
+def _span_attributes(spec: EpisodeSpec) -> dict[str, str | int]:
+    return {"rlfleet.session_id": spec.session_id, "rlfleet.run_id": spec.task.run_id,
+            "rlfleet.task_id": spec.task.task_id, "rlfleet.suite": spec.task.suite,
+            "rlfleet.group_id": spec.group_id, "rlfleet.sample_index": spec.sample_index}
 
 
 async def _shielded(step) -> None:

@@ -195,8 +195,15 @@ class Timings(_message.Message):
     def __init__(self, generate_s: _Optional[float] = ..., tool_wait_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("schema_version", "trajectory_id", "run_id", "task_id", "group_id", "sample_index", "group_size", "session_id", "token_ids", "rollout_logprobs", "loss_mask", "spans", "verdict", "status", "timings", "num_turns", "num_observations", "metadata", "suite", "split")
+    __slots__ = ("schema_version", "trajectory_id", "run_id", "task_id", "group_id", "sample_index", "group_size", "session_id", "token_ids", "rollout_logprobs", "loss_mask", "spans", "verdict", "status", "timings", "num_turns", "num_observations", "metadata", "suite", "split", "trace_context")
     class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +230,7 @@ class Trajectory(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SUITE_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     trajectory_id: str
     run_id: str
@@ -243,7 +251,8 @@ class Trajectory(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     suite: str
     split: str
-    def __init__(self, schema_version: _Optional[int] = ..., trajectory_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., status: _Optional[_Union[TrajectoryStatus, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., num_turns: _Optional[int] = ..., num_observations: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., suite: _Optional[str] = ..., split: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, schema_version: _Optional[int] = ..., trajectory_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., status: _Optional[_Union[TrajectoryStatus, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., num_turns: _Optional[int] = ..., num_observations: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., suite: _Optional[str] = ..., split: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PolicyVersion(_message.Message):
     __slots__ = ("schema_version", "run_id", "version", "parent_version", "format", "base_version", "uri", "full_uri", "checksum", "num_bytes", "step", "created_unix_ms", "metrics", "served_dtype")
