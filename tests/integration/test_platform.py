@@ -78,8 +78,11 @@ async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform
     assert await redis.get(key("itest", "probe")) == b"ok"
     await redis.aclose()
 
-    status = rlfleet("status", "--run-dir", str(run_dir))
-    assert status.returncode == 0 and status.stdout.count("healthy") == 2 + len(ENGINES) + len(SERVICES)
+    status = rlfleet("status", "--run-dir", str(run_dir), "--once", "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    processes = json.loads(status.stdout)["services"]
+    assert len(processes) == 2 + len(ENGINES) + len(SERVICES)
+    assert all(p["healthy"] for p in processes), processes
 
 
 def test_down_stops_every_process_the_launch_started(platform):

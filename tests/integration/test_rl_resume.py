@@ -48,6 +48,11 @@ every_versions = 2
 [budget]
 max_steps = {steps}
 max_minutes = 4
+# A restarted trainer gets its predecessor's unacked trajectories back after the consumer's ack
+# wait (60 s by default, held ones are kept alive by heartbeats): short here, so the redelivered
+# ones are trained within this short run.
+[overrides.trainer.consumer]
+ack_wait_s = 6
 """
 
 

@@ -6,7 +6,10 @@ driver can know about it, and the host and the driver keep working (a normal exe
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import resource
 import shutil
 import socket
 import textwrap
@@ -17,6 +20,8 @@ import pytest
 
 from rlfleet.sandbox import InvalidSandboxRequest, Limits, SandboxSpec, ViolationKind
 from rlfleet.sandbox.bubblewrap import BubblewrapDriver
+from rlfleet.sandbox.bwrap_command import ExecGate
+from rlfleet.sandbox.errors import SandboxDriverUnavailable
 from rlfleet.sandbox.limits import KiB, MiB
 
 pytestmark = [
@@ -403,4 +408,89 @@ async def test_symlinks_planted_in_the_workspace_do_not_redirect_host_file_acces
     assert read_host_file("/etc/hostname") == before
     kinds = {f.path: f.kind for f in await driver.list_files(h)}
     assert kinds["etc_link"] == "symlink" and "etc_link/hostname" not in kinds  # listed, not followed
+    await assert_still_works(driver, h)
+
+
+async def test_the_program_runs_under_the_exec_rlimits_as_the_sandbox_uid(any_mode_driver):
+    """The driver puts rlimits on bwrap's sandbox process (no prlimit in the chain): the program
+    inherits exactly them, in both modes (RLIMIT_AS only without a memory cgroup)."""
+    driver = any_mode_driver
+    h = await driver.create(
+        SandboxSpec(limits=Limits(cpu_seconds=3, max_processes=12, max_file_bytes=5000, memory_bytes=96 * MiB))
+    )
+    result = await driver.exec(
+        h,
+        py("""
+            import os, resource as r
+            for name in ("CPU", "FSIZE", "NPROC", "CORE", "NOFILE", "AS"):
+                print(name, *r.getrlimit(getattr(r, "RLIMIT_" + name)))
+            print("uid", os.getuid(), os.geteuid(), os.getgid(), os.getgroups())
+        """),
+    )
+    assert result.ok, result
+    got = {line.split()[0]: line.split()[1:] for line in result.stdout_text.splitlines()}
+    assert got["CPU"] == ["3", "4"]
+    assert got["FSIZE"] == ["5000", "5000"]
+    nproc = 12 + driver._host.init_tasks() + (1 if driver.uses_cgroups else 0)
+    assert got["NPROC"] == [str(nproc)] * 2
+    assert got["CORE"] == ["0", "0"] and got["NOFILE"] == ["1024", "1024"]
+    unlimited = str(resource.RLIM_INFINITY)
+    assert got["AS"] == ([unlimited] * 2 if driver.uses_cgroups else [str(96 * MiB)] * 2)
+    uid = driver.host_info(h)["uid"]
+    assert got["uid"] == [str(uid), str(uid), str(uid), "[]"]
+    await assert_still_works(driver, h)
+
+
+async def test_the_program_and_its_children_run_in_the_exec_cgroup(driver):
+    if not driver.uses_cgroups:
+        pytest.skip("cgroups are not available on this host")
+    h = await driver.create()
+    uid = driver.host_info(h)["uid"]
+    task = asyncio.create_task(driver.exec(h, ["sh", "-c", "sleep 5 & sleep 5; wait"]))
+    try:
+        for _ in range(200):
+            pids = _processes_of(uid)
+            if len(pids) >= 4:  # tini, sh and two sleeps
+                break
+            await asyncio.sleep(0.02)
+        assert len(pids) >= 4, pids
+        for pid in pids:
+            groups = read_host_file(f"/proc/{pid}/cgroup").decode().splitlines()
+            memory = next(g.split(":", 2)[2] for g in groups if ":memory:" in g or g.startswith("0::"))
+            assert f"/sbx-{h.id}/exec-" in memory, (pid, groups)
+    finally:
+        await driver.destroy(h)
+        with contextlib.suppress(Exception):
+            await task
+
+
+async def test_an_exec_whose_gate_is_not_opened_never_runs_the_program(driver, monkeypatch):
+    """If the driver gives up (or dies) before the limits are on, bwrap exits on the empty
+    filter: the program never starts."""
+    h = await driver.create()
+
+    def give_up(self, bwrap_pid, status):  # closes the pipe without writing the filter
+        self.close()
+        return True
+
+    monkeypatch.setattr(ExecGate, "on_status", give_up)
+    with pytest.raises(SandboxDriverUnavailable) as e:
+        await driver.exec(h, ["sh", "-c", "touch ran"])
+    assert e.value.reason == "sandbox_setup_failed"
+    monkeypatch.undo()
+    assert "ran" not in {f.path for f in await driver.list_files(h)}
+    await assert_still_works(driver, h)
+
+
+async def test_etc_is_the_synthesised_one_and_read_only(driver):
+    h = await driver.create()
+    result = await driver.exec(
+        h,
+        ["sh", "-c", "id -un; grep -c . /etc/passwd; test -s /etc/ld.so.cache && echo cache; "
+         "echo x >> /etc/passwd || echo refused; ls /etc/alternatives >/dev/null && echo alt; "
+         "stat -c %U /etc/passwd; awk '$2 == \"/\" {print substr($4, 1, 3)}' /proc/self/mounts"],
+    )
+    lines = result.stdout_text.splitlines()
+    # Copied files are root's, on the root tmpfs, which is read-only once set up.
+    assert lines == ["sandbox", "3", "cache", "refused", "alt", "root", "ro,"], (lines, result.stderr_text)
     await assert_still_works(driver, h)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import resource
 
 import pytest
 
 from rlfleet.sandbox import LIMIT_RANGES, InvalidSandboxRequest, Limits
-from rlfleet.sandbox.limits import GiB, MiB, prlimit_args
+from rlfleet.sandbox.limits import GiB, MiB, rlimits
 
 
 def test_defaults_are_valid_and_within_the_hard_maxima():
@@ -59,10 +60,12 @@ def test_replace_and_from_mapping_validate_and_refuse_unknown_keys():
         Limits().replace(max_processes=0)
 
 
-def test_prlimit_args_round_cpu_up_and_give_a_hard_limit_one_second_later():
-    args = prlimit_args(Limits(cpu_seconds=1.2, max_processes=16), limit_address_space=False, extra_tasks=2)
-    assert "--cpu=2:3" in args
-    assert "--nproc=18" in args
-    assert "--core=0" in args
-    assert not any(a.startswith("--as=") for a in args)
-    assert f"--as={512 * MiB}" in prlimit_args(Limits(), limit_address_space=True)
+def test_rlimits_round_cpu_up_and_give_a_hard_limit_one_second_later():
+    got = dict(rlimits(Limits(cpu_seconds=1.2, max_processes=16), limit_address_space=False, extra_tasks=2))
+    assert got[resource.RLIMIT_CPU] == (2, 3)
+    assert got[resource.RLIMIT_NPROC] == (18, 18)
+    assert got[resource.RLIMIT_CORE] == (0, 0)
+    assert got[resource.RLIMIT_FSIZE] == (64 * MiB, 64 * MiB)
+    assert resource.RLIMIT_AS not in got
+    with_as = dict(rlimits(Limits(), limit_address_space=True))
+    assert with_as[resource.RLIMIT_AS] == (512 * MiB, 512 * MiB)

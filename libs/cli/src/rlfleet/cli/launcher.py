@@ -210,7 +210,7 @@ def service_args(name: str, config: PlatformConfig, state: PlatformState, run_di
                      "--suites-dir", str(run_dir / "suites"), *model_args],
     }
     args = ["--run-id", config.run_id, "--log.format", config.log_format, *peers[name]]
-    for key, value in _flatten(config.overrides.get(name, {})):
+    for key, value in flatten_keys(config.overrides.get(name, {})):
         args += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
     return args
 
@@ -222,11 +222,12 @@ def _address(state: PlatformState, name: str) -> str:
         return ""  # not launched: the service fails fast with a clear message if it needs it
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def flatten_keys(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a nested dict."""
     items = []
     for key, value in tree.items():
         if isinstance(value, dict):
-            items += _flatten(value, f"{prefix}{key}.")
+            items += flatten_keys(value, f"{prefix}{key}.")
         else:
             items.append((prefix + key, value))
     return items
@@ -401,7 +402,7 @@ class Platform:
                    "--torch-threads", str(self.config.engine_torch_threads), "--weight-version", "0",
                    "--ready-file", str(ready)]
             # overrides."cpu-engine" (e.g. telemetry.span_file) reach every engine as --set, as a service's do.
-            for key, value in _flatten(self.config.overrides.get("cpu-engine", {})):
+            for key, value in flatten_keys(self.config.overrides.get("cpu-engine", {})):
                 cmd += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
             proc = spawn(cmd, log, env=_service_env())
             self._record(ProcessRecord(name, proc.pid, start_ticks(proc.pid) or 0, cmd, str(log), kind="engine"))

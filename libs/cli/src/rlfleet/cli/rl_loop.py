@@ -524,7 +524,9 @@ class RLRun:
             self.record.trainer_wait_s += waited - self._trainer_mark[0]
             self.record.trainer_watched_s += now - self._trainer_mark[1]
             if self.record.trainer_watched_s > 0:
-                self.record.trainer_idle_fraction = self.record.trainer_wait_s / self.record.trainer_watched_s
+                # The counter grows when a wait ends, so a reading can hold waiting from before the
+                # last one: over the whole loop the ratio is exact, between two readings it can pass 1.
+                self.record.trainer_idle_fraction = min(1.0, self.record.trainer_wait_s / self.record.trainer_watched_s)
         self._trainer_mark = (waited, now)
 
     async def _progress(self, peers, observer) -> None:
@@ -620,11 +622,13 @@ def _alive(pid: int, ticks: int) -> bool:
 
 def _platform_differences(running: dict, wanted: dict) -> list[str]:
     """What in the running platform's launch config would make it a different platform for this run."""
-    differs = []
-    for key in ("run_id", "engines", "canary_engines", "model_path", "overrides"):
-        if running.get(key) != wanted.get(key):
-            differs.append(f"{key}: running {running.get(key)!r}, this run needs {wanted.get(key)!r}")
-    return differs
+    from rlfleet.cli.launcher import flatten_keys
+
+    keys = ("run_id", "engines", "canary_engines", "model_path", "overrides")
+    have = dict(flatten_keys({k: running.get(k) for k in keys}))
+    need = dict(flatten_keys({k: wanted.get(k) for k in keys}))
+    return [f"{key}: running {have.get(key)!r}, this run needs {need.get(key)!r}"
+            for key in sorted(set(have) | set(need)) if have.get(key) != need.get(key)]
 
 
 SIGNALLED = "stopped by a signal"

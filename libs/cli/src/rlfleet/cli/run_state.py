@@ -85,20 +85,11 @@ def eval_from_dict(data: dict[str, Any] | None) -> EvalResult | None:
     return EvalResult(**data) if data else None
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, path + "."))
-        else:
-            flat[path] = value
-    return flat
-
-
 def config_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Keys whose change would make a resumed run a different run."""
-    old, new = _flatten(before), _flatten(now)
+    from rlfleet.cli.launcher import flatten_keys
+
+    old, new = dict(flatten_keys(before)), dict(flatten_keys(now))
     changed = []
     for key in sorted(set(old) | set(new)):
         if any(key == k or key.startswith(k + ".") for k in RESUMABLE_CHANGES):

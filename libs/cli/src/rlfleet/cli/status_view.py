@@ -208,8 +208,8 @@ def render(snapshot: Snapshot, previous: Snapshot | None, state: PlatformState, 
     lines.append("  trainer  " + (f"v{trainer['version']}  step {trainer['step']}  {trainer['state']}  "
                                   f"idle {_fmt(trainer['idle_fraction'] * 100, '.0f')}%  trained {trainer['trained']}"
                                   if trainer else paint("down" + _why(snapshot, "trainer"), False)))
-    lines.append("  broker   " + (f"latest v{broker['latest']}  canary v{broker['canary']}  "
-                                  f"accepted v{broker['accepted']}  fleet v{broker['fleet']}"
+    lines.append("  broker   " + (f"latest {_version(broker['latest'])}  canary {_version(broker['canary'])}  "
+                                  f"accepted {_version(broker['accepted'])}  fleet {_version(broker['fleet'])}"
                                   if broker else paint("down" + _why(snapshot, "weight-broker"), False)))
     lines += ["", "queues"]
     if snapshot.queues:
@@ -249,3 +249,8 @@ def show(state: PlatformState, *, once: bool, as_json: bool, interval_s: float) 
             time.sleep(interval_s)
     except KeyboardInterrupt:
         return 0
+
+
+def _version(version: int) -> str:
+    """v<N>, or "none" where the broker has no version yet (it reports -1: none accepted, none targeted)."""
+    return f"v{version}" if version >= 0 else "none"

@@ -103,7 +103,8 @@ class EngineClient:
         rid: str | None = None,
     ) -> GenerateResult:
         body: dict[str, Any] = {
-            "input_ids": list(input_ids),
+            # A list is sent as is (it is serialized right here); any other sequence is copied into one.
+            "input_ids": input_ids if type(input_ids) is list else list(input_ids),
             "sampling_params": dict(sampling_params or {}),
             "return_logprob": return_logprob,
         }

@@ -27,11 +27,20 @@ class Dispatcher:
         self.registry = registry
         self.router = router
         self.metrics = metrics
+        self._labels: dict[str, dict[str, str]] = {}  # engine_id -> its metric attributes, built once
+
+    def _engine_labels(self, engine_id: str) -> dict[str, str]:
+        labels = self._labels.get(engine_id)
+        if labels is None:
+            if len(self._labels) > 1024:  # engines come and go: never let this grow without bound
+                self._labels.clear()
+            labels = self._labels[engine_id] = {"engine_id": engine_id}
+        return labels
 
     async def generate(self, request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateResponse:
         params = sampling_params(request.sampling)
-        validate_input_ids(request.input_ids)
-        input_ids = list(request.input_ids)
+        input_ids = list(request.input_ids)  # one copy out of the proto, checked and sent as is
+        validate_input_ids(input_ids)
         route = await self.router.route(request.session_id, request.engine_pool)
         if route.rerouted:
             self._count_reroute(route, "unhealthy")
@@ -70,7 +79,7 @@ class Dispatcher:
         finally:
             self.registry.end_request(engine.engine_id)
         latency = time.monotonic() - started
-        self.metrics.generate_seconds.record(latency, {"engine_id": engine.engine_id})
+        self.metrics.generate_seconds.record(latency, self._engine_labels(engine.engine_id))
         return result, latency
 
     async def _engine_failed(self, engine: EngineRecord, exc: EngineUnavailable) -> None:
@@ -83,7 +92,7 @@ class Dispatcher:
         self.metrics.reroutes.add(1, {"cause": cause})
 
     def _observe(self, engine: EngineRecord, result: GenerateResult) -> None:
-        self.metrics.generated_tokens.add(len(result.output_ids), {"engine_id": engine.engine_id})
+        self.metrics.generated_tokens.add(len(result.output_ids), self._engine_labels(engine.engine_id))
         # The reply carries the engine's version: fresher than the last probe, for staleness checks.
         version = parse_version(result.weight_version)
         if version >= 0:

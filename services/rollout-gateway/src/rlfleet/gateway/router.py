@@ -25,6 +25,14 @@ from rlfleet.gateway.registry import EngineRecord, EngineRegistry
 
 TOUCH_EVERY_S = 60.0
 
+# KEYS: the session's affinity. ARGV: the engine_sessions key prefix, session_id.
+# One round trip for what would otherwise be a GETDEL and then a ZREM on the engine it named.
+_FORGET = """
+local engine = redis.call('GETDEL', KEYS[1])
+if engine then redis.call('ZREM', ARGV[1] .. engine, ARGV[2]) end
+return engine
+"""
+
 
 @dataclass(frozen=True)
 class Route:
@@ -42,6 +50,8 @@ class Router:
         self.registry = registry
         self.ttl_s = int(max(1, affinity_ttl_s))
         self._touched: dict[str, float] = {}  # session -> when this replica last counted it (monotonic)
+        self._sessions_prefix = self._sessions_key("")
+        self._forget = redis.register_script(_FORGET)
 
     def _affinity_key(self, session_id: str) -> str:
         return key(self.run_id, "affinity", session_id)
@@ -93,9 +103,7 @@ class Router:
 
     async def forget(self, session_id: str) -> None:
         """The session ended: drop its affinity and its place in its engine's load."""
-        raw = await self.redis.getdel(self._affinity_key(session_id))
-        if raw is not None:
-            await self.redis.zrem(self._sessions_key(raw.decode()), session_id)
+        await self._forget(keys=[self._affinity_key(session_id)], args=[self._sessions_prefix, session_id])
 
     async def session_counts(self, engine_ids: list[str]) -> dict[str, int]:
         cutoff = time.time() - self.ttl_s

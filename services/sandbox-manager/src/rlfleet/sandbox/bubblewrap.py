@@ -30,9 +30,8 @@ from rlfleet.sandbox import cgroups as cg
 from rlfleet.sandbox import paths as ws_paths
 from rlfleet.sandbox.bwrap_command import (
     HOST_ENV,
-    PRLIMIT,
     SETPRIV,
-    TINI,
+    TINI_CANDIDATES,
     Sandboxing,
     bwrap_reported_exit,
     kill_sandbox_init,
@@ -188,7 +187,7 @@ class BubblewrapDriver:
             "network": "own network namespace with loopback only, unless spec.network",
             "syscalls": "seccomp deny-list (user namespaces, keyrings, bpf, perf, userfaultfd, io_uring)"
             if self._sandboxing and self._sandboxing.seccomp
-            else "no seccomp filter (unknown architecture)",
+            else "allow-all seccomp filter (unknown architecture)",
         }
 
     @property
@@ -222,8 +221,8 @@ class BubblewrapDriver:
         slot = pooled or prepare_slot(self.config.root, self._uids, self._cgroups)
         try:
             if slot.cgroup is not None:
-                # + bwrap's monitor and tini, which live in the exec's cgroup too.
-                tasks = spec.limits.max_processes + 1 + self._host.init_tasks()
+                # + tini, which lives in the exec's cgroup too (bwrap's monitor stays outside).
+                tasks = spec.limits.max_processes + self._host.init_tasks()
                 slot.cgroup.set_limits(memory_bytes=spec.limits.memory_bytes, max_tasks=tasks)
             if files:
                 await asyncio.to_thread(self._write_all, slot, files)
@@ -294,10 +293,13 @@ class BubblewrapDriver:
             killers.append(kill)
             live.kills.add(kill)
 
-        seccomp_fd = self._host.seccomp_fd()
+        gate = self._host.gate(live.handle.spec, exec_cg)
+        etc_args: list[str] = []
+        etc_fds: list[int] = []
         live.running += 1
         live.idle.clear()
         try:
+            etc_args, etc_fds = self._host.open_etc(live.slot, limits.max_file_bytes)
             outcome = await run_captured(
                 lambda status_fd: self._host.command(
                     live.slot,
@@ -306,8 +308,8 @@ class BubblewrapDriver:
                     env=sandbox_env,
                     cwd=cwd_rel,
                     status_fd=status_fd,
-                    seccomp_fd=seccomp_fd,
-                    exec_cg=exec_cg,
+                    gate_fd=gate.read_fd,
+                    etc_args=etc_args,
                 ),
                 env=HOST_ENV,
                 stdin=bytes(stdin),
@@ -316,14 +318,16 @@ class BubblewrapDriver:
                 status_fd=True,
                 on_spawn=registered,
                 stop=kill_sandbox_init,
-                pass_fds=(seccomp_fd,) if seccomp_fd is not None else (),
+                pass_fds=(gate.read_fd, *etc_fds),
+                on_status=gate.on_status,
             )
             usage = exec_cg.usage() if exec_cg else None
             pids_hits = sandbox_cg.pids_max_hits() - pids_hits_before if sandbox_cg else 0
             pids_hits = max(pids_hits, usage.pids_max_hits if usage else 0)
         finally:
-            if seccomp_fd is not None:
-                os.close(seccomp_fd)
+            await gate.wait()
+            gate.close()
+            _close_all(etc_fds)
             if exec_cg is not None:
                 await asyncio.to_thread(exec_cg.remove)
             for kill in killers:
@@ -428,15 +432,13 @@ class BubblewrapDriver:
         bwrap = shutil.which(self.config.bwrap)
         if bwrap is None:
             raise SandboxDriverUnavailable(f"{self.config.bwrap!r} not found on PATH", reason="bwrap_missing")
-        for tool in (PRLIMIT, SETPRIV):
-            if not os.access(tool, os.X_OK):
-                raise SandboxDriverUnavailable(
-                    f"{tool} (util-linux) is missing", reason="tool_missing", tool=tool
-                )
-        tini: str | None = TINI
-        if not os.access(TINI, os.X_OK):
-            tini = None
-            log.warning("%s missing: sandboxes use bwrap's init, so cpu_s undercounts", TINI)
+        if not os.access(SETPRIV, os.X_OK):
+            raise SandboxDriverUnavailable(
+                f"{SETPRIV} (util-linux) is missing", reason="tool_missing", tool=SETPRIV
+            )
+        tini = next((t for t in TINI_CANDIDATES if os.access(t, os.X_OK)), None)
+        if tini is None:
+            log.warning("%s missing: sandboxes use bwrap's init, so cpu_s undercounts", TINI_CANDIDATES[-1])
         return Sandboxing.for_host(
             bwrap=bwrap,
             tini=tini,
@@ -487,6 +489,11 @@ class BubblewrapDriver:
                 f"sandbox self-test failed (exit {result.exit_code}): {result.stdout_text} {result.stderr_text}".strip(),
                 reason="self_test_failed",
             )
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
 
 
 def _check_timeout(timeout: float) -> float:

@@ -95,6 +95,12 @@ class ExecCgroup:
     def procs_files(self) -> list[str]:
         return sorted({str(d / "cgroup.procs") for d in self.dirs.values()})
 
+    def add(self, pid: int) -> None:
+        """Move process `pid` (and, in v1, its whole thread group) into this leaf."""
+        for procs in self.procs_files:
+            with open(procs, "w") as f:
+                f.write(str(pid))
+
     def usage(self) -> ExecUsage:
         mem, pids = self.dirs["memory"], self.dirs["pids"]
         refused = _read_kv(pids / "pids.events", "max")

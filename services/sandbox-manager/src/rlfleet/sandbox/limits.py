@@ -8,6 +8,7 @@ other than what its config says).
 from __future__ import annotations
 
 import math
+import resource
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -94,8 +95,10 @@ def _fmt(name: str, v: float) -> str:
     return f"{v:g}"
 
 
-def prlimit_args(limits: Limits, *, limit_address_space: bool, extra_tasks: int = 0) -> list[str]:
-    """Arguments for util-linux `prlimit` applying `limits` to the command it runs.
+def rlimits(
+    limits: Limits, *, limit_address_space: bool, extra_tasks: int = 0
+) -> list[tuple[int, tuple[int, int]]]:
+    """The rlimits (resource, (soft, hard)) that apply `limits` to a process and what it execs.
 
     `extra_tasks`: tasks of the sandbox's uid that are not the program's (its init), added to
     RLIMIT_NPROC so that `max_processes` is what the program itself may have.
@@ -106,13 +109,13 @@ def prlimit_args(limits: Limits, *, limit_address_space: bool, extra_tasks: int 
     (they would write into the workspace and leak memory contents of earlier runs of the binary).
     """
     cpu = math.ceil(limits.cpu_seconds)
-    args = [
-        f"--cpu={cpu}:{cpu + 1}",
-        f"--fsize={limits.max_file_bytes}",
-        f"--nproc={limits.max_processes + extra_tasks}",
-        "--core=0",
-        "--nofile=1024",
+    out = [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes)),
+        (resource.RLIMIT_NPROC, (limits.max_processes + extra_tasks,) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+        (resource.RLIMIT_NOFILE, (1024, 1024)),
     ]
     if limit_address_space:
-        args.append(f"--as={limits.memory_bytes}")
-    return args
+        out.append((resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)))
+    return out

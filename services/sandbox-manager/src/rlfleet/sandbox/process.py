@@ -72,8 +72,14 @@ class ProcessOutcome:
 class _Sink:
     """Reads a non-blocking pipe as it becomes readable, keeping at most `cap` bytes."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, cap: int) -> None:
-        self.loop, self.fd, self.cap = loop, fd, cap
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        cap: int,
+        on_data: Callable[[], None] | None = None,
+    ) -> None:
+        self.loop, self.fd, self.cap, self.on_data = loop, fd, cap, on_data
         self.buf = bytearray()
         self.tail = bytearray()
         self.total = 0
@@ -85,21 +91,27 @@ class _Sink:
         """Read what is available now (called by the loop, or directly to be up to date)."""
         if self.done.done():
             return
-        # A few reads per wakeup: a flood is drained quickly without starving the loop.
-        for _ in range(16):
-            try:
-                data = os.read(self.fd, _CHUNK)
-            except BlockingIOError:
-                return
-            if not data:
-                self.stop()
-                return
-            self.total += len(data)
-            room = self.cap - len(self.buf)
-            if room > 0:
-                self.buf += data[:room]
-            self.tail += data[-_TAIL:]
-            del self.tail[:-_TAIL]
+        got = False
+        try:
+            # A few reads per wakeup: a flood is drained quickly without starving the loop.
+            for _ in range(16):
+                try:
+                    data = os.read(self.fd, _CHUNK)
+                except BlockingIOError:
+                    return
+                if not data:
+                    self.stop()
+                    return
+                got = True
+                self.total += len(data)
+                room = self.cap - len(self.buf)
+                if room > 0:
+                    self.buf += data[:room]
+                self.tail += data[-_TAIL:]
+                del self.tail[:-_TAIL]
+        finally:
+            if got and self.on_data is not None:
+                self.on_data()
 
     def stop(self) -> None:
         if not self.done.done():
@@ -197,13 +209,17 @@ async def run_captured(
     on_spawn: Callable[[Callable[[], None]], None] | None = None,
     stop: Callable[[int, bytes], bool] | None = None,
     pass_fds: Sequence[int] = (),
+    on_status: Callable[[int, bytes], bool | asyncio.Future[None]] | None = None,
 ) -> ProcessOutcome:
     """Run `argv_for(fd)` (fd: the write end of a status pipe, if asked) and collect its outcome.
 
     `on_spawn` receives a callable that kills the running tree, for callers that must be able to
     stop it from elsewhere (destroying a sandbox mid-exec). `stop(pid, status_so_far)` is tried
     first whenever the tree must be killed; it returns whether it did something. `pass_fds` are
-    more fds the child inherits (the caller keeps and closes them).
+    more fds the child inherits (the caller keeps and closes them). `on_status(pid, status_so_far)`
+    is called on the loop each time the status pipe has new data, until it returns True or a
+    future; if it raises (or its future fails), the tree is killed and reaped and the exception
+    propagates.
     """
     loop = asyncio.get_running_loop()
     to_close: list[int] = []
@@ -248,8 +264,35 @@ async def run_captured(
                 to_close.remove(fd)
                 os.close(fd)
         sinks = [_Sink(loop, out_r, max_output_bytes), _Sink(loop, err_r, max_output_bytes)]
+        hook_failed: list[BaseException] = []
         if st_r is not None:
-            sinks.append(_Sink(loop, st_r, 1 << 16))
+            on_data = None
+            if on_status is not None:
+                hook_done = False
+                spawned = child
+
+                def failed(e: BaseException) -> None:  # surfaced after the tree is stopped
+                    hook_failed.append(e)
+                    spawned.kill()
+
+                def on_data() -> None:
+                    nonlocal hook_done
+                    if hook_done or hook_failed:
+                        return
+                    try:
+                        done = on_status(spawned.pid, bytes(status_sink[0].buf))
+                    except Exception as e:
+                        failed(e)
+                        return
+                    if isinstance(done, asyncio.Future):
+                        hook_done = True
+                        done.add_done_callback(
+                            lambda f: None if f.cancelled() or f.exception() is None else failed(f.exception())
+                        )
+                    else:
+                        hook_done = done
+
+            sinks.append(_Sink(loop, st_r, 1 << 16, on_data))
             status_sink.append(sinks[-1])
         if on_spawn is not None:
             on_spawn(child.kill)
@@ -267,6 +310,8 @@ async def run_captured(
                 child.kill_and_reap_now()
                 for s in sinks:
                     s.stop()
+        if hook_failed:
+            raise hook_failed[0]
         duration = time.monotonic() - started
         assert child.reaped is not None
         status, usage = child.reaped

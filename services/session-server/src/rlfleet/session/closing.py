@@ -22,7 +22,7 @@ from opentelemetry import trace
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.telemetry import current_trace_context
-from rlfleet.common.verdicts import load_verdict
+from rlfleet.common.verdicts import verdict_key
 from rlfleet.session.errors import ConcurrentSessionCall, GatewayUnavailable, SessionNotOpen
 from rlfleet.session.gateway_client import GatewayClient
 from rlfleet.session.metrics import SessionMetrics
@@ -53,10 +53,12 @@ class Closer:
     async def close(self, session_id: str, status: int, metadata: dict[str, str]) -> Closed:
         """Closes (or, with status ABORTED, aborts) the session; a retry returns the first close's trajectory."""
         for _attempt in range(5):
-            state = await self.store.load(session_id)
+            # The verdict is read with the session (one round trip); only an open session uses it.
+            state, raw_verdict = await self.store.load_with(session_id, verdict_key(self.store.run_id, session_id))
             if state.session.state == OPEN:
+                verdict = None if raw_verdict is None else common_pb2.Verdict.FromString(raw_verdict)
                 try:
-                    trajectory = await self._seal(state, status, metadata)
+                    trajectory = await self._seal(state, status, verdict, metadata)
                 except ConcurrentSessionCall:
                     continue  # a turn or another close landed meanwhile: look again
             else:
@@ -65,8 +67,8 @@ class Closer:
         raise ConcurrentSessionCall(f"session {session_id!r} kept changing while it was being closed",
                                     session_id=session_id)
 
-    async def _seal(self, state: SessionState, status: int, metadata: dict[str, str]) -> common_pb2.Trajectory:
-        verdict = await load_verdict(self.redis, state.session.run_id, state.session_id)
+    async def _seal(self, state: SessionState, status: int, verdict: common_pb2.Verdict | None,
+                    metadata: dict[str, str]) -> common_pb2.Trajectory:
         trajectory = build_trajectory(state, uuid.uuid4().hex, status, verdict, metadata)
         # Sealed with the episode's trace (this CloseSession call is part of it), so a retried
         # close republishes the same bytes and the trainer links its step to the right trace.

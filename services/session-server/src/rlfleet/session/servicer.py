@@ -85,7 +85,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             budget_exhausted=state.budget_exhausted)
 
     async def GetSession(self, request: session_pb2.GetSessionRequest, context):
-        return (await self.store.load(_session_id(request.session_id))).session
+        return await self.store.load_session(_session_id(request.session_id))
 
     async def CloseSession(self, request: session_pb2.CloseSessionRequest, context):
         if request.status not in CLOSE_STATUSES:

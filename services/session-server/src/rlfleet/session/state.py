@@ -58,13 +58,16 @@ class SessionState:
         return session_pb2.SessionState.Name(self.session.state).removeprefix("SESSION_STATE_").lower()
 
     # --- storage form ---------------------------------------------------------------------------
-    def fields(self) -> dict[str, bytes]:
+    def fields(self, with_sampling: bool = True) -> dict[str, bytes]:
         info = {"group_size": self.group_size, "suite": self.suite, "split": self.split, "opened_ms": self.opened_ms,
                 "generate_s": self.generate_s, "tool_wait_s": self.tool_wait_s,
                 "last_generate_end": self.last_generate_end, "num_turns": self.num_turns,
                 "num_observations": self.num_observations, "budget_exhausted": self.budget_exhausted}
-        return {"session": self.session.SerializeToString(), "sampling": self.sampling.SerializeToString(),
-                "info": json.dumps(info).encode(), "trajectory": self.trajectory}
+        fields = {"session": self.session.SerializeToString(), "info": json.dumps(info).encode(),
+                  "trajectory": self.trajectory}
+        if with_sampling:
+            fields["sampling"] = self.sampling.SerializeToString()
+        return fields
 
     @classmethod
     def from_fields(cls, raw: dict[bytes, bytes]) -> SessionState:

@@ -19,6 +19,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from rlfleet.api.session.v1 import session_pb2
 from rlfleet.common.redis_store import key
 from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
 from rlfleet.session.state import SessionState
@@ -70,6 +71,23 @@ class SessionStore:
             raise SessionNotFound(session_id)
         return SessionState.from_fields(raw)
 
+    async def load_with(self, session_id: str, other_key: str) -> tuple[SessionState, bytes | None]:
+        """The session and the value of another (string) key, read in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._key(session_id))
+            pipe.get(other_key)
+            raw, other = await pipe.execute()
+        if not raw:
+            raise SessionNotFound(session_id)
+        return SessionState.from_fields(raw), other
+
+    async def load_session(self, session_id: str) -> session_pb2.Session:
+        """Only the token state (what GetSession answers), without the rest of the hash."""
+        raw = await self.redis.hget(self._key(session_id), "session")
+        if raw is None:
+            raise SessionNotFound(session_id)
+        return session_pb2.Session.FromString(raw)
+
     async def find(self, session_id: str) -> SessionState | None:
         raw = await self.redis.hgetall(self._key(session_id))
         return SessionState.from_fields(raw) if raw else None
@@ -89,7 +107,9 @@ class SessionStore:
     async def commit(self, state: SessionState) -> None:
         """Writes the state if nobody changed it since it was loaded; raises ConcurrentSessionCall otherwise."""
         still_open = "1" if not state.trajectory else "0"
-        args = [state.rev, self.ttl_s, state.session_id, time.time(), still_open, *_pairs(state.fields())]
+        # The sampling defaults never change after create, so a commit does not rewrite them.
+        args = [state.rev, self.ttl_s, state.session_id, time.time(), still_open,
+                *_pairs(state.fields(with_sampling=False))]
         result = await self._commit(keys=[self._key(state.session_id), self._open_key], args=args)
         if result == -1:
             raise SessionNotFound(state.session_id)
