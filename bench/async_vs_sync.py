@@ -2,7 +2,7 @@
 latencies drawn from a long-tailed distribution. Prints figures; it is not a pass/fail test.
 
     .venv/bin/python bench/async_vs_sync.py                          # 30 steps each, lognormal tools
-    .venv/bin/python bench/async_vs_sync.py --steps 20 --median-s 0.5 --sigma 1.5 --target 0.5
+    .venv/bin/python bench/async_vs_sync.py --steps 20 --median-s 1.0 --sigma 1.5 --concurrency 64
 
 Both modes run `rlfleet run` on the same config (examples/calc.toml's model, warm start, G, batch,
 learning rate and held-out split) for the same number of trainer steps, so they end at comparable
@@ -65,6 +65,10 @@ def mode_config(base: dict, mode: str, args, out_dir: Path) -> dict:
                   model_cache_dir=str(ROOT / "runs" / ".cache"))
     config.setdefault("rollout", {})["tool_latency"] = {
         "distribution": "lognormal", "median_s": args.median_s, "sigma": args.sigma, "max_s": args.max_s}
+    if args.concurrency:
+        config["rollout"]["concurrency"] = args.concurrency
+        # Room at admission for the rollouts and the gate's evaluation episodes at once.
+        config["rollout"]["max_inflight_sessions"] = args.concurrency + config.get("eval", {}).get("concurrency", 64)
     config.setdefault("eval", {})["regression"] = 0  # the gate's regression set only slows both modes alike
     config["eval"]["heldout"] = args.heldout
     config.setdefault("gate", {})["every_versions"] = args.eval_every
@@ -124,6 +128,8 @@ def main() -> None:
     parser.add_argument("--median-s", type=float, default=0.3, help="median added tool latency")
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal shape (tail weight)")
     parser.add_argument("--max-s", type=float, default=10.0, help="cap on one tool-latency draw")
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="episodes at once in both modes (default: the config's); slow tools want more")
     parser.add_argument("--heldout", type=int, default=100, help="held-out tasks per evaluation")
     parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many versions")
     parser.add_argument("--target", type=float, default=0.45, help="held-out success to time")
@@ -134,7 +140,8 @@ def main() -> None:
     base = tomllib.loads(Path(args.config).read_text())
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"workload": {"config": args.config, "steps": args.steps, "tool_latency": {
+    results = {"workload": {"config": args.config, "steps": args.steps, "concurrency": args.concurrency or
+                            base.get("rollout", {}).get("concurrency"), "tool_latency": {
         "distribution": "lognormal", "median_s": args.median_s, "sigma": args.sigma, "max_s": args.max_s},
         "heldout": args.heldout, "target_success": args.target}, "modes": {}}
     for mode in args.modes.split(","):

@@ -16,7 +16,8 @@ spec.loader.exec_module(bench)
 
 
 def _args(**kw):
-    defaults = dict(median_s=0.3, sigma=1.0, max_s=10.0, heldout=100, eval_every=5, steps=30, max_minutes=25.0)
+    defaults = dict(median_s=0.3, sigma=1.0, max_s=10.0, heldout=100, eval_every=5, steps=30, max_minutes=25.0,
+                    concurrency=0)
     return SimpleNamespace(**(defaults | kw))
 
 
