@@ -91,6 +91,7 @@ class RLRun:
         self.feeder = None
         self.resuming = False
         self._trainer_mark: tuple[float, float] | None = None  # (data-wait counter, loop time) last read
+        self.loop_started = False  # before it, no loop time is spent (warm start, platform, baseline)
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -109,7 +110,7 @@ class RLRun:
             self.interrupted = self.interrupted or f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            self.record.wall_s = self.record.wall_s or self.clock.elapsed()
+            self.record.wall_s = self.record.wall_s or (self.clock.elapsed() if self.loop_started else 0.0)
             self.record.status = "interrupted" if self.interrupted else "finished"
             self._save_state()
             if owned and not self.options.keep_up:
@@ -168,7 +169,8 @@ class RLRun:
         s = self.state
         s.status = "interrupted" if self.interrupted else ("finished" if self.record.status == "finished" else "running")
         s.reason = self.interrupted
-        s.loop_s = self.clock.elapsed()
+        if self.loop_started:
+            s.loop_s = self.clock.elapsed()
         s.last_gated = self.last_gated
         s.accepted_version = self.record.accepted_version
         s.accepted_eval = asdict(self.accepted_eval) if self.accepted_eval else None
@@ -278,12 +280,12 @@ class RLRun:
     async def _loop(self, peers) -> None:
         c = self.config
         train, heldout, regression = self._tasks(peers)
-        if not self.resuming:
+        if self.accepted_eval is None:  # a new run, or one interrupted before its baseline was done
             await self._baseline(peers, heldout, regression)
+            self.record.started_unix = time.time()
         # Loop time (the budget, every figure's time axis) starts after the baseline evaluation.
         self.clock = Clock(self.state.loop_s)
-        if not self.resuming:
-            self.record.started_unix = time.time()
+        self.loop_started = True
         observer = Observer(peers.js, c.run_id, self.record, self.clock)
         observer.version_listeners.append(lambda v: asyncio.ensure_future(self._admit_up_to(peers, v.version)))
         observer.version_listeners.append(self._note_step)
