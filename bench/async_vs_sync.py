@@ -30,33 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RLFLEET = str(Path(sys.executable).parent / "rlfleet")
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return repr(value)
-
-
-def write_toml(tree: dict, path: Path) -> None:
-    lines, tables = [], []
-    for key, value in tree.items():
-        (tables if isinstance(value, dict) else lines).append((key, value))
-    out = [f"{k} = {toml_value(v)}" for k, v in lines]
-
-    def table(prefix: str, body: dict) -> None:
-        scalars = [(k, v) for k, v in body.items() if not isinstance(v, dict)]
-        out.append(f"\n[{prefix}]")
-        out.extend(f"{k} = {toml_value(v)}" for k, v in scalars)
-        for k, v in body.items():
-            if isinstance(v, dict):
-                table(f"{prefix}.{k}", v)
-
-    for key, value in tables:
-        table(key, value)
-    path.write_text("\n".join(out) + "\n")
+sys.path.insert(0, str(ROOT / "bench" / "vs_trl"))
+from common import to_toml  # noqa: E402  (one TOML writer for the benches' generated configs)
 
 
 def mode_config(base: dict, mode: str, args, out_dir: Path) -> dict:
@@ -106,7 +81,7 @@ def figures(summary: dict, target: float) -> dict:
 
 def run_mode(config: dict, mode: str, out_dir: Path) -> dict:
     path = out_dir / f"{mode}.toml"
-    write_toml(config, path)
+    path.write_text(to_toml(config))
     log = out_dir / f"{mode}.log"
     print(f"== {mode}: rlfleet run {path} (log {log})", flush=True)
     with open(log, "w") as out:

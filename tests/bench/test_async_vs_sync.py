@@ -28,7 +28,7 @@ def test_both_modes_get_the_same_workload_and_only_the_mode_differs(tmp_path):
     configs = {}
     for mode in ("async", "sync"):
         path = tmp_path / f"{mode}.toml"
-        bench.write_toml(bench.mode_config(base, mode, _args(), tmp_path), path)
+        path.write_text(bench.to_toml(bench.mode_config(base, mode, _args(), tmp_path)))
         configs[mode] = RunConfig.model_validate(tomllib.loads(path.read_text())).model_dump()
     a, s = configs["async"], configs["sync"]
     assert a["mode"] == "async" and s["mode"] == "sync"

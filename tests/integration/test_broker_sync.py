@@ -94,11 +94,18 @@ class Run:
                       msg_id=f"{self.run_id}-v{manifest['version']}")  # fmt: skip
         return manifest["version"]
 
-    async def record(self, version: int) -> broker_pb2.VersionRecord:
+    async def listed(self, version: int) -> broker_pb2.VersionRecord | None:
+        """The broker's record of `version`, or None while it has not seen the announcement yet."""
         for record in (await self.stub.ListVersions(broker_pb2.ListVersionsRequest())).versions:
             if record.version.version == version:
                 return record
-        raise AssertionError(f"version {version} not listed")
+        return None
+
+    async def record(self, version: int) -> broker_pb2.VersionRecord:
+        record = await self.listed(version)
+        if record is None:
+            raise AssertionError(f"version {version} not listed")
+        return record
 
     async def close(self) -> None:
         if self.nc is not None:
@@ -233,7 +240,8 @@ async def test_a_corrupt_delta_is_refused_nothing_changes_and_the_next_full_vers
     await nc.close()
 
     async def rejected():
-        return (await run.record(2)).state == State.VERSION_STATE_REJECTED
+        record = await run.listed(2)  # the announcement may not have reached the broker yet
+        return record is not None and record.state == State.VERSION_STATE_REJECTED
 
     await eventually(rejected, message="version 2 rejected")
     assert "cannot load it" in (await run.record(2)).reason

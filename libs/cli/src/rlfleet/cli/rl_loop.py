@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import grpc
 
 from rlfleet.cli.gate import decide
+from rlfleet.cli.launcher import start_ticks
 from rlfleet.cli.loop_parts import (
     Clock,
     CpuSampler,
@@ -92,6 +93,7 @@ class RLRun:
         self.resuming = False
         self._trainer_mark: tuple[float, float] | None = None  # (data-wait counter, loop time) last read
         self.loop_started = False  # before it, no loop time is spent (warm start, platform, baseline)
+        self.driver = (os.getpid(), start_ticks(os.getpid()) or 0)  # recorded so a second driver is refused
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -131,7 +133,8 @@ class RLRun:
         """Decides from the run directory whether this is a new run or the continuation of one."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         previous = RunState.load(self.run_dir)
-        if previous is not None and previous.status == "running" and _alive(previous.driver_pid, previous.driver_start):
+        if previous is not None and previous.status == "running" and previous.driver_pid > 0 \
+                and start_ticks(previous.driver_pid) == previous.driver_start:
             raise StartupError(f"another `rlfleet run` (pid {previous.driver_pid}) is driving "
                                f"{self.run_dir}; stop it first")
         if self.options.resume:
@@ -178,7 +181,7 @@ class RLRun:
         if self.feeder is not None:
             s.tasks_published = self.feeder.published
         s.record = asdict(self.record)
-        s.driver_pid, s.driver_start = os.getpid(), _start_ticks(os.getpid())
+        s.driver_pid, s.driver_start = self.driver
         s.save(self.run_dir)
 
     def _base_policy(self) -> Path:
@@ -610,16 +613,6 @@ class RLRun:
                 f"{row['invalid_tool_calls_per_episode']:.3f}  time {row['time_to_completion_s']:.2f} s  "
                 f"turns {row['interactions_per_episode']:.2f}  safety {row['safety_violations_per_episode']:.3f}")
         say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
-
-
-def _start_ticks(pid: int) -> int:
-    from rlfleet.cli.launcher import start_ticks
-
-    return start_ticks(pid) or 0
-
-
-def _alive(pid: int, ticks: int) -> bool:
-    return _start_ticks(pid) == ticks != 0
 
 
 def _platform_differences(running: dict, wanted: dict) -> list[str]:
