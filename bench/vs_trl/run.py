@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2: the machine)")
     p.add_argument("--trl-clock", choices=("train", "wall"), default="train",
                    help="TRL's times: train = its clock stops while it evaluates (default, in its favour); wall = not")
+    p.add_argument("--concurrency", type=int, default=Settings().concurrency,
+                   help=f"rlfleet: rollout episodes at once (default {Settings().concurrency})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print the runs and the expected total time, run nothing")
     return p.parse_args(argv)
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     chosen_workloads = _pick(args.workloads, WORKLOADS, "workload")
     chosen_systems = _pick(args.systems, SYSTEMS, "system")
-    settings = Settings(seed=args.seed, heldout=args.heldout, eval_every_steps=args.eval_every, budget_s=args.budget_s)
+    settings = Settings(seed=args.seed, heldout=args.heldout, eval_every_steps=args.eval_every, budget_s=args.budget_s,
+                        concurrency=args.concurrency)
     loads = workloads(args.latency_median, args.latency_sigma, args.latency_max)
     runs = [(loads[w], s) for w in chosen_workloads for s in chosen_systems]
     estimate = len(runs) * (args.budget_s + STARTUP_ALLOWANCE_S)

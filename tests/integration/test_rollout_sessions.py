@@ -138,6 +138,41 @@ async def test_a_multi_turn_episode_is_published_with_exactly_the_tokens_it_was_
     assert session.state == pb.SESSION_STATE_CLOSED and session.trajectory_id == closed.trajectory_id
 
 
+async def test_an_observation_sent_with_generate_is_appended_first_and_kept_only_with_the_turn(
+        rollout, sessions, tokenizer):
+    opened = await open_chat(sessions, max_total_tokens=96)
+    sid = opened.session_id
+    first = await sessions.Generate(pb.GenerateRequest(session_id=sid))
+    tool = "<|im_end|>\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n"
+    second = await sessions.Generate(pb.GenerateRequest(
+        session_id=sid, observation=pb.AppendObservationRequest(text=tool)))
+    observed = tokenizer.encode(tool, add_special_tokens=False).ids
+    assert second.span_index == 3 and len(second.token_ids) > 0
+    after_second = len(opened.prompt_token_ids) + len(first.token_ids) + len(observed) + len(second.token_ids)
+    assert second.total_tokens == after_second
+
+    # An observation that does not fit is refused with the same message as AppendObservation's, and
+    # nothing of the call is kept.
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await sessions.Generate(pb.GenerateRequest(
+            session_id=sid, observation=pb.AppendObservationRequest(text="7" * 200)))  # a token per digit
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "only" in refused.value.details() and "budget remain" in refused.value.details()
+    # One that fills the budget exactly is kept, and nothing is generated.
+    room = 96 - after_second
+    filled = await sessions.Generate(pb.GenerateRequest(
+        session_id=sid, observation=pb.AppendObservationRequest(token_ids=common_pb2.TokenIds(ids=[40] * room))))
+    assert (list(filled.token_ids), filled.budget_exhausted, filled.total_tokens) == ([], True, 96)
+    closed = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, return_trajectory=True))
+    trajectory = closed.trajectory
+    assert list(trajectory.token_ids) == [*opened.prompt_token_ids, *first.token_ids, *observed, *second.token_ids,
+                                          *[40] * room]
+    assert [s.kind for s in trajectory.spans] == [common_pb2.SPAN_KIND_PROMPT, GENERATED,
+                                                  common_pb2.SPAN_KIND_OBSERVATION, GENERATED,
+                                                  common_pb2.SPAN_KIND_OBSERVATION]
+    assert trajectory.status == common_pb2.TRAJECTORY_STATUS_TRUNCATED and trajectory.num_observations == 2
+
+
 def boundary_pair(tokenizer: Tokenizer) -> tuple[str, str]:
     """Two texts that BPE merges across their boundary when tokenized together."""
     for whole in (" calc", " answer", " result", " what", " is"):

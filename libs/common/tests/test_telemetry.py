@@ -88,3 +88,37 @@ print(time.monotonic() - started)
     assert time.monotonic() - started < 30
     # The span file still got the span: one exporter failing does not lose the other's output.
     assert [s["name"] for s in read_span_file(str(tmp_path / "spans.jsonl"))] == ["s"]
+
+
+def test_without_an_exporter_no_span_is_recorded_and_grpc_calls_are_not_intercepted():
+    script = """
+from opentelemetry import trace
+from rlfleet.common.config import MetricsConfig, TelemetryConfig
+from rlfleet.common.grpc_server import channel
+from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
+setup_telemetry("t", TelemetryConfig(), MetricsConfig(enabled=False))
+with trace.get_tracer("t").start_as_current_span("s") as span:
+    print(tracing_enabled(), span.is_recording(), len(channel("127.0.0.1:9")._unary_unary_interceptors or []))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    # No client interceptor: an intercepted call takes grpc.aio's slower path.
+    assert result.stdout.split() == ["False", "False", "0"]
+
+
+def test_a_sample_ratio_of_zero_records_no_trace_even_with_a_span_file(tmp_path):
+    script = """
+import sys
+from opentelemetry import trace
+from rlfleet.common.config import MetricsConfig, TelemetryConfig
+from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
+state = setup_telemetry("t", TelemetryConfig(span_file=sys.argv[1], sample_ratio=0.0), MetricsConfig(enabled=False))
+with trace.get_tracer("t").start_as_current_span("root"), trace.get_tracer("t").start_as_current_span("child"):
+    pass
+state.shutdown(0.5)
+print(tracing_enabled())
+"""
+    path = tmp_path / "spans.jsonl"
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True"] and read_span_file(str(path)) == []

@@ -13,6 +13,13 @@ from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.sandbox.v1 import sandbox_pb2
 from rlfleet.api.session.v1 import session_pb2
 from rlfleet.envkit.sdk import AgentLoop, Backoff, EpisodeSpec, Superseded
+from rlfleet.envkit.sdk.environment import (
+    CodeEnvironment,
+    InProcessCalcEnvironment,
+    UnknownSuite,
+    environment_for,
+    environments,
+)
 from rlfleet.envkit.sdk.errors import Backpressure, PeerUnavailable, RequestRejected
 from rlfleet.envkit.suites import calc
 from rlfleet.envkit.suites.calc_tool import evaluate_expression
@@ -24,7 +31,8 @@ STOP = common_pb2.FINISH_REASON_STOP
 class FakeSession:
     """Plays the policy's turns from a list; records the calls in order."""
 
-    def __init__(self, turns, log, *, delay_s=0.0, budget_after=None, refuse_opens=0):
+    def __init__(self, turns, log, *, delay_s=0.0, budget_after=None, refuse_opens=0, observation_fills=None):
+        self.observation_fills = observation_fills  # None, "exactly" (nothing generated) or "over" (refused)
         self.turns = list(turns)
         self.log = log
         self.delay_s = delay_s
@@ -41,9 +49,16 @@ class FakeSession:
         self.log.append("open")
         return session_pb2.OpenSessionResponse(session_id=request.session_id, prompt_token_ids=[1, 7, 2, 8, 1, 9])
 
-    async def generate(self, session_id, sampling=None, timeout_s=None):
+    async def generate(self, session_id, sampling=None, timeout_s=None, observation=None):
         if self.state == session_pb2.SESSION_STATE_ABORTED:
             raise RequestRejected("session", "Generate", grpc.StatusCode.FAILED_PRECONDITION, "aborted")
+        if observation is not None:  # appended first, in the same call
+            if self.observation_fills == "over":
+                raise RequestRejected("session", "Generate", grpc.StatusCode.INVALID_ARGUMENT,
+                                      "the observation has 9 tokens but only 2 of the session's 64-token budget remain")
+            await self.append_text(session_id, observation)
+            if self.observation_fills == "exactly":
+                return session_pb2.GenerateResponse(budget_exhausted=True)
         await asyncio.sleep(self.delay_s)
         text = self.turns[min(self.generated, len(self.turns) - 1)]
         self.generated += 1
@@ -112,7 +127,7 @@ class FakeClients:
     def __init__(self, turns, **options):
         self.log = []
         self.session = FakeSession(turns, self.log, **{k: v for k, v in options.items()
-                                                       if k in ("delay_s", "budget_after", "refuse_opens")})
+                                                       if k in ("delay_s", "budget_after", "refuse_opens", "observation_fills")})
         self.sandbox = FakeSandbox(self.log, options.get("fail_exec"), options.get("killed", False))
         self.verifier = FakeVerifier(self.log, options.get("fail_verify"))
 
@@ -175,6 +190,14 @@ def test_a_spent_token_budget_closes_the_session_truncated():
     summary = run(clients)
     assert summary.end == "budget" and summary.turns == 1
     assert ("close", "TRAJECTORY_STATUS_TRUNCATED") in clients.log
+
+
+@pytest.mark.parametrize("fills", ["exactly", "over"])
+def test_an_observation_that_fills_or_overflows_the_budget_closes_the_session_truncated(fills):
+    clients = FakeClients(["<calc>2+3</calc>", "<answer>5</answer>"], observation_fills=fills)
+    summary = run(clients)
+    assert (summary.end, summary.turns, summary.tool_calls) == ("budget", 1, 1)
+    assert clients.log[-3:] == ["verify", ("close", "TRAJECTORY_STATUS_TRUNCATED"), "destroy"]
 
 
 def test_the_episode_time_limit_stops_the_turns_but_the_episode_is_still_verified_and_closed():
@@ -245,3 +268,29 @@ def test_a_task_offering_a_tool_its_environment_cannot_run_fails_before_any_sess
     clients = FakeClients(["<answer>5</answer>"])
     summary = run(clients, episode)
     assert summary.outcome == "error" and "browser" in summary.error and "open" not in clients.log
+
+
+# -- tool runtimes ---------------------------------------------------------------------------------
+
+def test_in_process_calc_runs_no_sandbox_and_feeds_back_what_the_sandboxed_script_prints():
+    turns = ["<calc>2+3</calc>", "<calc>1/0</calc>", "<answer>5</answer>"]
+    sandboxed, in_process = FakeClients(turns), FakeClients(turns)
+    run(sandboxed)
+    summary = run(in_process, environments=environments("in_process"))
+    assert in_process.session.appended == sandboxed.session.appended  # the policy sees the same episode
+    assert (summary.tool_calls, summary.invalid_calls, summary.sandbox_id) == (2, 1, "")
+    assert in_process.log == ["open", "generate", "append", "generate", "append", "generate", "verify",
+                              ("close", "TRAJECTORY_STATUS_COMPLETED")]
+    assert in_process.sandbox.execs == []
+
+
+def test_a_worker_preferring_in_process_tools_still_sandboxes_a_suite_that_runs_model_written_code():
+    prefer = environments("in_process")
+    assert isinstance(prefer("calc"), InProcessCalcEnvironment)
+    assert isinstance(prefer("code"), CodeEnvironment) and prefer("code").needs_sandbox
+    with pytest.raises(UnknownSuite, match="'code' environment has no in_process tool runtime"):
+        environment_for("code", "in_process")
+    with pytest.raises(ValueError, match="unknown tool runtime 'docker'"):
+        environments("docker")
+    with pytest.raises(UnknownSuite, match="no environment for suite 'chess'"):
+        prefer("chess")

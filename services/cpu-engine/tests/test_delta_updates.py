@@ -72,6 +72,23 @@ async def test_after_n_delta_updates_the_engine_serves_the_trainers_weights_bit_
     assert out["meta_info"]["weight_version"] == "6"
 
 
+async def test_store_loads_empty_the_prefix_cache(store_engine, trainer):
+    url, store = store_engine.url, trainer.store
+    body = {"input_ids": list(range(200, 240)), "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+
+    async def cached_tokens() -> int:
+        return (await call(url, "/generate", body))[1]["meta_info"]["cached_tokens"]
+
+    assert (await load(url, store.path(1), "rlfleet_full"))[0] == 200
+    await cached_tokens()
+    assert await cached_tokens() == 39
+    assert (await load(url, store.path(2), "rlfleet_delta"))[0] == 200
+    assert await cached_tokens() == 0
+    assert await cached_tokens() == 39
+    assert (await load(url, store.path(2), "rlfleet_full"))[0] == 200
+    assert await cached_tokens() == 0
+
+
 async def test_a_delta_whose_base_the_engine_does_not_hold_is_refused_and_nothing_changes(store_engine, trainer):
     url, store = store_engine.url, trainer.store
     assert (await load(url, store.path(3), "rlfleet_full"))[0] == 200

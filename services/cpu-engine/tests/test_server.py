@@ -80,6 +80,27 @@ async def test_generate_answers_with_sglang_fields_for_a_single_request_and_a_ba
     )
 
 
+async def test_a_second_turn_reports_its_reused_prefix_as_cached_tokens_until_flush_cache(engine, runner):
+    first = list(range(300, 330))  # tokens no other test sends
+    sampling = {"max_new_tokens": 6, "sampling_seed": 9, "ignore_eos": True}
+    _, one = await call(engine.url, "/generate", {"input_ids": first, "sampling_params": sampling})
+    assert one["meta_info"]["cached_tokens"] == 0
+    second = [*first, *one["output_ids"], 5, 6, 7]
+    body = {"input_ids": second, "sampling_params": sampling, "return_logprob": True}
+    _, two = await call(engine.url, "/generate", body)
+    assert two["meta_info"]["cached_tokens"] == len(first) + len(one["output_ids"]) - 1
+    reference = in_process(runner, second, **sampling)
+    assert two["output_ids"] == reference.output_ids
+    got = [entry[0] for entry in two["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(got, reference.output_logprobs, strict=True)) <= 1e-4
+    current = await load(engine.url)
+    assert current["prefix_cache_tokens"] >= len(second) and current["prefix_cache_hit_tokens"] >= 35
+    assert (await call(engine.url, "/flush_cache"))[0] == 200
+    assert (await load(engine.url))["prefix_cache_tokens"] == 0
+    _, three = await call(engine.url, "/generate", body)
+    assert three["meta_info"]["cached_tokens"] == 0 and three["output_ids"] == two["output_ids"]
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -198,7 +219,7 @@ async def test_abort_request_ends_one_in_flight_request_with_its_partial_output(
 async def test_a_client_that_disconnects_frees_its_batch_slot(engine):
     body = {"input_ids": [1, 40], "sampling_params": LONG}
     with pytest.raises(TimeoutError):
-        await call(engine.url, "/generate", body, within_s=0.5)
+        await call(engine.url, "/generate", body, within_s=0.2)  # 900 tokens take ~0.5 s when idle
 
     async def idle():
         return (await load(engine.url))["num_reqs"] == 0

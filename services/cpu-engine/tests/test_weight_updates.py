@@ -75,6 +75,16 @@ async def test_update_weights_from_disk_changes_outputs_and_the_reported_weight_
     assert after["output_ids"] == in_process(ModelRunner(model_dir_v2), PROMPT, **SAMPLED).output_ids
 
 
+async def test_a_weight_update_empties_the_prefix_cache(weights_engine, model_dir_v2, restore_v1):
+    url = weights_engine.url
+    body = {"input_ids": list(range(200, 240)), "sampling_params": SAMPLED}
+    await call(url, "/generate", body)
+    assert (await call(url, "/generate", body))[1]["meta_info"]["cached_tokens"] == 39
+    status, reply = await call(url, "/update_weights_from_disk", {"model_path": str(model_dir_v2)})
+    assert status == 200 and reply["success"], reply
+    assert (await call(url, "/generate", body))[1]["meta_info"]["cached_tokens"] == 0
+
+
 async def test_a_failed_update_from_disk_leaves_weights_and_version_unchanged(weights_engine, tmp_path):
     url = weights_engine.url
     _, before = await call(

@@ -147,11 +147,11 @@ class Observer:
 
 
 async def evaluate(clients, tasks: list[common_pb2.Task], *, version: int, split: str, label: str, pool: str,
-                   concurrency: int, clock: Clock, tag: str) -> EvalResult:
+                   concurrency: int, clock: Clock, tag: str, environments=None) -> EvalResult:
     """Runs each task once through the platform, pinned to an engine pool, scored by the verifier."""
     from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
 
-    loop = AgentLoop(clients)
+    loop = AgentLoop(clients) if environments is None else AgentLoop(clients, environments=environments)
     slots = asyncio.Semaphore(concurrency)
 
     async def one(i: int, task: common_pb2.Task):
@@ -199,6 +199,10 @@ class SlowTools:
     @property
     def tools(self):
         return self.inner.tools
+
+    @property
+    def needs_sandbox(self) -> bool:
+        return getattr(self.inner, "needs_sandbox", True)
 
     async def setup(self, sandbox, task) -> None:
         await self.inner.setup(sandbox, task)

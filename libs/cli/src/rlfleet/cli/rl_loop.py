@@ -379,24 +379,32 @@ class RLRun:
         return train, as_messages(heldout), as_messages(regression)
 
     def _worker(self, peers):
-        from rlfleet.envkit.sdk.environment import environment_for
         from rlfleet.envkit.worker import RolloutWorker
         from rlfleet.envkit.worker_config import WorkerConfig
 
         c, state = self.config, peers.state
         delay = latency_sampler(c.rollout.tool_latency, c.seed)
-        environments = environment_for if c.rollout.tool_latency.distribution == "none" else \
-            (lambda suite: SlowTools(environment_for(suite), delay))
+        environments = self._environments() if c.rollout.tool_latency.distribution == "none" else \
+            (lambda suite: SlowTools(self._environments()(suite), delay))
         config = WorkerConfig(run_id=c.run_id, nats={"url": state.by_name("nats").url},
                               session_address=state.by_name("session-server").address,
                               sandbox_address=state.by_name("sandbox-manager").address,
                               verifier_address=state.by_name("verifier").address,
-                              concurrency=c.rollout.concurrency, metrics={"enabled": False})
+                              concurrency=c.rollout.concurrency, tool_runtime=c.rollout.tool_runtime,
+                              metrics={"enabled": False})
         return RolloutWorker(config, environments=environments, clients=peers.clients)
+
+    def _environments(self):
+        """Environments with the run's tool runtime, for training episodes and evaluations alike
+        (without the slow-tool latency: it models the training fleet's tools, not the scoring)."""
+        from rlfleet.envkit.sdk.environment import environments
+
+        return environments(self.config.rollout.tool_runtime)
 
     async def _evaluate(self, peers, tasks, version: int, split: str, label: str, pool: str):
         result = await evaluate(peers.clients, tasks, version=version, split=split, label=label, pool=pool,
                                 concurrency=self.config.eval.concurrency, clock=self.clock,
+                                environments=self._environments(),
                                 tag=f"{label}-v{version}-{split}-{time.monotonic_ns()}")
         self.record.evals.append(result)
         return result

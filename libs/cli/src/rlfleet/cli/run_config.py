@@ -27,6 +27,9 @@ class RolloutConfig(StrictModel):
     max_inflight_sessions: int = Field(64, ge=1, description="admission limit on open sessions")
     backlog_groups: int = Field(8, ge=1, description="tasks kept waiting in TASKS beyond those running")
     tool_latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig)
+    tool_runtime: Literal["sandbox", "in_process"] = Field(
+        "in_process", description="in_process: the calc tool (a pure function) runs in the rollout worker, with "
+        "no sandbox per episode; sandbox: a fresh sandbox per episode and a sandboxed process per call")
 
 
 class TrainerSettings(StrictModel):

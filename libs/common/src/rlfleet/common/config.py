@@ -55,6 +55,8 @@ class TelemetryConfig(StrictModel):
     export_timeout_s: float = Field(1.0, gt=0, description="longest an export may block at shutdown")
     span_file: str = Field("", description="also append every finished span as one JSON line to this file "
                            "(several processes may share it); empty = off")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="fraction of traces recorded when tracing is on "
+                                "(an endpoint or a span file); decided at the root span")
 
 
 class LogConfig(StrictModel):

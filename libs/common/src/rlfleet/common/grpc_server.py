@@ -58,9 +58,12 @@ class GrpcServer:
     def __init__(self, config: GrpcServerConfig) -> None:
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
+        from rlfleet.common.telemetry import tracing_enabled
+
         self.config = config
+        tracing = [aio_server_interceptor()] if tracing_enabled() else []
         self.server = grpc.aio.server(
-            interceptors=[aio_server_interceptor(), ErrorInterceptor()],
+            interceptors=[*tracing, ErrorInterceptor()],
             # Without SO_REUSEPORT off, a second server on a taken port "binds" and splits traffic.
             # A bounded connection age makes clients re-resolve, so new replicas get traffic.
             options=[*message_options(config.max_message_bytes), ("grpc.so_reuseport", 0),
@@ -97,18 +100,20 @@ class GrpcServer:
 
 def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Iterable[Any] = (),
             balance: bool = True) -> grpc.aio.Channel:
-    """A client channel with raised limits, retries, keepalive and trace propagation.
+    """A client channel with raised limits, retries, keepalive and trace propagation (when tracing is on).
 
     `balance` spreads calls round-robin over every address a name resolves to
     (`dns:///session-server:50051`), so scaled replicas share the load; turn it off for a peer whose
     state lives on one replica (a sandbox exists only on the manager that created it)."""
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
+    from rlfleet.common.telemetry import tracing_enabled
+
     options = [*message_options(max_message_bytes), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000)]
     if balance:
         options.append(("grpc.lb_policy_name", "round_robin"))
-    return grpc.aio.insecure_channel(address, options=options,
-                                     interceptors=[*aio_client_interceptors(), *interceptors])
+    tracing = aio_client_interceptors() if tracing_enabled() else []
+    return grpc.aio.insecure_channel(address, options=options, interceptors=[*tracing, *interceptors] or None)
 
 
 async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:

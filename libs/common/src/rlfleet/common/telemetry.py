@@ -1,10 +1,13 @@
 """One OpenTelemetry setup for every process.
 
 Metrics go through the OpenTelemetry API and are served for Prometheus on each process's own
-HTTP endpoint (`/metrics`). Traces propagate through gRPC (W3C trace context) always, and are
-exported over OTLP only when an endpoint is configured; the exporter's timeouts are short so a
-missing collector never stalls start-up or shutdown. `telemetry.span_file` also appends every
-finished span as a JSON line to a file (for a laptop without a collector, and for tests).
+HTTP endpoint (`/metrics`). Tracing is on when a process has somewhere to send spans: an OTLP
+endpoint (the exporter's timeouts are short so a missing collector never stalls start-up or
+shutdown) and/or `telemetry.span_file`, which appends every finished span as a JSON line to a file
+(for a laptop without a collector, and for tests). Without either, no span is recorded and no gRPC
+call is intercepted: the interceptors cost every RPC a slower path through grpc.aio, which on a
+CPU-bound fleet is throughput. `telemetry.sample_ratio` keeps a fraction of the traces (decided at
+the root, so an episode's spans are all kept or all dropped).
 
 One trace per episode: the SDK's `AgentLoop.run` opens the root span, every gRPC hop (session
 server, gateway, sandbox manager, verifier) continues it through metadata, the gateway passes it to
@@ -83,7 +86,12 @@ def setup_telemetry(service: str, telemetry: TelemetryConfig, metrics_config: Me
     state._meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     metrics.set_meter_provider(state._meter_provider)
 
-    tracer_provider = TracerProvider(resource=resource)
+    if not (telemetry.otlp_endpoint or telemetry.span_file):
+        _active = state
+        return state
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    tracer_provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(telemetry.sample_ratio)))
     if telemetry.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -102,6 +110,14 @@ def setup_telemetry(service: str, telemetry: TelemetryConfig, metrics_config: Me
     state._tracer_provider = tracer_provider
     _active = state
     return state
+
+
+def tracing_enabled() -> bool:
+    """Whether this process records spans: an SDK tracer provider is installed (by `setup_telemetry`
+    with an exporter configured, or by an embedding program or test)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
 def meter(name: str) -> metrics.Meter:

@@ -29,7 +29,8 @@ from rlfleet.common.queue_metrics import QueueDepthPoller
 from rlfleet.common.streams import connect_nats, ensure_streams
 from rlfleet.envkit.groups import GroupResult, GroupRunner, group_id_of
 from rlfleet.envkit.sdk.clients import Clients
-from rlfleet.envkit.sdk.environment import Environment, environment_for, known_suites
+from rlfleet.envkit.sdk.environment import Environment, known_suites
+from rlfleet.envkit.sdk.environment import environments as environments_for_runtime
 from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeHooks
 from rlfleet.envkit.sdk.errors import RpcError
 from rlfleet.envkit.sdk.retry import Backoff
@@ -60,11 +61,11 @@ class WorkerStats:
 
 
 class RolloutWorker:
-    def __init__(self, config: WorkerConfig, *, environments: Callable[[str], Environment] = environment_for,
+    def __init__(self, config: WorkerConfig, *, environments: Callable[[str], Environment] | None = None,
                  suites: list[str] | None = None, clients: Clients | None = None,
                  on_episode: Callable[[EpisodeSummary], None] | None = None) -> None:
         self.config = config
-        self.environments = environments
+        self.environments = environments or environments_for_runtime(config.tool_runtime)
         self.suites = suites or known_suites()
         self.clients = clients
         self.on_episode = on_episode

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from rlfleet.common.config import LogConfig, MetricsConfig, NatsConfig, StrictModel, TelemetryConfig
@@ -38,6 +40,9 @@ class WorkerConfig(StrictModel):
     max_episode_timeout_s: float = Field(600.0, gt=0, description="a task's own time limit is capped at this")
     default_group_size: int = Field(1, ge=1, description="samples per task when the task gives none")
     max_group_size: int = Field(64, ge=1, description="a task asking for more samples is refused as a bad task")
+    tool_runtime: Literal["sandbox", "in_process"] = Field(
+        "sandbox", description="sandbox: a fresh sandbox per episode; in_process: suites whose tools are pure "
+        "functions (calc) run them in this worker with no sandbox, the others still get one")
     max_total_tokens: int = Field(0, ge=0, description="token budget per session; 0 = the session server's default")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

@@ -31,6 +31,13 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: int = Field(
         4096, ge=1, description="prompt tokens prefilled between two decode steps (at least one request)"
     )
+    max_prefix_cache_tokens: int = Field(
+        32768,
+        ge=0,
+        description="tokens of finished requests whose KV is kept for reuse by later requests that "
+        "start with the same tokens (least recently used out first); each costs 2 x layers x kv_heads x "
+        "head_dim x 4 bytes; 0 turns the prefix cache off",
+    )
     engine_id: str | None = Field(
         None, description="name reported by /get_model_info; default cpu-engine-<pid>"
     )

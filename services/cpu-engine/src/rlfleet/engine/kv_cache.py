@@ -39,9 +39,33 @@ class PaddedKVCache:
         return self.length
 
     # --- what the scheduler calls ---------------------------------------------------------------
+    @classmethod
+    def from_prefix(
+        cls, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int
+    ) -> PaddedKVCache:
+        """A one-row cache whose first columns are a reused prefix's KV (per layer `[1, kv_heads, len,
+        head_dim]`), in buffers of `capacity` columns so the rest of the sequence is written in place."""
+        cache = cls(len(keys), rows=1)
+        length = int(keys[0].shape[2])
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            shape = (1, k.shape[1], max(capacity, length), k.shape[3])
+            cache.keys[layer] = k.new_zeros(shape)
+            cache.values[layer] = v.new_zeros(shape)
+            cache.keys[layer][:, :, :length] = k
+            cache.values[layer][:, :, :length] = v
+        cache.length = length
+        return cache
+
     @property
     def rows(self) -> int:
         return int(self.pad.shape[0])
+
+    def row(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of one row's filled columns `[pad, length)`, per layer `[1, kv_heads, len, head_dim]`."""
+        start = int(self.pad[row])
+        keys = [k[row : row + 1, :, start : self.length] for k in self.keys]
+        values = [v[row : row + 1, :, start : self.length] for v in self.values]
+        return keys, values
 
     def advance(self, new: int) -> None:
         self.length += new

@@ -1,7 +1,8 @@
 """The model side of the engine: an HF causal LM in fp32, its tokenizer, forward passes and weight loads.
 
 Only the scheduler thread calls `prefill`, `decode` and `load_weights`, so a weight swap can never
-interleave with a forward pass.
+interleave with a forward pass. `weight_epoch` counts weight changes, so that KV kept across steps
+(the prefix cache) is never used with weights other than those that computed it.
 """
 
 from __future__ import annotations
@@ -42,22 +43,35 @@ class ModelRunner:
         self.eos_token_ids = frozenset(_eos_ids(self.model_path, config))
         # remove_duplicate=False lists tied weights under both names (embed_tokens and lm_head).
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.weight_epoch = 0  # bumped by every weight change (`weights_changed`)
 
     # --- forward passes -------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], all_logits: bool = False) -> tuple[torch.Tensor, PaddedKVCache]:
-        """Runs one sequence from scratch; returns logits (`[len, vocab]` or `[1, vocab]`) and its cache."""
-        cache = PaddedKVCache(self.num_layers, rows=1)
-        output = self.model(
-            input_ids=torch.tensor([token_ids]),
+    def prefill(
+        self, token_ids: list[int], all_logits: bool = False, cached: PaddedKVCache | None = None
+    ) -> tuple[torch.Tensor, PaddedKVCache]:
+        """Runs one sequence and returns logits and its cache. With `cached`, a one-row cache holding
+        the KV of the first `cached.length` tokens, only the rest is fed (and gets logits): `[fed,
+        vocab]` with `all_logits`, else `[1, vocab]`."""
+        start = 0 if cached is None else cached.length
+        cache = PaddedKVCache(self.num_layers, rows=1) if cached is None else cached
+        fed = token_ids[start:]
+        if start == 0:
             # A dict bypasses HF's mask construction; None lets SDPA apply its own causal mask.
-            attention_mask={"full_attention": None},
-            position_ids=torch.arange(len(token_ids))[None, :],
+            mask = None
+        else:
+            # SDPA's is_causal mask is top-left aligned, wrong once there are past keys (and HF would
+            # even crop the keys to the query length): spell the causal mask out.
+            mask = _causal_mask(start, len(fed), torch.float32)
+        output = self.model(
+            input_ids=torch.tensor([fed]),
+            attention_mask={"full_attention": mask},
+            position_ids=torch.arange(start, len(token_ids))[None, :],
             cache=cache,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
         )
-        cache.advance(len(token_ids))
+        cache.advance(len(fed))
         return output.logits[0].float(), cache
 
     @torch.inference_mode()
@@ -96,16 +110,30 @@ class ModelRunner:
         if mismatched:
             raise WeightLoadError(f"shape mismatch: {'; '.join(mismatched[:8])}")
 
+    def weights_changed(self) -> None:
+        """Called by every writer of the weights, before it writes: KV computed under an older
+        `weight_epoch` must not be reused."""
+        self.weight_epoch += 1
+
     @torch.inference_mode()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Copies the tensors into the model (cast to fp32) after checking all of them; returns the count."""
         self.check_weights((name, tensor.shape) for name, tensor in named)
+        self.weights_changed()
         for name, tensor in named:
             self._params[name].copy_(tensor.to(torch.float32))
         return len(named)
 
     def parameter(self, name: str) -> torch.Tensor:
         return self._params[name]
+
+
+def _causal_mask(past: int, new: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[1, 1, new, past + new]`: query i (at position past + i) sees keys 0..past + i."""
+    keys = torch.arange(past + new)[None, :]
+    queries = past + torch.arange(new)[:, None]
+    mask = torch.zeros(new, past + new, dtype=dtype).masked_fill_(keys > queries, torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 def read_checkpoint(model_path: Path) -> list[tuple[str, torch.Tensor]]:

@@ -5,9 +5,18 @@ Each iteration of the loop (`step`):
      (abort, pause/continue, weight swaps, flush) -- so those only ever happen between steps;
   2. unless paused, admits waiting requests while they fit (`max_running_requests`, the
      `max_total_tokens` KV budget, `max_prefill_tokens` per step), prefills each on its own and
-     samples its first token; its KV then joins the running batch (`PaddedKVCache.extend`);
+     samples its first token; its KV then joins the running batch (`PaddedKVCache.extend`). A
+     prefill starts from the longest prefix the prefix cache holds and feeds only the rest;
   3. decodes one token for every running request in a single batched forward, and lets finished
-     requests leave the batch (their cache rows are dropped and shared padding trimmed).
+     requests leave the batch: their KV (prompt + output but the last token) goes to the prefix
+     cache, then their cache rows are dropped and shared padding trimmed.
+
+The prefix cache (`prefix_cache.py`) keeps the KV of finished requests, so the next turn of a
+multi-turn episode (the previous prompt + output + an observation) or another episode with the same
+system prompt does not prefill those tokens again; `cached_tokens` in a reply says how many it
+reused. It is skipped for requests that want input log-probs (those need the logits of every prompt
+position), emptied on `flush_cache`, and emptied whenever the weights change (`weight_epoch`); a
+request whose KV spans a weight change (it ran across an in-place swap) is not stored.
 
 Sampling is per request (`sampling.py`): a request's tokens depend on its own seed and prompt,
 not on the batch it shares. Log-probs are `log_softmax` of the raw fp32 logits (temperature 1,
@@ -36,6 +45,7 @@ import torch
 
 from rlfleet.engine.kv_cache import PaddedKVCache
 from rlfleet.engine.model_runner import ModelRunner, WeightLoadError
+from rlfleet.engine.prefix_cache import PrefixCache
 from rlfleet.engine.protocol import GenerateItem
 from rlfleet.engine.sampling import RowSampler, make_generator, sample
 
@@ -59,6 +69,7 @@ class RequestOutput:
     e2e_latency: float
     retractions: int
     queue_wait_s: float | None = None  # from submit to the batch's first pickup; None: never picked up
+    cached_tokens: int = 0  # prompt tokens whose KV the first prefill took from the prefix cache
 
 
 class Request:
@@ -86,6 +97,8 @@ class Request:
         self.admitted: float | None = None  # first admission into the running batch (not re-admissions)
         self.retractions = 0
         self.checked_chars = 0  # output text already searched for stop strings
+        self.cached_tokens = 0
+        self.kv_epoch = -1  # the runner's weight_epoch at its last prefill: its KV belongs to those weights
 
     @property
     def reserved_tokens(self) -> int:
@@ -100,6 +113,7 @@ class Scheduler:
         max_running_requests: int = 64,
         max_total_tokens: int = 65536,
         max_prefill_tokens: int = 4096,
+        max_prefix_cache_tokens: int = 32768,
         weight_version: str = "default",
     ) -> None:
         self.runner = runner
@@ -110,6 +124,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.cache = PaddedKVCache(runner.num_layers, rows=0)
+        self.prefix_cache = PrefixCache(max_prefix_cache_tokens)
+        self._prefix_epoch = runner.weight_epoch  # the weights the prefix cache's KV belongs to
         self.paused: PauseMode | None = None
         self.decode_steps = 0
         self.generated_tokens = 0
@@ -165,6 +181,7 @@ class Scheduler:
                 future.set_result(fn())
             except Exception as exc:
                 future.set_exception(exc)
+        self._drop_stale_prefixes()  # a command may have changed the weights
         if self.paused is not None:
             return False
         admitted = self._admit()
@@ -196,17 +213,23 @@ class Scheduler:
         tokens = request.prompt_ids + request.output_ids
         want_input = request.item.return_logprob and request.item.logprob_start_len >= 0
         want_input = want_input and request.input_logprobs is None
-        logits, cache = self.runner.prefill(tokens, all_logits=want_input)
+        cached = None if want_input else self._cached_prefix(tokens, request.reserved_tokens)
+        if request.retractions == 0:
+            request.cached_tokens = 0 if cached is None else cached.length
+        logits, cache = self.runner.prefill(tokens, all_logits=want_input, cached=cached)
+        request.kv_epoch = self.runner.weight_epoch
         if want_input:
             request.input_logprobs = _input_logprobs(
                 logits, request.prompt_ids, request.item.logprob_start_len
             )
         if request.spec.max_new_tokens == 0:
             request.finish_reason = {"type": "length", "length": 0}
+            self._remember(request, *cache.row(0))
             self._deliver(request)
             return
         tokens_out, logprobs = sample(logits[-1:], [request.sampler])
         if self._append(request, tokens_out[0], logprobs[0]):
+            self._remember(request, *cache.row(0))
             self._deliver(request)
             return
         self.cache.extend(cache)
@@ -221,6 +244,8 @@ class Scheduler:
             (done if self._append(request, tokens[row], logprobs[row]) else keep).append(row)
         if done:
             finished = [self.running[row] for row in done]
+            for row in done:  # before keep_rows drops them
+                self._remember(self.running[row], *self.cache.row(row))
             self.running = [self.running[row] for row in keep]
             self.cache.keep_rows(keep)
             for request in finished:
@@ -283,13 +308,14 @@ class Scheduler:
         return len(aborted)
 
     def flush_cache(self) -> tuple[bool, str]:
-        # There is no prefix cache to drop; the only KV is the running batch's, which a flush may
-        # not pull from under requests frozen by an in-place pause.
+        # As SGLang's: refused while the running batch holds KV (a flush may not pull it from under
+        # requests frozen by an in-place pause), else the prefix cache is emptied.
         if self.running:
             return False, (
                 f"cannot flush the cache while {len(self.running)} requests hold KV in the running batch "
                 "(paused in place?); continue or pause with mode abort/retract first"
             )
+        self.prefix_cache.clear()
         return True, "Cache flushed."
 
     def update_weights(
@@ -304,6 +330,7 @@ class Scheduler:
             count = self.runner.load_weights(named)
         except WeightLoadError as exc:
             return False, f"Failed to update weights: {exc}"
+        self._drop_stale_prefixes()
         if weight_version is not None:
             self.weight_version = weight_version
         return True, f"Succeeded to update model weights ({count} tensors, version {self.weight_version})."
@@ -322,9 +349,43 @@ class Scheduler:
             "weight_version": self.weight_version,
             "decode_steps": self.decode_steps,
             "generated_tokens": self.generated_tokens,
+            "prefix_cache_tokens": self.prefix_cache.tokens,
+            "prefix_cache_lookups": self.prefix_cache.lookups,
+            "prefix_cache_hits": self.prefix_cache.hits,
+            "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens,
         }
 
     # --- internals ------------------------------------------------------------------------------
+    def _cached_prefix(self, tokens: list[int], reserved: int) -> PaddedKVCache | None:
+        """A one-row cache holding the longest cached prefix of `tokens`, or None."""
+        self._drop_stale_prefixes()
+        hit = self.prefix_cache.lookup(tokens)
+        if hit is None:
+            return None
+        # Room for the whole sequence up to max_new_tokens (bounded), so decoding it alone does not
+        # copy the buffer again right away.
+        capacity = max(len(tokens), min(reserved, max(2 * len(tokens), 64)))
+        return PaddedKVCache.from_prefix(hit.keys, hit.values, capacity)
+
+    def _remember(self, request: Request, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Offers a finished request's KV to the prefix cache: it covers prompt + output but the last
+        token (sampled, never fed)."""
+        self._drop_stale_prefixes()
+        if not self.prefix_cache.enabled or request.kv_epoch != self.runner.weight_epoch:
+            return  # part of its KV was computed by weights that are gone
+        tokens = request.prompt_ids + request.output_ids[:-1]
+        if keys[0].shape[2] != len(tokens):
+            log.warning(
+                "KV of %s covers %d tokens, not %d; not cached", request.rid, keys[0].shape[2], len(tokens)
+            )
+            return
+        self.prefix_cache.insert(tokens, keys, values)
+
+    def _drop_stale_prefixes(self) -> None:
+        if self._prefix_epoch != self.runner.weight_epoch:
+            self.prefix_cache.clear()
+            self._prefix_epoch = self.runner.weight_epoch
+
     def _retract_all(self) -> None:
         for request in self.running:
             request.retractions += 1
@@ -366,6 +427,7 @@ class Scheduler:
             weight_version_spans=_spans(request.versions),
             e2e_latency=time.monotonic() - request.created,
             retractions=request.retractions,
+            cached_tokens=request.cached_tokens,
             queue_wait_s=None if request.admitted is None else request.admitted - request.created,
         )
 

@@ -493,7 +493,7 @@ def _result(item: GenerateItem, out: RequestOutput) -> dict[str, Any]:
         "finish_reason": out.finish_reason,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": len(out.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "weight_version": out.weight_version,
         # rlfleet extension: which weight version produced which output tokens, [version, start, end).
         "weight_version_spans": [list(span) for span in out.weight_version_spans],
@@ -579,6 +579,7 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
         max_running_requests=config.max_running_requests,
         max_total_tokens=config.max_total_tokens,
         max_prefill_tokens=config.max_prefill_tokens,
+        max_prefix_cache_tokens=config.max_prefix_cache_tokens,
         weight_version=config.weight_version,
     )
     server = EngineServer(config, runner, scheduler)

@@ -225,6 +225,7 @@ class StoreWeights:
         brought up to date by `finish_delta`, after the engine has resumed."""
         assert self.held == (prepared.ref.store.run_dir, prepared.decoded.base_version)
         self.held = None  # fp32 weights are the new version, the served bytes not yet
+        self.runner.weights_changed()
         with torch.no_grad():
             for param, index, values in prepared.scatters:
                 param.data.view(-1).index_copy_(0, index, values)
@@ -277,6 +278,7 @@ class StoreWeights:
         """The pause of a full load: copies every tensor into the fp32 model."""
         tensors = prepared.tensors
         self.forget()  # a failure half way must not leave a held version behind
+        self.runner.weights_changed()
         with torch.no_grad():
             for name, arr in tensors.items():
                 self.runner.parameter(name).detach().view(-1).copy_(_as_torch(arr, tensors.dtypes[name]).view(-1))

@@ -16,6 +16,7 @@ from opentelemetry.trace.status import Status, StatusCode
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.common.grpc_server import message_options
+from rlfleet.common.telemetry import tracing_enabled
 from rlfleet.session.errors import GatewayRejected, GatewayUnavailable, SessionsExhausted
 
 _SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -35,13 +36,14 @@ class _Method:
 
     def __init__(self, stub: gateway_pb2_grpc.GatewayServiceStub, name: str) -> None:
         self.call = getattr(stub, name)
+        self.traced = tracing_enabled()
         self.span_name = f"/{_SERVICE}/{name}"
         # Built once: the attributes the instrumentation sets on a client span.
         self.attributes = {"rpc.system": "grpc", "rpc.grpc.status_code": grpc.StatusCode.OK.value[0],
                            "rpc.method": name, "rpc.service": _SERVICE}
 
     async def __call__(self, request, timeout_s: float):
-        if not is_instrumentation_enabled():
+        if not self.traced or not is_instrumentation_enabled():
             return await self.call(request, timeout=timeout_s)
         with _tracer.start_as_current_span(self.span_name, kind=trace.SpanKind.CLIENT, attributes=self.attributes,
                                            record_exception=False, set_status_on_exception=False) as span:

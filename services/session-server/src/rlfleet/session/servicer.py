@@ -57,6 +57,13 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     async def Generate(self, request: session_pb2.GenerateRequest, context):
         started = time.monotonic()
         state = await self._open_session(request.session_id)
+        if request.HasField("observation"):
+            ids = self.inputs.observation_ids(request.observation, state)
+            append_observation(state, ids, time.time())
+            self.metrics.observation_tokens.add(len(ids))
+            if state.budget_exhausted:  # no room for a turn: keep the observation, generate nothing
+                await self.store.commit(state)
+                return session_pb2.GenerateResponse(total_tokens=state.total_tokens, budget_exhausted=True)
         sampling = self.inputs.turn_sampling(state, request.sampling if request.HasField("sampling") else None)
         request_id = f"{state.session_id}-{len(state.session.spans)}-{uuid.uuid4().hex[:8]}"
         # `engine_pool` in the session's metadata pins it to a pool (evaluations of a canary candidate).

@@ -4,7 +4,7 @@
 complete groups:
 
     batch = assemble_batch(samples)                      # exact tokens, packed
-    old   = backend.forward_inference(batch)             # trainer's log-probs before the update (+ values)
+    old   = backend.forward_inference(batch)             # PPO only: values (+ log-probs before the update)
     batch = with_advantages(batch, old, loss_cfg)        # group-normalised or GAE
     batch.ref_logprobs = reference.compute_logprobs(...) # only with a KL penalty
     metrics = backend.train_step(batch, RLObjective(loss_cfg))
@@ -35,11 +35,14 @@ from rlfleet.trainer.losses import (
 class RLObjective:
     """The configured policy loss (GRPO, GSPO or PPO) as a backend `LossFn`."""
 
-    def __init__(self, cfg: LossConfig) -> None:
+    def __init__(self, cfg: LossConfig, old_is_current: bool = False) -> None:
         self.cfg = cfg
         self.loss = POLICY_LOSSES[cfg.algorithm]
         self.needs_values = cfg.algorithm == "ppo"
         self.needs_entropy_grad = cfg.entropy_coef > 0
+        # One optimizer step per batch: the proximal policy (the trainer's log-probs before the update)
+        # is this very forward pass, detached, so a separate no-grad pass over the batch is not needed.
+        self.old_is_current = old_is_current
 
     def __call__(self, out: ModelOutputs, batch: TrainBatch, norm: LossNorm) -> tuple[torch.Tensor, Metrics]:
         if batch.advantages is None:
@@ -47,7 +50,7 @@ class RLObjective:
         inputs = PolicyInputs(
             logprobs=out.logprobs,
             # Without a recomputation the rollout's log-probs are the proximal policy (TIS is then 1).
-            old_logprobs=batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs,
+            old_logprobs=self._old_logprobs(out, batch),
             rollout_logprobs=batch.rollout_logprobs,
             advantages=batch.advantages,
             mask=batch.loss_mask,
@@ -59,6 +62,13 @@ class RLObjective:
             returns=batch.returns,
         )
         return self.loss(inputs, self.cfg, norm)
+
+    def _old_logprobs(self, out: ModelOutputs, batch: TrainBatch) -> torch.Tensor:
+        if batch.old_logprobs is not None:
+            return batch.old_logprobs
+        if self.old_is_current:
+            return out.logprobs.detach()
+        return batch.rollout_logprobs
 
 
 class SFTObjective:
@@ -95,13 +105,15 @@ def rl_step(backend: TrainingBackend, samples: Sequence[TrainSample], loss_cfg: 
     """One optimizer step of the RL loop on complete groups of samples."""
     batch = assemble_batch(samples, batch_cfg.layout, batch_cfg.pack_length, batch_cfg.pad_token_id)
     ppo = loss_cfg.algorithm == "ppo"
-    old = backend.forward_inference(batch, with_values=ppo) if (recompute_old_logprobs or ppo) else None
+    # `train_step` is one optimizer step (micro-batches accumulate), so the log-probs before the update
+    # are those of its own forward pass; only PPO's values need a pass of their own first.
+    old = backend.forward_inference(batch, with_values=True) if ppo else None
     if old is not None and recompute_old_logprobs:
         batch = batch.replace(old_logprobs=old.logprobs)
     batch = with_advantages(batch, loss_cfg, old.values if old is not None else None)
     if reference is not None:
         batch = batch.replace(ref_logprobs=reference.compute_logprobs(batch))
-    metrics = backend.train_step(batch, RLObjective(loss_cfg))
+    metrics = backend.train_step(batch, RLObjective(loss_cfg, old_is_current=recompute_old_logprobs))
     versions = batch.policy_versions.float()
     metrics.update(reward_mean=float(batch.rewards.mean()), policy_version_min=float(versions.min()))
     return metrics

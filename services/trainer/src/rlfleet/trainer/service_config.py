@@ -67,8 +67,9 @@ class BackendOptions(StrictModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu or cuda")
     bf16: bool = Field(False, description="bf16 autocast for forward/backward (weights stay fp32)")
     seed: int = Field(0, description="seed of everything random in the trainer")
-    recompute_old_logprobs: bool = Field(True, description="recompute the trainer's log-probs of each batch "
-                                         "before the update (the proximal policy of the clipped ratio)")
+    recompute_old_logprobs: bool = Field(True, description="the trainer's own log-probs of each batch before "
+                                         "the update are the proximal policy of the clipped ratio (taken from the "
+                                         "training pass itself); false: the rollout's log-probs are")
 
 
 class TrainerConfig(ServiceConfig):

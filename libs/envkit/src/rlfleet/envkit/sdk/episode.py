@@ -1,8 +1,8 @@
 """The agent loop: one episode of one task, from a fresh sandbox to a published trajectory.
 
-    open the session (admission refusals retried) and create the sandbox
+    open the session (admission refusals retried) and create the sandbox (unless the tools run in-process)
     until a final answer, max_turns + 1 turns, the token budget or the time limit:
-        Generate -> parse the turn's first tag -> run the tool in the sandbox -> AppendObservation
+        Generate (with the last observation) -> parse the turn's first tag -> run the tool in the sandbox
     Verify (the verifier reads the session and sandbox itself; the client never gives a reward)
     CloseSession (COMPLETED, or TRUNCATED when a budget ran out) -> the trajectory is published
     DestroySandbox, always; on an environment failure the session is closed FAILED instead
@@ -41,6 +41,7 @@ from rlfleet.envkit.sdk.environment import (
     ToolResult,
     UnknownSuite,
     environment_for,
+    needs_sandbox,
 )
 from rlfleet.envkit.sdk.errors import (
     EpisodeError,
@@ -182,6 +183,9 @@ class _Episode:
         self.opened = True
         self.framing.learn_prompt(reply.prompt_token_ids)
         self.started = time.monotonic()  # the time limit counts from admission
+        if not needs_sandbox(self.environment):  # in-process tools: nothing to isolate, nothing to create
+            await self.environment.setup(None, self.task)
+            return
         labels = {"run_id": self.task.run_id, "task_id": self.task.task_id, "session_id": self.spec.session_id}
         # With the session open (holding an admission slot), waiting for a sandbox is bounded tighter.
         sandbox_wait = replace(self.loop.admission, give_up_after_s=min(self.loop.admission.give_up_after_s, 60.0))
@@ -215,8 +219,11 @@ class _Episode:
 
     async def _turns(self) -> str:
         tools, calls = list(self.task.tools), 0
+        observation: str | None = None  # framed; it goes with the next Generate (one round trip a turn)
         for turn in range(self.spec.max_turns + 1):
-            reply = await self._generate()
+            reply = await self._generate(observation)
+            if reply is None:
+                return END_BUDGET
             action = parse_action(reply.text, tools)
             if isinstance(action, FinalAnswer):
                 self.summary.final_answer = action.answer
@@ -232,28 +239,35 @@ class _Episode:
                     self.summary.invalid_calls += 1
                     if last_turn:
                         return END_TURN_LIMIT
-                    observation = too_many_calls_error(self.spec.max_turns)
+                    result = too_many_calls_error(self.spec.max_turns)
                 else:
-                    observation = await self._run_tool(action)
+                    result = await self._run_tool(action)
             else:
                 assert isinstance(action, InvalidCall)
                 self.summary.invalid_calls += 1
-                observation = action.error
+                result = action.error
             if last_turn:
                 return END_TURN_LIMIT  # nobody would read another observation
-            if not await self._append(reply, observation):
-                return END_BUDGET
+            observation = self.framing.observation(reply, result)
         return END_TURN_LIMIT
 
-    async def _generate(self) -> session_pb2.GenerateResponse:
+    async def _generate(self, observation: str | None) -> session_pb2.GenerateResponse | None:
+        """The next turn, with `observation` appended first in the same call; None when the observation
+        does not fit the session's token budget or leaves no room for a turn."""
         started = time.monotonic()
-        reply = await self._session_call(self.session.generate(self.spec.session_id))
+        try:
+            reply = await self._session_call(self.session.generate(self.spec.session_id, observation=observation))
+        except RequestRejected as exc:
+            if observation is not None and "budget" in exc.details:
+                return None
+            raise
         self.summary.generate_s += time.monotonic() - started
+        if observation is not None and reply.budget_exhausted and not reply.token_ids:
+            return None
         self.summary.turns += 1
         return reply
 
     async def _run_tool(self, call: ToolCall) -> str:
-        assert self.sandbox is not None
         started = time.monotonic()
         with tracer.start_as_current_span("tool", attributes={"rlfleet.tool": call.tool}) as span:
             result = await self.environment.run_tool(self.sandbox, call)
@@ -266,17 +280,6 @@ class _Episode:
         if self.loop.hooks.on_tool_result is not None:
             self.loop.hooks.on_tool_result(call, result, waited)
         return result.observation
-
-    async def _append(self, reply: session_pb2.GenerateResponse, observation: str) -> bool:
-        """Appends the framed observation; False when the session's token budget is spent."""
-        text = self.framing.observation(reply, observation)
-        try:
-            appended = await self._session_call(self.session.append_text(self.spec.session_id, text))
-        except RequestRejected as exc:
-            if "budget" in exc.details:  # the observation does not fit the rest of the budget
-                return False
-            raise
-        return not appended.budget_exhausted
 
     async def _session_call(self, call):
         """A session RPC; a session that another worker aborted raises `Superseded`."""

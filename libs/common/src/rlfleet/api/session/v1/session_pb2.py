@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfleet.api.common.v1 import common_pb2 as rlfleet_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/session/v1/session.proto\x12\x12rlfleet.session.v1\x1a\x1erlfleet/common/v1/common.proto\"\xe3\x03\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12\x37\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x1b.rlfleet.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x08 \x01(\x0b\x32\x1f.rlfleet.common.v1.ChatMessagesH\x00\x12\x33\n\x08sampling\x18\t \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x18\n\x10max_total_tokens\x18\n \x01(\r\x12\x46\n\x08metadata\x18\x0b \x03(\x0b\x32\x34.rlfleet.session.v1.OpenSessionRequest.MetadataEntry\x12\r\n\x05suite\x18\x0c \x01(\t\x12\r\n\x05split\x18\r \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06prompt\"]\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\"Z\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x08sampling\x18\x02 \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\"\xec\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.rlfleet.common.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x12\n\nspan_index\x18\x07 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x08 \x01(\r\x12\x18\n\x10\x62udget_exhausted\x18\t \x01(\x08\"\xcf\x01\n\x18\x41ppendObservationRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.rlfleet.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x04 \x01(\x0b\x32\x1f.rlfleet.common.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\x42\t\n\x07\x63ontent\"\x87\x01\n\x19\x41ppendObservationResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nspan_index\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x13\n\x0btool_wait_s\x18\x04 \x01(\x01\x12\x18\n\x10\x62udget_exhausted\x18\x05 \x01(\x08\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xb1\x03\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .rlfleet.session.v1.SessionState\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x08 \x03(\x02\x12\x11\n\tloss_mask\x18\t \x03(\r\x12&\n\x05spans\x18\n \x03(\x0b\x32\x17.rlfleet.common.v1.Span\x12\x18\n\x10max_total_tokens\x18\x0b \x01(\r\x12\x11\n\tengine_id\x18\x0c \x01(\t\x12\x15\n\rtrajectory_id\x18\r \x01(\t\x12;\n\x08metadata\x18\x0e \x03(\x0b\x32).rlfleet.session.v1.Session.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf3\x01\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x06status\x18\x02 \x01(\x0e\x32#.rlfleet.common.v1.TrajectoryStatus\x12G\n\x08metadata\x18\x03 \x03(\x0b\x32\x35.rlfleet.session.v1.CloseSessionRequest.MetadataEntry\x12\x19\n\x11return_trajectory\x18\x04 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa4\x01\n\x14\x43loseSessionResponse\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12+\n\x07verdict\x18\x02 \x01(\x0b\x32\x1a.rlfleet.common.v1.Verdict\x12\x15\n\rpublished_now\x18\x03 \x01(\x08\x12\x31\n\ntrajectory\x18\x04 \x01(\x0b\x32\x1d.rlfleet.common.v1.Trajectory\"9\n\x13\x41\x62ortSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"-\n\x14\x41\x62ortSessionResponse\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t*z\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_OPEN\x10\x01\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x02\x12\x19\n\x15SESSION_STATE_ABORTED\x10\x03\x32\xd1\x04\n\x0eSessionService\x12^\n\x0bOpenSession\x12&.rlfleet.session.v1.OpenSessionRequest\x1a\'.rlfleet.session.v1.OpenSessionResponse\x12U\n\x08Generate\x12#.rlfleet.session.v1.GenerateRequest\x1a$.rlfleet.session.v1.GenerateResponse\x12p\n\x11\x41ppendObservation\x12,.rlfleet.session.v1.AppendObservationRequest\x1a-.rlfleet.session.v1.AppendObservationResponse\x12P\n\nGetSession\x12%.rlfleet.session.v1.GetSessionRequest\x1a\x1b.rlfleet.session.v1.Session\x12\x61\n\x0c\x43loseSession\x12\'.rlfleet.session.v1.CloseSessionRequest\x1a(.rlfleet.session.v1.CloseSessionResponse\x12\x61\n\x0c\x41\x62ortSession\x12\'.rlfleet.session.v1.AbortSessionRequest\x1a(.rlfleet.session.v1.AbortSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/session/v1/session.proto\x12\x12rlfleet.session.v1\x1a\x1erlfleet/common/v1/common.proto\"\xe3\x03\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12\x37\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x1b.rlfleet.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x08 \x01(\x0b\x32\x1f.rlfleet.common.v1.ChatMessagesH\x00\x12\x33\n\x08sampling\x18\t \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x18\n\x10max_total_tokens\x18\n \x01(\r\x12\x46\n\x08metadata\x18\x0b \x03(\x0b\x32\x34.rlfleet.session.v1.OpenSessionRequest.MetadataEntry\x12\r\n\x05suite\x18\x0c \x01(\t\x12\r\n\x05split\x18\r \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06prompt\"]\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\"\x9d\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x08sampling\x18\x02 \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x41\n\x0bobservation\x18\x03 \x01(\x0b\x32,.rlfleet.session.v1.AppendObservationRequest\"\xec\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.rlfleet.common.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x12\n\nspan_index\x18\x07 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x08 \x01(\r\x12\x18\n\x10\x62udget_exhausted\x18\t \x01(\x08\"\xcf\x01\n\x18\x41ppendObservationRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.rlfleet.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x04 \x01(\x0b\x32\x1f.rlfleet.common.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\x42\t\n\x07\x63ontent\"\x87\x01\n\x19\x41ppendObservationResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nspan_index\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x13\n\x0btool_wait_s\x18\x04 \x01(\x01\x12\x18\n\x10\x62udget_exhausted\x18\x05 \x01(\x08\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xb1\x03\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .rlfleet.session.v1.SessionState\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x08 \x03(\x02\x12\x11\n\tloss_mask\x18\t \x03(\r\x12&\n\x05spans\x18\n \x03(\x0b\x32\x17.rlfleet.common.v1.Span\x12\x18\n\x10max_total_tokens\x18\x0b \x01(\r\x12\x11\n\tengine_id\x18\x0c \x01(\t\x12\x15\n\rtrajectory_id\x18\r \x01(\t\x12;\n\x08metadata\x18\x0e \x03(\x0b\x32).rlfleet.session.v1.Session.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf3\x01\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x06status\x18\x02 \x01(\x0e\x32#.rlfleet.common.v1.TrajectoryStatus\x12G\n\x08metadata\x18\x03 \x03(\x0b\x32\x35.rlfleet.session.v1.CloseSessionRequest.MetadataEntry\x12\x19\n\x11return_trajectory\x18\x04 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa4\x01\n\x14\x43loseSessionResponse\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12+\n\x07verdict\x18\x02 \x01(\x0b\x32\x1a.rlfleet.common.v1.Verdict\x12\x15\n\rpublished_now\x18\x03 \x01(\x08\x12\x31\n\ntrajectory\x18\x04 \x01(\x0b\x32\x1d.rlfleet.common.v1.Trajectory\"9\n\x13\x41\x62ortSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"-\n\x14\x41\x62ortSessionResponse\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t*z\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_OPEN\x10\x01\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x02\x12\x19\n\x15SESSION_STATE_ABORTED\x10\x03\x32\xd1\x04\n\x0eSessionService\x12^\n\x0bOpenSession\x12&.rlfleet.session.v1.OpenSessionRequest\x1a\'.rlfleet.session.v1.OpenSessionResponse\x12U\n\x08Generate\x12#.rlfleet.session.v1.GenerateRequest\x1a$.rlfleet.session.v1.GenerateResponse\x12p\n\x11\x41ppendObservation\x12,.rlfleet.session.v1.AppendObservationRequest\x1a-.rlfleet.session.v1.AppendObservationResponse\x12P\n\nGetSession\x12%.rlfleet.session.v1.GetSessionRequest\x1a\x1b.rlfleet.session.v1.Session\x12\x61\n\x0c\x43loseSession\x12\'.rlfleet.session.v1.CloseSessionRequest\x1a(.rlfleet.session.v1.CloseSessionResponse\x12\x61\n\x0c\x41\x62ortSession\x12\'.rlfleet.session.v1.AbortSessionRequest\x1a(.rlfleet.session.v1.AbortSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,38 +38,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSION_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_SESSIONSTATE']._serialized_start=2344
-  _globals['_SESSIONSTATE']._serialized_end=2466
+  _globals['_SESSIONSTATE']._serialized_start=2412
+  _globals['_SESSIONSTATE']._serialized_end=2534
   _globals['_OPENSESSIONREQUEST']._serialized_start=89
   _globals['_OPENSESSIONREQUEST']._serialized_end=572
   _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_start=515
   _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_end=562
   _globals['_OPENSESSIONRESPONSE']._serialized_start=574
   _globals['_OPENSESSIONRESPONSE']._serialized_end=667
-  _globals['_GENERATEREQUEST']._serialized_start=669
-  _globals['_GENERATEREQUEST']._serialized_end=759
-  _globals['_GENERATERESPONSE']._serialized_start=762
-  _globals['_GENERATERESPONSE']._serialized_end=998
-  _globals['_APPENDOBSERVATIONREQUEST']._serialized_start=1001
-  _globals['_APPENDOBSERVATIONREQUEST']._serialized_end=1208
-  _globals['_APPENDOBSERVATIONRESPONSE']._serialized_start=1211
-  _globals['_APPENDOBSERVATIONRESPONSE']._serialized_end=1346
-  _globals['_GETSESSIONREQUEST']._serialized_start=1348
-  _globals['_GETSESSIONREQUEST']._serialized_end=1387
-  _globals['_SESSION']._serialized_start=1390
-  _globals['_SESSION']._serialized_end=1823
+  _globals['_GENERATEREQUEST']._serialized_start=670
+  _globals['_GENERATEREQUEST']._serialized_end=827
+  _globals['_GENERATERESPONSE']._serialized_start=830
+  _globals['_GENERATERESPONSE']._serialized_end=1066
+  _globals['_APPENDOBSERVATIONREQUEST']._serialized_start=1069
+  _globals['_APPENDOBSERVATIONREQUEST']._serialized_end=1276
+  _globals['_APPENDOBSERVATIONRESPONSE']._serialized_start=1279
+  _globals['_APPENDOBSERVATIONRESPONSE']._serialized_end=1414
+  _globals['_GETSESSIONREQUEST']._serialized_start=1416
+  _globals['_GETSESSIONREQUEST']._serialized_end=1455
+  _globals['_SESSION']._serialized_start=1458
+  _globals['_SESSION']._serialized_end=1891
   _globals['_SESSION_METADATAENTRY']._serialized_start=515
   _globals['_SESSION_METADATAENTRY']._serialized_end=562
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1826
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=2069
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1894
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2137
   _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._serialized_start=515
   _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._serialized_end=562
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2072
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2236
-  _globals['_ABORTSESSIONREQUEST']._serialized_start=2238
-  _globals['_ABORTSESSIONREQUEST']._serialized_end=2295
-  _globals['_ABORTSESSIONRESPONSE']._serialized_start=2297
-  _globals['_ABORTSESSIONRESPONSE']._serialized_end=2342
-  _globals['_SESSIONSERVICE']._serialized_start=2469
-  _globals['_SESSIONSERVICE']._serialized_end=3062
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2140
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2304
+  _globals['_ABORTSESSIONREQUEST']._serialized_start=2306
+  _globals['_ABORTSESSIONREQUEST']._serialized_end=2363
+  _globals['_ABORTSESSIONRESPONSE']._serialized_start=2365
+  _globals['_ABORTSESSIONRESPONSE']._serialized_end=2410
+  _globals['_SESSIONSERVICE']._serialized_start=2537
+  _globals['_SESSIONSERVICE']._serialized_end=3130
 # @@protoc_insertion_point(module_scope)
