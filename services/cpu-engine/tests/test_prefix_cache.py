@@ -263,3 +263,31 @@ def test_flush_cache_empties_it_and_a_retracted_hit_finishes_as_if_uninterrupted
     out = outputs["r"]
     assert out.retractions == 1 and out.cached_tokens > 0
     assert_same(out, run(Scheduler(runner, max_prefix_cache_tokens=0), it)["r"])
+
+
+def test_requests_admitted_together_prefill_in_one_pass_and_generate_what_each_would_alone(runner):
+    """Hits and misses of different lengths, a row shorter than the longest suffix (left-padded), and
+    a request that ends at its first token, all in one prefill pass."""
+    prompt = first_turn(runner)
+    cached = Scheduler(runner)
+    warm = run(cached, turn("w", prompt, seed=3, new=9))["w"]
+    items = [
+        turn("hit", prompt + warm.output_ids + observation(runner, "7"), seed=11),
+        turn("miss-long", prompt[:12] + [70] * 40, seed=12),
+        turn("miss-short", [5, 6, 7], seed=13, new=8),
+        turn("one-token", prompt, seed=-1, new=1),
+        turn("greedy-hit", prompt + [71, 72], seed=-1),
+    ]
+    passes = cached.prefill_passes
+    got = run(cached, *items)
+    assert cached.prefill_passes == passes + 1
+    for it in items:
+        alone = run(Scheduler(runner, max_prefix_cache_tokens=0), it)[it.rid]
+        assert_same(got[it.rid], alone)
+    # Every row feeds the batch's longest uncached suffix (miss-long's 52 tokens): a hit keeps only
+    # the cached columns before that, a sequence no longer than it keeps none.
+    fed = len(items[1].input_ids)
+    assert got["hit"].cached_tokens == len(items[0].input_ids) - fed > 0
+    assert got["greedy-hit"].cached_tokens == max(0, len(items[4].input_ids) - fed)
+    assert got["miss-long"].cached_tokens == got["miss-short"].cached_tokens == 0
+    assert len(got["one-token"].output_ids) == 1

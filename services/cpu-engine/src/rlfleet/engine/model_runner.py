@@ -75,6 +75,64 @@ class ModelRunner:
         return output.logits[0].float(), cache
 
     @torch.inference_mode()
+    def prefill_rows(
+        self,
+        sequences: list[list[int]],
+        prefixes: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None],
+        kept: list[int],
+        fed: int,
+    ) -> tuple[torch.Tensor, PaddedKVCache]:
+        """Prefills several sequences in one pass; returns next-token logits `[rows, vocab]` and a
+        cache with one row per sequence (ready to join the running batch).
+
+        Row i reuses the first `kept[i]` columns of its cached prefix `prefixes[i]` (per layer keys and
+        values `[1, kv_heads, >= kept, head_dim]`) and feeds the rest of its tokens, which must number
+        at most `fed`; a row with fewer is left-padded to `fed`. Every row's last token sits in the
+        last column, so `logits_to_keep=1` gives each row's next-token logits."""
+        rows = len(sequences)
+        start = max(kept)
+        cache = PaddedKVCache(self.num_layers, rows=rows)
+        pad = torch.zeros(rows, dtype=torch.long)
+        input_ids = torch.zeros(rows, fed, dtype=torch.long)
+        positions = torch.zeros(rows, fed, dtype=torch.long)
+        for i, (tokens, keep) in enumerate(zip(sequences, kept, strict=True)):
+            new = tokens[keep:]
+            if len(new) > fed:
+                raise ValueError(f"row {i} has {len(new)} tokens to feed, more than {fed}")
+            input_ids[i, fed - len(new) :] = torch.tensor(new)
+            positions[i, fed - len(new) :] = torch.arange(keep, len(tokens))
+            pad[i] = start - keep if keep else start + fed - len(new)
+        for layer in range(self.num_layers):
+            like = next((p[0][layer] for p in prefixes if p is not None), None)
+            if like is None:
+                break  # no row reuses anything: the first update allocates the buffers
+            shape = (rows, like.shape[1], start + fed, like.shape[3])
+            keys, values = like.new_zeros(shape), like.new_zeros(shape)
+            for i, (prefix, keep) in enumerate(zip(prefixes, kept, strict=True)):
+                if keep:
+                    keys[i, :, start - keep : start] = prefix[0][layer][0, :, :keep]
+                    values[i, :, start - keep : start] = prefix[1][layer][0, :, :keep]
+            cache.keys[layer], cache.values[layer] = keys, values
+        cache.length = start
+        cache.pad = pad
+        # Row i's query j (column start + j) sees its own columns from pad[i] up to itself; a padding
+        # query sees only itself, so no row of the softmax is empty.
+        columns = torch.arange(start + fed)[None, None, :]
+        query = (start + torch.arange(fed))[None, :, None]
+        allowed = (columns >= pad[:, None, None]) & (columns <= query) | (columns == query)
+        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask={"full_attention": mask[:, None]},
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.advance(fed)
+        return output.logits[:, -1].float(), cache
+
+    @torch.inference_mode()
     def decode(self, cache: PaddedKVCache, last_tokens: list[int]) -> torch.Tensor:
         """Feeds one token per row of the running batch; returns next-token logits `[rows, vocab]`."""
         mask, positions = cache.decode_inputs(torch.float32)

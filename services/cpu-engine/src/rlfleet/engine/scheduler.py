@@ -4,9 +4,10 @@ Each iteration of the loop (`step`):
   1. takes newly submitted requests into the waiting queue and runs queued control commands
      (abort, pause/continue, weight swaps, flush) -- so those only ever happen between steps;
   2. unless paused, admits waiting requests while they fit (`max_running_requests`, the
-     `max_total_tokens` KV budget, `max_prefill_tokens` per step), prefills each on its own and
-     samples its first token; its KV then joins the running batch (`PaddedKVCache.extend`). A
-     prefill starts from the longest prefix the prefix cache holds and feeds only the rest;
+     `max_total_tokens` KV budget, `max_prefill_tokens` per step), prefills them together in one
+     forward pass (one each only when input log-probs are wanted) and samples their first tokens;
+     their KV then joins the running batch (`PaddedKVCache.extend`). A prefill starts from the
+     longest prefix the prefix cache holds and feeds only the rest;
   3. decodes one token for every running request in a single batched forward, and lets finished
      requests leave the batch: their KV (prompt + output but the last token) goes to the prefix
      cache, then their cache rows are dropped and shared padding trimmed.
@@ -128,6 +129,7 @@ class Scheduler:
         self._prefix_epoch = runner.weight_epoch  # the weights the prefix cache's KV belongs to
         self.paused: PauseMode | None = None
         self.decode_steps = 0
+        self.prefill_passes = 0
         self.generated_tokens = 0
         self._inbox: deque[Request] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
@@ -185,8 +187,12 @@ class Scheduler:
         if self.paused is not None:
             return False
         admitted = self._admit()
+        batched = [r for r in admitted if self._batchable(r)]
         for request in admitted:
-            self._prefill(request)
+            if len(batched) < 2 or request not in batched:
+                self._prefill(request)
+        if len(batched) >= 2:
+            self._prefill_batch(batched)
         if self.running:
             self._decode()
         return bool(admitted or self.running)
@@ -217,6 +223,7 @@ class Scheduler:
         if request.retractions == 0:
             request.cached_tokens = 0 if cached is None else cached.length
         logits, cache = self.runner.prefill(tokens, all_logits=want_input, cached=cached)
+        self.prefill_passes += 1
         request.kv_epoch = self.runner.weight_epoch
         if want_input:
             request.input_logprobs = _input_logprobs(
@@ -234,6 +241,52 @@ class Scheduler:
             return
         self.cache.extend(cache)
         self.running.append(request)
+
+    def _batchable(self, request: Request) -> bool:
+        """Whether a request can share a prefill pass: it wants no input log-probs (those need every
+        prompt position's logits) and samples at least one token."""
+        wants_input = request.item.return_logprob and request.item.logprob_start_len >= 0 \
+            and request.input_logprobs is None
+        return not wants_input and request.spec.max_new_tokens > 0
+
+    def _prefill_batch(self, requests: list[Request]) -> None:
+        """Prefills several requests in one forward pass: on a small model a pass costs about the
+        same for one row as for many, so one pass per admitted request is what prefill time was.
+
+        Each row feeds the same number of tokens Q (the longest uncached suffix): a row with a shorter
+        suffix feeds the last tokens of its cached prefix again instead of padding between its KV and
+        its new tokens, and a row shorter than Q in all is left-padded, so the batch keeps the
+        running cache's layout (each row's tokens contiguous, ending at the same column)."""
+        plans = []
+        for request in requests:
+            tokens = request.prompt_ids + request.output_ids
+            hit = self._prefix_hit(tokens)
+            plans.append((request, tokens, 0 if hit is None else hit.length, hit))
+        fed = max(len(tokens) - reused for _, tokens, reused, _ in plans)
+        kept = [max(0, len(tokens) - fed) for _, tokens, _, _ in plans]  # cached columns each row keeps
+        logits, cache = self.runner.prefill_rows(
+            [tokens for _, tokens, _, _ in plans],
+            [None if keep == 0 else (hit.keys, hit.values) for (_, _, _, hit), keep in zip(plans, kept)],
+            kept,
+            fed,
+        )
+        self.prefill_passes += 1
+        tokens_out, logprobs = sample(logits, [request.sampler for request, _, _, _ in plans])
+        keep_rows, staying = [], []
+        for row, (request, _, _, _) in enumerate(plans):
+            if request.retractions == 0:
+                request.cached_tokens = kept[row]
+            request.kv_epoch = self.runner.weight_epoch
+            if self._append(request, tokens_out[row], logprobs[row]):
+                self._remember(request, *cache.row(row))
+                self._deliver(request)
+            else:
+                keep_rows.append(row)
+                staying.append(request)
+        if staying:
+            cache.keep_rows(keep_rows)
+            self.cache.extend(cache)
+            self.running.extend(staying)
 
     def _decode(self) -> None:
         logits = self.runner.decode(self.cache, [r.output_ids[-1] for r in self.running])
@@ -348,6 +401,7 @@ class Scheduler:
             "paused": self.paused,
             "weight_version": self.weight_version,
             "decode_steps": self.decode_steps,
+            "prefill_passes": self.prefill_passes,
             "generated_tokens": self.generated_tokens,
             "prefix_cache_tokens": self.prefix_cache.tokens,
             "prefix_cache_lookups": self.prefix_cache.lookups,
@@ -356,10 +410,13 @@ class Scheduler:
         }
 
     # --- internals ------------------------------------------------------------------------------
+    def _prefix_hit(self, tokens: list[int]):
+        self._drop_stale_prefixes()
+        return self.prefix_cache.lookup(tokens)
+
     def _cached_prefix(self, tokens: list[int], reserved: int) -> PaddedKVCache | None:
         """A one-row cache holding the longest cached prefix of `tokens`, or None."""
-        self._drop_stale_prefixes()
-        hit = self.prefix_cache.lookup(tokens)
+        hit = self._prefix_hit(tokens)
         if hit is None:
             return None
         # Room for the whole sequence up to max_new_tokens (bounded), so decoding it alone does not
