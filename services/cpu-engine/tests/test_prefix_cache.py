@@ -276,7 +276,7 @@ def test_requests_admitted_together_prefill_in_one_pass_and_generate_what_each_w
         turn("miss-long", prompt[:12] + [70] * 40, seed=12),
         turn("miss-short", [5, 6, 7], seed=13, new=8),
         turn("one-token", prompt, seed=-1, new=1),
-        turn("greedy-hit", prompt + [71, 72], seed=-1),
+        turn("greedy-hit", [*prompt, 71, 72], seed=-1),
     ]
     passes = cached.prefill_passes
     got = run(cached, *items)

@@ -266,7 +266,7 @@ class Scheduler:
         kept = [max(0, len(tokens) - fed) for _, tokens, _, _ in plans]  # cached columns each row keeps
         logits, cache = self.runner.prefill_rows(
             [tokens for _, tokens, _, _ in plans],
-            [None if keep == 0 else (hit.keys, hit.values) for (_, _, _, hit), keep in zip(plans, kept)],
+            [None if keep == 0 else (hit.keys, hit.values) for (_, _, _, hit), keep in zip(plans, kept, strict=True)],
             kept,
             fed,
         )
