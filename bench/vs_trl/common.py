@@ -212,6 +212,11 @@ def from_trl_result(result: dict[str, Any], workload: str, clock: Literal["train
                         peak_rss_mb=_maybe_float(result.get("peak_rss_mb")), curve=curve, notes=notes, raw=result)
 
 
+def on_trl_clock(results: list[SystemResult], clock: Literal["train", "wall"]) -> list[SystemResult]:
+    """The results with TRL's rows recomputed on `clock` from their raw figures (rlfleet's unchanged)."""
+    return [from_trl_result(r.raw, r.workload, clock) if r.system == "trl" and r.raw else r for r in results]
+
+
 def _maybe_float(value: Any) -> float | None:
     return None if value is None else float(value)
 

@@ -43,6 +43,7 @@ from common import (  # noqa: E402
     default_target,
     from_rlfleet_summary,
     from_trl_result,
+    on_trl_clock,
     plot,
     ratio_lines,
     ratios,
@@ -79,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"rlfleet: rollout episodes at once (default {Settings().concurrency})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print the runs and the expected total time, run nothing")
+    p.add_argument("--report-from", type=Path, default=None,
+                   help="run nothing: print the table and ratios again from a results.json (e.g. with another --target)")
     return p.parse_args(argv)
 
 
@@ -96,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     for workload, system in runs:
         print(f"  {workload.name:6s} {system:6s} {workload.describe()}")
     if args.plan:
+        return 0
+    if args.report_from is not None:
+        saved = json.loads(args.report_from.read_text())
+        results = [SystemResult.model_validate({k: v for k, v in r.items() if k not in ("baseline", "final", "best")})
+                   for r in saved["results"]]
+        report(results, Settings.model_validate(saved["settings"]), loads, args, args.out.resolve(),
+               saved.get("failures", []))
         return 0
     if "trl" in chosen_systems and importlib.util.find_spec("trl") is None:
         print("SKIP trl: TRL is not installed (a benchmark-only dependency): "
@@ -230,9 +240,14 @@ def report(results: list[SystemResult], settings: Settings, loads: dict[str, Wor
           f"({'given' if args.target is not None else f'mean baseline + {args.target_gain:g}'}); "
           f"budget {settings.budget_s:.0f} s per run; {settings.heldout} held-out tasks every {settings.eval_every_steps} versions")
     print(table(results, target))
+    other_clock = "wall" if args.trl_clock == "train" else "train"
+    rat_other = ratios(on_trl_clock(results, other_clock), target)
     if rat:
-        print("\nratios (rlfleet async / other):")
+        print(f"\nratios (rlfleet async / other; TRL on its {args.trl_clock} clock):")
         print(ratio_lines(rat))
+        why = "its evaluations included, as rlfleet's are" if other_clock == "wall" else "its evaluations excluded"
+        print(f"with TRL on its {other_clock} clock ({why}):")
+        print(ratio_lines({w: {k: v for k, v in rows.items() if k == "async/trl"} for w, rows in rat_other.items()}))
     for r in results:
         for note in r.notes:
             print(f"note: {r.workload}/{r.system}: {note}")
@@ -242,7 +257,7 @@ def report(results: list[SystemResult], settings: Settings, loads: dict[str, Wor
         "created_unix": time.time(), "settings": settings.model_dump(), "target": target,
         "workloads": {name: w.model_dump() | {"describe": w.describe()} for name, w in loads.items()},
         "results": [r.model_dump() | {"baseline": r.baseline, "final": r.final, "best": r.best} for r in results],
-        "ratios": rat, "failures": failures,
+        "trl_clock": args.trl_clock, "ratios": rat, f"ratios_trl_{other_clock}_clock": rat_other, "failures": failures,
     }
     write_results(out / "results.json", payload)
     png = plot(results, target, out / "heldout_vs_time.png")

@@ -410,3 +410,24 @@ def test_heldout_evaluation_runs_the_agent_loop_and_scores_with_the_verifier(tok
     chatty = evaluate_success(_ScriptedPolicy(tokenizer, lambda c: "<calc>1+1</calc>"), tokenizer, tasks,
                               temperature=0.0, seed=0)  # calls the tool every turn, never answers
     assert (right, wrong, chatty) == (1.0, 0.0, 0.0)
+
+
+def test_a_saved_results_file_is_reported_again_with_ratios_on_both_trl_clocks(tmp_path, capsys):
+    import run
+
+    trl = {"wall_s": 120.0, "wall_with_eval_s": 150.0, "eval_s": 30.0, "completions_per_s": 3.0,
+           "trained_tokens_per_s": 90.0, "trainer_idle_fraction": 0.8, "peak_rss_mb": 700.0,
+           "heldout_curve": [{"elapsed_s": 0.0, "wall_s": 0.0, "version": 0, "success": 0.25, "label": "baseline"},
+                             {"elapsed_s": 100.0, "wall_s": 125.0, "version": 9, "success": 0.4, "label": "final"}]}
+    rows = [from_trl_result(trl, "plain"), _result("async", "plain", [(0, 0.25), (110, 0.4)], cps=2.7)]
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"settings": {}, "results": [r.model_dump() for r in rows], "failures": []}))
+    assert run.main(["--report-from", str(saved), "--target", "0.35", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    # On TRL's training clock async is slower (2.7 vs 3.0/s, 110 vs 100 s); with TRL's evaluations on
+    # its clock it is 2.7 vs 2.4/s and sooner (110 vs 125 s).
+    assert "completions/s x0.90" in out and "time to target x0.91 sooner" in out
+    assert "with TRL on its wall clock" in out
+    assert "completions/s x1.12" in out and "time to target x1.14 sooner" in out
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written["ratios_trl_wall_clock"]["plain"]["async/trl"]["completions_per_s"] == pytest.approx(2.7 / 2.4)

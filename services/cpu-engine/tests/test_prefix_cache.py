@@ -3,6 +3,8 @@ with the same tokens and log-probs as without it, and never across a weight chan
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -291,3 +293,28 @@ def test_requests_admitted_together_prefill_in_one_pass_and_generate_what_each_w
     assert got["greedy-hit"].cached_tokens == max(0, len(items[4].input_ids) - fed)
     assert got["miss-long"].cached_tokens == got["miss-short"].cached_tokens == 0
     assert len(got["one-token"].output_ids) == 1
+
+
+def test_a_prefill_pass_that_raises_fails_its_requests_instead_of_leaving_them_waiting(runner, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(runner, "prefill_rows", broken)
+    scheduler = Scheduler(runner)
+    outputs: dict[str, RequestOutput] = {}
+    done = threading.Event()
+
+    def deliver(out: RequestOutput) -> None:
+        outputs[out.rid] = out
+        if len(outputs) == 2:
+            done.set()
+
+    for rid in ("a", "b"):  # submitted before the loop starts: admitted together, prefilled as one batch
+        scheduler.submit(Request(turn(rid, first_turn(runner), seed=1), frozenset(), deliver))
+    scheduler.start()
+    try:
+        assert done.wait(10), outputs
+    finally:
+        scheduler.stop()
+    assert {out.finish_reason["type"] for out in outputs.values()} == {"abort"}
+    assert all("out of memory" in out.finish_reason["message"] for out in outputs.values())

@@ -131,6 +131,7 @@ class Scheduler:
         self.decode_steps = 0
         self.prefill_passes = 0
         self.generated_tokens = 0
+        self._prefilling: list[Request] = []  # admitted this step, not yet delivered or running
         self._inbox: deque[Request] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._wake = threading.Event()
@@ -187,12 +188,14 @@ class Scheduler:
         if self.paused is not None:
             return False
         admitted = self._admit()
+        self._prefilling = admitted  # failed with the running batch if a forward pass raises
         batched = [r for r in admitted if self._batchable(r)]
         for request in admitted:
             if len(batched) < 2 or request not in batched:
                 self._prefill(request)
         if len(batched) >= 2:
             self._prefill_batch(batched)
+        self._prefilling = []
         if self.running:
             self._decode()
         return bool(admitted or self.running)
@@ -451,7 +454,9 @@ class Scheduler:
         self.cache = PaddedKVCache(self.runner.num_layers, rows=0)
 
     def _fail_running(self, message: str) -> None:
-        failed, self.running = self.running, []
+        running = set(map(id, self.running))
+        admitted = [r for r in self._prefilling if r.finish_reason is None and id(r) not in running]
+        failed, self.running, self._prefilling = self.running + admitted, [], []
         self.cache = PaddedKVCache(self.runner.num_layers, rows=0)
         for request in failed:
             request.finish_reason = {"type": "abort", "message": message, "status_code": 500}
