@@ -80,12 +80,17 @@ class Driver:
 
 
 def _steps(run_dir: Path) -> int:
-    """Trainer steps the driver has recorded (its state file is rewritten every few seconds)."""
+    """The newest version the trainer has checkpointed (it checkpoints every step). Read from its
+    checkpoints, not the driver's state file: that is rewritten every 10 s, in which a fast loop can
+    run to the end of its budget."""
+    from rlfleet.trainer.checkpointer import Checkpointer
+
+    root = run_dir / "checkpoints" / "resume"
     try:
-        state = json.loads((run_dir / "run_state.json").read_text())
-    except (OSError, ValueError):
+        restored = Checkpointer(root).latest() if root.is_dir() else None  # the trainer makes the directory
+    except OSError:  # the run started over under us
         return 0
-    return len(state["record"]["steps"])
+    return max((r.version for r in restored.ledger.records()), default=0) if restored else 0
 
 
 def _wait_for_steps(driver: Driver, run_dir: Path, n: int, timeout: float = 300) -> None:
@@ -170,7 +175,7 @@ def test_an_interrupted_run_resumes_from_its_run_directory(tmp_path):
 
     # 2. Resume; then the trainer dies mid-run (SIGKILL): the driver notices and stops as interrupted.
     second = Driver(str(config), *common, "--resume")
-    _wait_for_steps(second, run_dir, len(json.loads((run_dir / "run_state.json").read_text())["record"]["steps"]) + 2)
+    _wait_for_steps(second, run_dir, _steps(run_dir) + 2)
     trainer = next(p for p in json.loads((run_dir / "platform.json").read_text())["processes"] if p["name"] == "trainer")
     os.kill(trainer["pid"], signal.SIGKILL)
     killed_at = time.time()
