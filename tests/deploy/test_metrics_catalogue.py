@@ -21,31 +21,24 @@ class ExercisingMeter:
     """A real meter whose synchronous instruments get one value when created (an instrument without
     data is not exported); observable ones report through the service's own callbacks."""
 
+    # The synchronous instruments, and how each takes one value.
+    FIRST_VALUE = {"create_counter": "add", "create_up_down_counter": "add", "create_histogram": "record",
+                   "create_gauge": "set"}
+
     def __init__(self, real) -> None:
         self.real = real
 
-    def create_counter(self, *args, **kwargs):
-        instrument = self.real.create_counter(*args, **kwargs)
-        instrument.add(1)
-        return instrument
-
-    def create_up_down_counter(self, *args, **kwargs):
-        instrument = self.real.create_up_down_counter(*args, **kwargs)
-        instrument.add(1)
-        return instrument
-
-    def create_histogram(self, *args, **kwargs):
-        instrument = self.real.create_histogram(*args, **kwargs)
-        instrument.record(1)
-        return instrument
-
-    def create_gauge(self, *args, **kwargs):
-        instrument = self.real.create_gauge(*args, **kwargs)
-        instrument.set(1)
-        return instrument
-
     def __getattr__(self, name):  # create_observable_*: as they are
-        return getattr(self.real, name)
+        create = getattr(self.real, name)
+        if name not in self.FIRST_VALUE:
+            return create
+
+        def create_with_a_value(*args, **kwargs):
+            instrument = create(*args, **kwargs)
+            getattr(instrument, self.FIRST_VALUE[name])(1)
+            return instrument
+
+        return create_with_a_value
 
 
 def build_gateway():

@@ -49,6 +49,14 @@ def start_worker(info, spans: Path, root: Path) -> tuple[ChildProcess, int]:
     return worker, worker.wait_for_file(ready, 60)["metrics_port"]
 
 
+def submit_one_task(info, seed: int, group_size: int):
+    """One calc training task, known to the verifier and published on TASKS as a group."""
+    task = calc.generate_tasks("train", 1, seed=seed)[0]
+    write_for_verifier([task], info.suites_dir)
+    asyncio.run(publish_tasks([task], info.run_id, info.nats_url, group_size=group_size, epoch=seed))
+    return task
+
+
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     """A platform whose every process writes spans to one file, after one group was rolled out and trained."""
@@ -72,9 +80,7 @@ def traced(tmp_path_factory):
         platform.up()
         info = platform.info
         worker, worker_metrics_port = start_worker(info, spans, root)
-        task = calc.generate_tasks("train", 1, seed=808)[0]
-        write_for_verifier([task], info.suites_dir)
-        asyncio.run(publish_tasks([task], info.run_id, info.nats_url, group_size=GROUP_SIZE, epoch=808))
+        task = submit_one_task(info, seed=808, group_size=GROUP_SIZE)
         step = wait_for_span(spans, lambda s: s["name"] == "trainer step", timeout_s=120)
         yield {"spans": spans, "step": step, "platform": platform, "worker_metrics_port": worker_metrics_port,
                "task_id": task.task_id}
@@ -103,9 +109,7 @@ def engine_traced(tmp_path_factory):
         platform.up()
         info = platform.info
         worker, _ = start_worker(info, spans, root)
-        task = calc.generate_tasks("train", 1, seed=809)[0]
-        write_for_verifier([task], info.suites_dir)
-        asyncio.run(publish_tasks([task], info.run_id, info.nats_url, group_size=1, epoch=809))
+        task = submit_one_task(info, seed=809, group_size=1)
         episode = wait_for_span(spans, lambda s: s["name"] == "episode"
                                 and s["attributes"].get("rlfleet.task_id") == task.task_id, timeout_s=120)
 

@@ -8,6 +8,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
@@ -122,3 +124,59 @@ print(tracing_enabled())
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True"] and read_span_file(str(path)) == []
+
+
+class _FakeChannel:
+    """Records what a unary call was sent with; `fail` makes it raise as a failed RPC would."""
+
+    def __init__(self, fail: grpc.StatusCode | None = None) -> None:
+        self.sent: list[tuple] = []
+        self.fail = fail
+
+    def unary_unary(self, method, request_serializer=None, response_deserializer=None, _registered_method=None):
+        async def call(request, timeout=None, metadata=None):  # noqa: ASYNC109 - grpc's keyword
+            self.sent.append((method, request, timeout, metadata))
+            if self.fail is not None:
+                raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(), grpc.aio.Metadata(), details="down")
+            return f"reply to {request}"
+        return call
+
+    async def close(self) -> None:
+        self.sent.append(("closed",))
+
+
+def test_a_traced_channel_gives_each_call_a_client_span_and_sends_its_context_with_the_call():
+    import asyncio
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rlfleet.common.grpc_server import TracedChannel
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    inner = _FakeChannel()
+    stub = TracedChannel(inner, provider.get_tracer("t")).unary_unary("/rlfleet.session.v1.SessionService/GetSession")
+
+    async def go():
+        with provider.get_tracer("t").start_as_current_span("episode"):
+            return await stub("req", timeout=2.0, metadata=(("x-caller", "w1"),))
+
+    assert asyncio.run(go()) == "reply to req"
+    client, episode = exporter.get_finished_spans()
+    assert client.name == "/rlfleet.session.v1.SessionService/GetSession" and client.parent.span_id == \
+        episode.context.span_id
+    assert (client.attributes["rpc.service"], client.attributes["rpc.method"]) == (
+        "rlfleet.session.v1.SessionService", "GetSession")
+    (_, request, timeout, metadata), = inner.sent
+    sent = dict(metadata)
+    assert (request, timeout, sent["x-caller"]) == ("req", 2.0, "w1")
+    assert sent["traceparent"].split("-")[2] == f"{client.context.span_id:016x}"  # the server continues it
+
+    failing = TracedChannel(_FakeChannel(grpc.StatusCode.UNAVAILABLE), provider.get_tracer("t"))
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(failing.unary_unary(b"/rlfleet.gateway.v1.GatewayService/Admit")("req"))
+    failed = exporter.get_finished_spans()[-1]
+    assert failed.status.status_code.name == "ERROR" and failed.attributes["rpc.grpc.status_code"] == 14
+    asyncio.run(failing.close())  # everything but unary_unary is the wrapped channel's
+    assert failing._inner.sent[-1] == ("closed",)

@@ -149,9 +149,10 @@ class Observer:
 async def evaluate(clients, tasks: list[common_pb2.Task], *, version: int, split: str, label: str, pool: str,
                    concurrency: int, clock: Clock, tag: str, environments=None) -> EvalResult:
     """Runs each task once through the platform, pinned to an engine pool, scored by the verifier."""
+    from rlfleet.envkit.sdk.environment import environment_for
     from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
 
-    loop = AgentLoop(clients) if environments is None else AgentLoop(clients, environments=environments)
+    loop = AgentLoop(clients, environments=environments or environment_for)
     slots = asyncio.Semaphore(concurrency)
 
     async def one(i: int, task: common_pb2.Task):

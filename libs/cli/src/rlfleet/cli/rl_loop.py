@@ -384,8 +384,9 @@ class RLRun:
 
         c, state = self.config, peers.state
         delay = latency_sampler(c.rollout.tool_latency, c.seed)
-        environments = self._environments() if c.rollout.tool_latency.distribution == "none" else \
-            (lambda suite: SlowTools(self._environments()(suite), delay))
+        environments = self._environments()
+        if c.rollout.tool_latency.distribution != "none":
+            environments = lambda suite, plain=environments: SlowTools(plain(suite), delay)  # noqa: E731
         config = WorkerConfig(run_id=c.run_id, nats={"url": state.by_name("nats").url},
                               session_address=state.by_name("session-server").address,
                               sandbox_address=state.by_name("sandbox-manager").address,

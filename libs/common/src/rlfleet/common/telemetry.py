@@ -4,10 +4,10 @@ Metrics go through the OpenTelemetry API and are served for Prometheus on each p
 HTTP endpoint (`/metrics`). Tracing is on when a process has somewhere to send spans: an OTLP
 endpoint (the exporter's timeouts are short so a missing collector never stalls start-up or
 shutdown) and/or `telemetry.span_file`, which appends every finished span as a JSON line to a file
-(for a laptop without a collector, and for tests). Without either, no span is recorded and no gRPC
-call is intercepted: the interceptors cost every RPC a slower path through grpc.aio, which on a
-CPU-bound fleet is throughput. `telemetry.sample_ratio` keeps a fraction of the traces (decided at
-the root, so an episode's spans are all kept or all dropped).
+(for a laptop without a collector, and for tests). Without either, no span is recorded and neither
+servers nor client channels trace their calls: on a CPU-bound fleet every microsecond per RPC is
+throughput. `telemetry.sample_ratio` keeps a fraction of the traces (decided at the root, so an
+episode's spans are all kept or all dropped).
 
 One trace per episode: the SDK's `AgentLoop.run` opens the root span, every gRPC hop (session
 server, gateway, sandbox manager, verifier) continues it through metadata, the gateway passes it to

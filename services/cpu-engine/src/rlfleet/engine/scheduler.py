@@ -189,11 +189,13 @@ class Scheduler:
             return False
         admitted = self._admit()
         self._prefilling = admitted  # failed with the running batch if a forward pass raises
-        batched = [r for r in admitted if self._batchable(r)]
+        batched = [r for r in admitted if not _wants_input_logprobs(r) and r.spec.max_new_tokens > 0]
+        if len(batched) < 2:
+            batched = []
         for request in admitted:
-            if len(batched) < 2 or request not in batched:
+            if request not in batched:
                 self._prefill(request)
-        if len(batched) >= 2:
+        if batched:
             self._prefill_batch(batched)
         self._prefilling = []
         if self.running:
@@ -220,8 +222,7 @@ class Scheduler:
         # After a retract the output so far is recomputed with the prompt; its last logits give
         # the next token exactly as the interrupted decode step would have.
         tokens = request.prompt_ids + request.output_ids
-        want_input = request.item.return_logprob and request.item.logprob_start_len >= 0
-        want_input = want_input and request.input_logprobs is None
+        want_input = _wants_input_logprobs(request)
         cached = None if want_input else self._cached_prefix(tokens, request.reserved_tokens)
         if request.retractions == 0:
             request.cached_tokens = 0 if cached is None else cached.length
@@ -244,13 +245,6 @@ class Scheduler:
             return
         self.cache.extend(cache)
         self.running.append(request)
-
-    def _batchable(self, request: Request) -> bool:
-        """Whether a request can share a prefill pass: it wants no input log-probs (those need every
-        prompt position's logits) and samples at least one token."""
-        wants_input = request.item.return_logprob and request.item.logprob_start_len >= 0 \
-            and request.input_logprobs is None
-        return not wants_input and request.spec.max_new_tokens > 0
 
     def _prefill_batch(self, requests: list[Request]) -> None:
         """Prefills several requests in one forward pass: on a small model a pass costs about the
@@ -492,6 +486,13 @@ class Scheduler:
             cached_tokens=request.cached_tokens,
             queue_wait_s=None if request.admitted is None else request.admitted - request.created,
         )
+
+
+def _wants_input_logprobs(request: Request) -> bool:
+    """Input log-probs asked for and not computed yet: its prefill needs every prompt position's logits,
+    so it neither reuses a cached prefix nor shares a batched pass."""
+    item = request.item
+    return item.return_logprob and item.logprob_start_len >= 0 and request.input_logprobs is None
 
 
 def _input_logprobs(logits: torch.Tensor, prompt: list[int], start: int) -> list[tuple[float | None, int]]:

@@ -6,9 +6,9 @@ reading a checkpoint, joining a process group, receiving broadcast tensors -- ru
 threads, so it neither stalls the event loop nor the decode loop; only the final swap is a
 scheduler command. Bad input answers 400 with `{"error": {"message": ...}}` as SGLang does.
 
-Tracing: `/generate` and the control and weight-update routes are SERVER spans, children of the
-caller's W3C `traceparent` (the gateway's `engine POST /generate` client span), so an episode's
-trace reaches into the engine. A generate span lives as long as its handler awaits the scheduler's
+Tracing (when on: an exporter configured): `/generate` and the control and weight-update routes
+are SERVER spans, children of the caller's W3C `traceparent` (the gateway's `engine POST /generate`
+client span), so an episode's trace reaches into the engine. A generate span lives as long as its handler awaits the scheduler's
 reply -- queued, prefilled, decoded, finished -- and is described once, from the reply (tokens in
 and out, finish reason, queue wait, weight version): the scheduler thread never touches it, and
 nothing is recorded per token. Health and load polls are not traced.
@@ -66,7 +66,11 @@ class EngineServer:
         scheduler: Scheduler,
         tracer: trace.Tracer | None = None,
     ) -> None:
+        from rlfleet.common.telemetry import tracing_enabled
+
         self.config = config
+        # Without a tracer given or spans to export, requests are not wrapped in spans at all.
+        self.traced = tracer is not None or tracing_enabled()
         self.tracer = tracer or trace.get_tracer("rlfleet.engine")
         self.runner = runner
         self.scheduler = scheduler
@@ -80,7 +84,7 @@ class EngineServer:
         self._weights_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024**2, middlewares=[self._traced])
+        app = web.Application(client_max_size=256 * 1024**2, middlewares=[self._traced] if self.traced else [])
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_get("/health", self.health)

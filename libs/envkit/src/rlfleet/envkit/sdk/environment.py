@@ -21,7 +21,7 @@ Tool runtimes: `sandbox` (the default) gives every episode a fresh sandbox. A to
 function of its arguments, implemented by trusted code (no model-written code runs), may also be
 offered `in_process`: the environment sets `needs_sandbox = False` and the agent loop then creates
 no sandbox at all and calls `run_tool(None, call)` in the rollout worker. On a CPU-bound fleet this
-removes a sandbox per episode and a process per call (for calc, ~25% of the machine).
+removes a sandbox per episode and a process per call.
 """
 
 from __future__ import annotations
