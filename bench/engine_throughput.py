@@ -24,11 +24,12 @@ from rlfleet.common.engine_client import EngineClient, EngineTimeouts
 
 
 def build_default_model(out: Path) -> str:
-    from rlfleet.engine.build_model import ModelSpec, build, load_corpus
+    from rlfleet.engine.build_model import ModelSpec, build
     from rlfleet.engine.testing import calc_dialogues
+    from rlfleet.envkit.corpus import default_corpus
 
     try:
-        texts, corpus = load_corpus(None, seed=0), "rlfleet.envkit default corpus"
+        texts, corpus = default_corpus(seed=0), "rlfleet.envkit default corpus"
     except SystemExit:  # the default corpus module is not there yet
         texts, corpus = calc_dialogues(2000, seed=0), "calc dialogues (rlfleet.engine.testing)"
     build(out, texts, seed=0, spec=ModelSpec())

@@ -153,9 +153,10 @@ async def bench(engine_url: str, session_address: str, tokenizer_path: Path, arg
 
 
 def build_default_model(out: Path) -> None:
-    from rlfleet.engine.build_model import ModelSpec, build, load_corpus
+    from rlfleet.engine.build_model import ModelSpec, build
+    from rlfleet.envkit.corpus import default_corpus
 
-    build(out, load_corpus(None, seed=0), seed=0, spec=ModelSpec())
+    build(out, default_corpus(seed=0), seed=0, spec=ModelSpec())
 
 
 def main() -> None:
@@ -169,10 +170,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: build the default)")
     args = parser.parse_args()
 
-    from rlfleet.common.testing import _stop as stop_server
-    from rlfleet.common.testing import start_nats, start_redis
+    from rlfleet.common.processes import ServiceProcess, start_nats, start_redis
     from rlfleet.engine.testing import EngineProcess
-    from rlfleet.session.testing import ServiceProcess, gateway_args, session_server_args
+    from rlfleet.session.testing import gateway_config, session_server_config
 
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
         work = Path(tmp)
@@ -184,26 +184,26 @@ def main() -> None:
         print(f"model: qwen2 hidden {config['hidden_size']} x {config['num_hidden_layers']} layers, vocab "
               f"{config['vocab_size']}; engine torch threads {args.threads}; {args.turns} turns x {args.new_tokens} "
               f"new tokens per episode, {args.episodes} episodes per worker", flush=True)
-        nats_url, nats = start_nats(work / "nats")
-        redis_url, redis = start_redis(work / "redis")
+        nats = start_nats(work / "nats")
+        redis = start_redis(work / "redis")
         processes = []
         try:
             engine = EngineProcess(model, work / "engine", torch_threads=args.threads, max_running_requests=64,
                                    weight_version="0", engine_id="e0").start()
             processes.append(engine)
-            gateway = ServiceProcess("rlfleet-gateway", work, *gateway_args(
-                redis_url, "bench", [("e0", engine.url)])).start()
+            gateway = ServiceProcess("rlfleet-gateway", work, config=gateway_config(
+                redis.url, "bench", [("e0", engine.url)])).start()
             processes.append(gateway)
-            session = ServiceProcess("rlfleet-session-server", work, *session_server_args(
-                nats_url, redis_url, "bench", gateway.address, str(model),
+            session = ServiceProcess("rlfleet-session-server", work, config=session_server_config(
+                nats.url, redis.url, "bench", gateway.address, str(model),
                 max_open_sessions=1024, max_total_tokens=config["max_position_embeddings"])).start()
             processes.append(session)
             results = asyncio.run(bench(engine.url, session.address, model / "tokenizer.json", args))
         finally:
             for process in reversed(processes):
                 process.stop()
-            stop_server(redis)
-            stop_server(nats)
+            redis.stop()
+            nats.stop()
     if 32 in results:
         direct, service, _p50, _p99 = results[32]
         print(f"service path at concurrency 32: {service / direct:.1%} of the engine's throughput (aim >= 90%)")

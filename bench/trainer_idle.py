@@ -56,11 +56,12 @@ async def publisher(js, run_id: str, rate: float, stop: asyncio.Event, first_gro
 
 async def bench(rates: list[float], phase_s: float, warmup_s: float, workdir: Path) -> None:
     from rlfleet.common.config import NatsConfig
+    from rlfleet.common.processes import start_nats
     from rlfleet.common.streams import connect_nats, ensure_streams
-    from rlfleet.common.testing import _stop, start_nats
     from rlfleet.trainer.testing import TrainerProcess, write_tiny_model
 
-    url, nats_proc = start_nats(workdir / "nats")
+    nats = start_nats(workdir / "nats")
+    url = nats.url
     trainer = None
     try:
         model = write_tiny_model(workdir / "model", hidden_size=128)
@@ -100,7 +101,7 @@ async def bench(rates: list[float], phase_s: float, warmup_s: float, workdir: Pa
     finally:
         if trainer is not None:
             trainer.stop()
-        _stop(nats_proc)
+        nats.stop()
 
 
 def main() -> None:

@@ -30,13 +30,14 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from rlfleet.common.processes import free_port
 
 LRS = (1e-6, 1e-5, 1e-4)
 MODELS = {
@@ -63,12 +64,6 @@ class Row:
     full_pause_ms: float
     rebuilt_pause_ms: float  # full load of the delta version (chain rebuilt from the store)
     full_over_delta: float  # full pause / delta pause
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build(name: str, out: Path) -> Path:

@@ -10,17 +10,15 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rlfleet.common.config import StrictModel
 
 SYSTEMS = ("trl", "sync", "async")
 WORKLOADS = ("plain", "slow")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Settings(_Strict):
+class Settings(StrictModel):
     """What all three systems share: task, model, GRPO settings, evaluation, budget."""
 
     seed: int = 0
@@ -39,7 +37,7 @@ class Settings(_Strict):
     concurrency: int = Field(32, ge=1, description="rlfleet: episodes at once")
 
 
-class Workload(_Strict):
+class Workload(StrictModel):
     name: str
     distribution: Literal["none", "constant", "lognormal"] = "none"
     median_s: float = 0.5
@@ -77,7 +75,7 @@ def workloads(slow_median_s: float = 0.5, slow_sigma: float = 1.0, slow_max_s: f
                              max_s=slow_max_s)}
 
 
-class TrlJob(_Strict):
+class TrlJob(StrictModel):
     """What `trl_grpo.py` is given."""
 
     settings: Settings
@@ -104,8 +102,8 @@ def rlfleet_config(settings: Settings, workload: Workload, mode: str, run_id: st
         "rollout": {"concurrency": settings.concurrency, "temperature": settings.temperature,
                     "max_staleness": max(settings.max_staleness, settings.eval_every_steps),
                     "tool_latency": workload.tool_latency()},
-        "trainer": {"loss": "grpo", "lr": settings.lr, "groups_per_step": settings.groups_per_step,
-                    "torch_threads": trainer_threads},
+        "trainer": {"loss": {"algorithm": "grpo"}, "optim": {"lr": settings.lr},
+                    "groups_per_step": settings.groups_per_step, "torch_threads": trainer_threads},
         "eval": {"heldout": settings.heldout, "regression": 0, "temperature": settings.eval_temperature},
         "gate": {"every_versions": settings.eval_every_steps},
         "budget": {"max_steps": 100_000, "max_minutes": settings.budget_s / 60.0},
@@ -146,7 +144,7 @@ def _toml_value(value: Any) -> str:
 # Results
 
 
-class SystemResult(_Strict):
+class SystemResult(StrictModel):
     """One system on one workload, whatever produced it."""
 
     system: str

@@ -52,7 +52,7 @@ def test_generated_rlfleet_config_is_a_valid_run_config_with_the_shared_settings
     config = RunConfig.model_validate(tomllib.loads(text))  # unknown keys are errors there
     assert config.mode == mode
     assert config.group_size == settings.group_size and config.trainer.groups_per_step == settings.groups_per_step
-    assert config.trainer.lr == 3e-5 and config.rollout.temperature == settings.temperature
+    assert config.trainer.optim.lr == 3e-5 and config.rollout.temperature == settings.temperature
     assert config.budget.max_minutes == pytest.approx(1.5)
     assert config.eval.heldout == 50 and config.gate.every_versions == 5
     assert config.model_cache_dir == str(tmp_path / "cache")

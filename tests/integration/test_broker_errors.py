@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
-from rlfleet.broker.testing import BrokerProcess, eventually, policy_version
+from rlfleet.broker.testing import BrokerProcess, policy_version
 from rlfleet.common.config import NatsConfig
+from rlfleet.common.processes import eventually
 from rlfleet.common.streams import connect_nats, publish
 from rlfleet.common.testing import unique_run_id
 from rlfleet.weights import DirectoryWeightStore

@@ -14,8 +14,9 @@ import grpc
 import pytest
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
-from rlfleet.broker.testing import BrokerProcess, ServiceProcess, eventually, policy_version
+from rlfleet.broker.testing import BrokerProcess, policy_version
 from rlfleet.common.config import NatsConfig
+from rlfleet.common.processes import ServiceProcess, eventually
 from rlfleet.common.streams import connect_nats, publish
 from rlfleet.common.testing import unique_run_id
 from rlfleet.engine.testing import EngineProcess, StoreTrainer, assert_engine_serves, build_tiny_model
@@ -310,8 +311,9 @@ async def test_a_new_engine_registered_draining_gets_the_accepted_version_before
     gateway's PauseEngines) and then asks the gateway to put it back in traffic."""
     from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-    gateway = ServiceProcess(tmp_path / "gateway", "rlfleet-gateway", run_id=run.run_id,
-                             **{"redis.url": run.redis_url, "health_interval_s": 0.3}).start()  # fmt: skip
+    gateway = ServiceProcess("rlfleet-gateway", tmp_path / "gateway", config={
+        "run_id": run.run_id, "redis.url": run.redis_url, "health_interval_s": 0.3,
+        "log.format": "text"}).start()
     channel = grpc.aio.insecure_channel(gateway.address)
     try:
         gw = gateway_pb2_grpc.GatewayServiceStub(channel)

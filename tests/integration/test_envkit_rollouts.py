@@ -24,6 +24,7 @@ from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2
 from rlfleet.common.chat import render_messages
 from rlfleet.common.config import NatsConfig
+from rlfleet.common.processes import ChildProcess
 from rlfleet.common.streams import connect_nats, durable_name, publish, subject
 from rlfleet.common.testing import unique_run_id
 from rlfleet.envkit.run_dir import RunDir
@@ -33,7 +34,7 @@ from rlfleet.envkit.suite_format import Task
 from rlfleet.envkit.suites import calc, code
 from rlfleet.envkit.task_queue import DEAD_LETTER_STREAM, REASON_HEADER, dead_letter_subject
 from rlfleet.envkit.tasks import TASK_TYPE, task_message
-from rlfleet.envkit.testing import ChildProcess, LaunchedPlatform, build_tokenizer, start_scripted_engine
+from rlfleet.envkit.testing import LaunchedPlatform, build_tokenizer, start_scripted_engine
 from rlfleet.envkit.worker import RolloutWorker
 from rlfleet.envkit.worker_config import WorkerConfig
 
@@ -245,7 +246,7 @@ def worker_process(rig: Rig, name: str, *flags: str) -> tuple[ChildProcess, Path
                           "--session-address", rig.info.session_address, "--sandbox-address", rig.info.sandbox_address,
                           "--verifier-address", rig.info.verifier_address, "--ack-wait-s", str(ACK_WAIT_S),
                           "--max-deliver", "4", "--log.format", "text", "--ready-file", str(ready), *flags],
-                         rig.workdir, name).start()
+                         rig.workdir / f"{name}.log", name=name).spawn()
     return child, ready
 
 

@@ -31,8 +31,9 @@ lr = 3e-3
 concurrency = 8
 max_staleness = 2
 [trainer]
-lr = 1.0
 groups_per_step = 2
+[trainer.optim]
+lr = 1.0
 [eval]
 heldout = 24
 regression = 0

@@ -38,8 +38,9 @@ concurrency = 8
 # training, and a stale one is (rightly) dropped instead.
 max_staleness = 1000
 [trainer]
-lr = 1e-4
 groups_per_step = 2
+[trainer.optim]
+lr = 1e-4
 [eval]
 heldout = 16
 regression = 0
@@ -51,7 +52,7 @@ max_minutes = 4
 # A restarted trainer gets its predecessor's unacked trajectories back after the consumer's ack
 # wait (60 s by default, held ones are kept alive by heartbeats): short here, so the redelivered
 # ones are trained within this short run.
-[overrides.trainer.consumer]
+[trainer.consumer]
 ack_wait_s = 6
 """
 

@@ -17,9 +17,10 @@ from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.api.session.v1 import session_pb2 as pb
 from rlfleet.api.session.v1 import session_pb2_grpc
 from rlfleet.common.grpc_server import channel
+from rlfleet.common.processes import eventually
 from rlfleet.common.testing import unique_run_id
-from rlfleet.engine.testing import eventually, http_call
-from rlfleet.session.testing import Rollout, read_trajectories, tiny_model
+from rlfleet.engine.testing import http_call, tiny_model
+from rlfleet.session.testing import Rollout, read_trajectories
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

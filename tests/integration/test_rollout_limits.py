@@ -12,7 +12,8 @@ from rlfleet.api.session.v1 import session_pb2 as pb
 from rlfleet.api.session.v1 import session_pb2_grpc
 from rlfleet.common.grpc_server import channel
 from rlfleet.common.testing import unique_run_id
-from rlfleet.session.testing import Rollout, read_trajectories, tiny_model
+from rlfleet.engine.testing import tiny_model
+from rlfleet.session.testing import Rollout, read_trajectories
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -19,7 +19,8 @@ from rlfleet.common.grpc_server import channel
 from rlfleet.common.redis_store import connect_redis, key
 from rlfleet.common.testing import unique_run_id
 from rlfleet.common.verdicts import store_verdict
-from rlfleet.session.testing import Rollout, read_trajectories, tiny_model
+from rlfleet.engine.testing import tiny_model
+from rlfleet.session.testing import Rollout, read_trajectories
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -23,9 +23,10 @@ import pytest
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as pb
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
 from rlfleet.common.config import RedisConfig
+from rlfleet.common.processes import eventually
 from rlfleet.common.redis_store import connect_redis, key
 from rlfleet.common.testing import unique_run_id
-from rlfleet.sandbox.testing import sandbox_manager_args, start_sandbox_manager
+from rlfleet.sandbox.testing import sandbox_manager_config, start_sandbox_manager
 
 pytestmark = [
     pytest.mark.integration,
@@ -40,11 +41,12 @@ V = pb.ViolationKind
 def manager(redis_url, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sandbox-manager")
     run_id = unique_run_id("sbx")
-    process = start_sandbox_manager(redis_url, run_id, workdir, "--reap-interval-s", "0.3")
+    process = start_sandbox_manager(redis_url, run_id, workdir, **{"driver.reap_interval_s": 0.3})
     process.run_id = run_id
+    process.redis_url = redis_url
     process.root = workdir / "sandboxes"
     yield process
-    assert process.stop() == 0, process.log.read_text()[-2000:]
+    assert process.stop() == 0, process.log()[-2000:]
 
 
 @pytest.fixture
@@ -55,16 +57,6 @@ async def stub(manager):
 
 def exists(path: str | Path) -> bool:
     return Path(path).exists()
-
-
-async def eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if await check():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
 
 
 def py(code: str) -> list[str]:
@@ -126,7 +118,7 @@ async def test_create_write_exec_read_destroy_round_trip(stub, manager):
     got = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=created.sandbox_id))
     assert got.exec_count == 3 and not got.violations
 
-    redis = await connect_redis(RedisConfig(url=_redis_url(manager)))
+    redis = await connect_redis(RedisConfig(url=manager.redis_url))
     lease_key = key(manager.run_id, "sandbox", "leases", created.sandbox_id)
     lease = await redis.hgetall(lease_key)
     assert lease[b"session_id"] == b"s-1" and lease[b"owner"] and 0 < await redis.pttl(lease_key)
@@ -138,11 +130,6 @@ async def test_create_write_exec_read_destroy_round_trip(stub, manager):
         await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=created.sandbox_id))
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND and "destroyed" in gone.value.details()
     assert not exists(manager.root / created.sandbox_id)
-
-
-def _redis_url(manager) -> str:
-    args = manager.proc.args
-    return args[args.index("--redis.url") + 1]
 
 
 # -- containment, through the service ------------------------------------------------------------
@@ -294,13 +281,13 @@ async def test_bad_requests_are_rejected_with_the_field_named(stub):
 
 async def test_an_expired_sandbox_is_reaped_and_its_lease_dropped(stub, manager):
     box = await stub.CreateSandbox(pb.CreateSandboxRequest(ttl_seconds=0.5))
-    redis = await connect_redis(RedisConfig(url=_redis_url(manager)))
+    redis = await connect_redis(RedisConfig(url=manager.redis_url))
     lease_key = key(manager.run_id, "sandbox", "leases", box.sandbox_id)
     assert await redis.exists(lease_key)
     async def reaped() -> bool:
         return not await redis.exists(lease_key) and not exists(manager.root / box.sandbox_id)
 
-    assert await eventually(reaped)
+    assert await eventually(reaped, within_s=10)
     await redis.aclose()
     await expect(grpc.StatusCode.NOT_FOUND, stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=box.sandbox_id)))
 
@@ -336,8 +323,7 @@ def uid_processes(first_uid: int, count: int) -> list[int]:
 
 async def test_a_manager_killed_with_sigkill_is_cleaned_up_by_its_successor(redis_url, tmp_path):
     run_id = unique_run_id("sbxcrash")
-    args = sandbox_manager_args(redis_url, run_id, tmp_path)
-    uid_base = int(args[args.index("--uid-base") + 1])
+    uid_base = sandbox_manager_config(redis_url, run_id, tmp_path)["driver.uid_base"]
     root = tmp_path / "sandboxes"
     first = start_sandbox_manager(redis_url, run_id, tmp_path)
     stray = None
@@ -368,12 +354,12 @@ async def test_a_manager_killed_with_sigkill_is_cleaned_up_by_its_successor(redi
             async def no_processes_left() -> bool:  # killed processes take a moment to be reaped
                 return not uid_processes(uid_base, 64)
 
-            assert await eventually(no_processes_left, timeout_s=5)
+            assert await eventually(no_processes_left, within_s=5)
             async with grpc.aio.insecure_channel(second.address) as channel:
                 stub = sandbox_pb2_grpc.SandboxServiceStub(channel)
                 await expect(grpc.StatusCode.NOT_FOUND, stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=boxes[0].sandbox_id)))
                 await assert_manager_still_serves(stub)
-            assert "predecessor_leases_removed" in second.log.read_text()
+            assert "predecessor_leases_removed" in second.log()
         finally:
             assert second.stop() == 0
         await redis.aclose()

@@ -31,7 +31,7 @@ def launched(tmp_path_factory):
     policy = write_tiny_model(root / "policy", vocab_size=512)
     engine, url = start_scripted_engine(tokenizer_dir, root)
     platform = LaunchedPlatform(root / "run", unique_run_id("status"), tokenizer_dir, engine_url=url,
-                                services=SERVICES, overrides={"trainer": {"model_path": str(policy)}})
+                                services=SERVICES, sections={"trainer": {"model_path": str(policy)}})
     try:
         platform.up()
         wait_for_trainer(platform.run_dir)

@@ -6,7 +6,7 @@ trains on the group. Every process appends its finished spans to one file
 (`telemetry.span_file`), and the test reads the trace back from there.
 
 A second, smaller launch serves the policy from the launcher's own CPU engine, traced through
-`overrides."cpu-engine"`: the trace then reaches into the engine, whose server span for each
+its `engine` section: the trace then reaches into the engine, whose server span for each
 generate call is the child of the gateway's client span.
 """
 
@@ -22,11 +22,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from rlfleet.common.processes import ChildProcess
 from rlfleet.common.telemetry import read_span_file
 from rlfleet.common.testing import unique_run_id
 from rlfleet.envkit.submit import publish_tasks, write_for_verifier
 from rlfleet.envkit.suites import calc
-from rlfleet.envkit.testing import ChildProcess, LaunchedPlatform, build_tokenizer, start_scripted_engine
+from rlfleet.envkit.testing import LaunchedPlatform, build_tokenizer, start_scripted_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 import deploy_helpers as h  # the metrics catalogue's reader
@@ -36,6 +37,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BIN = Path(sys.executable).parent
 SERVICES = ("sandbox-manager", "rollout-gateway", "session-server", "verifier", "trainer")
 ROLLOUT_SERVICES = ("sandbox-manager", "rollout-gateway", "session-server", "verifier")
+# The sections of the launch config that configure them.
+SECTIONS = ("sandbox", "gateway", "session", "verifier", "trainer")
+ROLLOUT_SECTIONS = ("sandbox", "gateway", "session", "verifier")
 GROUP_SIZE = 2
 
 
@@ -45,7 +49,8 @@ def start_worker(info, spans: Path, root: Path) -> tuple[ChildProcess, int]:
     worker = ChildProcess([str(BIN / "rlfleet-worker"), "--run-id", info.run_id, "--nats.url", info.nats_url,
                            "--session-address", info.session_address, "--sandbox-address", info.sandbox_address,
                            "--verifier-address", info.verifier_address, "--log.format", "text",
-                           "--telemetry.span-file", str(spans), "--ready-file", str(ready)], root, "worker").start()
+                           "--telemetry.span-file", str(spans), "--ready-file", str(ready)],
+                          root / "worker.log", name="worker").spawn()
     return worker, worker.wait_for_file(ready, 60)["metrics_port"]
 
 
@@ -67,14 +72,14 @@ def traced(tmp_path_factory):
     tokenizer_dir = build_tokenizer(root / "tokenizer")
     policy = write_tiny_model(root / "policy", vocab_size=512)
     engine, url = start_scripted_engine(tokenizer_dir, root)
-    traced_everywhere = {name: {"telemetry.span_file": str(spans)} for name in SERVICES}
+    traced_everywhere = {name: {"telemetry.span_file": str(spans)} for name in SECTIONS}
     traced_everywhere["trainer"].update({
         "model_path": str(policy), "group_size": GROUP_SIZE, "groups_per_step": 1,
         # The scripted policy always passes: a group of equal rewards must still be trained here.
         "group_filter.drop_all_equal_rewards": False, "group_filter.min_samples": 1,
         "weights.served_dtype": "fp32"})
     platform = LaunchedPlatform(root / "run", unique_run_id("trace"), tokenizer_dir, engine_url=url,
-                                services=SERVICES, overrides=traced_everywhere)
+                                services=SERVICES, sections=traced_everywhere)
     worker = None
     try:
         platform.up()
@@ -100,10 +105,10 @@ def engine_traced(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-tracing")
     spans = root / "spans.jsonl"
     model = build_tiny_model(root / "model")
-    # The engines take their overrides like a service does: telemetry.span_file as --set.
-    traced_everywhere = {name: {"telemetry.span_file": str(spans)} for name in (*ROLLOUT_SERVICES, "cpu-engine")}
+    # The engines take their section like a service does: telemetry.span_file in their config file.
+    traced_everywhere = {name: {"telemetry.span_file": str(spans)} for name in (*ROLLOUT_SECTIONS, "engine")}
     platform = LaunchedPlatform(root / "run", unique_run_id("trace-engine"), model, engines=1,
-                                services=ROLLOUT_SERVICES, overrides=traced_everywhere)
+                                services=ROLLOUT_SERVICES, sections=traced_everywhere)
     worker = None
     try:
         platform.up()

@@ -27,10 +27,11 @@ from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.api.verifier.v1 import verifier_pb2 as pb
 from rlfleet.api.verifier.v1 import verifier_pb2_grpc
 from rlfleet.common.chat import SPECIAL_TOKENS, render_messages
+from rlfleet.common.processes import BIN, ServiceProcess
 from rlfleet.common.testing import unique_run_id
 from rlfleet.envkit.suite_format import write_suite
 from rlfleet.envkit.suites import calc, code
-from rlfleet.sandbox.testing import BIN, ServiceProcess, start_sandbox_manager
+from rlfleet.sandbox.testing import start_sandbox_manager
 
 pytestmark = [
     pytest.mark.integration,
@@ -117,15 +118,15 @@ def platform(redis_url, tmp_path_factory):
     manager = start_sandbox_manager(redis_url, run_id, workdir)
     verifier = None
     try:
-        verifier = ServiceProcess.start("rlfleet-verifier", [
-            "--redis.url", redis_url, "--run-id", run_id, "--sandbox-address", manager.address,
-            "--session-address", f"127.0.0.1:{sessions.port}", "--suites-dir", str(suites),
-            "--tokenizer-path", str(workdir / "tokenizer")], workdir)
+        verifier = ServiceProcess("rlfleet-verifier", workdir, config={
+            "redis.url": redis_url, "run_id": run_id, "sandbox_address": manager.address,
+            "session_address": f"127.0.0.1:{sessions.port}", "suites_dir": str(suites),
+            "tokenizer_path": str(workdir / "tokenizer")}).start(30.0)
         yield {"verifier": verifier, "manager": manager, "sessions": sessions, "tokenizer": tokenizer,
                "suites": suites, "workdir": workdir}
     finally:
         if verifier is not None:
-            assert verifier.stop() == 0, verifier.log.read_text()[-2000:]
+            assert verifier.stop() == 0, verifier.log()[-2000:]
         assert manager.stop() == 0
         sessions.server.stop(0)
 

@@ -57,8 +57,8 @@ def test_only_budget_and_eval_concurrency_may_change_on_resume():
     before = RunConfig().model_dump(mode="json")
     longer = RunConfig(budget={"max_steps": 99, "max_minutes": 30}, eval={"concurrency": 8}).model_dump(mode="json")
     assert config_changes(before, longer) == []
-    other = RunConfig(trainer={"lr": 1e-3}).model_dump(mode="json")
-    assert config_changes(before, other) == ["trainer.lr: 5e-05 -> 0.001"]
+    other = RunConfig(trainer={"optim": {"lr": 1e-3}}).model_dump(mode="json")
+    assert config_changes(before, other) == ["trainer.optim.lr: 5e-05 -> 0.001"]
 
 
 def test_clearing_a_run_removes_only_what_runs_write(tmp_path):

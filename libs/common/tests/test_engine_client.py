@@ -15,6 +15,7 @@ from rlfleet.common.engine_client import (
     EngineUnavailable,
     GenerateResult,
 )
+from rlfleet.common.processes import eventually
 
 testing = pytest.importorskip("rlfleet.engine.testing", reason="needs the rlfleet-cpu-engine package")
 
@@ -104,7 +105,7 @@ async def test_pause_in_place_blocks_flush_until_resume_and_abort_ends_the_reque
     async def running():
         return (await client.load())["num_reqs"] == 1
 
-    await testing.eventually(running)
+    await eventually(running)
     await client.pause("in_place")
     with pytest.raises(EngineRejected, match="hold KV"):
         await client.flush_cache()

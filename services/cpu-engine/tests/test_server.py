@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from rlfleet.engine.testing import eventually
+from rlfleet.common.processes import eventually
 from rlfleet.engine.testing import generate_in_process as in_process
 from rlfleet.engine.testing import http_call as call
 

@@ -4,11 +4,11 @@ with the test process as the sender (rank 0)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 import torch
 
+from rlfleet.common.processes import free_port
 from rlfleet.engine import distributed
 from rlfleet.engine.model_runner import ModelRunner, read_checkpoint
 from rlfleet.engine.testing import EngineProcess
@@ -99,12 +99,6 @@ async def test_a_failed_update_from_disk_leaves_weights_and_version_unchanged(we
         url, "/generate", {"input_ids": PROMPT, "sampling_params": SAMPLED, "return_logprob": True}
     )
     assert after["output_ids"] == before["output_ids"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def test_distributed_update_over_gloo_gives_bit_identical_weights(

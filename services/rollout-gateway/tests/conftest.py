@@ -13,10 +13,9 @@ from rlfleet.api.gateway.v1 import gateway_pb2_grpc
 from rlfleet.common.config import MetricsConfig, RedisConfig
 from rlfleet.common.grpc_server import GrpcServer, channel
 from rlfleet.common.testing import unique_run_id
-from rlfleet.engine.testing import EngineProcess
+from rlfleet.engine.testing import EngineProcess, tiny_model
 from rlfleet.gateway.app import RolloutGatewayApp, build
 from rlfleet.gateway.config import EngineSpec, RolloutGatewayConfig
-from rlfleet.session.testing import tiny_model
 
 
 @pytest.fixture(scope="session")

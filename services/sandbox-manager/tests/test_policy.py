@@ -59,4 +59,4 @@ def test_config_rejects_defaults_above_maxima_and_limits_outside_the_platform_ra
     with pytest.raises(ConfigError, match="limits.memory_bytes"):
         load_config(SandboxManagerConfig, ["--max-limits.memory-bytes", "1"], prog="t", environ={})
     with pytest.raises(ConfigError, match="cgroups"):
-        load_config(SandboxManagerConfig, ["--cgroups", "maybe"], prog="t", environ={})
+        load_config(SandboxManagerConfig, ["--driver.cgroups", "maybe"], prog="t", environ={})

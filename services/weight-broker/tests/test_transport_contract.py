@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from rlfleet.broker.pools import EngineRef, Pools
 from rlfleet.broker.transports import BroadcastPlan, DiskDelta, DiskFull, Distributed, Pauser, VersionInfo
 from rlfleet.common.engine_client import EngineTimeouts
+from rlfleet.common.processes import free_port
 from rlfleet.engine.testing import StoreTrainer, assert_engine_serves
 from rlfleet.engine.testing import http_call as call
 from rlfleet.weights import DirectoryWeightStore
@@ -38,12 +38,6 @@ async def pools():
     pools = Pools([], None, EngineTimeouts(weights_s=60))
     yield pools
     await pools.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def update(name: str, pools: Pools, engine: EngineRef, trainer, version: int, *, bad_name: bool = False):

@@ -11,17 +11,24 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfleet.cli.platform_config import PlatformConfig
+from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
+from rlfleet.cli.warm_start import build_model_command
+from rlfleet.common.config import ConfigError, ProcessConfig, propagate
 from rlfleet.common.errors import StartupError
+from rlfleet.common.processes import (
+    ChildProcess,
+    NatsServer,
+    RedisServer,
+    find_binary,
+    last_log_line,
+    start_redis,
+    write_json_atomic,
+)
 
 STATE_FILE = "platform.json"
 
@@ -69,23 +76,6 @@ class PlatformState:
         return cls(**data)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def bin_path(name: str) -> str:
-    """A console script or binary next to this interpreter (the venv), else from PATH."""
-    beside = Path(sys.executable).parent / name
-    if beside.exists():
-        return str(beside)
-    found = shutil.which(name)
-    if found is None:
-        raise StartupError(f"{name} is not installed (run `make install`)")
-    return found
-
-
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot, or None when it is gone or a zombie."""
     try:
@@ -102,40 +92,16 @@ def is_ours(record: ProcessRecord) -> bool:
     return record.pid > 0 and start_ticks(record.pid) == record.start_ticks
 
 
-def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(cmd: list[str], log_path: Path, name: str, env: dict[str, str] | None = None) -> ChildProcess:
     """Starts a child in a session of its own (so Ctrl-C in the terminal reaches only the launcher,
-    which then stops the children in order), output appended to `log_path`."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+    which then stops the children in order), output appended to `log_path`; a failure to start
+    says the last line of its log."""
+    return ChildProcess(cmd, log_path, env=env, new_session=True, name=name, log_lines=1).spawn()
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, proc: subprocess.Popen | None = None,
-             log: Path | None = None) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise StartupError(f"{what} exited with code {proc.returncode}: {last_line(log)}")
-        time.sleep(0.05)
-    raise StartupError(f"{what} was not ready after {timeout_s:.0f} s: {last_line(log)}")
-
-
-def last_line(log: Path | None) -> str:
-    if log is None or not log.exists():
-        return "(no log)"
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    if not lines:
-        return f"(empty log {log})"
-    text = lines[-1]
-    try:
-        text = json.loads(text).get("msg", text)
-    except (json.JSONDecodeError, AttributeError):
-        pass
-    return f"{text[:300]} (see {log})"
+def record_of(child: ChildProcess, kind: str = "service", **fields: Any) -> ProcessRecord:
+    return ProcessRecord(child.name, child.pid, start_ticks(child.pid) or 0, child.argv, str(child.log_path),
+                         kind=kind, **fields)
 
 
 def stop_processes(records: list[ProcessRecord], timeout_s: float) -> list[str]:
@@ -182,37 +148,49 @@ def run_dir_for(config: PlatformConfig) -> Path:
     return Path(config.run_dir or f"runs/{config.run_id}").resolve()
 
 
-def service_args(name: str, config: PlatformConfig, state: PlatformState, run_dir: Path,
-                 model: Path | None = None) -> list[str]:
-    """Peer addresses and data paths each service gets from the launch."""
-    nats_url = state.by_name("nats").url
-    redis_url = state.by_name("redis").url
+def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_dir: Path,
+                 model: Path | None = None) -> dict[str, Any]:
+    """What only the launch knows, for each service: NATS and Redis URLs, peer addresses, paths in
+    the run directory and the model. A section that sets one of these itself wins."""
+    nats = {"url": state.by_name("nats").url}
+    redis = {"url": state.by_name("redis").url}
     engine_records = [r for r in state.processes if r.kind == "engine"]
     engines = [{"engine_id": r.name, "url": r.url, "pool": "canary" if i < config.canary_engines else "fleet",
                 "kind": "cpu"} for i, r in enumerate(engine_records)]
-    model_args = ["--set", f"tokenizer_path={model}"] if model is not None else []
-    peers: dict[str, list[str]] = {
-        "sandbox-manager": ["--redis.url", redis_url, "--root", str(run_dir / "sandboxes")],
-        # As --set, so that the same keys in `overrides` (which come later) win.
-        "rollout-gateway": ["--redis.url", redis_url, "--set", f"engines={json.dumps(engines)}"],
-        "trainer": ["--nats.url", nats_url, "--weight-store", str(run_dir / "weights"),
-                    *(["--set", f"model_path={model}"] if model is not None else [])],
-        "session-server": ["--nats.url", nats_url, "--redis.url", redis_url,
-                           "--gateway-address", _address(state, "rollout-gateway"),
-                           *model_args],
-        "weight-broker": ["--nats.url", nats_url, "--redis.url", redis_url,
-                          "--gateway-address", _address(state, "rollout-gateway"),
-                          "--weight-store", str(run_dir / "weights"),
-                          # Without canary engines there is no gate to wait for: versions go to the fleet.
-                          "--set", f"auto_promote={'false' if config.canary_engines else 'true'}"],
-        "verifier": ["--redis.url", redis_url, "--sandbox-address", _address(state, "sandbox-manager"),
-                     "--session-address", _address(state, "session-server"),
-                     "--suites-dir", str(run_dir / "suites"), *model_args],
+    tokenizer = {"tokenizer_path": str(model)} if model is not None else {}
+    served = {"model_path": str(model)} if model is not None else {}
+    weights = str(run_dir / "weights")
+    gateway = _address(state, "rollout-gateway")
+    facts: dict[str, dict[str, Any]] = {
+        "sandbox-manager": {"redis": redis, "driver": {"root": str(run_dir / "sandboxes")}},
+        "rollout-gateway": {"redis": redis, **({"engines": engines} if engines else {})},
+        "trainer": {"nats": nats, "weight_store": weights, **served},
+        "session-server": {"nats": nats, "redis": redis, "gateway_address": gateway, **tokenizer},
+        "weight-broker": {"nats": nats, "redis": redis, "gateway_address": gateway, "weight_store": weights},
+        "verifier": {"redis": redis, "sandbox_address": _address(state, "sandbox-manager"),
+                     "session_address": _address(state, "session-server"),
+                     "suites_dir": str(run_dir / "suites"), **tokenizer},
+        # Version "0": rlfleet's policy versions are integers and the initial weights are version 0.
+        "cpu-engine": {"weight_version": "0", **served},
     }
-    args = ["--run-id", config.run_id, "--log.format", config.log_format, *peers[name]]
-    for key, value in flatten_keys(config.overrides.get(name, {})):
-        args += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-    return args
+    return facts[name]
+
+
+def process_config(name: str, config: PlatformConfig, state: PlatformState, run_dir: Path, ready: Path,
+                   model: Path | None = None) -> ProcessConfig:
+    """The whole config of one process: its section of the launch config, the launch's facts filled in."""
+    section = config.section(name).model_copy(deep=True)
+    try:
+        propagate(section, launch_facts(name, config, state, run_dir, model), where=SECTIONS[name])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    section.ready_file = str(ready)  # always the launcher's: how it knows the process serves
+    return section
+
+
+def write_process_config(run_dir: Path, process: str, config: ProcessConfig) -> Path:
+    """`<run_dir>/config/<process>.json`: what the process is started with (`--config`)."""
+    return write_json_atomic(run_dir / "config" / f"{process}.json", config.model_dump(mode="json"))
 
 
 def _address(state: PlatformState, name: str) -> str:
@@ -254,18 +232,19 @@ def resolve_model(config: PlatformConfig, run_dir: Path, log: Path, timeout_s: f
     target.parent.mkdir(parents=True, exist_ok=True)
     building = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(building, ignore_errors=True)
-    cmd = [bin_path("rlfleet-build-model"), "--out", str(building), "--seed", str(config.model_seed)]
-    proc = spawn(cmd, log, env=_service_env())
+    cmd = build_model_command(building, config.model_seed)
+    builder = spawn(cmd, log, "build-model", env=service_env())
     try:
-        code = proc.wait(timeout_s)
+        code = builder.process.wait(timeout_s)
     except BaseException:  # timeout or Ctrl-C: do not leave the builder running
-        proc.kill()
-        proc.wait()
+        builder.kill()
         shutil.rmtree(building, ignore_errors=True)
         raise
+    finally:
+        Path(cmd[cmd.index("--corpus") + 1]).unlink(missing_ok=True)
     if code != 0:
         shutil.rmtree(building, ignore_errors=True)
-        raise StartupError(f"building the default model failed (exit {code}): {last_line(log)}")
+        raise StartupError(f"building the default model failed (exit {code}): {last_log_line(log)}")
     try:
         building.rename(target)
     except OSError:  # another launch finished the same build first: use theirs
@@ -333,123 +312,71 @@ class Platform:
         self.state.save()
 
     def _start_nats(self) -> None:
-        binary = self.config.nats.binary or bin_path("nats-server")
-        data = self.run_dir / "nats"
-        data.mkdir(parents=True, exist_ok=True)
-        ports_dir = data / "ports"
-        ports_dir.mkdir(exist_ok=True)
-        conf = data / "nats.conf"
-        conf.write_text(
-            "listen: 127.0.0.1:-1\n"
-            f"max_payload: {self.config.nats.max_payload_bytes}\n"
-            f"ports_file_dir: {json.dumps(str(ports_dir))}\n"
-            f"jetstream {{ store_dir: {json.dumps(str(data / 'jetstream'))} }}\n")
-        log = self.logs / "nats.log"
-        cmd = [binary, "-c", str(conf)]
-        proc = spawn(cmd, log)
-        self._record(ProcessRecord("nats", proc.pid, start_ticks(proc.pid) or 0, cmd, str(log), kind="nats"))
-        ports_file = ports_dir / f"{Path(binary).name}_{proc.pid}.ports"
-
-        def read_port() -> str | None:
-            if not ports_file.exists():
-                return None
-            try:
-                client = json.loads(ports_file.read_text())["nats"][0]
-            except (json.JSONDecodeError, KeyError, IndexError):
-                return None
-            return client
-
-        url = wait_for(read_port, self.config.start_timeout_s, "nats-server", proc, log)
-        record = self.state.by_name("nats")
-        record.url = url
-        record.address = url.removeprefix("nats://")
+        nats = self.config.nats
+        server = NatsServer(self.run_dir / "nats", nats.max_payload_bytes, nats.binary,
+                            log_path=self.logs / "nats.log", name="nats", new_session=True,
+                            log_lines=1).spawn()
+        self._record(record_of(server, kind="nats"))
+        url = server.wait_url(self.config.start_timeout_s)
+        record = self.state.by_name(server.name)
+        record.url, record.address = url, url.removeprefix("nats://")
         self.state.save()
 
     def _start_redis(self) -> None:
-        data = self.run_dir / "redis"
-        data.mkdir(parents=True, exist_ok=True)
-        log = self.logs / "redis.log"
-        for _attempt in range(5):
-            port = free_port()
-            cmd = [bin_path(self.config.redis.binary), "--bind", "127.0.0.1", "--port", str(port),
-                   "--dir", str(data), "--save", "", "--appendonly", "yes", "--daemonize", "no",
-                   "--protected-mode", "yes"]
-            proc = spawn(cmd, log)
-            record = ProcessRecord("redis", proc.pid, start_ticks(proc.pid) or 0, cmd, str(log),
-                                   address=f"127.0.0.1:{port}", url=f"redis://127.0.0.1:{port}/0", kind="redis")
-            self._record(record)
-            try:
-                wait_for(lambda p=port: _port_open(p), min(10.0, self.config.start_timeout_s), "redis-server",
-                         proc, log)
-            except StartupError:
-                if proc.poll() is None:
-                    raise
-                self.state.processes.remove(record)  # lost the port between probe and bind: try another
-                continue
-            return
-        raise StartupError(f"redis-server could not bind a port: {last_line(log)}")
+        def record(server: RedisServer) -> None:
+            # A retry on another port replaces its predecessor's record.
+            self.state.processes = [p for p in self.state.processes if p.kind != "redis"]
+            self._record(record_of(server, kind="redis", address=f"127.0.0.1:{server.port}", url=server.url))
+
+        start_redis(self.run_dir / "redis", timeout_s=min(10.0, self.config.start_timeout_s),
+                    before_wait=record, appendonly=True, binary=self.config.redis.binary,
+                    log_path=self.logs / "redis.log", name="redis", new_session=True, log_lines=1)
 
     def _start_engines(self) -> None:
-        """CPU engines, all loading at once, each with its own log and ready file."""
+        """CPU engines, all loading at once, each with its own log, config file and ready file."""
         started = []
         for index in range(self.config.engines):
             name = f"engine-{index}"
-            ready = self.run_dir / "ready" / f"{name}.json"
-            ready.unlink(missing_ok=True)
-            log = self.logs / f"{name}.log"
-            # Version "0": rlfleet's policy versions are integers and the initial weights are version 0.
-            cmd = [bin_path("rlfleet-cpu-engine"), "--model-path", str(self.model), "--engine-id", name,
-                   "--torch-threads", str(self.config.engine_torch_threads), "--weight-version", "0",
-                   "--ready-file", str(ready)]
-            # overrides."cpu-engine" (e.g. telemetry.span_file) reach every engine as --set, as a service's do.
-            for key, value in flatten_keys(self.config.overrides.get("cpu-engine", {})):
-                cmd += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-            proc = spawn(cmd, log, env=_service_env())
-            self._record(ProcessRecord(name, proc.pid, start_ticks(proc.pid) or 0, cmd, str(log), kind="engine"))
-            started.append((name, proc, ready, log))
-        for name, proc, ready, log in started:
-            info = wait_for(lambda r=ready: _read_json(r), self.config.start_timeout_s, name, proc, log)
-            record = self.state.by_name(name)
-            record.url = info["url"]
-            record.address = f"127.0.0.1:{info['port']}"
+            config = self._process_config("cpu-engine", name)
+            config.engine_id = name
+            started.append(self._spawn(name, "rlfleet-cpu-engine", config, kind="engine"))
+        for child, ready in started:
+            info = child.wait_for_file(ready, self.config.start_timeout_s)
+            record = self.state.by_name(child.name)
+            record.url, record.address = info["url"], f"127.0.0.1:{info['port']}"
             self.state.save()
 
     def _start_services(self, names: list[str]) -> None:
         started = []
         for name in names:
-            ready = self.run_dir / "ready" / f"{name}.json"
-            ready.unlink(missing_ok=True)
-            log = self.logs / f"{name}.log"
-            cmd = [bin_path(SCRIPTS[name]), *service_args(name, self.config, self.state, self.run_dir, self.model),
-                   "--ready-file", str(ready)]
-            proc = spawn(cmd, log, env=_service_env())
-            self._record(ProcessRecord(name, proc.pid, start_ticks(proc.pid) or 0, cmd, str(log)))
-            started.append((name, proc, ready, log))
-        for name, proc, ready, log in started:
-            info = wait_for(lambda r=ready: _read_json(r), self.config.start_timeout_s, name, proc, log)
-            record = self.state.by_name(name)
-            record.address = info["grpc_address"]
-            record.metrics_port = info.get("metrics_port", 0)
+            config = self._process_config(name, name)
+            started.append(self._spawn(name, SCRIPTS[name], config))
+        for child, ready in started:
+            info = child.wait_for_file(ready, self.config.start_timeout_s)
+            record = self.state.by_name(child.name)
+            record.address, record.metrics_port = info["grpc_address"], info.get("metrics_port", 0)
             self.state.save()
 
+    def _process_config(self, process: str, name: str) -> ProcessConfig:
+        ready = self.run_dir / "ready" / f"{name}.json"
+        ready.unlink(missing_ok=True)
+        return process_config(process, self.config, self.state, self.run_dir, ready, self.model)
 
-def _service_env() -> dict[str, str]:
+    def _spawn(self, name: str, script: str, config: ProcessConfig,
+               kind: str = "service") -> tuple[ChildProcess, Path]:
+        """Writes the process's config file and starts it with `--config`; it is recorded at once, so
+        a launch stopped while it starts still stops it."""
+        config_file = write_process_config(self.run_dir, name, config)
+        child = spawn([find_binary(script), "--config", str(config_file)], self.logs / f"{name}.log", name,
+                      env=service_env())
+        self._record(record_of(child, kind=kind))
+        return child, Path(config.ready_file)
+
+
+def service_env() -> dict[str, str]:
     env = dict(os.environ)
     # Services share few cores; each keeps its own math libraries to one thread unless told.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(var, "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0

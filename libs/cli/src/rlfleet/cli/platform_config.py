@@ -1,14 +1,35 @@
-"""Configuration of a local platform launch (`rlfleet up`)."""
+"""Configuration of a local platform launch (`rlfleet up`): the launch itself, and the real config of
+every process it starts, one section each.
+
+A section is the service's own config model, so any key a service takes is set here as it is in the
+service's own TOML (`[trainer.loss] algorithm = "gspo"`, `--gateway.max-inflight-sessions 64`,
+`RLFLEET__BROKER__SYNC__TRANSPORT=disk_full`). What only the launch knows (peer addresses, the
+NATS and Redis URLs, paths in the run directory, the model) the launcher fills in where a section
+does not set it (`launch_facts`); `run_id` is set once, at the top, for everyone. Each process then
+gets its whole config as one file (`<run_dir>/config/<name>.json`) and `--config`.
+
+These imports are the CLI's only imports of the services: their config models, which are importable
+without torch (the import contract in tests/test_import_contract.py allows exactly these).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from pydantic import Field, model_validator
 
-from pydantic import Field
-
-from rlfleet.common.config import StrictModel
+from rlfleet.broker.config import WeightBrokerConfig
+from rlfleet.common.config import ProcessConfig, StrictModel, propagate
+from rlfleet.engine.config import EngineConfig
+from rlfleet.gateway.config import RolloutGatewayConfig
+from rlfleet.sandbox.config import SandboxManagerConfig
+from rlfleet.session.config import SessionServerConfig
+from rlfleet.trainer.service_config import TrainerConfig
+from rlfleet.verifier.config import VerifierConfig
 
 ALL_SERVICES = ("sandbox-manager", "rollout-gateway", "trainer", "session-server", "weight-broker", "verifier")
+# The section of the launch config that configures each process.
+SECTIONS = {"sandbox-manager": "sandbox", "rollout-gateway": "gateway", "trainer": "trainer",
+            "session-server": "session", "weight-broker": "broker", "verifier": "verifier",
+            "cpu-engine": "engine"}
 
 
 class NatsServerConfig(StrictModel):
@@ -20,7 +41,27 @@ class RedisServerConfig(StrictModel):
     binary: str = Field("redis-server", description="redis-server executable")
 
 
-class PlatformConfig(StrictModel):
+class ServiceSections(StrictModel):
+    """The config of every process a launch starts, as the process itself takes it."""
+
+    sandbox: SandboxManagerConfig = Field(default_factory=SandboxManagerConfig)
+    gateway: RolloutGatewayConfig = Field(default_factory=RolloutGatewayConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    session: SessionServerConfig = Field(default_factory=SessionServerConfig)
+    broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig,
+                                 description="every CPU engine the launch starts")
+
+    def section(self, process: str) -> ProcessConfig:
+        """The config section of `process` (a service name, or "cpu-engine")."""
+        return getattr(self, SECTIONS[process])
+
+    def sections(self) -> dict[str, ProcessConfig]:
+        return {name: getattr(self, name) for name in SECTIONS.values()}
+
+
+class PlatformConfig(ServiceSections):
     """Starts NATS (JetStream), Redis and every rlfleet service on free loopback ports."""
 
     run_id: str = Field("local", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="run namespace")
@@ -28,17 +69,25 @@ class PlatformConfig(StrictModel):
     services: list[str] = Field(list(ALL_SERVICES), description="services to start")
     start_timeout_s: float = Field(60.0, gt=0, description="give up when a process is not healthy by then")
     stop_timeout_s: float = Field(10.0, gt=0, description="SIGKILL what has not exited this long after SIGTERM")
-    log_format: str = Field("json", pattern="^(json|text)$", description="log format of the services")
+    log_format: str = Field("json", pattern="^(json|text)$",
+                            description="log format of every process (a section's log.format wins)")
     nats: NatsServerConfig = Field(default_factory=NatsServerConfig)
     redis: RedisServerConfig = Field(default_factory=RedisServerConfig)
     engines: int = Field(1, ge=0, le=16, description="CPU engines started before the gateway (0 = none: bring "
-                         "your own fleet through overrides.rollout-gateway.engines)")
+                         "your own fleet with gateway.engines)")
     model_path: str = Field("", description="HF model directory the engines serve and the session server "
                             "tokenizes with; empty = the default model, built once into the model cache")
     model_seed: int = Field(0, ge=0, description="seed of the default model (when model_path is empty)")
     model_cache_dir: str = Field("", description="where the default model is built and reused across runs; "
                                  "empty = .cache beside the run directory (runs/.cache)")
     canary_engines: int = Field(0, ge=0, description="how many of the engines form the canary pool (the rest: fleet)")
-    engine_torch_threads: int = Field(1, ge=1, description="torch intra-op threads of each engine")
-    overrides: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="per-service config overrides, e.g. {\"trainer\": {\"max_staleness\": 2}}")
+
+    @model_validator(mode="after")
+    def _hand_down_the_launch(self) -> PlatformConfig:
+        for name, section in self.sections().items():
+            if name != "engine":
+                propagate(section, {"run_id": self.run_id}, shared=True, where=name)
+            propagate(section, {"log": {"format": self.log_format}}, where=name)
+        # Without canary engines there is no gate to wait for: versions go straight to the fleet.
+        propagate(self.broker, {"auto_promote": not self.canary_engines}, where="broker")
+        return self

@@ -28,15 +28,20 @@ import os
 import signal
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
+import uvloop
 
+from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
+from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.cli.gate import decide
-from rlfleet.cli.launcher import start_ticks
+from rlfleet.cli.launcher import Platform, PlatformState, flatten_keys, is_ours, start_ticks
 from rlfleet.cli.loop_parts import (
     Clock,
     CpuSampler,
@@ -47,6 +52,7 @@ from rlfleet.cli.loop_parts import (
     latency_sampler,
     task_messages,
 )
+from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
 from rlfleet.cli.report import GateDecision, RunRecord, StepRecord, write_report
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import (
@@ -56,7 +62,17 @@ from rlfleet.cli.run_state import (
     eval_from_dict,
     record_from_dict,
 )
+from rlfleet.cli.warm_start import ensure_base_policy
+from rlfleet.common.config import NatsConfig, load_config
 from rlfleet.common.errors import StartupError
+from rlfleet.common.grpc_server import channel
+from rlfleet.common.streams import connect_nats
+from rlfleet.envkit.sdk.clients import Clients
+from rlfleet.envkit.sdk.environment import environments
+from rlfleet.envkit.submit import write_for_verifier
+from rlfleet.envkit.suites import calc
+from rlfleet.envkit.worker import RolloutWorker
+from rlfleet.envkit.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -185,39 +201,20 @@ class RLRun:
         s.save(self.run_dir)
 
     def _base_policy(self) -> Path:
-        from rlfleet.cli.warm_start import ensure_base_policy
-
         cache = Path(self.config.model_cache_dir).resolve() if self.config.model_cache_dir else self.run_dir.parent / ".cache"
         return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt, say)
 
-    def platform_config(self, base: Path):
-        from rlfleet.cli.platform_config import PlatformConfig
-
+    def platform_config(self, base: Path) -> PlatformConfig:
+        """The launch of this run: two engines (canary: rollouts and candidates; fleet: the accepted
+        version) serving the base policy, and the run's service sections as resolved."""
         c = self.config
-        gate = c.gate.enabled
-        overrides = {
-            "trainer": {"group_size": c.group_size, "groups_per_step": c.trainer.groups_per_step,
-                        "max_staleness": c.rollout.max_staleness, "torch_threads": c.trainer.torch_threads,
-                        "loss": {"algorithm": c.trainer.loss}, "optim": {"lr": c.trainer.lr},
-                        "backend": {"seed": c.seed}},
-            # With a gate the canary moves every `every_versions` versions: the delta chain must reach
-            # that far, or each move would be a full reload instead of a few deltas.
-            "weight-broker": {"auto_promote": not gate,
-                              "sync": {"every_n_versions": c.gate.every_versions if gate and c.mode == "async" else 1,
-                                       "max_delta_chain": max(4, c.gate.every_versions)}},
-            "rollout-gateway": {"max_inflight_sessions": c.rollout.max_inflight_sessions,
-                                "route_pools": ["canary"]},
-        }
-        for name, extra in c.overrides.items():
-            overrides.setdefault(name, {}).update(extra)
+        sections = {name: section.model_copy(deep=True) for name, section in c.sections().items()}
         return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=2, canary_engines=1,
-                              model_path=str(base), overrides=overrides, log_format="json")
+                              model_path=str(base), log_format="json", **sections)
 
     def _platform(self, base: Path):
         """The platform of this run directory: attached to when it is up, else started (returns it and
         whether this run owns it)."""
-        from rlfleet.cli.launcher import Platform, PlatformState, is_ours
-
         wanted = self.platform_config(base)
         try:
             running = PlatformState.load(self.run_dir)
@@ -253,13 +250,6 @@ class RLRun:
     @contextlib.asynccontextmanager
     async def _connections(self, state):
         """NATS, the SDK's clients and stubs of the gateway, trainer and broker, closed on the way out."""
-        from rlfleet.api.broker.v1 import broker_pb2_grpc
-        from rlfleet.api.gateway.v1 import gateway_pb2_grpc
-        from rlfleet.api.trainer.v1 import trainer_pb2_grpc
-        from rlfleet.common.config import NatsConfig
-        from rlfleet.common.grpc_server import channel
-        from rlfleet.common.streams import connect_nats
-        from rlfleet.envkit.sdk.clients import Clients
 
         channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker")]
         nc = await connect_nats(NatsConfig(url=state.by_name("nats").url), "rlfleet-run")
@@ -337,8 +327,6 @@ class RLRun:
     async def _baseline(self, peers, heldout, regression) -> None:
         """The version the fleet serves before RL: 0 on a new platform, the accepted one on a platform
         attached to after earlier runs."""
-        from rlfleet.api.broker.v1 import broker_pb2
-        from rlfleet.api.trainer.v1 import trainer_pb2
 
         status = await peers.broker.GetStatus(broker_pb2.GetStatusRequest())
         fleet = [e.policy_version for e in status.engines if e.pool == "fleet"]
@@ -366,9 +354,6 @@ class RLRun:
                                                 metrics=dict(version.metrics)))
 
     def _tasks(self, peers):
-        from rlfleet.envkit.submit import write_for_verifier
-        from rlfleet.envkit.suites import calc
-
         c = self.config
         train = calc.generate_tasks("train", 2000, seed=c.seed, difficulty=c.difficulty)
         heldout = calc.generate_tasks("heldout", c.eval.heldout, seed=c.seed, difficulty=c.difficulty)
@@ -379,9 +364,6 @@ class RLRun:
         return train, as_messages(heldout), as_messages(regression)
 
     def _worker(self, peers):
-        from rlfleet.envkit.worker import RolloutWorker
-        from rlfleet.envkit.worker_config import WorkerConfig
-
         c, state = self.config, peers.state
         delay = latency_sampler(c.rollout.tool_latency, c.seed)
         environments = self._environments()
@@ -398,7 +380,6 @@ class RLRun:
     def _environments(self):
         """Environments with the run's tool runtime, for training episodes and evaluations alike
         (without the slow-tool latency: it models the training fleet's tools, not the scoring)."""
-        from rlfleet.envkit.sdk.environment import environments
 
         return environments(self.config.rollout.tool_runtime)
 
@@ -411,8 +392,6 @@ class RLRun:
         return result
 
     async def _admit_up_to(self, peers, trainer_version: int) -> None:
-        from rlfleet.api.gateway.v1 import gateway_pb2
-
         await peers.gateway.SetAdmissionPolicy(gateway_pb2.AdmissionPolicy(
             max_inflight_sessions=self.config.rollout.max_inflight_sessions, trainer_version=trainer_version,
             max_staleness=self.config.rollout.max_staleness))
@@ -457,7 +436,6 @@ class RLRun:
 
     async def _wait_served(self, peers, version: int, pool: str, timeout_s: float = 120.0,
                            until_stopped: bool = True) -> bool:
-        from rlfleet.api.broker.v1 import broker_pb2
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not (until_stopped and self.stop.is_set()):
@@ -471,8 +449,6 @@ class RLRun:
     # -- the promotion gate ----------------------------------------------------------------------
 
     async def _gate_loop(self, peers, heldout, regression) -> None:
-        from rlfleet.api.broker.v1 import broker_pb2
-
         if not self.config.gate.enabled:
             return
         while not self.stop.is_set():
@@ -484,8 +460,6 @@ class RLRun:
             await asyncio.sleep(1.0)
 
     async def _gate(self, peers, version: int, heldout, regression) -> None:
-        from rlfleet.api.broker.v1 import broker_pb2
-
         self.last_gated = version
         candidate = await self._evaluate(peers, heldout, version, "heldout", "candidate", "canary")
         cand_reg = await self._evaluate(peers, regression, version, "regression", "candidate", "canary") \
@@ -503,8 +477,6 @@ class RLRun:
     # -- watching and printing -------------------------------------------------------------------
 
     async def _watch_pauses(self, peers) -> None:
-        from rlfleet.api.broker.v1 import broker_pb2
-
         updates: dict[str, int] = {}
         while not self.stop.is_set():
             try:
@@ -521,7 +493,6 @@ class RLRun:
     async def _measure_trainer_idle(self, peers) -> None:
         """Adds the trainer's data-wait time since the last reading to the loop's account (its own
         counter, so the baseline evaluation before the loop does not count as idle)."""
-        import urllib.request
 
         try:
             port = peers.state.by_name("trainer").metrics_port
@@ -544,8 +515,6 @@ class RLRun:
         self._trainer_mark = (waited, now)
 
     async def _progress(self, peers, observer) -> None:
-        from rlfleet.api.trainer.v1 import trainer_pb2
-
         while not self.stop.is_set():
             await asyncio.sleep(5.0)
             try:
@@ -567,7 +536,6 @@ class RLRun:
                 f"trainer idle {self.record.trainer_idle_fraction:.0%}")
 
     async def _finish(self, peers, heldout, regression) -> None:
-
         if not self.config.gate.enabled and self.record.steps:
             self.record.accepted_version = max(s.version for s in self.record.steps)  # auto-promoted
         accepted = self.record.accepted_version
@@ -580,7 +548,6 @@ class RLRun:
 
     async def _checkpoint(self, peers) -> None:
         """After an interruption: make every step taken durable, so a resume retrains nothing."""
-        from rlfleet.api.trainer.v1 import trainer_pb2
 
         try:
             done = await peers.trainer.Checkpoint(trainer_pb2.CheckpointRequest(), timeout=60)
@@ -593,7 +560,6 @@ class RLRun:
 
     async def _watch_processes(self, state) -> None:
         """A platform process that dies stops the run as interrupted; the run directory can resume it."""
-        from rlfleet.cli.launcher import is_ours
 
         while not self.stop.is_set():
             gone = [p.name for p in state.processes if not is_ours(p)]
@@ -626,9 +592,7 @@ class RLRun:
 
 def _platform_differences(running: dict, wanted: dict) -> list[str]:
     """What in the running platform's launch config would make it a different platform for this run."""
-    from rlfleet.cli.launcher import flatten_keys
-
-    keys = ("run_id", "engines", "canary_engines", "model_path", "overrides")
+    keys = ("run_id", "engines", "canary_engines", "model_path", *SECTIONS.values())
     have = dict(flatten_keys({k: running.get(k) for k in keys}))
     need = dict(flatten_keys({k: wanted.get(k) for k in keys}))
     return [f"{key}: running {have.get(key)!r}, this run needs {need.get(key)!r}"
@@ -647,8 +611,6 @@ USAGE = """rlfleet run CONFIG [--resume | --fresh] [--keep-up | --up-only] [conf
 
 
 def main(argv: list[str]) -> int:
-    from rlfleet.common.config import load_config
-
     if "-h" in argv or "--help" in argv:
         print(USAGE)
     options = RunOptions(**{FLAGS[a]: True for a in argv if a in FLAGS})
@@ -678,7 +640,6 @@ def main(argv: list[str]) -> int:
             loop.add_signal_handler(sig, interrupt)
         return await run.run()
 
-    import uvloop
 
     try:
         uvloop.run(go())

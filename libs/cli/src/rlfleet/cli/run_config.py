@@ -1,4 +1,12 @@
-"""Configuration of `rlfleet run`: the asynchronous RL loop on one task suite."""
+"""Configuration of `rlfleet run`: the asynchronous RL loop on one task suite.
+
+The run's own keys (task suite, rollouts, evaluation, gate, budget) sit beside the real config of
+every service (`ServiceSections`: `[trainer]`, `[gateway]`, `[broker]`, ...), resolved and checked
+once, here. What the run decides for everyone is handed down by `_hand_down` (prime-rl's shared
+fields): `run_id`, `group_size`, `rollout.max_staleness`, `rollout.max_inflight_sessions` and `seed`
+must not be set to something else in a section; what the run derives from its mode and gate
+(auto-promotion, the broker's sync cadence, the pools that take rollouts) a section may still set.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,12 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.cli.gate import GateConfig
+from rlfleet.cli.platform_config import ServiceSections
 from rlfleet.cli.warm_start import ModelSpec, WarmStartConfig
-from rlfleet.common.config import StrictModel
+from rlfleet.common.config import StrictModel, merge, propagate
+
+# Where `rlfleet run` starts from a different default than the services' own (a short CPU run).
+RUN_DEFAULTS: dict[str, Any] = {"trainer": {"groups_per_step": 8, "torch_threads": 1, "optim": {"lr": 5e-5}}}
 
 
 class ToolLatencyConfig(StrictModel):
@@ -32,13 +44,6 @@ class RolloutConfig(StrictModel):
         "no sandbox per episode; sandbox: a fresh sandbox per episode and a sandboxed process per call")
 
 
-class TrainerSettings(StrictModel):
-    loss: Literal["grpo", "gspo", "ppo"] = Field("grpo", description="RL loss")
-    lr: float = Field(5e-5, gt=0, description="learning rate")
-    groups_per_step: int = Field(8, ge=1, description="groups per optimizer step")
-    torch_threads: int = Field(1, ge=1, description="torch threads of the trainer")
-
-
 class EvalConfig(StrictModel):
     heldout: int = Field(200, ge=1, description="held-out tasks per evaluation")
     regression: int = Field(50, ge=0, description="fixed regression tasks per evaluation")
@@ -51,7 +56,7 @@ class BudgetConfig(StrictModel):
     max_minutes: float = Field(10.0, gt=0, description="stop the loop after this long (warm start not counted)")
 
 
-class RunConfig(StrictModel):
+class RunConfig(ServiceSections):
     """`rlfleet run`: warm start, baseline, then the RL loop with a promotion gate, and a report."""
 
     run_id: str = Field("calc", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="run namespace")
@@ -65,13 +70,33 @@ class RunConfig(StrictModel):
     model: ModelSpec = Field(default_factory=ModelSpec)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     model_cache_dir: str = Field("", description="base policies are cached here; empty = runs/.cache")
-    overrides: dict[str, dict[str, Any]] = Field(default_factory=dict,
-                                                 description="extra per-service config, as in `rlfleet up`")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _run_defaults(cls, data: Any) -> Any:
+        return merge(RUN_DEFAULTS, data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _hand_down(self) -> RunConfig:
+        shared: dict[str, dict[str, Any]] = {name: {"run_id": self.run_id} for name in self.sections()
+                                             if name != "engine"}
+        shared["trainer"].update(group_size=self.group_size, max_staleness=self.rollout.max_staleness,
+                                 backend={"seed": self.seed})
+        shared["gateway"].update(max_inflight_sessions=self.rollout.max_inflight_sessions)
+        for name, values in shared.items():
+            propagate(getattr(self, name), values, shared=True, where=name)
+        gate = self.gate
+        # With a gate the canary moves every `every_versions` versions: the delta chain must reach
+        # that far, or each move would be a full reload instead of a few deltas.
+        sync = {"every_n_versions": gate.every_versions if gate.enabled and self.mode == "async" else 1,
+                "max_delta_chain": max(4, gate.every_versions)}
+        propagate(self.broker, {"auto_promote": not gate.enabled, "sync": sync}, where="broker")
+        propagate(self.gateway, {"route_pools": ["canary"]}, where="gateway")  # rollouts go to the canary
+        return self
 
     @model_validator(mode="after")
     def _staleness_covers_the_gate(self) -> RunConfig:

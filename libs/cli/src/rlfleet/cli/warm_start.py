@@ -21,6 +21,9 @@ from pydantic import Field
 
 from rlfleet.common.config import StrictModel
 from rlfleet.common.errors import StartupError
+from rlfleet.common.processes import find_binary
+from rlfleet.envkit.corpus import default_corpus, write_corpus
+from rlfleet.envkit.demos import generate_demos, write_demos
 
 
 class ModelSpec(StrictModel):
@@ -55,6 +58,14 @@ def _run(cmd: list[str], log: Path, what: str, threads: int) -> None:
         raise StartupError(f"{what} failed (exit {code}): {' | '.join(tail)} (see {log})")
 
 
+def build_model_command(out: Path, seed: int) -> list[str]:
+    """`rlfleet-build-model` for the default model into `out`, with the default tokenizer corpus
+    (the task suites' texts, which the engine package does not know) written beside it."""
+    corpus = write_corpus(out.with_name(f"{out.name}.corpus.txt"), default_corpus(seed))
+    return [find_binary("rlfleet-build-model"), "--out", str(out), "--seed", str(seed),
+            "--corpus", str(corpus)]
+
+
 def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig, system_prompt: bool,
                        say=print) -> Path:
     """Returns the base policy directory, building and warm-starting it once per cache key."""
@@ -68,17 +79,14 @@ def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir()
     log = building / "warm-start.log"
-    bin_dir = Path(sys.executable).parent
     start = time.monotonic()
     initial = building / "initial"
-    _run([str(bin_dir / "rlfleet-build-model"), "--out", str(initial), "--seed", str(model.seed),
-          "--hidden-size", str(model.hidden_size), "--num-hidden-layers", str(model.num_hidden_layers)],
-         log, "building the default model", warm.torch_threads)
+    _run([*build_model_command(initial, model.seed), "--hidden-size", str(model.hidden_size),
+          "--num-hidden-layers", str(model.num_hidden_layers)], log, "building the default model",
+         warm.torch_threads)
     say(f"base policy: built the initial model ({time.monotonic() - start:.0f} s)")
     policy = building / "policy"
     if warm.enabled:
-        from rlfleet.envkit.demos import generate_demos, write_demos
-
         demos = generate_demos(warm.demonstrations, seed=model.seed, imperfection=warm.imperfection,
                                difficulty=warm.difficulty)
         if not system_prompt:

@@ -9,6 +9,7 @@ which the session server then uses instead.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -51,3 +52,68 @@ def tool_calls(text: str) -> list[tuple[str, str]]:
 def final_answer(text: str) -> str | None:
     match = ANSWER_RE.search(text)
     return None if match is None else match["answer"].strip()
+
+
+# -- the default tokenizer ----------------------------------------------------------------------
+
+
+# Qwen2's pre-tokenizer split: transformers loads a `model_type: qwen2` directory with
+# Qwen2Tokenizer, which installs this split whatever tokenizer.json says, so training with the
+# same split is what makes AutoTokenizer and plain `tokenizers` produce the same ids. It also
+# puts every digit in its own pre-token, so arithmetic in tool calls tokenizes uniformly.
+QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE tokenizer with the chat special tokens at ids 0, 1, 2.
+
+    Every byte is in the base alphabet, so any text encodes without unknown tokens. The vocabulary
+    can come out smaller than `vocab_size` when the corpus has too few repeated pairs.
+    """
+    try:
+        # Optional: the light services import this module and never train a tokenizer.
+        from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    except ImportError as exc:
+        raise RuntimeError("training the default tokenizer needs the `tokenizers` package "
+                           "(rlfleet-common[tokenizer])") from exc
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    for index, token in enumerate(SPECIAL_TOKENS):
+        # The engine, the session server and the trainer rely on these ids.
+        assert tokenizer.token_to_id(token) == index, (token, tokenizer.token_to_id(token))
+    return tokenizer
+
+
+def tokenizer_config(model_max_length: int) -> dict:
+    """`tokenizer_config.json`: what AutoTokenizer needs beyond tokenizer.json."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "bos_token": None,
+        "eos_token": END_OF_TEXT,
+        "pad_token": END_OF_TEXT,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }

@@ -3,7 +3,8 @@
 Every service and tool declares one pydantic model (subclass of `StrictModel`, so unknown keys are
 errors) and calls `load_config(Model, argv, prog=...)`. Field descriptions are the `--help` text.
 
-- TOML: `--config FILE`.
+- File: `--config FILE`, TOML (or JSON when FILE ends in .json: what `rlfleet up` writes for each
+  process it starts).
 - Environment: `RLFLEET__SECTION__FIELD=value` (double underscores separate levels).
 - Command line: one flag per leaf field (`--grpc.port 7000`, `--ready-file F`; `_` may be `-`) and
   `--set section.field=value`.
@@ -21,7 +22,8 @@ import os
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar, get_args, get_origin
+from types import UnionType
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,6 +36,9 @@ class ConfigError(Exception):
 
 
 class StrictModel(BaseModel):
+    """The base of every config model: unknown keys are errors (a misspelt `clip_eps_hgih` must not
+    silently run with the default), and an assignment is validated like a file would be."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -74,15 +79,42 @@ class RedisConfig(StrictModel):
     connect_timeout_s: float = Field(3.0, gt=0, description="give up connecting after this long")
 
 
-class ServiceConfig(StrictModel):
-    """What every service process has; services add their own sections."""
+class ProcessConfig(StrictModel):
+    """What every rlfleet process has (the CPU engine, which serves HTTP, included)."""
 
-    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="run namespace for streams and keys")
-    grpc: GrpcServerConfig = Field(default_factory=GrpcServerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     log: LogConfig = Field(default_factory=LogConfig)
-    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} as JSON here once serving")
+    ready_file: str = Field("", description="write what the process serves (pid, ports, addresses) as JSON "
+                            "here once it serves")
+
+
+class ServiceConfig(ProcessConfig):
+    """What every gRPC service has; services add their own sections."""
+
+    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                        description="run namespace for streams and keys")
+    grpc: GrpcServerConfig = Field(default_factory=GrpcServerConfig)
+
+
+def propagate(model: BaseModel, values: dict[str, Any], *, shared: bool = False, where: str = "") -> None:
+    """Hands values down into a nested config: each (nested) value of `values` is set on `model`
+    unless `model`'s own config set it explicitly, which wins. With `shared` (a value the parent
+    decides once for everyone, like run_id or the group size), an explicit different value is an
+    error instead. Assignments are validated, the model's checks across fields included."""
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else key
+        current = getattr(model, key)
+        if isinstance(value, dict) and isinstance(current, BaseModel):
+            propagate(current, value, shared=shared, where=name)
+        elif key not in model.model_fields_set:
+            try:
+                setattr(model, key, value)
+            except ValidationError as exc:
+                raise ValueError(f"{name}: {format_validation_error(exc)}") from None
+        elif shared and current != value:
+            raise ValueError(f"{name} is {current!r}, but {value!r} is set for everyone at the top: "
+                             "set it there, once")
 
 
 def require(value: str, name: str) -> str:
@@ -98,7 +130,11 @@ def require(value: str, name: str) -> str:
 # Loading
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_scalar(text: str, model: type[BaseModel] | None = None, path: list[str] | None = None) -> Any:
+    """A string from the environment or the command line as the value it stands for; kept as text
+    for a field that takes text (so `--weight-version 0` or `--run-id 123` stay strings)."""
+    if model is not None and path and _takes_text(_annotation(model, path)):
+        return text
     stripped = text.strip()
     if stripped[:1] in "[{" or stripped in ("true", "false", "null") or _is_number(stripped):
         try:
@@ -106,6 +142,30 @@ def _parse_scalar(text: str) -> Any:
         except json.JSONDecodeError:
             pass
     return text
+
+
+def _annotation(model: type[BaseModel], path: list[str]) -> Any:
+    """The annotation of the field at `path`, or None when there is none (pydantic says so later)."""
+    annotation: Any = model
+    for key in path:
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        field = annotation.model_fields.get(key)
+        if field is None:
+            return None
+        annotation = field.annotation
+    return annotation
+
+
+def _takes_text(annotation: Any) -> bool:
+    if annotation in (str, Path):
+        return True
+    if get_origin(annotation) is Literal:
+        return all(isinstance(choice, str) for choice in get_args(annotation))
+    if get_origin(annotation) in (Union, UnionType):
+        options = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(options) and all(_takes_text(a) for a in options)
+    return False
 
 
 def _is_number(text: str) -> bool:
@@ -126,11 +186,34 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+def nested(settings: dict[str, Any]) -> dict[str, Any]:
+    """A config tree from keys that may be dotted: {"metrics.enabled": False, "redis": {"url": u}}
+    is {"metrics": {"enabled": False}, "redis": {"url": u}}."""
+    tree: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            value = nested(value)
+        path = key.split(".")
+        current = _get_path(tree, path)
+        both_sections = isinstance(current, dict) and isinstance(value, dict)
+        _set_path(tree, path, merge(current, value) if both_sections else value)
+    return tree
+
+
+def _get_path(tree: dict[str, Any], path: list[str]) -> Any:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`override` over `base`, section by section."""
     merged = dict(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -156,23 +239,36 @@ def _describe(field: Any) -> str:
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file: TOML, or JSON when it ends in .json (what the launcher writes: JSON has null,
+    which a field like `tis_cap = None` needs)."""
     file = Path(path)
     if not file.exists():
         raise ConfigError(f"config file {file} does not exist")
     try:
-        return tomllib.loads(file.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+        text = file.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from None
+    if file.suffix == ".json":
+        try:
+            tree = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {file} is not valid JSON: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {file} must hold a JSON object")
+        return tree
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+def env_overrides(environ: dict[str, str] | None = None,
+                  model: type[BaseModel] | None = None) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for key, value in (os.environ if environ is None else environ).items():
         if key.startswith(ENV_PREFIX) and len(key) > len(ENV_PREFIX):
             path = key[len(ENV_PREFIX):].lower().split("__")
-            _set_path(tree, path, _parse_scalar(value))
+            _set_path(tree, path, _parse_scalar(value, model, path))
     return tree
 
 
@@ -191,7 +287,7 @@ def format_validation_error(exc: ValidationError) -> str:
 
 def build_parser(model: type[BaseModel], prog: str, description: str = "") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description or model.__doc__)
-    parser.add_argument("--config", metavar="FILE", help="TOML config file")
+    parser.add_argument("--config", metavar="FILE", help="config file: TOML, or JSON if it ends in .json")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                         help="override any key, e.g. --set grpc.port=7000 (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
@@ -204,7 +300,7 @@ def build_parser(model: type[BaseModel], prog: str, description: str = "") -> ar
 
 
 def resolve(model: type[M], toml: dict[str, Any], env: dict[str, Any], cli: dict[str, Any]) -> M:
-    merged = _merge(_merge(toml, env), cli)
+    merged = merge(merge(toml, env), cli)
     try:
         return model.model_validate(merged)
     except ValidationError as exc:
@@ -221,12 +317,14 @@ def load_config(model: type[M], argv: list[str] | None = None, *, prog: str,
         if "=" not in item:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
-        _set_path(cli, key.strip().split("."), _parse_scalar(value))
+        path = key.strip().split(".")
+        _set_path(cli, path, _parse_scalar(value, model, path))
     for dest, value in vars(args).items():
         if dest.startswith("field:") and value is not None:
-            _set_path(cli, dest[len("field:"):].split("."), _parse_scalar(value))
+            path = dest[len("field:"):].split(".")
+            _set_path(cli, path, _parse_scalar(value, model, path))
     toml = read_toml(args.config) if args.config else {}
-    config = resolve(model, toml, env_overrides(environ), cli)
+    config = resolve(model, toml, env_overrides(environ, model), cli)
     if args.dry_run:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         raise SystemExit(0)

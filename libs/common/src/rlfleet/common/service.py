@@ -5,27 +5,35 @@ config is parsed (so `--help` never imports heavy modules):
 
     def main() -> None:
         run_service("rlfleet-session-server", SessionServerConfig, build_app)
+
+A process that is not a gRPC service (the CPU engine serves HTTP) goes the same way with
+`run_process`: config (defaults < TOML < environment < flags), logs, then its own coroutine, which
+reports readiness with `write_ready_file`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from rlfleet.common.config import ConfigError, ServiceConfig, load_config
-from rlfleet.common.errors import StartupError
+import uvloop
+
+from rlfleet.common.config import ConfigError, ProcessConfig, ServiceConfig, load_config
+from rlfleet.common.errors import StartupError, Unimplemented
 from rlfleet.common.grpc_server import GrpcServer
+from rlfleet.common.logs import setup_logging
+from rlfleet.common.processes import write_json_atomic
+from rlfleet.common.telemetry import setup_telemetry
 
 log = logging.getLogger(__name__)
-C = TypeVar("C", bound=ServiceConfig)
+C = TypeVar("C", bound=ProcessConfig)
 
 
 class App(ABC):
@@ -39,17 +47,13 @@ class App(ABC):
         """Releases connections and background tasks; called once, after the server stopped."""
 
 
-def write_ready_file(path: str, payload: dict) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload))
-    tmp.rename(target)  # atomic, so a reader never sees half a file
+def write_ready_file(path: str | Path, payload: dict) -> None:
+    """Says the process serves: a launcher or test waiting on `path` reads `payload` (atomically
+    written, so a reader never sees half a file)."""
+    write_json_atomic(path, payload)
 
 
 async def serve(name: str, config: ServiceConfig, factory: Callable[[ServiceConfig], App]) -> None:
-    from rlfleet.common.telemetry import setup_telemetry
-
     telemetry = setup_telemetry(name, config.telemetry, config.metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,67 +87,31 @@ async def serve(name: str, config: ServiceConfig, factory: Callable[[ServiceConf
     log.info("stopped")
 
 
-def run_service(name: str, config_cls: type[C], factory: Callable[[C], App], argv: list[str] | None = None) -> None:
-    """Entry point of a service's console script; exits non-zero with one line on bad config or start-up."""
+def run_process(name: str, config_cls: type[C], body: Callable[[C], Awaitable[None]],
+                argv: list[str] | None = None) -> None:
+    """Entry point of a console script: loads the config, sets up logs, runs `body(config)` on
+    uvloop; exits non-zero with one line on bad config (2) or a failed start (1)."""
     try:
         config = load_config(config_cls, argv, prog=name)
     except ConfigError as exc:
         print(f"{name}: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    from rlfleet.common.logs import setup_logging
-
     setup_logging(name, config.log.level, config.log.format)
-    import uvloop
-
     try:
-        uvloop.run(serve(name, config, factory))
+        uvloop.run(body(config))
     except (StartupError, ConfigError) as exc:
         print(f"{name}: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
-class PeersApp(App):
-    """An app that connects to NATS (ensuring the streams) and/or Redis before serving.
-
-    Subclasses set `uses_nats`/`uses_redis` and read `self.nc`, `self.js`, `self.redis`.
-    """
-
-    uses_nats = False
-    uses_redis = False
-
-    def __init__(self, config: ServiceConfig, name: str) -> None:
-        self.config = config
-        self.name = name
-        self.nc = None
-        self.js = None
-        self.redis = None
-
-    async def connect(self) -> None:
-        if self.uses_redis:
-            from rlfleet.common.redis_store import connect_redis
-
-            self.redis = await connect_redis(self.config.redis)  # type: ignore[attr-defined]
-        if self.uses_nats:
-            from rlfleet.common.streams import connect_nats, ensure_streams
-
-            self.nc = await connect_nats(self.config.nats, self.name)  # type: ignore[attr-defined]
-            self.js = self.nc.jetstream()
-            await ensure_streams(self.js)
-
-    async def stop(self) -> None:
-        if self.nc is not None:
-            try:
-                await asyncio.wait_for(self.nc.drain(), 3.0)
-            except (TimeoutError, Exception):  # NATS gone already: nothing left to flush
-                await self.nc.close()
-        if self.redis is not None:
-            await self.redis.aclose()
+def run_service(name: str, config_cls: type[C], factory: Callable[[C], App],
+                argv: list[str] | None = None) -> None:
+    """Entry point of a service's console script: `run_process` serving the App `factory` builds."""
+    run_process(name, config_cls, lambda config: serve(name, config, factory), argv)
 
 
 def placeholder_servicer(base: type, service_full_name: str, issue: str) -> object:
     """A servicer whose every RPC answers UNIMPLEMENTED saying which issue will implement it."""
-    from rlfleet.common.errors import Unimplemented
-
     def make(method: str):
         async def rpc(self, request, context):
             raise Unimplemented(f"{service_full_name}/{method} is not implemented yet ({issue})")

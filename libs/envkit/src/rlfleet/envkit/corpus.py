@@ -8,7 +8,9 @@ follow, so no character a task can produce is left to raw byte fallback.
 
 from __future__ import annotations
 
+import argparse
 import string
+from pathlib import Path
 
 from rlfleet.common.chat import render_messages
 from rlfleet.envkit.actions import parse_action, too_many_calls_error
@@ -89,3 +91,26 @@ def _code_dialogues() -> list[str]:
         ]
         texts.append(render_messages(task.chat_messages() + turns, add_generation_prompt=False))
     return texts
+
+
+def write_corpus(path: Path, texts: list[str]) -> Path:
+    """One text per line, newlines written as a literal backslash-n: what `rlfleet-build-model
+    --corpus` reads."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(t.replace("\n", "\\n") + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlfleet.envkit.corpus",
+        description="Writes the default tokenizer corpus for rlfleet-build-model --corpus.")
+    parser.add_argument("--out", type=Path, required=True, help="file to write")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the dialogues")
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help="about this many calc dialogues")
+    args = parser.parse_args(argv)
+    write_corpus(args.out, default_corpus(args.seed, args.n))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,8 +14,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlfleet.common.config import StrictModel
 from rlfleet.envkit.errors import SuiteFormatError
 
 SCHEMA_VERSION = 1
@@ -26,16 +27,17 @@ PUBLIC_KEYS = ("schema_version", "task_id", "suite", "split", "messages", "tools
 HIDDEN_KEYS = ("task_id", "suite", "verifier", "metadata")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Record(StrictModel):
+    # A task is a record read from a file: immutable once read.
+    model_config = ConfigDict(frozen=True)
 
 
-class Message(_Strict):
+class Message(_Record):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
 
-class ToolSpec(_Strict):
+class ToolSpec(_Record):
     name: str = Field(pattern=r"^[a-z_]+$", description="the tag name, as in <name>args</name>")
     description: str = ""
 
@@ -47,14 +49,14 @@ class ToolSpec(_Strict):
         return name
 
 
-class Limits(_Strict):
+class Limits(_Record):
     max_turns: int = Field(4, ge=0, description="tool calls allowed; the episode gets max_turns + 1 turns")
     max_new_tokens: int = Field(256, gt=0, description="token budget of one assistant turn")
     timeout_s: float = Field(60.0, gt=0, description="wall-clock budget of the whole episode")
     tool_timeout_s: float = Field(10.0, gt=0, description="wall-clock budget of one tool call")
 
 
-class ExactVerifier(_Strict):
+class ExactVerifier(_Record):
     """Pass when the answer equals ``answer`` after normalisation (strip, collapse spaces, NFKC)."""
 
     kind: Literal["exact"]
@@ -62,7 +64,7 @@ class ExactVerifier(_Strict):
     case_sensitive: bool = False
 
 
-class NumericVerifier(_Strict):
+class NumericVerifier(_Record):
     """Pass when the answer is a number within ``tolerance`` (absolute) of ``answer``."""
 
     kind: Literal["numeric"]
@@ -81,7 +83,7 @@ class NumericVerifier(_Strict):
         return answer
 
 
-class UnitTestsVerifier(_Strict):
+class UnitTestsVerifier(_Record):
     """Pass when the hidden test script, run against the candidate's files, reports no failure."""
 
     kind: Literal["unit_tests"]
@@ -94,7 +96,7 @@ class UnitTestsVerifier(_Strict):
 VerifierSpec = Annotated[ExactVerifier | NumericVerifier | UnitTestsVerifier, Field(discriminator="kind")]
 
 
-class Task(_Strict):
+class Task(_Record):
     schema_version: Literal[1] = SCHEMA_VERSION
     task_id: str = Field(min_length=1)
     suite: str = Field(min_length=1)

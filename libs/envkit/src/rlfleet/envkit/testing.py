@@ -40,12 +40,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.chat import IM_END, IM_START
+from rlfleet.common.chat import CHAT_TEMPLATE, IM_END, IM_START, tokenizer_config, train_tokenizer
+from rlfleet.common.config import merge, nested
+from rlfleet.common.processes import BIN, ServiceProcess, write_json_atomic
+from rlfleet.common.service import write_ready_file
+from rlfleet.envkit.corpus import default_corpus
+from rlfleet.envkit.run_dir import RunDir
+from rlfleet.envkit.suites.code_templates import TEMPLATES
 
 _MESSAGE_RE = re.compile(re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)" + re.escape(IM_END), re.DOTALL)
 _SCRIPT_RE = re.compile(r"\[script:\s*(?P<steps>[a-z, ]+)\]")
 _EXPRESSION_RE = re.compile(r"What is (?P<expr>.+?)\?")
-BIN = Path(sys.executable).parent
 
 
 # -- the scripted policy --------------------------------------------------------------------------
@@ -78,8 +83,6 @@ def scripted_turn(conversation: str) -> str:
 
 
 def _reference_solution(prompt: str) -> str:
-    from rlfleet.envkit.suites.code_templates import TEMPLATES
-
     return next((t.solution for t in TEMPLATES if f"`{t.signature}`" in prompt), "pass\n")
 
 
@@ -147,8 +150,6 @@ class ScriptedEngine:
 async def _serve(tokenizer_dir: str, ready_file: str, delay_s: float) -> None:
     from aiohttp import web
 
-    from rlfleet.common.service import write_ready_file
-
     runner = web.AppRunner(ScriptedEngine(tokenizer_dir, delay_s).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -177,10 +178,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def build_tokenizer(out: Path, vocab_size: int = 512) -> Path:
     """The default tokenizer format (ChatML special tokens at 0, 1, 2) trained on a small calc corpus."""
-    from rlfleet.common.chat import CHAT_TEMPLATE
-    from rlfleet.engine.build_model import tokenizer_config, train_tokenizer
-    from rlfleet.envkit.corpus import default_corpus
-
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(default_corpus(seed=0, n=300), vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -192,67 +189,12 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> Path:
     return out
 
 
-class ChildProcess:
-    """A helper process started here and stopped by its PID (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, argv: list[str], workdir: Path, name: str) -> None:
-        self.argv = argv
-        self.workdir = Path(workdir)
-        self.name = name
-        self.process: subprocess.Popen | None = None
-        self.log_path = self.workdir / f"{name}.log"
-
-    def start(self) -> ChildProcess:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return self
-
-    def wait_for_file(self, path: Path, timeout_s: float = 30.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if path.exists():
-                try:
-                    return json.loads(path.read_text())
-                except json.JSONDecodeError:
-                    pass
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.log()[-3000:]}")
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s} s: {self.log()[-3000:]}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self, grace_s: float = 10.0) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
-def start_scripted_engine(tokenizer_dir: Path, workdir: Path, delay_s: float = 0.0) -> tuple[ChildProcess, str]:
-    ready = Path(workdir) / f"scripted-engine-{time.monotonic_ns()}.json"
-    child = ChildProcess([sys.executable, "-m", "rlfleet.envkit.testing", "--tokenizer", str(tokenizer_dir),
-                          "--ready-file", str(ready), "--delay-s", str(delay_s)], workdir, "scripted-engine").start()
-    return child, child.wait_for_file(ready)["url"]
+def start_scripted_engine(tokenizer_dir: Path, workdir: Path,
+                          delay_s: float = 0.0) -> tuple[ServiceProcess, str]:
+    argv = [sys.executable, "-m", "rlfleet.envkit.testing", "--tokenizer", str(tokenizer_dir),
+            "--delay-s", str(delay_s)]
+    engine = ServiceProcess(argv, workdir, name="scripted-engine").start(30.0)
+    return engine, engine.url
 
 
 class LaunchedPlatform:
@@ -265,7 +207,7 @@ class LaunchedPlatform:
     SERVICES = ("sandbox-manager", "rollout-gateway", "session-server", "verifier")
 
     def __init__(self, run_dir: Path, run_id: str, model_dir: Path, engine_url: str = "", engines: int = 1,
-                 services: tuple[str, ...] = SERVICES, overrides: dict[str, dict] | None = None,
+                 services: tuple[str, ...] = SERVICES, sections: dict[str, dict] | None = None,
                  start_timeout_s: float = 120.0) -> None:
         self.run_dir = Path(run_dir)
         self.start_timeout_s = start_timeout_s  # generous: shared CPUs make a cold start slow
@@ -274,36 +216,23 @@ class LaunchedPlatform:
         self.engine_url = engine_url
         self.engines = 0 if engine_url else engines
         self.services = services
-        self.overrides = overrides or {}
+        # By section name (`session`, `trainer`, `engine`, ...); keys may be dotted.
+        self.sections = sections or {}
         self.info = None
 
-    def config_text(self) -> str:
-        from rlfleet.cli.platform_config import PlatformConfig
-
-        model = json.dumps(str(self.model_dir))
-        sections: dict[str, dict[str, str]] = {"session-server": {"tokenizer_path": model},
-                                               "verifier": {"tokenizer_path": model}}
+    def config(self) -> dict:
+        """The `rlfleet up` config of this launch."""
+        model = str(self.model_dir)
+        launch = {"run_id": self.run_id, "run_dir": str(self.run_dir), "services": list(self.services),
+                  "log_format": "json", "start_timeout_s": self.start_timeout_s, "engines": self.engines,
+                  "model_path": model, "session.tokenizer_path": model, "verifier.tokenizer_path": model}
         if self.engine_url:
-            sections["rollout-gateway"] = {"engines": f'[{{engine_id = "e0", url = "{self.engine_url}"}}]'}
-        for service, values in self.overrides.items():
-            for key, value in values.items():
-                sections.setdefault(service, {})[key] = json.dumps(value)
-        lines = [f'run_id = "{self.run_id}"', f"run_dir = {json.dumps(str(self.run_dir))}",
-                 f"services = {json.dumps(list(self.services))}", 'log_format = "json"',
-                 f"start_timeout_s = {self.start_timeout_s}"]
-        if "engines" in PlatformConfig.model_fields:  # a launcher that starts CPU engines itself
-            lines += [f"engines = {self.engines}", f"model_path = {model}"]
-        for service, values in sections.items():
-            lines.append(f'[overrides."{service}"]')
-            lines.extend(f"{key} = {value}" for key, value in values.items())
-        return "\n".join(lines) + "\n"
+            launch["gateway.engines"] = [{"engine_id": "e0", "url": self.engine_url}]
+        return merge(nested(launch), nested(self.sections))
 
     def up(self, timeout_s: float = 300.0) -> LaunchedPlatform:
-        from rlfleet.envkit.run_dir import RunDir
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        config = self.run_dir.parent / f"{self.run_dir.name}-platform.toml"
-        config.write_text(self.config_text())
+        config = write_json_atomic(self.run_dir.parent / f"{self.run_dir.name}-platform.json", self.config())
         result = subprocess.run([str(BIN / "rlfleet"), "up", "--detach", "--config", str(config)],
                                 capture_output=True, text=True, timeout=timeout_s)
         if result.returncode != 0:

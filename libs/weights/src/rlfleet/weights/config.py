@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rlfleet.common.config import StrictModel
 
 
-class WeightStoreConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class WeightStoreConfig(StrictModel):
     served_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16", description="dtype engines serve; floating trainer tensors are rounded to it"
     )

@@ -1,6 +1,6 @@
 """Builds the default tiny policy: a byte-level BPE tokenizer and a small Qwen2 model, in HF format.
 
-`rlfleet-build-model --out DIR --seed 0` writes `tokenizer.json`, `tokenizer_config.json`,
+`rlfleet-build-model --out DIR --seed 0 --corpus FILE` writes `tokenizer.json`, `tokenizer_config.json`,
 `special_tokens_map.json`, `config.json`, `generation_config.json` and `model.safetensors`.
 `transformers.AutoTokenizer`/`AutoModelForCausalLM` and plain `tokenizers.Tokenizer.from_file`
 load the result, and so does the CPU engine (and a real SGLang server).
@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlfleet.common.chat import CHAT_TEMPLATE, END_OF_TEXT, IM_END, IM_START, SPECIAL_TOKENS
+# The tokenizer format is the chat format's other half, shared with the session server and the
+# environment kit's tests: it lives with the chat format, in libs/common.
+from rlfleet.common.chat import END_OF_TEXT, IM_END, SPECIAL_TOKENS, tokenizer_config, train_tokenizer
 
 
 @dataclass(frozen=True)
@@ -36,62 +38,6 @@ class ModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
-
-
-# Qwen2's pre-tokenizer split: transformers loads a `model_type: qwen2` directory with
-# Qwen2Tokenizer, which installs this split whatever tokenizer.json says, so training with the
-# same split is what makes AutoTokenizer and plain `tokenizers` produce the same ids. It also
-# puts every digit in its own pre-token, so arithmetic in tool calls tokenizes uniformly.
-QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-
-
-def train_tokenizer(texts: Iterable[str], vocab_size: int):
-    """A byte-level BPE tokenizer with the chat special tokens at ids 0, 1, 2.
-
-    Every byte is in the base alphabet, so any text encodes without unknown tokens. The vocabulary
-    can come out smaller than `vocab_size` when the corpus has too few repeated pairs.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(list(texts), trainer=trainer)
-    for index, token in enumerate(SPECIAL_TOKENS):
-        # The engine, the session server and the trainer rely on these ids.
-        assert tokenizer.token_to_id(token) == index, (token, tokenizer.token_to_id(token))
-    return tokenizer
-
-
-def tokenizer_config(model_max_length: int) -> dict:
-    """`tokenizer_config.json`: what AutoTokenizer needs beyond tokenizer.json."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": model_max_length,
-        "bos_token": None,
-        "eos_token": END_OF_TEXT,
-        "pad_token": END_OF_TEXT,
-        "unk_token": None,
-        "additional_special_tokens": [IM_START, IM_END],
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "padding_side": "left",
-        "chat_template": CHAT_TEMPLATE,
-    }
 
 
 def build_model(spec: ModelSpec, vocab_size: int, seed: int):
@@ -149,18 +95,14 @@ def build(out: Path, texts: Sequence[str], seed: int, spec: ModelSpec) -> Path:
     return out
 
 
-def load_corpus(path: Path | None, seed: int) -> list[str]:
-    if path is not None:
-        texts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
-        texts = [t.replace("\\n", "\n") for t in texts if t.strip()]
-    else:
-        try:
-            from rlfleet.envkit.corpus import default_corpus
-        except ImportError as exc:
-            raise SystemExit(
-                f"no --corpus given and the default corpus is unavailable ({exc}); pass --corpus FILE"
-            ) from exc
-        texts = list(default_corpus(seed))
+def load_corpus(path: Path | None) -> list[str]:
+    # The default corpus is the task suites' business (rlfleet.envkit), not the engine's: whoever
+    # builds the default model (the launcher, a deploy's model-init) writes it and passes it here.
+    if path is None:
+        raise SystemExit("--corpus FILE is required (`python -m rlfleet.envkit.corpus --out FILE` writes "
+                         "the default one)")
+    texts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
+    texts = [t.replace("\\n", "\n") for t in texts if t.strip()]
     if not texts:
         raise SystemExit("the tokenizer corpus is empty")
     return texts
@@ -170,13 +112,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = ModelSpec()
     parser = argparse.ArgumentParser(prog="rlfleet-build-model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory (created)")
-    parser.add_argument("--seed", type=int, default=0, help="weight-init seed (and default-corpus seed)")
+    parser.add_argument("--seed", type=int, default=0, help="weight-init seed")
     parser.add_argument(
         "--corpus",
         type=Path,
         default=None,
         help="text file, one text per line (a literal \\n in a line is a newline); "
-        "default: rlfleet.envkit.corpus.default_corpus(seed)",
+        "`python -m rlfleet.envkit.corpus --out FILE` writes the default one",
     )
     for name in asdict(defaults):
         value = getattr(defaults, name)
@@ -191,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = ModelSpec(**{name: getattr(args, name) for name in asdict(ModelSpec())})
     if spec.hidden_size % spec.num_attention_heads or spec.num_attention_heads % spec.num_key_value_heads:
         raise SystemExit("hidden-size must divide by heads, and heads by kv-heads")
-    texts = load_corpus(args.corpus, args.seed)
+    texts = load_corpus(args.corpus)
     out = build(args.out, texts, args.seed, spec)
     print(json.dumps({"out": str(out), "seed": args.seed, "texts": len(texts)}))
     return 0

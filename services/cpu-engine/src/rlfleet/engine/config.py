@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from rlfleet.common.config import MetricsConfig, TelemetryConfig
+from rlfleet.common.config import ProcessConfig
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class EngineConfig(ProcessConfig):
+    """rlfleet's built-in CPU engine (SGLang HTTP API)."""
 
-    model_path: Path = Field(description="HF model directory: config.json, *.safetensors, tokenizer.json")
+    model_path: Path | None = Field(None, description="HF model directory: config.json, *.safetensors, "
+                                    "tokenizer.json (required to start)")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(0, ge=0, le=65535, description="port to listen on; 0 picks a free port")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the model")
@@ -53,10 +54,3 @@ class EngineConfig(BaseModel):
     dist_timeout_s: float = Field(
         300.0, gt=0, description="timeout of torch.distributed weight-update groups"
     )
-    ready_file: Path | None = Field(
-        None, description='written once listening: {"url": ..., "port": ..., "pid": ...}'
-    )
-    log_level: str = Field("info", description="python logging level")
-    # The sections every rlfleet service has (flags --telemetry.span-file, --metrics.port, ...).
-    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)

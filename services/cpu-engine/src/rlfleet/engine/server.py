@@ -30,6 +30,8 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from rlfleet.common.service import write_ready_file
+from rlfleet.common.telemetry import setup_telemetry
 from rlfleet.engine import distributed
 from rlfleet.engine.config import EngineConfig
 from rlfleet.engine.model_runner import ModelRunner, WeightLoadError, read_checkpoint
@@ -558,8 +560,6 @@ def _weight_reply(success: bool, message: str, **extra) -> web.Response:
 
 async def serve(config: EngineConfig) -> None:
     """Sets up telemetry, loads the model, starts the scheduler thread and serves until SIGTERM/SIGINT."""
-    from rlfleet.common.telemetry import setup_telemetry
-
     telemetry = setup_telemetry(SERVICE_NAME, config.telemetry, config.metrics)
     try:
         await _serve(config, telemetry.metrics_port)
@@ -594,8 +594,8 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # the real port when config.port == 0
     url = f"http://{config.host}:{port}"
-    if config.ready_file is not None:
-        _write_ready_file(
+    if config.ready_file:
+        write_ready_file(
             config.ready_file,
             {
                 "url": url,
@@ -618,10 +618,3 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
         await app_runner.cleanup()
         server.close_groups()
 
-
-def _write_ready_file(path: Path, content: dict[str, Any]) -> None:
-    # Written to a temporary name and renamed, so a reader never sees half a file.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(content))
-    tmp.replace(path)

@@ -1,18 +1,20 @@
 """Test helpers shared by the engine's tests and its clients' tests: a calc-dialogue corpus, a very
-small model, and an engine process that is started on a free port and stopped by its PID."""
+small model, and an engine process that is started on a free port and stopped by its PID.
+
+Torch and transformers are imported inside the helpers that need them: a client's tests (the
+gateway's) use `EngineProcess` and `http_call` without loading torch into the test process."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
+import aiohttp
+
 from rlfleet.common.chat import render_messages
+from rlfleet.common.processes import ServiceProcess
+from rlfleet.weights import to_served
 
 SYSTEM = "You are a calculator agent. Call <calc>expression</calc>, then reply <answer>number</answer>."
 
@@ -61,73 +63,36 @@ def build_tiny_model(out: Path, seed: int = 0, corpus_seed: int = 0, **sizes) ->
     return build(out, calc_dialogues(300, corpus_seed), seed, ModelSpec(**spec))
 
 
-class EngineProcess:
-    """`rlfleet-cpu-engine` in a child process, on a free port, stopped by PID."""
+class EngineProcess(ServiceProcess):
+    """`rlfleet-cpu-engine` serving `model_path` in a child process, on a free port, stopped by PID;
+    `config` is any of EngineConfig's keys."""
 
     def __init__(self, model_path: Path, workdir: Path, **config) -> None:
         self.model_path = Path(model_path)
-        self.workdir = Path(workdir)
-        self.config = {"torch_threads": 1, **config}
-        self.process: subprocess.Popen | None = None
-        self.url = ""
-        self.port = 0
+        env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        super().__init__("rlfleet-cpu-engine", workdir, env=env, name="engine",
+                         config={"model_path": str(model_path), "torch_threads": 1, **config})
 
     def start(self, timeout_s: float = 90.0) -> EngineProcess:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        ready = self.workdir / f"engine-{time.monotonic_ns()}.ready.json"
-        args = [
-            sys.executable,
-            "-m",
-            "rlfleet.engine.main",
-            "--model-path",
-            str(self.model_path),
-            "--ready-file",
-            str(ready),
-        ]
-        for key, value in self.config.items():
-            args += [f"--{key.replace('_', '-')}", str(value)]
-        self.log_path = ready.with_suffix(".log")
-        log = self.log_path.open("wb")
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"engine exited with {self.process.returncode}:\n{self.log_path.read_text()[-4000:]}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(
-                    f"engine not ready after {timeout_s}s:\n{self.log_path.read_text()[-4000:]}"
-                )
-            time.sleep(0.1)
-        info = json.loads(ready.read_text())
-        assert info["pid"] == self.process.pid, info
-        self.url, self.port = info["url"], info["port"]
+        super().start(timeout_s)
+        assert self.info["pid"] == self.pid, self.info
         return self
 
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.kill(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=15)
 
-    def __enter__(self) -> EngineProcess:
-        return self.start()
+_built_models: dict[tuple[Path, int], Path] = {}
 
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
+
+def tiny_model(root: Path, seed: int = 0) -> Path:
+    """The tiny test model, built once per test process under `root` (torch is imported here, in
+    the test process, never in a light service)."""
+    key = (Path(root), seed)
+    if key not in _built_models:
+        _built_models[key] = build_tiny_model(Path(root) / f"tiny-seed{seed}", seed=seed)
+    return _built_models[key]
 
 
 async def http_call(url: str, path: str, body=None, method: str = "POST", within_s: float = 60.0):
     """(status, JSON or text) of one request; a fresh session each time keeps tests independent."""
-    import aiohttp
-
     async with aiohttp.ClientSession() as session:
         request = session.request(
             method, url + path, json=body, timeout=aiohttp.ClientTimeout(total=within_s)
@@ -136,17 +101,6 @@ async def http_call(url: str, path: str, body=None, method: str = "POST", within
             if response.content_type == "application/json":
                 return response.status, await response.json()
             return response.status, await response.text()
-
-
-async def eventually(predicate, within_s: float = 20.0, every_s: float = 0.02) -> None:
-    """Polls the async `predicate` until it is true; fails after `within_s`."""
-    import asyncio
-
-    for _ in range(int(within_s / every_s)):
-        if await predicate():
-            return
-        await asyncio.sleep(every_s)
-    raise AssertionError(f"condition not reached within {within_s}s")
 
 
 def generate_in_process(runner, ids: list[int], **sampling):
@@ -195,8 +149,6 @@ class StoreTrainer:
 
     def publish(self, kind: str | None = None) -> dict:
         """Writes the current weights as the next version; returns the store's manifest."""
-        from rlfleet.weights import to_served
-
         self.version += 1
         manifest = self.store.write_version(self.version, self.model.state_dict(), kind=kind)
         self.published[self.version] = to_served(self.model.state_dict())

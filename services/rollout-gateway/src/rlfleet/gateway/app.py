@@ -8,7 +8,7 @@ import contextlib
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.common.engine_client import EngineTimeouts
 from rlfleet.common.grpc_server import GrpcServer
-from rlfleet.common.service import PeersApp
+from rlfleet.common.peers import PeersApp
 from rlfleet.gateway.admission import Admission
 from rlfleet.gateway.config import EngineSpec, RolloutGatewayConfig
 from rlfleet.gateway.dispatch import Dispatcher

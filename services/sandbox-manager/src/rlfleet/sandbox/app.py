@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from rlfleet.api.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import GrpcServer
-from rlfleet.common.service import PeersApp
-from rlfleet.sandbox.bubblewrap import BubblewrapConfig, BubblewrapDriver
+from rlfleet.common.peers import PeersApp
+from rlfleet.sandbox.bubblewrap import BubblewrapDriver
 from rlfleet.sandbox.config import SandboxManagerConfig
 from rlfleet.sandbox.errors import SandboxDriverUnavailable
 from rlfleet.sandbox.leases import LeaseStore, Owner
@@ -39,7 +38,7 @@ class SandboxManagerApp(PeersApp):
             self.manager = None
             raise StartupError(f"sandbox driver unavailable: {exc}") from None
         log.info("sandbox manager ready", extra={
-            "instance": self.manager.leases.owner.instance_id, "root": self.config.root,
+            "instance": self.manager.leases.owner.instance_id, "root": str(self.config.driver.root),
             "predecessor_leases_removed": len(recovery.predecessor_leases),
             "dead_owner_leases_removed": len(recovery.dead_owner_leases)})
         server.add(sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, SandboxServicer(self.manager), SERVICE_NAME)
@@ -53,16 +52,14 @@ class SandboxManagerApp(PeersApp):
 
 
 def build_manager(config: SandboxManagerConfig, redis) -> SandboxManager:
-    driver = BubblewrapDriver(BubblewrapConfig(
-        root=Path(config.root), pool_size=config.warm_pool_size, uid_base=config.uid_base,
-        max_sandboxes=config.max_sandboxes, cgroups=config.cgroups, max_read_bytes=config.max_read_bytes,
-        reap_interval_s=config.reap_interval_s))
-    leases = LeaseStore(redis, config.run_id, Owner.this_process(config.root),
+    driver = BubblewrapDriver(config.driver)
+    leases = LeaseStore(redis, config.run_id, Owner.this_process(str(config.driver.root)),
                         grace_s=config.lease_grace_s, heartbeat_s=config.heartbeat_s)
     policy = RequestPolicy(config.default_limits.as_limits(), config.max_limits.as_limits(),
                            config.default_ttl_s, config.max_ttl_s, config.allow_network)
-    return SandboxManager(driver, leases, policy, ReadLimits(config.max_read_bytes, config.default_read_bytes_per_file),
-                          reap_interval_s=config.reap_interval_s, pool_size=lambda: len(driver.pool))
+    reads = ReadLimits(config.driver.max_read_bytes, config.default_read_bytes_per_file)
+    return SandboxManager(driver, leases, policy, reads, reap_interval_s=config.driver.reap_interval_s,
+                          pool_size=lambda: len(driver.pool))
 
 
 def build(config: SandboxManagerConfig) -> SandboxManagerApp:

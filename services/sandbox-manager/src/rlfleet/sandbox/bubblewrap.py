@@ -36,6 +36,7 @@ from rlfleet.sandbox.bwrap_command import (
     bwrap_reported_exit,
     kill_sandbox_init,
 )
+from rlfleet.sandbox.config import BubblewrapConfig
 from rlfleet.sandbox.driver import (
     MAX_STDIN_BYTES,
     ExecResult,
@@ -47,7 +48,7 @@ from rlfleet.sandbox.driver import (
     validate_env,
 )
 from rlfleet.sandbox.errors import InvalidSandboxRequest, SandboxDriverUnavailable, SandboxNotFound
-from rlfleet.sandbox.limits import LIMIT_RANGES, Limits, MiB
+from rlfleet.sandbox.limits import LIMIT_RANGES, Limits
 from rlfleet.sandbox.pool import WarmPool
 from rlfleet.sandbox.process import run_captured
 from rlfleet.sandbox.violations import exec_result
@@ -64,24 +65,6 @@ from rlfleet.sandbox.workspace import (
 log = logging.getLogger(__name__)
 
 _GONE_MEMORY = 10_000
-
-
-@dataclass(frozen=True)
-class BubblewrapConfig:
-    root: Path = Path("/var/lib/rlfleet/sandboxes")
-    pool_size: int = 4
-    uid_base: int = 200_000  # sandboxes get uids uid_base .. uid_base+max_sandboxes-1
-    max_sandboxes: int = 256
-    python_prefix: str | None = None  # default: realpath(sys.base_prefix), the real interpreter
-    extra_ro_binds: tuple[str, ...] = ()  # more host dirs to show read-only (toolchains)
-    tmp_size_bytes: int = 64 * MiB  # each of /tmp and /dev/shm
-    cgroups: str = "auto"  # "auto": use if the host allows; "off"; "require": fail start without
-    cgroup_parent: str | None = None  # cgroup v2: a delegated parent with memory+pids enabled
-    max_read_bytes: int = 64 * MiB  # per read_files call
-    max_write_bytes: int = 256 * MiB  # per write_files call (and per spec.files)
-    max_list_entries: int = 100_000
-    reap_interval_s: float = 5.0
-    bwrap: str = "bwrap"
 
 
 @dataclass(eq=False)
@@ -102,8 +85,6 @@ class BubblewrapDriver:
 
     def __init__(self, config: BubblewrapConfig | None = None) -> None:
         self.config = config or BubblewrapConfig()
-        if self.config.cgroups not in ("auto", "off", "require"):
-            raise ValueError(f"cgroups must be auto, off or require, not {self.config.cgroups!r}")
         self._uids = UidAllocator(self.config.uid_base, self.config.max_sandboxes)
         self._sandboxes: dict[str, _Live] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # id -> why, for clear NOT_FOUND messages

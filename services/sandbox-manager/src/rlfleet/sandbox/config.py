@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -33,6 +34,32 @@ class LimitsConfig(StrictModel):
         return Limits(**self.model_dump())
 
 
+class BubblewrapConfig(StrictModel):
+    """The bubblewrap driver: where sandboxes live, their uids, the warm pool, cgroups, its own limits."""
+
+    root: Path = Field(Path("/var/lib/rlfleet/sandboxes"),
+                       description="directory holding sandbox workspaces (one driver each)")
+    pool_size: int = Field(4, ge=0, description="sandboxes kept ready for a fast create")
+    uid_base: int = Field(200_000, ge=1000,
+                          description="sandboxes run as uids uid_base .. uid_base+max_sandboxes-1")
+    max_sandboxes: int = Field(256, ge=1, le=65536, description="sandbox slots (one uid each), warm pool "
+                               "included; beyond: RESOURCE_EXHAUSTED")
+    cgroups: Literal["auto", "off", "require"] = Field(
+        "auto", description="memory/pids cgroups: auto (use when the host allows), off, or require")
+    cgroup_parent: str | None = Field(None,
+                                      description="cgroup v2: a delegated parent with memory+pids enabled")
+    python_prefix: str | None = Field(None, description="the interpreter shown in sandboxes; default: "
+                                      "realpath(sys.base_prefix), the real interpreter")
+    extra_ro_binds: tuple[str, ...] = Field((), description="more host dirs shown read-only (toolchains)")
+    tmp_size_bytes: int = Field(64 * MiB, ge=1, description="size of each of /tmp and /dev/shm")
+    max_read_bytes: int = Field(32 * MiB, ge=1, description="bytes one ReadFiles call may return in total")
+    max_write_bytes: int = Field(256 * MiB, ge=1,
+                                 description="bytes one WriteFiles call (or a spec's files) may write")
+    max_list_entries: int = Field(100_000, ge=1, description="entries one listing may return")
+    reap_interval_s: float = Field(2.0, gt=0, description="how often expired sandboxes are destroyed")
+    bwrap: str = Field("bwrap", description="the bubblewrap executable")
+
+
 def _max_limits() -> LimitsConfig:
     return LimitsConfig(cpu_seconds=600, memory_bytes=4 * GiB, wall_seconds=600, max_processes=512,
                         max_file_bytes=1 * GiB, max_output_bytes=16 * MiB)
@@ -42,13 +69,7 @@ class SandboxManagerConfig(ServiceConfig):
     """Sandbox manager: a fresh isolated sandbox per episode."""
 
     redis: RedisConfig = Field(default_factory=RedisConfig)
-    root: str = Field("/var/lib/rlfleet/sandboxes", description="directory holding sandbox workspaces (one driver each)")
-    warm_pool_size: int = Field(4, ge=0, description="sandboxes kept ready for a fast create")
-    max_sandboxes: int = Field(256, ge=1, le=65536,
-                               description="sandbox slots (one uid each), warm pool included; beyond: RESOURCE_EXHAUSTED")
-    uid_base: int = Field(200_000, ge=1000, description="sandboxes run as uids uid_base .. uid_base+max_sandboxes-1")
-    cgroups: Literal["auto", "off", "require"] = Field(
-        "auto", description="memory/pids cgroups: auto (use when the host allows), off, or require")
+    driver: BubblewrapConfig = Field(default_factory=BubblewrapConfig)
     default_limits: LimitsConfig = Field(default_factory=LimitsConfig,
                                          description="limits for fields a create request leaves at 0")
     max_limits: LimitsConfig = Field(default_factory=_max_limits,
@@ -56,9 +77,7 @@ class SandboxManagerConfig(ServiceConfig):
     default_ttl_s: float = Field(3600.0, gt=0, description="sandbox lifetime when a request gives none")
     max_ttl_s: float = Field(24 * 3600.0, gt=0, le=7 * 24 * 3600, description="longest lifetime a request may ask for")
     allow_network: bool = Field(False, description="let create requests turn networking on (off: INVALID_ARGUMENT)")
-    max_read_bytes: int = Field(32 * MiB, ge=1, description="bytes one ReadFiles call may return in total")
     default_read_bytes_per_file: int = Field(8 * MiB, ge=1, description="per-file read cap when a request gives none")
-    reap_interval_s: float = Field(2.0, gt=0, description="how often expired sandboxes are destroyed")
     heartbeat_s: float = Field(5.0, gt=0, description="how often this manager refreshes its liveness key")
     lease_grace_s: float = Field(60.0, ge=0, description="Redis keeps a lease this long past its sandbox's expiry")
 
@@ -69,6 +88,6 @@ class SandboxManagerConfig(ServiceConfig):
                 raise ValueError(f"default_limits.{name}={default} is above max_limits.{name}")
         if self.default_ttl_s > self.max_ttl_s:
             raise ValueError("default_ttl_s is above max_ttl_s")
-        if self.default_read_bytes_per_file > self.max_read_bytes:
-            raise ValueError("default_read_bytes_per_file is above max_read_bytes")
+        if self.default_read_bytes_per_file > self.driver.max_read_bytes:
+            raise ValueError("default_read_bytes_per_file is above driver.max_read_bytes")
         return self

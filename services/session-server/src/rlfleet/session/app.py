@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.common.config import require
 from rlfleet.common.grpc_server import GrpcServer
-from rlfleet.common.service import PeersApp
+from rlfleet.common.peers import PeersApp
 from rlfleet.session.closing import Closer
 from rlfleet.session.config import SessionServerConfig
 from rlfleet.session.gateway_client import GatewayClient

@@ -1,124 +1,40 @@
-"""Test helpers for the rollout tier: service processes on free ports, started and stopped by PID.
+"""Test helpers for the rollout tier: CPU engines, a gateway and session servers as processes, for one run.
 
-    gateway = ServiceProcess("rlfleet-gateway", workdir, "--redis.url", redis_url, "--engines", json).start()
-    gateway.address       # host:port of its gRPC server
-    gateway.kill()        # SIGKILL (a crash); gateway.stop() is SIGTERM, then SIGKILL after a grace period
+    stack = Rollout(workdir, nats_url, redis_url, model, run_id).start(engines=2)
+    stack.session.address     # host:port of the session server
+    stack.gateway.kill()      # SIGKILL (a crash); stop() is SIGTERM, then SIGKILL after a grace period
+
+Every process is started through the one harness (`rlfleet.common.processes.ServiceProcess`), with
+its config in a file (`--config`), and stopped by PID.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
+import nats
+from nats.errors import TimeoutError as NatsTimeout
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.processes import ServiceProcess, free_port
+from rlfleet.common.streams import ensure_consumer
 
 
-class ServiceProcess:
-    def __init__(self, script: str, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.script = script
-        self.workdir = Path(workdir)
-        self.args = [str(a) for a in args]
-        self.env = env
-        self.process: subprocess.Popen | None = None
-        self.info: dict = {}
-
-    @property
-    def address(self) -> str:
-        return self.info["grpc_address"]
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def spawn(self) -> ServiceProcess:
-        """Starts the process without waiting for it (see `wait_ready`), so several can start at once."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        stamp = time.monotonic_ns()
-        self.ready_file = self.workdir / f"{self.script}-{stamp}.ready.json"
-        self.log_path = self.workdir / f"{self.script}-{stamp}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(self.env or {})}
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [str(BIN / self.script), *self.args, "--ready-file", str(self.ready_file), "--log.format", "text"],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
-        return self
-
-    def wait_ready(self, timeout_s: float = 60.0) -> ServiceProcess:
-        assert self.process is not None
-        deadline = time.monotonic() + timeout_s
-        while not self.ready_file.exists():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.script} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"{self.script} not ready after {timeout_s}s:\n{self.log()[-4000:]}")
-            time.sleep(0.05)
-        self.info = json.loads(self.ready_file.read_text())
-        return self
-
-    def start(self, timeout_s: float = 60.0) -> ServiceProcess:
-        return self.spawn().wait_ready(timeout_s)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.kill(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies as in a crash, with no chance to clean up."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=15)
-
-
-def gateway_args(redis_url: str, run_id: str, engines: list[tuple[str, str]], **config) -> list[str]:
-    """Command-line arguments for `rlfleet-gateway` with the given engines [(engine_id, url)]."""
+def gateway_config(redis_url: str, run_id: str, engines: list[tuple[str, str]], **settings) -> dict:
+    """The config of an `rlfleet-gateway` with the given engines [(engine_id, url)] (metrics off
+    unless asked for: tests need no endpoints)."""
     specs = [{"engine_id": engine_id, "url": url} for engine_id, url in engines]
-    args = ["--redis.url", redis_url, "--run-id", run_id, "--engines", json.dumps(specs)]
-    return args + _settings({"metrics.enabled": False, **config})
+    return {"redis.url": redis_url, "run_id": run_id, "engines": specs, "log.format": "text",
+            "metrics.enabled": False, **settings}
 
 
-def session_server_args(nats_url: str, redis_url: str, run_id: str, gateway_address: str, tokenizer_path: str,
-                        **config) -> list[str]:
-    args = ["--nats.url", nats_url, "--redis.url", redis_url, "--run-id", run_id, "--gateway-address",
-            gateway_address, "--tokenizer-path", str(tokenizer_path)]
-    return args + _settings({"metrics.enabled": False, **config})
-
-
-def _settings(config: dict) -> list[str]:
-    """`--set key=value` for each entry (metrics off unless asked for: tests need no endpoints)."""
-    args = []
-    for key, value in config.items():
-        args += ["--set", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    return args
-
-
-_built_models: dict[tuple[Path, int], Path] = {}
-
-
-def tiny_model(root: Path, seed: int = 0) -> Path:
-    """The engine's tiny test model, built once per test process under `root` (torch is imported here,
-    in the test process, never in a service)."""
-    from rlfleet.engine.testing import build_tiny_model
-
-    key = (Path(root), seed)
-    if key not in _built_models:
-        _built_models[key] = build_tiny_model(Path(root) / f"tiny-seed{seed}", seed=seed)
-    return _built_models[key]
+def session_server_config(nats_url: str, redis_url: str, run_id: str, gateway_address: str,
+                          tokenizer_path: str, **settings) -> dict:
+    return {"nats.url": nats_url, "redis.url": redis_url, "run_id": run_id,
+            "gateway_address": gateway_address, "tokenizer_path": str(tokenizer_path), "log.format": "text",
+            "metrics.enabled": False, **settings}
 
 
 class Rollout:
@@ -140,21 +56,16 @@ class Rollout:
         return self.sessions[-1]
 
     def start(self, engines: int = 1, gateway: dict | None = None, session: dict | None = None) -> Rollout:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from rlfleet.engine.testing import EngineProcess
-
         try:
             names = [f"e{i}" for i in range(engines)]
             with ThreadPoolExecutor(max(1, engines)) as pool:  # engines load their model in parallel
-                started = pool.map(lambda n: EngineProcess(self.model, self.workdir / n, weight_version="0",
-                                                            engine_id=n).start(), names)
+                started = pool.map(self._start_engine, names)
                 self.engines = dict(zip(names, started, strict=True))
-            port = _free_port()
-            self.gateway = ServiceProcess(
-                "rlfleet-gateway", self.workdir,
-                *gateway_args(self.redis_url, self.run_id, [(n, e.url) for n, e in self.engines.items()],
-                              **{"grpc.port": port, **(gateway or {})})).spawn()
+            port = free_port()
+            engines = [(n, e.url) for n, e in self.engines.items()]
+            settings = {"grpc.port": port, **(gateway or {})}
+            config = gateway_config(self.redis_url, self.run_id, engines, **settings)
+            self.gateway = ServiceProcess("rlfleet-gateway", self.workdir, config=config).spawn()
             self.start_session_server(f"127.0.0.1:{port}", wait=False, **(session or {}))
             self.gateway.wait_ready()
             self.session.wait_ready()
@@ -163,9 +74,13 @@ class Rollout:
             raise
         return self
 
+    def _start_engine(self, name: str) -> ServiceProcess:
+        config = {"model_path": str(self.model), "engine_id": name, "weight_version": "0", "torch_threads": 1}
+        return ServiceProcess("rlfleet-cpu-engine", self.workdir / name, config=config).start(90.0)
+
     def start_session_server(self, gateway_address: str | None = None, wait: bool = True, **config) -> ServiceProcess:
         address = gateway_address or self.gateway.address
-        process = ServiceProcess("rlfleet-session-server", self.workdir, *session_server_args(
+        process = ServiceProcess("rlfleet-session-server", self.workdir, config=session_server_config(
             self.nats_url, self.redis_url, self.run_id, address, str(self.model), **config)).spawn()
         self.sessions.append(process)
         return process.wait_ready() if wait else process
@@ -176,24 +91,8 @@ class Rollout:
                 process.stop()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def read_trajectories(nats_url: str, run_id: str, wait_s: float = 1.0) -> list:
     """Every trajectory published for `run_id` so far, read with a throwaway consumer."""
-    import uuid
-
-    import nats
-    from nats.errors import TimeoutError as NatsTimeout
-
-    from rlfleet.api.common.v1 import common_pb2
-    from rlfleet.common.streams import ensure_consumer
-
     nc = await nats.connect(nats_url)
     durable = f"test-{uuid.uuid4().hex[:12]}"
     try:

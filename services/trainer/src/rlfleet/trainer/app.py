@@ -20,7 +20,7 @@ from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.common.config import require
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import GrpcServer
-from rlfleet.common.service import PeersApp
+from rlfleet.common.peers import PeersApp
 from rlfleet.trainer.service_config import TrainerConfig
 from rlfleet.trainer.servicer import NO_MODEL, TrainerServicer
 
@@ -58,11 +58,12 @@ class TrainerApp(PeersApp):
         from rlfleet.trainer.consumer import STREAM, TrajectoryConsumer
         from rlfleet.trainer.learner import Worker
         from rlfleet.trainer.loop import TrainerLoop
-        from rlfleet.weights import DirectoryWeightStore, WeightStoreConfig
+        from rlfleet.weights import DirectoryWeightStore
 
-        store = DirectoryWeightStore(cfg.weight_store, cfg.run_id, WeightStoreConfig(
-            served_dtype=cfg.weights.served_dtype, full_every=cfg.weights.full_every,
-            encoding=cfg.weights.encoding, base_dir=Path(cfg.model_path)))
+        # Full checkpoints carry the model's config and tokenizer files.
+        weights = cfg.weights if cfg.weights.base_dir else cfg.weights.model_copy(
+            update={"base_dir": Path(cfg.model_path)})
+        store = DirectoryWeightStore(cfg.weight_store, cfg.run_id, weights)
         consumer = TrajectoryConsumer(self.js, cfg.run_id, cfg.consumer_name(), cfg.consumer)
         await consumer.start()
         self.depth = QueueDepthPoller(self.js, STREAM, consumer.name)

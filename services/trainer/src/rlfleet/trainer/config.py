@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from rlfleet.common.config import StrictModel
 
 
-class _Strict(BaseModel):
-    # Unknown keys are errors: a misspelt `clip_eps_hgih` must not silently train with the default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LossConfig(_Strict):
+class LossConfig(StrictModel):
     """The RL objective. Defaults are GRPO with token-level averaging and TIS on."""
 
     algorithm: Literal["grpo", "gspo", "ppo"] = Field(
@@ -46,7 +43,7 @@ class LossConfig(_Strict):
                                     "loss tokens (mean 0, std 1).")
 
 
-class BatchConfig(_Strict):
+class BatchConfig(StrictModel):
     """How samples become model inputs."""
 
     layout: Literal["packed", "padded"] = Field(
@@ -60,7 +57,7 @@ class BatchConfig(_Strict):
     pad_token_id: int = Field(0, ge=0, description="token id written into padding (never attended, never scored).")
 
 
-class OptimConfig(_Strict):
+class OptimConfig(StrictModel):
     lr: float = Field(1e-6, gt=0.0, description="peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -73,19 +70,25 @@ class OptimConfig(_Strict):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
 
 
-class TorchBackendConfig(_Strict):
+class BackendOptions(StrictModel):
+    """How a backend runs its model, whatever the model is (the service's `backend` section)."""
+
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="attention kernel: sdpa, eager")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: one GPU per rank (LOCAL_RANK), NCCL; "
+                                           "cpu: gloo.")
+    bf16: bool = Field(False, description="bf16 autocast for forward/backward (weights and optimizer stay "
+                       "fp32).")
+    seed: int = Field(0, description="seed of everything random in the trainer")
+
+
+class TorchBackendConfig(BackendOptions):
     """The default training backend: a transformers causal LM, AdamW, FSDP2 at world size >= 2."""
 
     model_dir: str | None = Field(None, description="HF directory (config.json + safetensors) to load.")
     model_config_dict: dict[str, Any] | None = Field(
         None, description="build a model from this config (`model_type` defaults to qwen2; random init with "
         "`seed`) instead of loading model_dir.")
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: one GPU per rank (LOCAL_RANK), NCCL; "
-                                           "cpu: gloo.")
-    bf16: bool = Field(False, description="bf16 autocast for forward/backward (weights and optimizer stay fp32).")
     value_head: bool = Field(False, description="add a scalar value head on the final hidden state (PPO).")
-    seed: int = 0
     optim: OptimConfig = OptimConfig()
     batch: BatchConfig = BatchConfig()
 

@@ -66,16 +66,12 @@ class LearnerCore:
         import torch
         import transformers
 
-        from rlfleet.trainer.config import TorchBackendConfig
         from rlfleet.trainer.torch_backend import TorchBackend
 
         transformers.utils.logging.disable_progress_bar()  # no progress bars in JSON logs
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
-        b = self.config.backend
-        cfg = TorchBackendConfig(model_dir=self.config.model_path, attn_implementation=b.attn_implementation,
-                                 device=b.device, bf16=b.bf16, seed=b.seed, optim=self.config.optim,
-                                 batch=self.config.batch, value_head=self.config.loss.algorithm == "ppo")
+        cfg = self.config.torch_backend_config()
         self.backend = TorchBackend(cfg)  # under torchrun: joins the process group, shards the model
         if self.config.loss.kl_coef > 0:
             # The frozen starting policy, for the KL penalty; never stepped.

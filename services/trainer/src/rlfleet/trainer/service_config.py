@@ -12,7 +12,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlfleet.common.config import NatsConfig, ServiceConfig, StrictModel
-from rlfleet.trainer.config import BatchConfig, LossConfig, OptimConfig
+from rlfleet.trainer.config import BackendOptions, BatchConfig, LossConfig, OptimConfig, TorchBackendConfig
+from rlfleet.weights.config import WeightStoreConfig
 
 
 class GroupFilterConfig(StrictModel):
@@ -37,14 +38,6 @@ class CheckpointConfig(StrictModel):
     on_stop: bool = Field(True, description="write a checkpoint on SIGTERM when steps are not yet in one")
 
 
-class WeightsConfig(StrictModel):
-    """How each policy version is written to the weight store."""
-
-    served_dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="dtype the engines serve")
-    full_every: int = Field(10, ge=1, description="a full checkpoint every K versions, deltas in between")
-    encoding: Literal["xor", "overwrite", "auto"] = Field("xor", description="delta encoding (see rlfleet.weights)")
-
-
 class ConsumerConfig(StrictModel):
     """The durable JetStream pull consumer on the run's TRAJECTORIES subject."""
 
@@ -60,13 +53,10 @@ class ConsumerConfig(StrictModel):
     fetch_timeout_s: float = Field(1.0, gt=0, description="longest a pull waits for messages")
 
 
-class BackendOptions(StrictModel):
-    """Options of the torch backend (the model itself comes from model_path)."""
+class TrainerBackendOptions(BackendOptions):
+    """The backend's options (the model itself comes from model_path), and where the proximal policy
+    of the clipped ratio comes from."""
 
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu or cuda")
-    bf16: bool = Field(False, description="bf16 autocast for forward/backward (weights stay fp32)")
-    seed: int = Field(0, description="seed of everything random in the trainer")
     recompute_old_logprobs: bool = Field(True, description="the trainer's own log-probs of each batch before "
                                          "the update are the proximal policy of the clipped ratio (taken from the "
                                          "training pass itself); false: the rollout's log-probs are")
@@ -91,9 +81,10 @@ class TrainerConfig(ServiceConfig):
     loss: LossConfig = Field(default_factory=LossConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    backend: BackendOptions = Field(default_factory=BackendOptions)
+    backend: TrainerBackendOptions = Field(default_factory=TrainerBackendOptions)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    weights: WeightStoreConfig = Field(default_factory=WeightStoreConfig,
+                                       description="how each policy version is written to the weight store")
     consumer: ConsumerConfig = Field(default_factory=ConsumerConfig)
 
     @model_validator(mode="after")
@@ -113,6 +104,12 @@ class TrainerConfig(ServiceConfig):
 
     def consumer_name(self) -> str:
         return self.consumer.name or f"trainer-{self.run_id}"
+
+    def torch_backend_config(self) -> TorchBackendConfig:
+        """The learning core's config of the policy: this service's sections as they are."""
+        options = self.backend.model_dump(include=set(BackendOptions.model_fields))
+        return TorchBackendConfig(**options, model_dir=self.model_path, optim=self.optim, batch=self.batch,
+                                  value_head=self.loss.algorithm == "ppo")
 
     def checkpoint_dir(self) -> Path:
         if self.checkpoint.dir:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from rlfleet.common.chat import SPECIAL_TOKENS
+from rlfleet.common.processes import ProcessNotReady, ServiceProcess, find_binary, wait_until
+from rlfleet.common.streams import publish
 from rlfleet.trainer.batching import TrainSample
 
 
@@ -52,8 +53,6 @@ def write_tiny_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int
     """Trains a byte-level BPE with the chat special tokens and writes tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from rlfleet.common.chat import SPECIAL_TOKENS
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -88,8 +87,6 @@ def trajectory_protos(num_groups: int, group_size: int, run_id: str, vocab_size:
                       policy_version: int = 0, lengths: tuple[int, int] = (6, 12), prefix: str = "") -> list:
     """`Trajectory` protos shaped like make_samples' (prompt, generated, observation, generated),
     with spans, verdicts and status: what the session server publishes on TRAJECTORIES."""
-    from rlfleet.api.common.v1 import common_pb2
-
     out = []
     for s in make_samples(num_groups, group_size, lengths=lengths, vocab_size=vocab_size, seed=seed):
         k = int(s.trajectory_id.rsplit("-", 1)[1])
@@ -106,8 +103,6 @@ def trajectory_protos(num_groups: int, group_size: int, run_id: str, vocab_size:
 
 def _spans(mask: list[int], policy_version: int) -> list:
     """Spans tiling the sequence: PROMPT first, then GENERATED runs (mask 1) and OBSERVATION runs (mask 0)."""
-    from rlfleet.api.common.v1 import common_pb2
-
     spans, start = [], 0
     for i in range(1, len(mask) + 1):
         if i == len(mask) or mask[i] != mask[start]:
@@ -123,58 +118,36 @@ def _spans(mask: list[int], policy_version: int) -> list:
 
 async def publish_trajectories(js: Any, run_id: str, trajectories: list) -> None:
     """Publishes `Trajectory` protos on the run's TRAJECTORIES subject, as the session server does."""
-    from rlfleet.common.streams import publish
-
     for traj in trajectories:
         await publish(js, "TRAJECTORIES", run_id, traj.SerializeToString(), msg_type="Trajectory",
                       msg_id=traj.trajectory_id)
 
 
-class TrainerProcess:
-    """The `rlfleet-trainer` console script as a subprocess (integration tests, benchmarks); stopped by PID."""
+class TrainerProcess(ServiceProcess):
+    """The `rlfleet-trainer` console script as a subprocess (integration tests, benchmarks); stopped by PID.
+
+    Its log and ready file keep their names across restarts in one `workdir`, so the log of a
+    trainer restarted there holds every run of it."""
 
     def __init__(self, workdir: str | Path, nats_url: str, run_id: str, model_path: str | Path | None,
                  *args: str, name: str = "trainer", nproc: int = 1) -> None:
-        self.workdir = Path(workdir)
-        self.name = name
-        self.nproc = nproc  # > 1: under `torchrun --standalone`, rank 0 serving
-        self.ready_file = self.workdir / f"{name}.ready.json"
-        self.log_file = self.workdir / f"{name}.log"
-        self.args = ["--nats.url", nats_url, "--run-id", run_id, "--ready-file", str(self.ready_file),
-                     "--torch-threads", "1", "--log.format", "text", *args]
+        workdir = Path(workdir)
+        script = find_binary("rlfleet-trainer")
+        # nproc > 1: under `torchrun --standalone`, rank 0 serving.
+        launcher = [find_binary("torchrun"), "--standalone", f"--nproc-per-node={nproc}", "--no-python"] \
+            if nproc > 1 else []
+        flags = ["--nats.url", nats_url, "--run-id", run_id, "--torch-threads", "1", "--log.format", "text",
+                 *args]
         if model_path is not None:
-            self.args += ["--model-path", str(model_path), "--weight-store", str(self.workdir / "weights")]
-        self.proc = None
-        self.info: dict[str, Any] = {}
+            flags += ["--model-path", str(model_path), "--weight-store", str(workdir / "weights")]
+        super().__init__([*launcher, script], workdir, *flags, name=name, log_path=workdir / f"{name}.log",
+                         ready_file=workdir / f"{name}.ready.json")
 
     def start(self, timeout_s: float = 60.0) -> TrainerProcess:
-
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.ready_file.unlink(missing_ok=True)
-        script = Path(sys.executable).with_name("rlfleet-trainer")
-        launcher = [str(script.with_name("torchrun")), "--standalone", f"--nproc-per-node={self.nproc}",
-                    "--no-python"] if self.nproc > 1 else []
-        with open(self.log_file, "a") as log:
-            self.proc = subprocess.Popen([*launcher, str(script), *self.args], stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + timeout_s
-        while not self.ready_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{self.name} did not start:\n{self.log()[-3000:]}")
-            time.sleep(0.05)
-        self.info = json.loads(self.ready_file.read_text())
+        super().start(timeout_s)
         return self
 
-    @property
-    def address(self) -> str:
-        return self.info["grpc_address"]
-
     def call(self, method: str, timeout_s: float = 30.0):
-        import grpc
-
-        from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-
         request = getattr(trainer_pb2, f"{method}Request", None) or trainer_pb2.GetStatusRequest
         with grpc.insecure_channel(self.address) as channel:
             return getattr(trainer_pb2_grpc.TrainerServiceStub(channel), method)(request(), timeout=timeout_s)
@@ -183,37 +156,14 @@ class TrainerProcess:
         return self.call("GetStatus")
 
     def wait_for(self, predicate, timeout_s: float = 60.0, what: str = "condition"):
+        """The trainer's status once `predicate(status)` holds; fails when the trainer exits first."""
+        last: list = []
 
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            status = self.status()
-            if predicate(status):
-                return status
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: no {what} after {timeout_s}s; last status:\n{status}")
-            time.sleep(0.05)
+        def holds():
+            last[:] = [self.status()]
+            return last[0] if predicate(last[0]) else None
 
-    def kill(self) -> None:
-        """SIGKILL: no cleanup at all, as a crash."""
-
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM, then SIGKILL after timeout_s; returns the exit status."""
-
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
-
-    def log(self) -> str:
-        return self.log_file.read_text() if self.log_file.exists() else ""
+        try:
+            return wait_until(holds, timeout_s, f"{self.name} ({what})", self)
+        except ProcessNotReady as exc:
+            raise ProcessNotReady(f"{exc}\nlast status:\n{last[0] if last else None}") from None

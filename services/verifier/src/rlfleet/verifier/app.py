@@ -8,7 +8,7 @@ import logging
 from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from rlfleet.common.config import require
 from rlfleet.common.grpc_server import GrpcServer
-from rlfleet.common.service import PeersApp
+from rlfleet.common.peers import PeersApp
 from rlfleet.verifier.config import VerifierConfig
 from rlfleet.verifier.kinds import KIND_NAMES, ScoringConfig
 from rlfleet.verifier.metrics import VerifierMetrics

@@ -13,7 +13,7 @@ from rlfleet.broker.servicer import BrokerServicer
 from rlfleet.common.config import require
 from rlfleet.common.engine_client import EngineTimeouts
 from rlfleet.common.grpc_server import GrpcServer
-from rlfleet.common.service import PeersApp
+from rlfleet.common.peers import PeersApp
 from rlfleet.weights import DirectoryWeightStore
 
 SERVICE_NAME = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name

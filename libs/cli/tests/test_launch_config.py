@@ -1,0 +1,103 @@
+"""One config resolved once: `rlfleet run`/`rlfleet up` hold every service's real config model, hand the
+shared fields down, and the launcher writes each process's whole config to one file it starts it with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlfleet.broker.config import WeightBrokerConfig
+from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, write_process_config
+from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
+from rlfleet.cli.run_config import RunConfig
+from rlfleet.common.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run_config(tmp_path: Path, text: str) -> RunConfig:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return load_config(RunConfig, ["--config", str(path)], prog="rlfleet run", environ={})
+
+
+def launched(tmp_path: Path) -> PlatformState:
+    state = PlatformState("r1", str(tmp_path), 1)
+    state.processes = [ProcessRecord("nats", 0, 0, [], "", url="nats://127.0.0.1:1", kind="nats"),
+                       ProcessRecord("redis", 0, 0, [], "", url="redis://127.0.0.1:2/0", kind="redis"),
+                       ProcessRecord("engine-0", 0, 0, [], "", url="http://127.0.0.1:3", kind="engine"),
+                       ProcessRecord("rollout-gateway", 0, 0, [], "", address="127.0.0.1:4")]
+    return state
+
+
+def test_the_run_hands_its_shared_fields_down_to_every_service(tmp_path):
+    config = run_config(tmp_path, 'run_id = "r1"\ngroup_size = 4\nseed = 7\n[rollout]\nmax_staleness = 9\n'
+                                  'max_inflight_sessions = 12\n[trainer.loss]\nalgorithm = "gspo"\n')
+    assert {s.run_id for name, s in config.sections().items() if name != "engine"} == {"r1"}
+    assert (config.trainer.group_size, config.trainer.max_staleness, config.trainer.backend.seed) == (4, 9, 7)
+    assert config.gateway.max_inflight_sessions == 12 and config.gateway.route_pools == ["canary"]
+    assert config.trainer.loss.algorithm == "gspo"
+    # Where the run starts from other defaults than the trainer service's own.
+    trainer = config.trainer
+    assert (trainer.groups_per_step, trainer.optim.lr, trainer.torch_threads) == (8, 5e-5, 1)
+
+
+def test_a_section_that_contradicts_a_shared_field_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.group_size is 3, but 8 is set for everyone at the top"):
+        run_config(tmp_path, "[trainer]\ngroup_size = 3\n")
+    with pytest.raises(ConfigError, match="gateway.run_id"):
+        run_config(tmp_path, 'run_id = "a"\n[gateway]\nrun_id = "b"\n')
+
+
+def test_a_section_may_set_what_the_run_only_derives(tmp_path):
+    derived = run_config(tmp_path, "[gate]\nenabled = true\nevery_versions = 3\n")
+    assert not derived.broker.auto_promote and derived.broker.sync.every_n_versions == 3
+    assert derived.broker.sync.max_delta_chain == 4
+    chosen = run_config(tmp_path, "[gate]\nenabled = true\n[broker]\nauto_promote = true\n"
+                                  "[broker.sync]\nevery_n_versions = 1\n")
+    assert chosen.broker.auto_promote and chosen.broker.sync.every_n_versions == 1
+
+
+def test_a_service_key_that_does_not_exist_is_an_error_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'trainer.loss.clip_eps_hgih'"):
+        run_config(tmp_path, "[trainer.loss]\nclip_eps_hgih = 0.3\n")
+
+
+def test_the_launcher_fills_in_what_only_it_knows_unless_a_section_sets_it(tmp_path):
+    config = PlatformConfig(run_id="r1", log_format="text",
+                            session={"tokenizer_path": "/mine", "max_open_sessions": 7})
+    state, model = launched(tmp_path), tmp_path / "model"
+    session = process_config("session-server", config, state, tmp_path, tmp_path / "ready.json", model)
+    assert (session.nats.url, session.redis.url) == ("nats://127.0.0.1:1", "redis://127.0.0.1:2/0")
+    assert session.gateway_address == "127.0.0.1:4" and session.ready_file == str(tmp_path / "ready.json")
+    assert session.tokenizer_path == "/mine" and session.max_open_sessions == 7  # the section's own
+    assert session.run_id == "r1" and session.log.format == "text"
+    gateway = process_config("rollout-gateway", config, state, tmp_path, tmp_path / "g.json", model)
+    assert [(e.engine_id, e.url) for e in gateway.engines] == [("engine-0", "http://127.0.0.1:3")]
+    sandbox = process_config("sandbox-manager", config, state, tmp_path, tmp_path / "s.json", model)
+    assert sandbox.driver.root == tmp_path / "sandboxes"
+    broker = process_config("weight-broker", config, state, tmp_path, tmp_path / "b.json", model)
+    assert broker.auto_promote and broker.weight_store == str(tmp_path / "weights")  # no canary engines
+    engine = process_config("cpu-engine", config, state, tmp_path, tmp_path / "e.json", model)
+    assert engine.model_path == model and engine.weight_version == "0"
+
+
+@pytest.mark.parametrize("process", sorted(SECTIONS))
+def test_each_process_reads_back_exactly_the_config_the_launcher_wrote(tmp_path, process):
+    config = RunConfig()
+    platform = PlatformConfig(run_id=config.run_id, **config.sections())
+    resolved = process_config(process, platform, launched(tmp_path), tmp_path, tmp_path / "ready.json",
+                              tmp_path / "model")
+    path = write_process_config(tmp_path, process, resolved)
+    assert path == tmp_path / "config" / f"{process}.json"
+    assert load_config(type(resolved), ["--config", str(path)], prog=process, environ={}) == resolved
+
+
+def test_every_toml_the_repo_ships_loads():
+    shipped = {ROOT / "examples" / "calc.toml": RunConfig,
+               ROOT / "services" / "weight-broker" / "examples" / "broker.toml": WeightBrokerConfig}
+    assert set(shipped) == {p for p in ROOT.glob("**/*.toml") if p.name != "pyproject.toml"
+                            and ".venv" not in p.parts and "runs" not in p.parts}
+    for path, model in shipped.items():
+        load_config(model, ["--config", str(path)], prog=path.name, environ={})
