@@ -7,6 +7,7 @@ here: torch helpers live in ``rlfleet.weights.torch_io``.
 """
 
 from rlfleet.weights.config import WeightStoreConfig
+from rlfleet.weights.convert import to_served
 from rlfleet.weights.delta import ApplyResult, DecodedDelta, apply_delta, preverify_delta
 from rlfleet.weights.errors import (
     BaseVersionMismatch,
@@ -20,7 +21,7 @@ from rlfleet.weights.errors import (
 )
 from rlfleet.weights.index import SCHEMA_VERSION, VersionIndex
 from rlfleet.weights.store import DirectoryWeightStore, Recovered, WeightStore
-from rlfleet.weights.tensors import ServedTensors, to_served
+from rlfleet.weights.tensors import ServedTensors
 
 __all__ = [
     "SCHEMA_VERSION",

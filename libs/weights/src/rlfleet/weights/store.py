@@ -35,6 +35,7 @@ from rlfleet.weights.codec import (
     decode_segments,
 )
 from rlfleet.weights.config import WeightStoreConfig
+from rlfleet.weights.convert import to_served
 from rlfleet.weights.delta import DecodedDelta, apply_delta, parallel_map
 from rlfleet.weights.errors import (
     BaseVersionMismatch,
@@ -54,7 +55,6 @@ from rlfleet.weights.tensors import (
     ServedTensors,
     is_torch_tensor,
     served_dtype_name,
-    to_served,
 )
 
 log = logging.getLogger(__name__)

@@ -149,25 +149,9 @@ def is_torch_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch")
 
 
-def to_served(tensors: Mapping[str, Any], served_dtype: str = "BF16") -> ServedTensors:
-    """Convert a trainer's tensors to their served bytes.
-
-    Floating tensors are cast to ``served_dtype`` (fp32 master weights become
-    the bf16 the engines serve); integer and bool tensors keep their dtype.
-    ``ServedTensors`` are taken as already served (copied). Plain numpy ``uint16`` arrays are
-    integers, not bf16: wrap bf16 bit patterns in ``ServedTensors``.
-
-    The arrays returned are always fresh (never views of the input): the
-    store keeps them as the previously served bytes while the trainer goes on
-    updating its own tensors in place.
-    """
-    if isinstance(tensors, ServedTensors):
-        return tensors.copy()
-    served = served_dtype_name(served_dtype)
-    if any(is_torch_tensor(v) for v in tensors.values()):
-        from rlfleet.weights import torch_io  # lazy: torch only when the caller uses it
-
-        return torch_io.state_dict_to_served(tensors, served)
+def numpy_to_served(tensors: Mapping[str, Any], served: str) -> ServedTensors:
+    """`to_served` (convert.py) for numpy arrays: floating ones cast to `served` (a
+    `served_dtype_name`), the others kept; always fresh arrays."""
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for name, value in tensors.items():

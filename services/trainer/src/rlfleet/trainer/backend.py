@@ -12,7 +12,7 @@ import abc
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -40,7 +40,19 @@ class LossFn(Protocol):
     def __call__(self, outputs: ModelOutputs, batch: TrainBatch, norm: LossNorm) -> tuple[torch.Tensor, Metrics]: ...
 
 
+class Stateful(Protocol):
+    """What a checkpointer saves and restores (torchtitan's Stateful): a component hands its state
+    over as a dict and takes it back, so the checkpointer never reaches into its privates."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class TrainingBackend(abc.ABC):
+    """A Stateful component: `state_dict()` holds `model` and `optimizer` (full, unsharded, on
+    rank 0) and `trainer` (`step` and the LR `scheduler`); checkpoint.py writes and reads them."""
+
     rank: int = 0
     world_size: int = 1
 
@@ -69,11 +81,23 @@ class TrainingBackend(abc.ABC):
         """config.json + model.safetensors (+ tokenizer files of the source) that transformers and the engine load."""
 
     @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Stateful: {"model", "optimizer", "trainer": {"step", "scheduler"}}; collective."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Stateful: restores what `state_dict` gave (the model and optimizer read on rank 0 are
+        broadcast to the other ranks); collective."""
+
+    @abc.abstractmethod
     def save_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Weights, optimizer, scheduler, RNG and step: everything needed to continue bit-for-bit."""
 
     @abc.abstractmethod
     def load_checkpoint(self, ckpt_dir: str | Path) -> None: ...
+
+    def barrier(self) -> None:
+        """Waits for every rank (a no-op on one)."""
 
     @abc.abstractmethod
     def set_lr(self, lr: float) -> None:

@@ -11,18 +11,37 @@ from __future__ import annotations
 
 import math
 import os
-import random
+import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
+from rlfleet.trainer import checkpoint
 from rlfleet.trainer.backend import LossFn, MetricReducer, ModelOutputs, TrainingBackend
 from rlfleet.trainer.batching import TrainBatch, shard_rows
 from rlfleet.trainer.config import OptimConfig, TorchBackendConfig
 from rlfleet.trainer.losses import LossNorm, Metrics, entropy_from_logits, logprobs_from_logits
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",
+                   "generation_config.json")
+LM_PREFIX = "lm."  # the policy module's LM; `value_head.*` beside it
+
+
+def _full_options() -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class PolicyModel(nn.Module):
@@ -253,27 +272,61 @@ class TorchBackend(TrainingBackend):
             group["initial_lr"] = lr
             group["lr"] = lr * factor
 
-    # ------------------------------------------------------------ export and checkpoints (checkpoint.py)
+    # ------------------------------------------------------------ state, export and checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stateful (collective): the full model and optimizer state (on rank 0; empty elsewhere),
+        the step and the LR schedule."""
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=_full_options())
+        return {"model": model, "optimizer": optimizer,
+                "trainer": {"step": self._step, "scheduler": self.scheduler.state_dict()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Stateful (collective): rank 0's model and optimizer state, broadcast to the other ranks."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
+        # Two calls, not set_state_dict: that one treats an empty model dict (every rank but 0 when
+        # broadcasting) as "optimizer only" and the ranks' collectives stop matching (torch 2.13).
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.scheduler.load_state_dict(state["trainer"]["scheduler"])
+        self._step = int(state["trainer"]["step"])
 
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
-        from rlfleet.trainer.checkpoint import export_state_dict
-
-        return export_state_dict(self)
+        """HF names (`model.layers.0...`, `lm_head.weight`), no value head; full tensors on rank 0 only."""
+        full = get_model_state_dict(self.model, options=_full_options())
+        if self.rank != 0:
+            return {}
+        out = {k[len(LM_PREFIX):]: v.detach().to("cpu").contiguous().clone()
+               for k, v in full.items() if k.startswith(LM_PREFIX)}
+        if getattr(self.lm_config, "tie_word_embeddings", False):
+            # Tied heads are stored once, as HF does; transformers re-ties on load.
+            out.pop("lm_head.weight", None)
+        return out
 
     def save_hf(self, out_dir: str | Path) -> None:
-        from rlfleet.trainer.checkpoint import save_hf
-
-        save_hf(self, Path(out_dir))
+        out_dir = Path(out_dir)
+        state = self.state_dict_for_export()
+        if self.rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            config = self.lm_config
+            if not getattr(config, "architectures", None):
+                # Engines (SGLang, vLLM) pick the model class from `architectures`; a model built from a
+                # config has none until transformers' own save_pretrained would fill it in.
+                config.architectures = [type(self.model.lm).__name__]
+            config.dtype = "float32"
+            config.save_pretrained(out_dir)
+            save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+            source = self.cfg.model_dir
+            for name in TOKENIZER_FILES:
+                if source is not None and (Path(source) / name).is_file():
+                    shutil.copyfile(Path(source) / name, out_dir / name)
+        self.barrier()
 
     def save_checkpoint(self, ckpt_dir: str | Path) -> None:
-        from rlfleet.trainer.checkpoint import save_checkpoint
-
-        save_checkpoint(self, Path(ckpt_dir))
+        checkpoint.save_checkpoint(self, Path(ckpt_dir))
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> None:
-        from rlfleet.trainer.checkpoint import load_checkpoint
-
-        load_checkpoint(self, Path(ckpt_dir))
+        checkpoint.load_checkpoint(self, Path(ckpt_dir))
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -290,17 +343,3 @@ def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
         return batch
     moved = {k: v.to(device) for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
     return batch.replace(**moved)
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
