@@ -25,6 +25,7 @@ proto-check: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) scripts/gen_proto.py --check
 
 up: install

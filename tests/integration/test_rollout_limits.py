@@ -11,6 +11,7 @@ from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.api.session.v1 import session_pb2 as pb
 from rlfleet.api.session.v1 import session_pb2_grpc
 from rlfleet.common.grpc_server import channel
+from rlfleet.common.rich_errors import error_details
 from rlfleet.common.testing import unique_run_id
 from rlfleet.engine.testing import tiny_model
 from rlfleet.session.testing import Rollout, read_trajectories
@@ -66,6 +67,9 @@ async def test_admission_refuses_a_session_beyond_the_inflight_budget_until_one_
     first, _second = [await sessions.OpenSession(prompt()) for _ in range(2)]
     error = await refused(sessions.OpenSession, prompt())
     assert error.code() == Code.RESOURCE_EXHAUSTED and "inflight_limit" in error.details()
+    details = error_details(error)  # the same, as fields: why, and when to come back (the gateway's hint)
+    assert details.reason == "SESSIONS_EXHAUSTED" and details.metadata["reason"] == "inflight_limit"
+    assert details.retry_after_s == pytest.approx(0.5)
     await sessions.CloseSession(pb.CloseSessionRequest(session_id=first.session_id))  # releases its slot
     third = await sessions.OpenSession(prompt())
     status = await gateway.GetAdmissionStatus(gateway_pb2.GetAdmissionStatusRequest())
@@ -90,6 +94,8 @@ async def test_open_sessions_are_limited_and_a_refused_one_holds_no_admission_sl
     opened = [await sessions.OpenSession(prompt()) for _ in range(MAX_OPEN)]
     error = await refused(sessions.OpenSession, prompt())
     assert error.code() == Code.RESOURCE_EXHAUSTED and "max_open_sessions" in error.details()
+    details = error_details(error)
+    assert details.metadata["reason"] == "max_open_sessions" and details.retry_after_s == pytest.approx(1.0)
     assert (await gateway.GetAdmissionStatus(gateway_pb2.GetAdmissionStatusRequest())).inflight_sessions == MAX_OPEN
     for session in opened:
         await sessions.AbortSession(pb.AbortSessionRequest(session_id=session.session_id))

@@ -17,6 +17,7 @@ from rlfleet.api.session.v1 import session_pb2_grpc
 from rlfleet.common.config import RedisConfig
 from rlfleet.common.grpc_server import channel
 from rlfleet.common.redis_store import connect_redis, key
+from rlfleet.common.rich_errors import error_details
 from rlfleet.common.testing import unique_run_id
 from rlfleet.common.verdicts import store_verdict
 from rlfleet.engine.testing import tiny_model
@@ -159,6 +160,10 @@ async def test_an_observation_sent_with_generate_is_appended_first_and_kept_only
             session_id=sid, observation=pb.AppendObservationRequest(text="7" * 200)))  # a token per digit
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "only" in refused.value.details() and "budget remain" in refused.value.details()
+    # ... and says so in fields a client reads without parsing the message (gRPC's rich status).
+    details = error_details(refused.value)
+    assert (details.reason, details.domain) == ("OBSERVATION_OVER_BUDGET", "rlfleet.session")
+    assert details.field == "text" and details.metadata["session_id"] == sid
     # One that fills the budget exactly is kept, and nothing is generated.
     room = 96 - after_second
     filled = await sessions.Generate(pb.GenerateRequest(

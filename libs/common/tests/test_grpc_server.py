@@ -15,6 +15,7 @@ from rlfleet.common.errors import (
     StartupError,
 )
 from rlfleet.common.grpc_server import GrpcServer, channel
+from rlfleet.common.rich_errors import error_details
 from rlfleet.common.service import placeholder_servicer
 
 SERVICE = "rlfleet.session.v1.SessionService"
@@ -23,6 +24,10 @@ SERVICE = "rlfleet.session.v1.SessionService"
 class Sessions(session_pb2_grpc.SessionServiceServicer):
     async def GetSession(self, request, context):
         errors = {"bad": InvalidArgument("session_id 'bad' is malformed"),
+                  "fielded": InvalidArgument("prompt is empty", field="prompt", session_id="fielded",
+                                             state=None),
+                  "full": ResourceExhausted("no slot for 'full'", retry_after_s=2.5, reason="capacity"),
+                  "gone": SandboxGone("sandbox 'gone' expired", sandbox_id="gone"),
                   "missing": NotFound("no session 'missing'"),
                   "closed": FailedPrecondition("session 'closed' is closed"),
                   "busy": ResourceExhausted("too many sessions (busy)"),
@@ -34,6 +39,10 @@ class Sessions(session_pb2_grpc.SessionServiceServicer):
     async def OpenSession(self, request, context):
         # echoes the prompt back: used to send a large message both ways
         return session_pb2.OpenSessionResponse(prompt_token_ids=request.prompt_token_ids.ids)
+
+
+class SandboxGone(NotFound):
+    """A domain error declared outside libs/common, as a service declares its own."""
 
 
 @pytest.fixture
@@ -57,6 +66,35 @@ async def test_domain_errors_become_their_status_codes_with_the_message(server):
             assert session_id in info.value.details() or code == grpc.StatusCode.INTERNAL
         reply = await stub.GetSession(session_pb2.GetSessionRequest(session_id="ok"))
         assert reply.session_id == "ok"
+
+
+async def get(server: str, session_id: str) -> grpc.aio.AioRpcError:
+    async with channel(server) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            stub = session_pb2_grpc.SessionServiceStub(ch)
+            await stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id))
+    return info.value
+
+
+async def test_an_error_s_structured_fields_reach_the_client_in_the_rich_status(server):
+    bad = error_details(await get(server, "fielded"))
+    assert (bad.code, bad.message) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+    assert (bad.reason, bad.domain) == ("INVALID_ARGUMENT", "rlfleet.common")
+    assert bad.field == "prompt" and bad.field_violations == {"prompt": "prompt is empty"}
+    assert bad.metadata == {"field": "prompt", "session_id": "fielded"}  # None-valued fields are left out
+    assert bad.retry_after_s is None
+    full = error_details(await get(server, "full"))
+    assert full.retry_after_s == pytest.approx(2.5) and full.metadata["reason"] == "capacity"
+    assert full.reason == "RESOURCE_EXHAUSTED" and full.field is None
+    gone = error_details(await get(server, "gone"))
+    assert (gone.code, gone.reason) == (grpc.StatusCode.NOT_FOUND, "SANDBOX_GONE")
+    assert gone.metadata == {"sandbox_id": "gone"}
+
+
+async def test_an_unexpected_error_is_internal_and_carries_no_details(server):
+    boom = error_details(await get(server, "boom"))
+    assert boom.code == grpc.StatusCode.INTERNAL and "RuntimeError('unexpected')" in boom.message
+    assert (boom.reason, boom.metadata, boom.field_violations) == ("", {}, {})
 
 
 async def test_health_reports_serving_for_the_server_and_each_service(server):

@@ -12,6 +12,7 @@ import pytest
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.sandbox.v1 import sandbox_pb2
 from rlfleet.api.session.v1 import session_pb2
+from rlfleet.common.rich_errors import ErrorDetails
 from rlfleet.envkit.sdk import AgentLoop, Backoff, EpisodeSpec, Superseded
 from rlfleet.envkit.sdk.environment import (
     CodeEnvironment,
@@ -53,9 +54,13 @@ class FakeSession:
         if self.state == session_pb2.SESSION_STATE_ABORTED:
             raise RequestRejected("session", "Generate", grpc.StatusCode.FAILED_PRECONDITION, "aborted")
         if observation is not None:  # appended first, in the same call
-            if self.observation_fills == "over":
-                raise RequestRejected("session", "Generate", grpc.StatusCode.INVALID_ARGUMENT,
-                                      "the observation has 9 tokens but only 2 of the session's 64-token budget remain")
+            if self.observation_fills == "over":  # as the session server says it (its rich status)
+                message = "the observation has 9 tokens but only 2 of the session's 64-token budget remain"
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                error = ErrorDetails(code, message, "OBSERVATION_OVER_BUDGET", "rlfleet.session",
+                                     metadata={"field": "text", "session_id": session_id},
+                                     field_violations={"text": message})
+                raise RequestRejected("session", "Generate", code, message, error)
             await self.append_text(session_id, observation)
             if self.observation_fills == "exactly":
                 return session_pb2.GenerateResponse(budget_exhausted=True)

@@ -2,7 +2,8 @@
 
 Servers get: raised message limits, the standard `grpc.health.v1` service, reflection, OpenTelemetry
 tracing (when it is on), and one interceptor that turns domain errors (`rlfleet.common.errors`) into
-statuses. Client channels trace their calls without an interceptor (`TracedChannel`).
+statuses with their structured fields (gRPC's rich-error model, `rlfleet.common.rich_errors`).
+Client channels trace their calls without an interceptor (`TracedChannel`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlfleet.common.config import GrpcServerConfig
 from rlfleet.common.errors import StartupError, status_for
+from rlfleet.common.rich_errors import rich_status
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,8 @@ def message_options(max_bytes: int) -> list[tuple[str, int]]:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps expected errors to their status; logs anything else once, as INTERNAL."""
+    """Maps expected errors to their status with their structured details; logs anything else once,
+    as INTERNAL."""
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
@@ -41,12 +44,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                mapped = status_for(exc)
-                if mapped is None:
+                if status_for(exc) is None:
                     log.exception("unexpected error in %s", method)
                     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
-                code, message = mapped
-                await context.abort(code, message)
+                # The structured fields go too, as a google.rpc.Status in the trailer (rich_errors.py).
+                status = rich_status(exc)
+                await context.abort(status.code, status.details, status.trailing_metadata)
 
         return grpc.unary_unary_rpc_method_handler(
             guarded, request_deserializer=handler.request_deserializer,

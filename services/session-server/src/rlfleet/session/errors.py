@@ -35,6 +35,11 @@ class InvalidSessionRequest(SessionError, InvalidArgument):
         self.field = field
 
 
+class ObservationOverBudget(InvalidSessionRequest):
+    """An observation that does not fit what is left of the session's token budget: the client closes
+    the session as TRUNCATED instead (ErrorInfo reason OBSERVATION_OVER_BUDGET)."""
+
+
 class SessionNotFound(SessionError, NotFound):
     def __init__(self, session_id: str) -> None:
         super().__init__(f"session {session_id!r} not found (never opened, or expired)", session_id=session_id)
@@ -56,9 +61,8 @@ class SessionsExhausted(SessionError, ResourceExhausted):
     """No new session now: too many open here, or the gateway refused admission (`reason`)."""
 
     def __init__(self, message: str, *, reason: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message, reason=reason)
+        super().__init__(message, reason=reason, retry_after_s=retry_after_s)
         self.reason = reason
-        self.retry_after_s = retry_after_s
 
 
 class GatewayUnavailable(SessionError, Unavailable):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2
-from rlfleet.session.errors import InvalidSessionRequest, SessionNotOpen
+from rlfleet.session.errors import InvalidSessionRequest, ObservationOverBudget, SessionNotOpen
 from rlfleet.session.state import SessionState
 from rlfleet.session.text import ChatRenderer, Tokenizer
 
@@ -69,7 +69,7 @@ class Inputs:
         if not ids:
             raise InvalidSessionRequest(f"the observation is empty ({kind})", field=kind, session_id=state.session_id)
         if len(ids) > state.remaining:
-            raise InvalidSessionRequest(
+            raise ObservationOverBudget(
                 f"the observation has {len(ids)} tokens but only {state.remaining} of the session's "
                 f"{state.session.max_total_tokens}-token budget remain; close the session as TRUNCATED",
                 field=kind, session_id=state.session_id)

@@ -258,7 +258,7 @@ class _Episode:
         try:
             reply = await self._session_call(self.session.generate(self.spec.session_id, observation=observation))
         except RequestRejected as exc:
-            if observation is not None and "budget" in exc.details:
+            if observation is not None and exc.error.reason == "OBSERVATION_OVER_BUDGET":
                 return None
             raise
         self.summary.generate_s += time.monotonic() - started

@@ -1,24 +1,29 @@
 """Errors of the environment SDK's service calls, one class per way a caller reacts to them.
 
 gRPC statuses are translated once, in :mod:`rlfleet.envkit.sdk.clients`; everything above works
-with these classes and their structured fields (`service`, `method`, `code`).
+with these classes and their structured fields (`service`, `method`, `code`, and `error`: what the
+service said in its rich status, `reason`, `field`, `metadata`, `retry_after_s`), never with the
+message text.
 """
 
 from __future__ import annotations
 
 import grpc
 
+from rlfleet.common.rich_errors import ErrorDetails, error_details
 from rlfleet.envkit.errors import EnvkitError
 
 
 class RpcError(EnvkitError):
     """A call to an rlfleet service failed."""
 
-    def __init__(self, service: str, method: str, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, service: str, method: str, code: grpc.StatusCode, details: str,
+                 error: ErrorDetails | None = None) -> None:
         self.service = service
         self.method = method
         self.code = code
         self.details = details
+        self.error = error or ErrorDetails(code, details)
         super().__init__(f"{service}.{method}: {code.name}: {details}")
 
 
@@ -56,7 +61,7 @@ _CLASSES: dict[grpc.StatusCode, type[RpcError]] = {
 
 def translate(service: str, method: str, exc: grpc.aio.AioRpcError) -> RpcError:
     code = exc.code()
-    return _CLASSES.get(code, RpcError)(service, method, code, exc.details() or "")
+    return _CLASSES.get(code, RpcError)(service, method, code, exc.details() or "", error_details(exc))
 
 
 class EpisodeError(EnvkitError):
