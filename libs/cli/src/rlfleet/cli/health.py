@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from rlfleet.cli.launcher import PlatformState, ProcessRecord, is_ours
+from rlfleet.common.grpc_server import check_health
 
 
 @dataclass
@@ -56,8 +57,6 @@ async def _http_ok(address: str, path: str, timeout_s: float) -> bool:
 
 
 async def probe_one(record: ProcessRecord, timeout_s: float = 2.0) -> Health:
-    from rlfleet.common.grpc_server import check_health
-
     running = is_ours(record)
     if not running:
         return Health(record.name, record.pid, record.address, False, False, "not running")

@@ -18,6 +18,9 @@ from rlfleet.api.common.v1 import common_pb2
 from rlfleet.cli.report import EvalResult, RunRecord, TrajectoryRecord
 from rlfleet.cli.run_config import ToolLatencyConfig
 from rlfleet.common.streams import publish, subject
+from rlfleet.envkit.sdk.environment import environment_for
+from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
+from rlfleet.envkit.tasks import task_message
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,6 @@ class Clock:
 
 def task_messages(tasks, run_id: str, group_size: int, temperature: float, system_prompt: bool):
     """The public view of each task as the `Task` message a worker receives."""
-    from rlfleet.envkit.tasks import task_message
 
     messages = []
     for task in tasks:
@@ -149,8 +151,6 @@ class Observer:
 async def evaluate(clients, tasks: list[common_pb2.Task], *, version: int, split: str, label: str, pool: str,
                    concurrency: int, clock: Clock, tag: str, environments=None) -> EvalResult:
     """Runs each task once through the platform, pinned to an engine pool, scored by the verifier."""
-    from rlfleet.envkit.sdk.environment import environment_for
-    from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
 
     loop = AgentLoop(clients, environments=environments or environment_for)
     slots = asyncio.Semaphore(concurrency)

@@ -6,6 +6,9 @@
     rlfleet status [--run-dir DIR] [--once|--watch] [--json]
                                                            live view: services, engines, queues, staleness
     rlfleet down [--run-dir DIR]                           stop exactly what a launch started
+
+Each command imports what it needs when it runs (a thin entry point): `rlfleet down` and `rlfleet
+status` load neither the services' config models nor the loop's plotting.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import signal
 import sys
 import threading
 
-from rlfleet.common.config import ConfigError
+from rlfleet.common.config import ConfigError, load_config
 from rlfleet.common.errors import StartupError
 
 COMMANDS = ("run", "up", "down", "status")
@@ -32,7 +35,6 @@ def cmd_up(argv: list[str]) -> int:
     from rlfleet.cli.health import probe, table
     from rlfleet.cli.launcher import Platform
     from rlfleet.cli.platform_config import PlatformConfig
-    from rlfleet.common.config import load_config
 
     detach = "--detach" in argv
     argv = [a for a in argv if a != "--detach"]

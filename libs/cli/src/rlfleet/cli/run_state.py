@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.cli.launcher import flatten_keys
 from rlfleet.cli.report import EvalResult, GateDecision, RunRecord, StepRecord, TrajectoryRecord
 from rlfleet.common.errors import StartupError
 
@@ -87,7 +88,6 @@ def eval_from_dict(data: dict[str, Any] | None) -> EvalResult | None:
 
 def config_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Keys whose change would make a resumed run a different run."""
-    from rlfleet.cli.launcher import flatten_keys
 
     old, new = dict(flatten_keys(before)), dict(flatten_keys(now))
     changed = []

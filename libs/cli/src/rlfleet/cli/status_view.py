@@ -21,8 +21,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
+from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.cli.health import Health, probe
 from rlfleet.cli.launcher import PlatformState
+from rlfleet.common.config import NatsConfig
+from rlfleet.common.errors import StartupError
+from rlfleet.common.grpc_server import channel
+from rlfleet.common.streams import connect_nats, subject
 
 STREAMS = ("TASKS", "TRAJECTORIES")
 TIMEOUT_S = 2.0
@@ -56,8 +63,6 @@ async def _rpc(snapshot: Snapshot, source: str, names: dict, call) -> Any:
     """One status call to a launched service; None (and the reason noted) when it does not answer."""
     import grpc
 
-    from rlfleet.common.grpc_server import channel
-
     record = names.get(source)
     if record is None or not record.address:
         return None
@@ -72,8 +77,6 @@ async def _rpc(snapshot: Snapshot, source: str, names: dict, call) -> Any:
 
 
 async def _engines(snapshot: Snapshot, names: dict) -> None:
-    from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-
     reply = await _rpc(snapshot, "rollout-gateway", names, lambda ch: gateway_pb2_grpc.GatewayServiceStub(ch)
                        .ListEngines(gateway_pb2.ListEnginesRequest(), timeout=TIMEOUT_S))
     if reply is None:
@@ -88,8 +91,6 @@ async def _engines(snapshot: Snapshot, names: dict) -> None:
 
 
 async def _broker(snapshot: Snapshot, names: dict) -> None:
-    from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
-
     reply = await _rpc(snapshot, "weight-broker", names, lambda ch: broker_pb2_grpc.BrokerServiceStub(ch)
                        .GetStatus(broker_pb2.GetStatusRequest(), timeout=TIMEOUT_S))
     if reply is not None:
@@ -98,8 +99,6 @@ async def _broker(snapshot: Snapshot, names: dict) -> None:
 
 
 async def _trainer(snapshot: Snapshot, names: dict) -> None:
-    from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-
     reply = await _rpc(snapshot, "trainer", names, lambda ch: trainer_pb2_grpc.TrainerServiceStub(ch)
                        .GetStatus(trainer_pb2.GetStatusRequest(), timeout=TIMEOUT_S))
     if reply is not None:
@@ -112,10 +111,6 @@ async def _trainer(snapshot: Snapshot, names: dict) -> None:
 
 async def _queues(snapshot: Snapshot, state: PlatformState) -> None:
     from nats.errors import Error as NatsError
-
-    from rlfleet.common.config import NatsConfig
-    from rlfleet.common.errors import StartupError
-    from rlfleet.common.streams import connect_nats, subject
 
     try:
         url = state.by_name("nats").url

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from rlfleet.common.config import GrpcServerConfig
 from rlfleet.common.errors import StartupError, status_for
 from rlfleet.common.rich_errors import rich_status
+from rlfleet.common.telemetry import tracing_enabled
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,6 @@ class GrpcServer:
 
     def __init__(self, config: GrpcServerConfig) -> None:
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
-
-        from rlfleet.common.telemetry import tracing_enabled
 
         self.config = config
         tracing = [aio_server_interceptor()] if tracing_enabled() else []
@@ -110,7 +109,6 @@ def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Itera
     `balance` spreads calls round-robin over every address a name resolves to
     (`dns:///session-server:50051`), so scaled replicas share the load; turn it off for a peer whose
     state lives on one replica (a sandbox exists only on the manager that created it)."""
-    from rlfleet.common.telemetry import tracing_enabled
 
     options = [*message_options(max_message_bytes), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000)]
     if balance:

@@ -1,10 +1,10 @@
 """The life of a service process: config, logs, telemetry, start, serve until a signal, stop.
 
-A service's `main` is three lines: its config model, and a factory that builds its `App` after the
-config is parsed (so `--help` never imports heavy modules):
+A service's `main` is one line: its config model, and the factory that builds its `App`, named so
+that it is imported after the config is parsed (`--help` never imports heavy modules):
 
     def main() -> None:
-        run_service("rlfleet-session-server", SessionServerConfig, build_app)
+        run_service("rlfleet-session-server", SessionServerConfig, "rlfleet.session.app:build")
 
 A process that is not a gRPC service (the CPU engine serves HTTP) goes the same way with
 `run_process`: config (defaults < TOML < environment < flags), logs, then its own coroutine, which
@@ -14,6 +14,7 @@ reports readiness with `write_ready_file`.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -53,13 +54,28 @@ def write_ready_file(path: str | Path, payload: dict) -> None:
     write_json_atomic(path, payload)
 
 
-async def serve(name: str, config: ServiceConfig, factory: Callable[[ServiceConfig], App]) -> None:
-    telemetry = setup_telemetry(name, config.telemetry, config.metrics)
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT: what every process serves until."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app = factory(config)
+    return stop
+
+
+def app_factory(factory: Callable[[C], App] | str) -> Callable[[C], App]:
+    """`factory`, or the one named "module:function", imported only now: a service's entry point
+    names its app this way, so `--help` never imports the service."""
+    if not isinstance(factory, str):
+        return factory
+    module, _, function = factory.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+async def serve(name: str, config: ServiceConfig, factory: Callable[[ServiceConfig], App] | str) -> None:
+    telemetry = setup_telemetry(name, config.telemetry, config.metrics)
+    stop = stop_on_signals()
+    app = app_factory(factory)(config)
     server = GrpcServer(config.grpc)
     try:
         # A signal while connecting to peers ends the start instead of waiting for it.
@@ -87,16 +103,23 @@ async def serve(name: str, config: ServiceConfig, factory: Callable[[ServiceConf
     log.info("stopped")
 
 
-def run_process(name: str, config_cls: type[C], body: Callable[[C], Awaitable[None]],
-                argv: list[str] | None = None) -> None:
-    """Entry point of a console script: loads the config, sets up logs, runs `body(config)` on
-    uvloop; exits non-zero with one line on bad config (2) or a failed start (1)."""
+def start_process(name: str, config_cls: type[C], argv: list[str] | None = None, log_name: str = "") -> C:
+    """What every entry point does first: the config (exit 2 with one line when it is wrong), then
+    the logs (`log_name` names the process in them; default `name`)."""
     try:
         config = load_config(config_cls, argv, prog=name)
     except ConfigError as exc:
         print(f"{name}: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    setup_logging(name, config.log.level, config.log.format)
+    setup_logging(log_name or name, config.log.level, config.log.format)
+    return config
+
+
+def run_process(name: str, config_cls: type[C], body: Callable[[C], Awaitable[None]],
+                argv: list[str] | None = None) -> None:
+    """Entry point of a console script: `start_process`, then `body(config)` on uvloop; exits 1
+    with one line when it cannot start."""
+    config = start_process(name, config_cls, argv)
     try:
         uvloop.run(body(config))
     except (StartupError, ConfigError) as exc:
@@ -104,9 +127,10 @@ def run_process(name: str, config_cls: type[C], body: Callable[[C], Awaitable[No
         raise SystemExit(1) from None
 
 
-def run_service(name: str, config_cls: type[C], factory: Callable[[C], App],
+def run_service(name: str, config_cls: type[C], factory: Callable[[C], App] | str,
                 argv: list[str] | None = None) -> None:
-    """Entry point of a service's console script: `run_process` serving the App `factory` builds."""
+    """Entry point of a service's console script: `run_process` serving the App `factory` builds
+    (a function, or "module:function" to import after the config is parsed)."""
     run_process(name, config_cls, lambda config: serve(name, config, factory), argv)
 
 

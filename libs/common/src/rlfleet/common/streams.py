@@ -25,7 +25,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError
 
 from rlfleet.common.config import NatsConfig, require
-from rlfleet.common.errors import StartupError
+from rlfleet.common.errors import InvalidArgument, StartupError
 
 SCHEMA_HEADER = "Rlfleet-Schema"
 SCHEMA_VERSION = "1"
@@ -117,7 +117,6 @@ async def publish(js: JetStreamContext, stream: str, run_id: str, payload: bytes
     """Publishes one record; returns False when JetStream reports it as a duplicate."""
     limit = STREAMS[stream].max_msg_bytes
     if len(payload) > limit:
-        from rlfleet.common.errors import InvalidArgument
 
         raise InvalidArgument(f"{msg_type} of {len(payload)} bytes exceeds the {stream} limit of {limit} bytes")
     headers = {SCHEMA_HEADER: SCHEMA_VERSION, TYPE_HEADER: msg_type}

@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from rlfleet.common.config import MetricsConfig, TelemetryConfig
+from rlfleet.common.errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,6 @@ def setup_telemetry(service: str, telemetry: TelemetryConfig, metrics_config: Me
         try:
             server, _thread = start_http_server(metrics_config.port, addr=metrics_config.host)
         except OSError as exc:
-            from rlfleet.common.errors import StartupError
 
             raise StartupError(f"metrics port {metrics_config.host}:{metrics_config.port}: {exc.strerror}") from None
         state._http_server = server

@@ -25,7 +25,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlfleet.common.config import NatsConfig
+from rlfleet.common.errors import StartupError
+from rlfleet.common.streams import connect_nats, ensure_streams, publish
 from rlfleet.envkit.errors import EnvkitError
+from rlfleet.envkit.run_dir import RunDir
+from rlfleet.envkit.sdk.environment import known_suites
 from rlfleet.envkit.suite_format import Task, load_suite, task_to_line
 from rlfleet.envkit.suites import SUITE_NAMES, generate_tasks
 from rlfleet.envkit.tasks import TASK_TYPE, task_message
@@ -120,8 +125,6 @@ def _known_tasks(suites_dir: Path) -> dict[tuple[str, str], tuple[str, Path]]:
 async def publish_tasks(tasks: list[Task], run_id: str, nats_url: str, group_size: int, epoch: int = 0,
                         temperature: float | None = None) -> tuple[int, int]:
     """Publishes the public views on TASKS; returns (published, duplicates)."""
-    from rlfleet.common.config import NatsConfig
-    from rlfleet.common.streams import connect_nats, ensure_streams, publish
 
     nc = await connect_nats(NatsConfig(url=nats_url), NAME)
     try:
@@ -176,10 +179,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rlfleet.common.errors import StartupError
-    from rlfleet.envkit.run_dir import RunDir
-    from rlfleet.envkit.sdk.environment import known_suites
-
     if args.group_size < 1:
         raise SubmitError("--group-size must be at least 1")
     run_id, nats_url, suites_dir = args.run_id, args.nats_url, args.suites_dir

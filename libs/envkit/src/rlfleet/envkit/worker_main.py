@@ -9,29 +9,22 @@ the rest (their tasks are redelivered to another worker).
 
 from __future__ import annotations
 
-import sys
+import logging
+import os
 
-from rlfleet.common.config import ConfigError, load_config
+from rlfleet.common.service import run_process, stop_on_signals, write_ready_file
+from rlfleet.common.telemetry import setup_telemetry
 from rlfleet.envkit.worker_config import WorkerConfig
 
 NAME = "rlfleet-worker"
+log = logging.getLogger(__name__)
 
 
 async def serve(config: WorkerConfig) -> None:
-    import asyncio
-    import logging
-    import os
-    import signal
-
-    from rlfleet.common.service import write_ready_file
-    from rlfleet.common.telemetry import setup_telemetry
-    from rlfleet.envkit.worker import RolloutWorker
+    from rlfleet.envkit.worker import RolloutWorker  # its clients and task suites: after --help
 
     telemetry = setup_telemetry(NAME, config.telemetry, config.metrics)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     worker = RolloutWorker(config)
     try:
         await worker.start()
@@ -39,30 +32,15 @@ async def serve(config: WorkerConfig) -> None:
             write_ready_file(config.ready_file, {"service": NAME, "pid": os.getpid(),
                                                  "metrics_port": telemetry.metrics_port})
         stats = await worker.run(stop)
-        logging.getLogger(__name__).info(
-            "stopped", extra={"tasks_acked": stats.tasks_acked, "tasks_dead_lettered": stats.tasks_dead_lettered,
-                              "episodes": dict(stats.episodes)})
+        log.info("stopped", extra={"tasks_acked": stats.tasks_acked,
+                                   "tasks_dead_lettered": stats.tasks_dead_lettered,
+                                   "episodes": dict(stats.episodes)})
     finally:
         telemetry.shutdown(config.telemetry.export_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        config = load_config(WorkerConfig, argv, prog=NAME)
-    except ConfigError as exc:
-        print(f"{NAME}: config error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    from rlfleet.common.errors import StartupError
-    from rlfleet.common.logs import setup_logging
-
-    setup_logging(NAME, config.log.level, config.log.format)
-    import uvloop
-
-    try:
-        uvloop.run(serve(config))
-    except (StartupError, ConfigError) as exc:
-        print(f"{NAME}: cannot start: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    run_process(NAME, WorkerConfig, serve, argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -30,8 +29,8 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from rlfleet.common.service import write_ready_file
-from rlfleet.common.telemetry import setup_telemetry
+from rlfleet.common.service import stop_on_signals, write_ready_file
+from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
 from rlfleet.engine import distributed
 from rlfleet.engine.config import EngineConfig
 from rlfleet.engine.model_runner import ModelRunner, WeightLoadError, read_checkpoint
@@ -68,7 +67,6 @@ class EngineServer:
         scheduler: Scheduler,
         tracer: trace.Tracer | None = None,
     ) -> None:
-        from rlfleet.common.telemetry import tracing_enabled
 
         self.config = config
         # Without a tracer given or spans to export, requests are not wrapped in spans at all.
@@ -606,10 +604,7 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
             },
         )
     log.info("cpu engine %s serving %s at %s", server.engine_id, config.model_path, url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await stop.wait()
     finally:

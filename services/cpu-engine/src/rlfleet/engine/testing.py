@@ -14,6 +14,7 @@ import aiohttp
 
 from rlfleet.common.chat import render_messages
 from rlfleet.common.processes import ServiceProcess
+from rlfleet.engine.build_model import ModelSpec, build
 from rlfleet.weights import to_served
 
 SYSTEM = "You are a calculator agent. Call <calc>expression</calc>, then reply <answer>number</answer>."
@@ -48,7 +49,6 @@ def write_corpus(path: Path, texts: list[str]) -> Path:
 
 def build_tiny_model(out: Path, seed: int = 0, corpus_seed: int = 0, **sizes) -> Path:
     """A model small enough for unit tests (~0.2M parameters)."""
-    from rlfleet.engine.build_model import ModelSpec, build
 
     spec = {
         "vocab_size": 512,

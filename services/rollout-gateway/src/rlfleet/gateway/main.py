@@ -6,14 +6,8 @@ from rlfleet.common.service import run_service
 from rlfleet.gateway.config import RolloutGatewayConfig
 
 
-def build_app(config: RolloutGatewayConfig):
-    from rlfleet.gateway.app import build
-
-    return build(config)
-
-
 def main() -> None:
-    run_service("rlfleet-gateway", RolloutGatewayConfig, build_app)
+    run_service("rlfleet-gateway", RolloutGatewayConfig, "rlfleet.gateway.app:build")
 
 
 if __name__ == "__main__":

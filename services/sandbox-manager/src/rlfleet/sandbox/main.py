@@ -6,14 +6,8 @@ from rlfleet.common.service import run_service
 from rlfleet.sandbox.config import SandboxManagerConfig
 
 
-def build_app(config: SandboxManagerConfig):
-    from rlfleet.sandbox.app import build
-
-    return build(config)
-
-
 def main() -> None:
-    run_service("rlfleet-sandbox-manager", SandboxManagerConfig, build_app)
+    run_service("rlfleet-sandbox-manager", SandboxManagerConfig, "rlfleet.sandbox.app:build")
 
 
 if __name__ == "__main__":

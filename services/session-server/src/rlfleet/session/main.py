@@ -6,14 +6,8 @@ from rlfleet.common.service import run_service
 from rlfleet.session.config import SessionServerConfig
 
 
-def build_app(config: SessionServerConfig):
-    from rlfleet.session.app import build
-
-    return build(config)
-
-
 def main() -> None:
-    run_service("rlfleet-session-server", SessionServerConfig, build_app)
+    run_service("rlfleet-session-server", SessionServerConfig, "rlfleet.session.app:build")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ class TrainerApp(PeersApp):
         if not (Path(cfg.model_path) / "config.json").is_file():
             raise StartupError(f"model_path {cfg.model_path} is not an HF model directory (no config.json)")
         require(cfg.weight_store, "weight_store")
+        # The training machinery imports torch: a trainer without a model (health and status only)
+        # comes up without paying for it.
         from rlfleet.common.queue_metrics import QueueDepthPoller
         from rlfleet.trainer.consumer import STREAM, TrajectoryConsumer
         from rlfleet.trainer.learner import Worker

@@ -7,19 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
-from rlfleet.common.config import ConfigError, load_config
-from rlfleet.common.service import run_service
+from rlfleet.common.service import run_service, start_process
 from rlfleet.trainer.service_config import TrainerConfig
 
 NAME = "rlfleet-trainer"
-
-
-def build_app(config: TrainerConfig):
-    from rlfleet.trainer.app import build
-
-    return build(config)
 
 
 def is_follower() -> bool:
@@ -28,14 +20,7 @@ def is_follower() -> bool:
 
 def follow() -> None:
     """A rank >= 1: trains what rank 0 sends until rank 0 closes (or dies, which fails the collective)."""
-    try:
-        config = load_config(TrainerConfig, prog=NAME)
-    except ConfigError as exc:
-        print(f"{NAME}: config error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    from rlfleet.common.logs import setup_logging
-
-    setup_logging(f"{NAME}-rank{os.environ['RANK']}", config.log.level, config.log.format)
+    config = start_process(NAME, TrainerConfig, log_name=f"{NAME}-rank{os.environ['RANK']}")
     if not config.has_model:
         return  # rank 0 only serves status; nothing to follow
     # torchrun forwards SIGTERM to every rank; rank 0 still needs this one for its last checkpoint.
@@ -50,7 +35,7 @@ def main() -> None:
     if is_follower():
         follow()
     else:
-        run_service(NAME, TrainerConfig, build_app)
+        run_service(NAME, TrainerConfig, "rlfleet.trainer.app:build")
 
 
 if __name__ == "__main__":

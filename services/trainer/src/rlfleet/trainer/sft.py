@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common.chat import IM_END, IM_START, render_messages
+
 
 def encode_messages(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a mask that is 1 on assistant content + <|im_end|>.
@@ -29,7 +31,6 @@ def encode_messages(messages: list[dict[str, str]], tokenizer: Any) -> tuple[lis
     The whole conversation is tokenized in one go (as the engine's context would be) and the mask is
     derived from character offsets, so no token is split differently because of the mask.
     """
-    from rlfleet.common.chat import IM_END, IM_START, render_messages
 
     text = render_messages(messages, add_generation_prompt=False)
     spans = []

@@ -6,14 +6,8 @@ from rlfleet.common.service import run_service
 from rlfleet.verifier.config import VerifierConfig
 
 
-def build_app(config: VerifierConfig):
-    from rlfleet.verifier.app import build
-
-    return build(config)
-
-
 def main() -> None:
-    run_service("rlfleet-verifier", VerifierConfig, build_app)
+    run_service("rlfleet-verifier", VerifierConfig, "rlfleet.verifier.app:build")
 
 
 if __name__ == "__main__":

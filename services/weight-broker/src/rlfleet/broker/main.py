@@ -6,14 +6,8 @@ from rlfleet.broker.config import WeightBrokerConfig
 from rlfleet.common.service import run_service
 
 
-def build_app(config: WeightBrokerConfig):
-    from rlfleet.broker.app import build
-
-    return build(config)
-
-
 def main() -> None:
-    run_service("rlfleet-weight-broker", WeightBrokerConfig, build_app)
+    run_service("rlfleet-weight-broker", WeightBrokerConfig, "rlfleet.broker.app:build")
 
 
 if __name__ == "__main__":
