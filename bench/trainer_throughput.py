@@ -1,8 +1,10 @@
-"""Trainer throughput on CPU: trained tokens/s at world size 1 and 2 (torchrun, gloo, FSDP2), and
-padded vs packed batch layouts. Prints figures; it is not a pass/fail test.
+"""Trainer throughput on CPU: trained tokens/s of the torch backend at world size 1 and 2 (torchrun,
+gloo, FSDP2) beside the Megatron-core backend at tensor parallel 1 and 2 (torchrun, gloo), on the
+same HF model and batches; and padded vs packed batch layouts. Prints figures; not a pass/fail test.
 
     .venv/bin/python bench/trainer_throughput.py            # everything
     .venv/bin/python bench/trainer_throughput.py --skip-dist  # layouts only
+    .venv/bin/python bench/trainer_throughput.py --skip-layouts --steps 2  # backends side by side
 
 Model: Qwen2, hidden 256, 4 layers, vocab 1024 (~3.5M parameters). Batch: 32 sequences of
 150-250 tokens (GRPO, groups of 8). Each process uses one thread (OMP_NUM_THREADS=1), so world
@@ -39,13 +41,33 @@ def samples(n: int, lengths: tuple[int, int], seed: int = 0):
     return out
 
 
-def backend(layout: str, pack_length: int | None, micro_batch_rows: int):
-    from rlfleet.trainer.config import TorchBackendConfig
+def backend(layout: str, pack_length: int | None, micro_batch_rows: int, model_dir: str | None = None,
+            megatron_tp: int = 0):
+    """The torch backend (FSDP2 under torchrun), or the Megatron one at TP `megatron_tp` (needs model_dir)."""
+    from rlfleet.trainer.config import MegatronConfig, TorchBackendConfig
+
+    source = {"model_dir": model_dir} if model_dir else {"model_config_dict": MODEL}
+    batch = {"layout": layout, "pack_length": pack_length, "micro_batch_rows": micro_batch_rows}
+    cfg = TorchBackendConfig(**source, optim={"lr": 1e-5}, batch=batch)
+    if megatron_tp:
+        from rlfleet.trainer.megatron_backend import MegatronBackend
+
+        return MegatronBackend(cfg, MegatronConfig(tensor_parallel=megatron_tp))
     from rlfleet.trainer.torch_backend import TorchBackend
 
-    return TorchBackend(TorchBackendConfig(model_config_dict=MODEL, optim={"lr": 1e-5},
-                                           batch={"layout": layout, "pack_length": pack_length,
-                                                  "micro_batch_rows": micro_batch_rows}))
+    return TorchBackend(cfg)
+
+
+def write_model(out_dir: Path) -> Path:
+    """MODEL as an HF directory, so that both backends start from the same weights."""
+    import torch
+    import transformers
+
+    params = dict(MODEL)
+    config = transformers.AutoConfig.for_model(params.pop("model_type"), **params)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    return out_dir
 
 
 def timed_steps(b, batch_samples, layout: str, pack_length: int | None, steps: int) -> list[float]:
@@ -61,13 +83,13 @@ def timed_steps(b, batch_samples, layout: str, pack_length: int | None, steps: i
     return times[1:]
 
 
-def worker(steps: int) -> None:
+def worker(steps: int, model_dir: str, megatron_tp: int) -> None:
     """One rank of the world-size benchmark; rank 0 prints a JSON line."""
     import torch
 
     torch.set_num_threads(1)
     data = samples(32, (150, 250))
-    b = backend("packed", None, micro_batch_rows=2)
+    b = backend("packed", None, micro_batch_rows=2, model_dir=model_dir, megatron_tp=megatron_tp)
     times = timed_steps(b, data, "packed", None, steps)
     tokens = sum(len(s.token_ids) for s in data)
     if b.rank == 0:
@@ -78,18 +100,25 @@ def worker(steps: int) -> None:
 
 
 def world_size_bench(steps: int) -> None:
+    """FSDP2 at world size 1 and 2, Megatron at TP 1 and 2: one model, one batch, one thread per rank."""
+    import tempfile
+
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for nproc in (1, 2):
-        proc = subprocess.run([str(torchrun), "--standalone", f"--nproc-per-node={nproc}", __file__, "--worker",
-                               "--steps", str(steps)], env=env, capture_output=True, text=True, timeout=600)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            print(f"world size {nproc}: failed\n{proc.stderr[-2000:]}")
-            continue
-        r = json.loads(lines[-1])
-        print(f"world size {r['world_size']}: {r['tokens_per_s']:8.0f} trained tokens/s "
-              f"({r['tokens']} tokens in {r['step_s']:.2f} s per step, GRPO, packed)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model(Path(tmp) / "model")
+        for label, nproc, tp in (("FSDP2 world size 1", 1, 0), ("FSDP2 world size 2", 2, 0),
+                                 ("Megatron TP 1     ", 1, 1), ("Megatron TP 2     ", 2, 2)):
+            cmd = [str(torchrun), "--standalone", f"--nproc-per-node={nproc}", __file__, "--worker",
+                   "--steps", str(steps), "--model-dir", str(model_dir), "--megatron-tp", str(tp)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode != 0 or not lines:
+                print(f"{label}: failed\n{proc.stderr[-2000:]}")
+                continue
+            r = json.loads(lines[-1])
+            print(f"{label}: {r['tokens_per_s']:8.0f} trained tokens/s ({r['tokens']} tokens in "
+                  f"{r['step_s']:.2f} s per step, GRPO, packed, {nproc} process(es))")
 
 
 def layout_bench(steps: int) -> None:
@@ -116,9 +145,11 @@ def main() -> None:
     parser.add_argument("--skip-dist", action="store_true", help="only the layout comparison")
     parser.add_argument("--skip-layouts", action="store_true", help="only the world-size comparison")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--megatron-tp", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.steps)
+        worker(args.steps, args.model_dir, args.megatron_tp)
         return
     if not args.skip_layouts:
         layout_bench(args.steps)

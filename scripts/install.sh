@@ -37,7 +37,8 @@ real_python=$("$python" -c 'import os, sys; print(os.path.realpath(sys.executabl
 "$real_python" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"rlfleet needs Python 3.11, found {sys.version}"'
 
 packages=(libs/common libs/weights libs/envkit libs/cli services/*/)
-want=$(cat requirements/lock.txt scripts/install.sh "${packages[@]/%//pyproject.toml}" | sha256sum | cut -c1-16)
+want=$(cat requirements/lock.txt scripts/install.sh scripts/megatron_bridge_wheel.py "${packages[@]/%//pyproject.toml}" \
+  | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
@@ -48,6 +49,17 @@ pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first and pinned: anything that lets pip choose would pull a multi-GB CUDA build.
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" -r requirements/lock.txt
+# megatron-bridge (HF <-> Megatron conversion for the trainer's Megatron backend) declares its whole
+# training stack (transformers < 5, transformer-engine, wandb, ...), which the conversion never uses:
+# its upstream wheel is installed with its dependency list cut to what the trainer imports
+# (scripts/megatron_bridge_wheel.py says why and how), so that `pip check` stays meaningful.
+bridge_dir=$(mktemp -d)
+"$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps -d "$bridge_dir" \
+  "megatron-bridge==0.3.1"
+bridge_wheel=$("$VENV/bin/python" scripts/megatron_bridge_wheel.py "$bridge_dir"/megatron_bridge-0.3.1-*.whl \
+  "$bridge_dir/out")
+"${pip[@]}" --no-deps "$bridge_wheel"
+rm -rf "$bridge_dir"
 editable=()
 for pkg in "${packages[@]}"; do editable+=(-e "${pkg%/}"); done
 # Editable, so the checkout is what runs; setuptools' warnings about this mode go to a log.

@@ -6,11 +6,14 @@ import time
 
 import pytest
 
-from rlfleet.common.config import NatsConfig
-from rlfleet.common.streams import connect_nats, ensure_streams
 from rlfleet.common.testing import unique_run_id
 from rlfleet.trainer.checkpointer import Checkpointer
-from rlfleet.trainer.testing import TrainerProcess, publish_trajectories, trajectory_protos, write_tiny_model
+from rlfleet.trainer.testing import (
+    TrainerProcess,
+    publish_trajectories_to,
+    trajectory_protos,
+    write_tiny_model,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -18,28 +21,22 @@ G, GROUPS, PER_STEP = 4, 12, 2
 STEPS = GROUPS // PER_STEP
 
 
-async def publish_all(nats_url: str, run: str, published: list) -> None:
-    nc = await connect_nats(NatsConfig(url=nats_url), "test-kill")
-    js = nc.jetstream()
-    await ensure_streams(js)
-    await publish_trajectories(js, run, published)
-    await nc.close()
-
-
-def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once(tmp_path, nats_url):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("megatron", marks=pytest.mark.timeout(900))])
+def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once(tmp_path, nats_url, backend):
     seed = time.time_ns() % 10**6
     rng = random.Random(seed)
     run = unique_run_id("tk")
     # Longer sequences and a wider model than the other tests: steps long enough to be killed inside.
     model = write_tiny_model(tmp_path / "model", hidden_size=128)
     published = trajectory_protos(GROUPS, G, run, lengths=(96, 160), seed=seed)
-    asyncio.run(publish_all(nats_url, run, published))
+    asyncio.run(publish_trajectories_to(nats_url, run, published))
 
     args = ("--group-size", str(G), "--groups-per-step", str(PER_STEP), "--max-staleness", "1000",
-            "--consumer.ack-wait-s", "2", "--checkpoint.every", "1", "--optim.lr", "1e-3")
+            "--consumer.ack-wait-s", "2", "--checkpoint.every", "1", "--optim.lr", "1e-3",
+            "--backend.name", backend)
     kills = []
     for attempt in range(3):
-        trainer = TrainerProcess(tmp_path, nats_url, run, model, *args).start()
+        trainer = TrainerProcess(tmp_path, nats_url, run, model, *args).start(timeout_s=300)
         try:
             restored_step = trainer.wait_for(lambda s: s.state != "starting", what="a restore").step
             if attempt < 2:

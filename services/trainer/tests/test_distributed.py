@@ -1,37 +1,20 @@
 """FSDP2 over gloo: a step at world size 2 is the step at world size 1 (torchrun, real processes)."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlfleet.trainer.testing import run_torchrun
+
 WORKER = Path(__file__).with_name("fsdp_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def torchrun(nproc: int, out: Path) -> dict:
     out.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # --standalone picks a free rendezvous port.
-    proc = subprocess.Popen([str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", str(WORKER), str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        log, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        # torchrun's workers live in sessions of their own; on SIGTERM torchrun stops them itself.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-        raise
-    assert proc.returncode == 0, log.decode()[-4000:]
+    run_torchrun(WORKER, [str(out)], nproc, timeout_s=120)
     return json.loads((out / "metrics.json").read_text())
 
 

@@ -70,6 +70,19 @@ class OptimConfig(StrictModel):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
 
 
+class MegatronConfig(StrictModel):
+    """The Megatron-core backend's parallel layout (the model and numerics are the backend's, see
+    TorchBackendConfig: model_dir, device, bf16, seed, optim, batch)."""
+
+    tensor_parallel: int = Field(
+        1, ge=1, description="tensor-parallel size: each layer is split over this many ranks; the world "
+        "size (torchrun's ranks) must be a multiple of it, and the rest is data parallel "
+        "(world = tensor_parallel x data parallel)")
+    distributed_optimizer: bool = Field(
+        True, description="cuda: Megatron's DDP and distributed optimizer (fp32 main weights and Adam "
+        "state sharded over data-parallel ranks); cpu: not available, torch AdamW on each rank's shard")
+
+
 class BackendOptions(StrictModel):
     """How a backend runs its model, whatever the model is (the service's `backend` section)."""
 

@@ -66,16 +66,25 @@ class LearnerCore:
         import torch
         import transformers
 
-        from rlfleet.trainer.torch_backend import TorchBackend
 
         transformers.utils.logging.disable_progress_bar()  # no progress bars in JSON logs
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         cfg = self.config.torch_backend_config()
-        self.backend = TorchBackend(cfg)  # under torchrun: joins the process group, shards the model
+        # Under torchrun: joins the process group, shards the model (FSDP2, or Megatron's TP x DP).
+        self.backend = self._build(cfg)
         if self.config.loss.kl_coef > 0:
             # The frozen starting policy, for the KL penalty; never stepped.
-            self.reference = TorchBackend(cfg.model_copy(update={"value_head": False}))
+            self.reference = self._build(cfg.model_copy(update={"value_head": False}), trainable=False)
+
+    def _build(self, cfg, trainable: bool = True):
+        if self.config.backend.name == "megatron":
+            from rlfleet.trainer.megatron_backend import MegatronBackend
+
+            return MegatronBackend(cfg, self.config.megatron, trainable=trainable)
+        from rlfleet.trainer.torch_backend import TorchBackend
+
+        return TorchBackend(cfg)
 
     def train(self, samples: list[Any]) -> dict[str, float]:
         from rlfleet.trainer.objectives import rl_step

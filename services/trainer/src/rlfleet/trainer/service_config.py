@@ -12,7 +12,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlfleet.common.config import NatsConfig, ServiceConfig, StrictModel
-from rlfleet.trainer.config import BackendOptions, BatchConfig, LossConfig, OptimConfig, TorchBackendConfig
+from rlfleet.trainer.config import (
+    BackendOptions,
+    BatchConfig,
+    LossConfig,
+    MegatronConfig,
+    OptimConfig,
+    TorchBackendConfig,
+)
 from rlfleet.weights.config import WeightStoreConfig
 
 
@@ -57,6 +64,10 @@ class TrainerBackendOptions(BackendOptions):
     """The backend's options (the model itself comes from model_path), and where the proximal policy
     of the clipped ratio comes from."""
 
+    name: Literal["torch", "megatron"] = Field(
+        "torch", description="torch: transformers + AdamW, FSDP2 under torchrun; megatron: a Megatron-core "
+        "GPTModel converted from model_path by megatron-bridge (Qwen2/Qwen3/Llama), tensor and data "
+        "parallel under torchrun (see [megatron])")
     recompute_old_logprobs: bool = Field(True, description="the trainer's own log-probs of each batch before "
                                          "the update are the proximal policy of the clipped ratio (taken from the "
                                          "training pass itself); false: the rollout's log-probs are")
@@ -82,6 +93,7 @@ class TrainerConfig(ServiceConfig):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     backend: TrainerBackendOptions = Field(default_factory=TrainerBackendOptions)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     weights: WeightStoreConfig = Field(default_factory=WeightStoreConfig,
                                        description="how each policy version is written to the weight store")

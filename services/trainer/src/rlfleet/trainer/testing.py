@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +15,9 @@ import grpc
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.common.chat import SPECIAL_TOKENS
+from rlfleet.common.config import NatsConfig
 from rlfleet.common.processes import ProcessNotReady, ServiceProcess, find_binary, wait_until
-from rlfleet.common.streams import publish
+from rlfleet.common.streams import connect_nats, ensure_streams, publish
 from rlfleet.trainer.batching import TrainSample
 
 
@@ -121,6 +126,35 @@ async def publish_trajectories(js: Any, run_id: str, trajectories: list) -> None
     for traj in trajectories:
         await publish(js, "TRAJECTORIES", run_id, traj.SerializeToString(), msg_type="Trajectory",
                       msg_id=traj.trajectory_id)
+
+
+async def publish_trajectories_to(nats_url: str, run_id: str, trajectories: list, name: str = "test") -> None:
+    """publish_trajectories over a connection of its own (for tests that run no event loop of their own)."""
+    nc = await connect_nats(NatsConfig(url=nats_url), name)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    await publish_trajectories(js, run_id, trajectories)
+    await nc.close()
+
+
+def run_torchrun(script: str | Path, args: list[str], nproc: int, timeout_s: float) -> None:
+    """`torchrun --standalone` of a script with one thread per rank; raises with its log's tail if it fails."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen([str(torchrun), "--standalone", f"--nproc-per-node={nproc}", str(script), *args],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # torchrun's workers live in sessions of their own; on SIGTERM torchrun stops them itself.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {script} exited with {proc.returncode}:\n{log.decode()[-4000:]}")
 
 
 class TrainerProcess(ServiceProcess):
