@@ -15,6 +15,8 @@ command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 command -v tini >/dev/null 2>&1 || missing+=(tini)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+# Mooncake's TransferEngine (peer-to-peer weight transfer) links libibverbs even when it speaks tcp.
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "install: apt-get install ${missing[*]}"
   # Packages with a daemon (prometheus, redis-server) start it from their postinst unless
