@@ -17,6 +17,7 @@ INSTALL_PY = h.DEPLOY / "docker" / "install.py"
 # (the trainer, the engines), imported lazily by them and by nothing in this image.
 NOT_IN_IMAGE = {
     ("weight-broker", "libs/weights/src/rlfleet/weights/torch_io.py", "torch"),
+    ("weight-broker", "libs/weights/src/rlfleet/weights/p2p.py", "torch"),
     ("weight-broker", "services/weight-broker/src/rlfleet/broker/distributed_sender.py", "torch"),
     ("weight-broker", "services/weight-broker/src/rlfleet/broker/distributed_sender.py", "services/cpu-engine"),
 }
