@@ -15,6 +15,7 @@ import textwrap
 import time
 import urllib.request
 import uuid
+import zlib
 from pathlib import Path
 
 import grpc
@@ -23,10 +24,11 @@ import pytest
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as pb
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
 from rlfleet.common.config import RedisConfig
-from rlfleet.common.processes import eventually
+from rlfleet.common.processes import ProcessNotReady, eventually
 from rlfleet.common.redis_store import connect_redis, key
 from rlfleet.common.testing import unique_run_id
 from rlfleet.sandbox.testing import sandbox_manager_config, start_sandbox_manager
+from rlfleet.sandbox.uid_lease import live_leases
 
 pytestmark = [
     pytest.mark.integration,
@@ -368,3 +370,60 @@ async def test_a_manager_killed_with_sigkill_is_cleaned_up_by_its_successor(redi
         if stray is not None and stray.returncode is None:
             stray.kill()
             await stray.wait()
+
+
+# -- sharing a host ----------------------------------------------------------------------------
+
+
+async def test_two_platforms_on_one_host_lease_disjoint_uid_ranges_and_never_kill_each_others_execs(
+        redis_url, tmp_path):
+    """Two runs' managers on one host, neither pinning a uid range (the default): each leases its own
+    range host-wide, and the second's start (which clears its range) and execs leave the first's
+    running exec alone."""
+    lease_dir = tmp_path / "uid-leases"
+    window = 2_000_000 + (zlib.crc32(str(tmp_path).encode()) % 5000) * 256
+    shared = {"driver.uid_base": None, "driver.uid_lease_dir": str(lease_dir),
+              "driver.uid_search_from": window, "driver.uid_search_to": window + 256}
+    first = start_sandbox_manager(redis_url, unique_run_id("sbxhostA"), tmp_path / "a", **shared)
+    second = None
+    try:
+        async with grpc.aio.insecure_channel(first.address) as channel_a:
+            stub_a = sandbox_pb2_grpc.SandboxServiceStub(channel_a)
+            box_a = await stub_a.CreateSandbox(pb.CreateSandboxRequest(limits=pb.Limits(wall_seconds=60)))
+            running = asyncio.ensure_future(stub_a.Exec(pb.ExecRequest(sandbox_id=box_a.sandbox_id, argv=py("""
+                import os, time
+                time.sleep(6)
+                print("a survived", os.getuid())
+            """))))
+            await asyncio.sleep(1.0)  # the exec is running when the second manager starts
+            second = await asyncio.to_thread(start_sandbox_manager, redis_url, unique_run_id("sbxhostB"),
+                                             tmp_path / "b", **shared)
+            async with grpc.aio.insecure_channel(second.address) as channel_b:
+                stub_b = sandbox_pb2_grpc.SandboxServiceStub(channel_b)
+                boxes_b = [await stub_b.CreateSandbox(pb.CreateSandboxRequest()) for _ in range(3)]
+                results_b = await asyncio.gather(*(stub_b.Exec(pb.ExecRequest(
+                    sandbox_id=b.sandbox_id, argv=py("import os, time; time.sleep(1); print(os.getuid())")))
+                    for b in boxes_b))
+                for b in boxes_b:
+                    await stub_b.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=b.sandbox_id))
+            result_a = await running
+        assert (result_a.exit_code, list(result_a.violations)) == (0, []), result_a
+        uid_a = int(result_a.stdout.split()[-1])
+        assert all(r.exit_code == 0 and not r.violations for r in results_b), results_b
+        uids_b = {int(r.stdout) for r in results_b}
+
+        leases = {rec["pid"]: r for r, rec in live_leases(lease_dir)}
+        range_a, range_b = leases[first.pid], leases[second.pid]
+        assert not range_a.overlaps(range_b)
+        assert uid_a in range_a and all(u in range_b for u in uids_b)
+
+        # Pinning a range the first manager holds is refused at start, naming the holder.
+        with pytest.raises(ProcessNotReady) as refused:
+            start_sandbox_manager(redis_url, unique_run_id("sbxhostC"), tmp_path / "c",
+                                  **{**shared, "driver.uid_base": range_a.first + 1})
+        assert "uid_range_in_use" in str(refused.value) or f"pid {first.pid}" in str(refused.value)
+    finally:
+        if second is not None:
+            assert second.stop() == 0
+        assert first.stop() == 0
+    assert live_leases(lease_dir) == []  # a clean stop gives the range back

@@ -51,9 +51,11 @@ from rlfleet.sandbox.errors import InvalidSandboxRequest, SandboxDriverUnavailab
 from rlfleet.sandbox.limits import LIMIT_RANGES, Limits
 from rlfleet.sandbox.pool import WarmPool
 from rlfleet.sandbox.process import run_captured
+from rlfleet.sandbox.uid_lease import UidLease, lease_uid_range
 from rlfleet.sandbox.violations import exec_result
 from rlfleet.sandbox.workspace import (
     LOCK_NAME,
+    UID_RANGE_NAME,
     Slot,
     UidAllocator,
     kill_uid_processes,
@@ -85,7 +87,8 @@ class BubblewrapDriver:
 
     def __init__(self, config: BubblewrapConfig | None = None) -> None:
         self.config = config or BubblewrapConfig()
-        self._uids = UidAllocator(self.config.uid_base, self.config.max_sandboxes)
+        self._uids: UidAllocator | None = None  # on the range leased at start()
+        self._uid_lease: UidLease | None = None
         self._sandboxes: dict[str, _Live] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # id -> why, for clear NOT_FOUND messages
         self._pool = WarmPool(self.config.pool_size, self._make_slot, self._discard_slot)
@@ -105,8 +108,17 @@ class BubblewrapDriver:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
         self._lock_root(root)
+        try:
+            self._lease_uids(root)
+        except BaseException:
+            self._unlock_root()
+            raise
         swept = sweep_root(root)
-        kill_uid_processes(self.config.uid_base, self.config.max_sandboxes)
+        # Only the leased range: processes there are this root's predecessor's (or strays in a
+        # pinned range); any other uid may belong to another driver on the host.
+        lease = self._uid_lease
+        assert lease is not None
+        kill_uid_processes(lease.uids.first, lease.uids.count)
         self._cgroups = self._setup_cgroups(root)
         self._started = True
         try:
@@ -118,7 +130,8 @@ class BubblewrapDriver:
         self._reaper = asyncio.create_task(self._reap_expired(), name="sandbox-ttl-reaper")
         log.info(
             "bubblewrap sandbox driver ready",
-            extra={"root": str(root), "swept": swept, "enforcement": self.enforcement},
+            extra={"root": str(root), "swept": swept, "enforcement": self.enforcement,
+                   "uid_base": lease.uids.first, "uid_count": lease.uids.count},
         )
 
     async def close(self) -> None:
@@ -134,9 +147,44 @@ class BubblewrapDriver:
             await self._destroy(live, "driver closed")
         if self._cgroups is not None and self._cgroups.available:
             self._cgroups.close()
+        if self._uid_lease is not None:
+            self._uid_lease.release()
+        self._unlock_root()
+
+    def _unlock_root(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    @property
+    def uid_range(self) -> tuple[int, int] | None:
+        """(first uid, count) this driver leased host-wide; None before start."""
+        lease = self._uid_lease
+        return (lease.uids.first, lease.uids.count) if lease is not None and lease.held else None
+
+    def _lease_uids(self, root: Path) -> None:
+        """Lease the uid range host-wide (see `uid_lease`), preferring the one this root had."""
+        remembered = root / UID_RANGE_NAME
+        preferred = None
+        with contextlib.suppress(OSError, ValueError):
+            first, count = (int(x) for x in remembered.read_text().split())
+            preferred = first if count == self.config.max_sandboxes else None
+        lease = lease_uid_range(
+            self.config.uid_lease_dir,
+            self.config.max_sandboxes,
+            pinned=self.config.uid_base,
+            search_from=self.config.uid_search_from,
+            search_to=self.config.uid_search_to,
+            preferred=preferred,
+            root=str(root.resolve()),
+        )
+        try:
+            remembered.write_text(f"{lease.uids.first} {lease.uids.count}\n")
+            self._uids = UidAllocator(lease.uids.first, lease.uids.count)
+        except BaseException:
+            lease.release()
+            raise
+        self._uid_lease = lease
 
     async def __aenter__(self) -> BubblewrapDriver:
         await self.start()
@@ -178,6 +226,12 @@ class BubblewrapDriver:
         return self._sandboxing
 
     @property
+    def _allocator(self) -> UidAllocator:
+        if self._uids is None:
+            raise SandboxDriverUnavailable("the sandbox driver is not started", reason="not_running")
+        return self._uids
+
+    @property
     def pool(self) -> WarmPool[Slot]:
         return self._pool
 
@@ -199,7 +253,7 @@ class BubblewrapDriver:
             raise InvalidSandboxRequest("spec must be a SandboxSpec", field="spec")
         files = _encode_files(spec.files, spec.limits, self.config.max_write_bytes)
         pooled = self._pool.take()
-        slot = pooled or prepare_slot(self.config.root, self._uids, self._cgroups)
+        slot = pooled or prepare_slot(self.config.root, self._allocator, self._cgroups)
         try:
             if slot.cgroup is not None:
                 # + tini, which lives in the exec's cgroup too (bwrap's monitor stays outside).
@@ -208,7 +262,7 @@ class BubblewrapDriver:
             if files:
                 await asyncio.to_thread(self._write_all, slot, files)
         except BaseException:
-            await asyncio.to_thread(remove_slot, slot, self._uids)
+            await asyncio.to_thread(remove_slot, slot, self._allocator)
             raise
         now = time.time()
         handle = SandboxHandle(slot.id, spec, now, now + spec.ttl_seconds, from_warm_pool=pooled is not None)
@@ -237,7 +291,7 @@ class BubblewrapDriver:
                 await live.idle.wait()
         except TimeoutError:
             log.warning("execs of sandbox %s still running 10s after kill", live.handle.id)
-        await asyncio.to_thread(remove_slot, live.slot, self._uids)
+        await asyncio.to_thread(remove_slot, live.slot, self._allocator)
 
     # -- exec --------------------------------------------------------------------------------
 
@@ -390,10 +444,10 @@ class BubblewrapDriver:
             raise SandboxDriverUnavailable("the sandbox driver is not running", reason="not_running")
 
     async def _make_slot(self) -> Slot:
-        return prepare_slot(self.config.root, self._uids, self._cgroups)
+        return prepare_slot(self.config.root, self._allocator, self._cgroups)
 
     async def _discard_slot(self, slot: Slot) -> None:
-        remove_slot(slot, self._uids)
+        remove_slot(slot, self._allocator)
 
     async def _reap_expired(self) -> None:
         while True:

@@ -40,8 +40,15 @@ class BubblewrapConfig(StrictModel):
     root: Path = Field(Path("/var/lib/rlfleet/sandboxes"),
                        description="directory holding sandbox workspaces (one driver each)")
     pool_size: int = Field(4, ge=0, description="sandboxes kept ready for a fast create")
-    uid_base: int = Field(200_000, ge=1000,
-                          description="sandboxes run as uids uid_base .. uid_base+max_sandboxes-1")
+    uid_base: int | None = Field(None, ge=1000,
+                                 description="pin the uid range: sandboxes run as uids uid_base .. "
+                                 "uid_base+max_sandboxes-1 (refused at start when another driver on the host "
+                                 "leases any of them); unset: lease a free range in the search window")
+    uid_search_from: int = Field(200_000, ge=1000, description="lowest uid an unpinned range may start at")
+    uid_search_to: int = Field(2_000_000, le=2**31 - 1, description="an unpinned range ends below this uid")
+    uid_lease_dir: Path = Field(Path("/run/rlfleet/sandbox-uids"),
+                                description="host-wide directory of uid-range leases; every driver on the host "
+                                "must use the same one")
     max_sandboxes: int = Field(256, ge=1, le=65536, description="sandbox slots (one uid each), warm pool "
                                "included; beyond: RESOURCE_EXHAUSTED")
     cgroups: Literal["auto", "off", "require"] = Field(
@@ -58,6 +65,14 @@ class BubblewrapConfig(StrictModel):
     max_list_entries: int = Field(100_000, ge=1, description="entries one listing may return")
     reap_interval_s: float = Field(2.0, gt=0, description="how often expired sandboxes are destroyed")
     bwrap: str = Field("bwrap", description="the bubblewrap executable")
+
+    @model_validator(mode="after")
+    def _search_window_fits(self) -> BubblewrapConfig:
+        if self.uid_base is None and self.uid_search_from + self.max_sandboxes > self.uid_search_to:
+            raise ValueError("uid_search_from..uid_search_to is smaller than max_sandboxes")
+        if self.uid_base is not None and self.uid_base + self.max_sandboxes > 2**31:
+            raise ValueError("uid_base + max_sandboxes is above 2**31")
+        return self
 
 
 def _max_limits() -> LimitsConfig:

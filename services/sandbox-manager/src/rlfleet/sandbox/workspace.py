@@ -26,6 +26,7 @@ from rlfleet.sandbox.errors import SandboxCapacityExhausted
 
 SANDBOX_USER = "sandbox"
 LOCK_NAME = ".driver.lock"
+UID_RANGE_NAME = ".uid_range"  # the uid range this root's driver leased last: "first count"
 
 
 @dataclass(slots=True)
@@ -126,7 +127,7 @@ def sweep_root(root: Path) -> int:
     """Delete leftovers of a driver that died without cleaning up (we hold the root's lock)."""
     removed = 0
     for entry in root.iterdir():
-        if entry.name == LOCK_NAME:
+        if entry.name in (LOCK_NAME, UID_RANGE_NAME):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
