@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -47,7 +48,12 @@ from rlfleet.sandbox.driver import (
     validate_argv,
     validate_env,
 )
-from rlfleet.sandbox.errors import InvalidSandboxRequest, SandboxDriverUnavailable, SandboxNotFound
+from rlfleet.sandbox.errors import (
+    InvalidSandboxRequest,
+    SandboxDriverUnavailable,
+    SandboxNotFound,
+    SandboxQuotaExceeded,
+)
 from rlfleet.sandbox.limits import LIMIT_RANGES, Limits
 from rlfleet.sandbox.pool import WarmPool
 from rlfleet.sandbox.process import run_captured
@@ -58,10 +64,12 @@ from rlfleet.sandbox.workspace import (
     UID_RANGE_NAME,
     Slot,
     UidAllocator,
+    WorkspaceQuota,
     kill_uid_processes,
     prepare_slot,
     remove_slot,
     sweep_root,
+    workspace_full,
 )
 
 log = logging.getLogger(__name__)
@@ -89,6 +97,7 @@ class BubblewrapDriver:
         self.config = config or BubblewrapConfig()
         self._uids: UidAllocator | None = None  # on the range leased at start()
         self._uid_lease: UidLease | None = None
+        self._quota = WorkspaceQuota(self.config.workspace_bytes, self.config.workspace_inodes)
         self._sandboxes: dict[str, _Live] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # id -> why, for clear NOT_FOUND messages
         self._pool = WarmPool(self.config.pool_size, self._make_slot, self._discard_slot)
@@ -212,6 +221,7 @@ class BubblewrapDriver:
             "cpu": "RLIMIT_CPU per process (SIGXCPU, then SIGKILL 1 s later); tree total measured",
             "wall": "driver deadline, SIGKILL of the sandbox's pid namespace",
             "file_size": "RLIMIT_FSIZE per file",
+            "workspace": f"a tmpfs per sandbox: {self._quota.bytes} bytes, {self._quota.inodes} inodes (ENOSPC)",
             "output": "captured up to max_output_bytes per stream, rest read and dropped",
             "network": "own network namespace with loopback only, unless spec.network",
             "syscalls": "seccomp deny-list (user namespaces, keyrings, bpf, perf, userfaultfd, io_uring)"
@@ -253,7 +263,7 @@ class BubblewrapDriver:
             raise InvalidSandboxRequest("spec must be a SandboxSpec", field="spec")
         files = _encode_files(spec.files, spec.limits, self.config.max_write_bytes)
         pooled = self._pool.take()
-        slot = pooled or prepare_slot(self.config.root, self._allocator, self._cgroups)
+        slot = pooled or prepare_slot(self.config.root, self._allocator, self._cgroups, self._quota)
         try:
             if slot.cgroup is not None:
                 # + tini, which lives in the exec's cgroup too (bwrap's monitor stays outside).
@@ -378,7 +388,9 @@ class BubblewrapDriver:
                 reason="sandbox_setup_failed",
                 sandbox_id=live.handle.id,
             )
-        return exec_result(outcome, limits, timeout_s, usage, pids_hits, live.handle.spec.network)
+        full = await asyncio.to_thread(workspace_full, live.slot.work)
+        return exec_result(outcome, limits, timeout_s, usage, pids_hits, live.handle.spec.network,
+                           workspace=(self._quota, *full))
 
     # -- files -------------------------------------------------------------------------------
 
@@ -410,7 +422,17 @@ class BubblewrapDriver:
 
     def _write_all(self, slot: Slot, files: dict[str, bytes]) -> None:
         for path, data in files.items():
-            ws_paths.write_file(str(slot.work), path, data, owner=(slot.uid, slot.uid))
+            try:
+                ws_paths.write_file(str(slot.work), path, data, owner=(slot.uid, slot.uid))
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                no_bytes, _ = workspace_full(slot.work)
+                quota, limit = ("workspace_bytes", self._quota.bytes) if no_bytes else (
+                    "workspace_inodes", self._quota.inodes)
+                raise SandboxQuotaExceeded(
+                    f"writing {path!r} would pass the workspace's {quota}={limit} quota",
+                    quota=quota, limit=limit, sandbox_id=slot.id, path=path) from None
 
     def _read_all(self, slot: Slot, wanted: list[str]) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -444,7 +466,7 @@ class BubblewrapDriver:
             raise SandboxDriverUnavailable("the sandbox driver is not running", reason="not_running")
 
     async def _make_slot(self) -> Slot:
-        return prepare_slot(self.config.root, self._allocator, self._cgroups)
+        return prepare_slot(self.config.root, self._allocator, self._cgroups, self._quota)
 
     async def _discard_slot(self, slot: Slot) -> None:
         remove_slot(slot, self._allocator)

@@ -59,6 +59,11 @@ class BubblewrapConfig(StrictModel):
                                       "realpath(sys.base_prefix), the real interpreter")
     extra_ro_binds: tuple[str, ...] = Field((), description="more host dirs shown read-only (toolchains)")
     tmp_size_bytes: int = Field(64 * MiB, ge=1, description="size of each of /tmp and /dev/shm")
+    workspace_bytes: int = Field(256 * MiB, ge=1 * MiB,
+                                 description="size quota of each sandbox's workspace (a tmpfs: memory, never "
+                                 "the host's disk); a write past it fails with ENOSPC")
+    workspace_inodes: int = Field(10_000, ge=16,
+                                  description="files, directories and symlinks each workspace may hold")
     max_read_bytes: int = Field(32 * MiB, ge=1, description="bytes one ReadFiles call may return in total")
     max_write_bytes: int = Field(256 * MiB, ge=1,
                                  description="bytes one WriteFiles call (or a spec's files) may write")
