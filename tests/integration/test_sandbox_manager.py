@@ -26,6 +26,7 @@ from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
 from rlfleet.common.config import RedisConfig
 from rlfleet.common.processes import ProcessNotReady, eventually
 from rlfleet.common.redis_store import connect_redis, key
+from rlfleet.common.rich_errors import error_details
 from rlfleet.common.testing import unique_run_id
 from rlfleet.sandbox.testing import sandbox_manager_config, start_sandbox_manager
 from rlfleet.sandbox.uid_lease import live_leases
@@ -420,10 +421,59 @@ async def test_two_platforms_on_one_host_lease_disjoint_uid_ranges_and_never_kil
         # Pinning a range the first manager holds is refused at start, naming the holder.
         with pytest.raises(ProcessNotReady) as refused:
             start_sandbox_manager(redis_url, unique_run_id("sbxhostC"), tmp_path / "c",
-                                  **{**shared, "driver.uid_base": range_a.first + 1})
-        assert "uid_range_in_use" in str(refused.value) or f"pid {first.pid}" in str(refused.value)
+                                  **{**shared, "driver.uid_base": range_a.first})
+        assert "pick a free range" in str(refused.value)
+        log = "".join(p.read_text() for p in (tmp_path / "c").glob("*.log"))
+        assert f"leased by pid {first.pid}" in log, log[-2000:]
     finally:
         if second is not None:
             assert second.stop() == 0
         assert first.stop() == 0
     assert live_leases(lease_dir) == []  # a clean stop gives the range back
+
+
+# -- caps on open sandboxes and TTL --------------------------------------------------------------
+
+
+async def test_one_client_cannot_take_every_slot_and_the_run_has_a_cap_too(redis_url, tmp_path):
+    manager = start_sandbox_manager(redis_url, unique_run_id("sbxcaps"), tmp_path,
+                                    max_open_sandboxes=6, max_sandboxes_per_client=4, max_ttl_s=7200)
+    try:
+        async with grpc.aio.insecure_channel(manager.address) as channel:
+            stub = sandbox_pb2_grpc.SandboxServiceStub(channel)
+            greedy = (("rlfleet-client-id", "greedy"),)
+            mine = [await stub.CreateSandbox(pb.CreateSandboxRequest(), metadata=greedy) for _ in range(4)]
+            with pytest.raises(grpc.aio.AioRpcError) as capped:
+                await stub.CreateSandbox(pb.CreateSandboxRequest(), metadata=greedy)
+            details = error_details(capped.value)
+            assert details.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert details.metadata["quota"] == "max_sandboxes_per_client" and details.metadata["limit"] == "4"
+            assert details.metadata["client_id"] == "greedy" and details.metadata["open"] == "4"
+            assert "greedy" in details.message
+
+            # Another client (here named by a label) still gets its own, up to the run's cap.
+            others = [await stub.CreateSandbox(pb.CreateSandboxRequest(labels={"client_id": "polite"}))
+                      for _ in range(2)]
+            with pytest.raises(grpc.aio.AioRpcError) as full:
+                await stub.CreateSandbox(pb.CreateSandboxRequest())
+            details = error_details(full.value)
+            assert details.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (details.metadata["quota"], details.metadata["limit"]) == ("max_open_sandboxes", "6")
+
+            # Destroying frees a slot for the client that held it.
+            await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=mine[0].sandbox_id))
+            again = await stub.CreateSandbox(pb.CreateSandboxRequest(), metadata=greedy)
+
+            with pytest.raises(grpc.aio.AioRpcError) as too_long:
+                await stub.CreateSandbox(pb.CreateSandboxRequest(ttl_seconds=3 * 3600))
+            details = error_details(too_long.value)
+            assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.field == "ttl_seconds"
+            assert float(details.metadata["maximum"]) == 7200
+            for box in [*mine[1:], *others, again]:
+                await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=box.sandbox_id))
+            await assert_manager_still_serves(stub)
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(manager.metrics_url, timeout=5).read().decode())
+        assert any(line.startswith("rlfleet_sandbox_creates_refused_total{") and 'cap="sandboxes_per_client"' in line
+                   for line in text.splitlines())
+    finally:
+        assert manager.stop() == 0

@@ -95,7 +95,12 @@ class SandboxManagerConfig(ServiceConfig):
     max_limits: LimitsConfig = Field(default_factory=_max_limits,
                                      description="largest limits a create request may ask for")
     default_ttl_s: float = Field(3600.0, gt=0, description="sandbox lifetime when a request gives none")
-    max_ttl_s: float = Field(24 * 3600.0, gt=0, le=7 * 24 * 3600, description="longest lifetime a request may ask for")
+    max_ttl_s: float = Field(2 * 3600.0, gt=0, le=7 * 24 * 3600,
+                             description="longest lifetime a request may ask for (beyond: INVALID_ARGUMENT)")
+    max_open_sandboxes: int = Field(256, ge=1, description="sandboxes open at once for this run (one manager "
+                                    "serves one run), warm pool not counted; beyond: RESOURCE_EXHAUSTED")
+    max_sandboxes_per_client: int = Field(128, ge=1, description="sandboxes one client (the rlfleet-client-id "
+                                          "metadata, else the client_id label, else 'anonymous') may hold open")
     allow_network: bool = Field(False, description="let create requests turn networking on (off: INVALID_ARGUMENT)")
     default_read_bytes_per_file: int = Field(8 * MiB, ge=1, description="per-file read cap when a request gives none")
     heartbeat_s: float = Field(5.0, gt=0, description="how often this manager refreshes its liveness key")
@@ -106,6 +111,8 @@ class SandboxManagerConfig(ServiceConfig):
         for name, default in self.default_limits.model_dump().items():
             if default > getattr(self.max_limits, name):
                 raise ValueError(f"default_limits.{name}={default} is above max_limits.{name}")
+        if self.max_sandboxes_per_client > self.max_open_sandboxes:
+            raise ValueError("max_sandboxes_per_client is above max_open_sandboxes")
         if self.default_ttl_s > self.max_ttl_s:
             raise ValueError("default_ttl_s is above max_ttl_s")
         if self.default_read_bytes_per_file > self.driver.max_read_bytes:

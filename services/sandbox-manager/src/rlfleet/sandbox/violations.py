@@ -95,13 +95,12 @@ def derive(f: ExecFacts) -> tuple[Violation, ...]:
     # only put a violation against it (fail closed), never take one away.
     if f.signal == _signal.SIGXCPU:
         add(K.CPU, f"SIGXCPU: a process reached its {cpu_limit}s CPU limit (tree total {f.cpu_s:.2f}s)")
-    elif f.signal == _signal.SIGKILL and not f.timed_out and f.oom_kills == 0:
-        # Not the driver's deadline kill: the kernel's, at the hard CPU limit (soft + 1 s) or out of memory.
-        if f.cpu_s >= cpu_limit:
-            add(K.CPU, f"SIGKILL at the hard CPU limit ({cpu_limit + 1}s; tree total {f.cpu_s:.2f}s)")
-        else:
-            add(K.MEMORY, f"SIGKILL not sent by the driver (tree CPU {f.cpu_s:.2f}s, under the {cpu_limit}s "
-                "limit): the kernel's OOM killer, or the program itself")
+    elif f.signal == _signal.SIGKILL and not f.timed_out and f.oom_kills == 0 and f.cpu_s >= cpu_limit:
+        # Not the driver's deadline kill, and past the soft limit, where the kernel sent SIGXCPU: the
+        # only SIGKILL the kernel sends for CPU is the hard limit a second later. (A SIGKILL with the
+        # tree under the soft limit and no OOM count is no limit of this sandbox's: another process or
+        # the host's OOM killer; callers treat it as an environment failure, not the program's.)
+        add(K.CPU, f"SIGKILL at the hard CPU limit ({cpu_limit + 1}s; tree total {f.cpu_s:.2f}s)")
     elif f.cpu_s > f.limits.cpu_seconds + 0.1:
         # RLIMIT_CPU is per process: a tree can exceed the budget in total without any one process
         # being stopped. Recorded (it is a measured overrun), not enforced.
