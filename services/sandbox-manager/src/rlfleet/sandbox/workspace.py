@@ -174,9 +174,12 @@ def remove_slot(slot: Slot, uids: UidAllocator) -> None:
     sandbox planted (it works on fds; `shutil.rmtree.avoids_symlink_attacks` holds on Linux)."""
     if slot.cgroup is not None:
         slot.cgroup.kill_all()
-        slot.cgroup.remove()
     kill_uid_processes(slot.uid)
+    # Unmounted before the cgroup goes: the workspace's pages are charged to it, and freeing them
+    # first lets the cgroup be removed outright instead of lingering as a dying one.
     unmount(slot.work)
+    if slot.cgroup is not None:
+        slot.cgroup.remove()
     if slot.dir.exists():
         shutil.rmtree(slot.dir)
     uids.give_back(slot.uid)
