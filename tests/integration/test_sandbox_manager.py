@@ -477,3 +477,42 @@ async def test_one_client_cannot_take_every_slot_and_the_run_has_a_cap_too(redis
                    for line in text.splitlines())
     finally:
         assert manager.stop() == 0
+
+
+async def test_a_1_gib_and_a_20000_file_writer_hit_the_workspace_quotas_not_the_host_disk(stub, manager):
+    """The defaults (256 MiB, 10,000 inodes per workspace): both writers fail cleanly with ENOSPC, the
+    violation is recorded, the disk under the manager's root is untouched and the sandbox goes on."""
+    box = await stub.CreateSandbox(pb.CreateSandboxRequest(limits=pb.Limits(wall_seconds=120)))
+    disk = os.statvfs(manager.root)
+    free_before = disk.f_bavail * disk.f_frsize
+    big = await stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=py("""
+        chunk, written = b"x" * (1 << 20), 0
+        try:
+            for n in range(16):  # 16 files of 64 MiB (max_file_bytes): 1 GiB
+                with open(f"part{n}", "wb") as f:
+                    for _ in range(64):
+                        f.write(chunk); f.flush(); written += 1
+        except OSError as e:
+            print("stopped at", written, "MiB, errno", e.errno)
+    """)))
+    assert big.stdout.startswith(b"stopped at") and b"errno 28" in big.stdout, big
+    assert int(big.stdout.split()[2]) <= 256
+    assert "VIOLATION_KIND_FILESYSTEM" in kinds(big.violations), big
+    disk = os.statvfs(manager.root)
+    assert disk.f_bavail * disk.f_frsize > free_before - 32 * MiB  # the 256 MiB went to the tmpfs
+    many = await stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=py("""
+        import os, glob
+        for p in glob.glob("part*"): os.remove(p)
+        n = 0
+        try:
+            for i in range(20000):
+                open(f"f{i}", "w").close(); n += 1
+        except OSError as e:
+            print("stopped at", n, "files, errno", e.errno)
+    """)))
+    assert many.stdout.startswith(b"stopped at") and b"errno 28" in many.stdout, many
+    assert int(many.stdout.split()[2]) < 10_000
+    await assert_recorded(stub, box.sandbox_id, many, "VIOLATION_KIND_FILESYSTEM")
+    await stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=["sh", "-c", "rm -f f*"]))
+    await assert_manager_still_serves(stub, box.sandbox_id)
+    await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=box.sandbox_id))
