@@ -228,18 +228,18 @@ async def test_a_client_that_disconnects_frees_its_batch_slot(engine):
 
 
 async def test_oversize_text_and_bodies_are_refused_with_413_naming_the_limit_before_tokenizing(engine):
-    status, reply = await call(engine.url, "/generate", {"text": "x" * (8 << 20)})
+    status, reply = await call(engine.url, "/generate", {"text": "x" * (4 << 20)})
     assert status == 413, reply
     error = reply["error"]
-    assert (error["field"], error["limit"], error["size"]) == ("text", 1_000_000, 8 << 20)
+    assert (error["field"], error["limit"], error["size"]) == ("text", 1_000_000, 4 << 20)
     assert "not tokenized" in error["message"]
     batch = {"text": ["y" * 600_000, "z" * 600_000]}  # the limit is on a request's text in total
     status, reply = await call(engine.url, "/generate", batch)
     assert status == 413 and reply["error"]["size"] == 1_200_000
     status, reply = await call(engine.url, "/generate", {"input_ids": [1] * 100_000})
     assert status == 400 and reply["error"]["limit"] < 100_000 and reply["error"]["field"] == "input_ids"
-    status, reply = await call(engine.url, "/generate", {"input_ids": [100_000] * (6 << 20)})  # 48 MiB of JSON
-    assert status == 413 and reply["error"]["field"] == "body" and reply["error"]["limit"] == 32 << 20
+    status, reply = await call(engine.url, "/generate", {"input_ids": [100_000] * (2 << 20)})  # 16 MiB of JSON
+    assert status == 413 and reply["error"]["field"] == "body" and reply["error"]["limit"] == 8 << 20
 
 
 async def test_health_answers_while_a_long_text_is_being_tokenized(engine):
