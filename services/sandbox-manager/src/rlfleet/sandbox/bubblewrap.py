@@ -119,16 +119,18 @@ class BubblewrapDriver:
         self._lock_root(root)
         try:
             self._lease_uids(root)
-        except BaseException:
+            lease = self._uid_lease
+            assert lease is not None
+            swept = sweep_root(root)
+            # Only the leased range: processes there are this root's predecessor's (or strays in a
+            # pinned range); any other uid may belong to another driver on the host.
+            kill_uid_processes(lease.uids.first, lease.uids.count)
+            self._cgroups = self._setup_cgroups(root)
+        except BaseException:  # nothing started yet: give the range and the root back
+            if self._uid_lease is not None:
+                self._uid_lease.release()
             self._unlock_root()
             raise
-        swept = sweep_root(root)
-        # Only the leased range: processes there are this root's predecessor's (or strays in a
-        # pinned range); any other uid may belong to another driver on the host.
-        lease = self._uid_lease
-        assert lease is not None
-        kill_uid_processes(lease.uids.first, lease.uids.count)
-        self._cgroups = self._setup_cgroups(root)
         self._started = True
         try:
             await self._self_test()
