@@ -59,6 +59,8 @@ async def test_a_1_gib_writer_stops_at_the_byte_quota_and_the_host_disk_is_untou
         work = d.host_info(h)["workspace"]
         assert os.statvfs(work).f_blocks * os.statvfs(work).f_frsize <= 64 * MiB + 4096
         assert work in mounts_under(d.config.root)
+        still_full = await d.exec(h, ["true"])  # filled earlier: not held against a later exec
+        assert (still_full.exit_code, still_full.violations) == (0, ())
         # Host-side writes past the quota are refused naming it; after deleting, work goes on.
         with pytest.raises(SandboxQuotaExceeded) as refused:
             await d.write_files(h, {"more.bin": b"y" * (1 * MiB)})

@@ -343,6 +343,7 @@ class BubblewrapDriver:
         gate = self._host.gate(live.handle.spec, exec_cg)
         etc_args: list[str] = []
         etc_fds: list[int] = []
+        full_before = workspace_full(live.slot.work)
         live.running += 1
         live.idle.clear()
         try:
@@ -390,7 +391,10 @@ class BubblewrapDriver:
                 reason="sandbox_setup_failed",
                 sandbox_id=live.handle.id,
             )
-        full = await asyncio.to_thread(workspace_full, live.slot.work)
+        # Filled by this exec: full now and not before (statvfs of a tmpfs: no I/O, fine on the loop).
+        # A workspace that was already full is not held against every later exec.
+        bytes_full, inodes_full = workspace_full(live.slot.work)
+        full = (bytes_full and not full_before[0], inodes_full and not full_before[1])
         return exec_result(outcome, limits, timeout_s, usage, pids_hits, live.handle.spec.network,
                            workspace=(self._quota, *full))
 
