@@ -146,6 +146,8 @@ def test_the_sandbox_manager_gets_what_bubblewrap_needs_and_a_root_per_replica(c
     assert service["cap_add"] == ["SYS_ADMIN"]
     assert set(service["security_opt"]) == {"seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"}
     assert "/var/lib/rlfleet/sandboxes" in service["volumes"], "anonymous volume: one per replica"
+    # The host-wide uid leases: the same host directory in every manager (default driver.uid_lease_dir).
+    assert "/run/rlfleet/sandbox-uids:/run/rlfleet/sandbox-uids" in service["volumes"]
 
 
 def test_gateway_knows_the_cpu_engine(compose):

@@ -312,3 +312,13 @@ def test_nats_server_accepts_the_rendered_config(overlay, rendered, tmp_path):
 def test_the_nats_helm_values_alternative_parses():
     values = yaml.safe_load((h.K8S / "helm" / "nats-values.yaml").read_text())
     assert values["config"]["jetstream"]["enabled"] and values["config"]["cluster"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_sandbox_managers_on_a_node_share_one_uid_lease_directory(overlay, rendered):
+    manager = next(o for o in workloads(rendered[overlay]) if o["metadata"]["name"] == "sandbox-manager")
+    spec = h.pod_spec(manager)
+    volume = next(v for v in spec["volumes"] if v["name"] == "uid-leases")
+    assert volume["hostPath"] == {"path": "/run/rlfleet/sandbox-uids", "type": "DirectoryOrCreate"}
+    mounts = [m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", []) if m["name"] == "uid-leases"]
+    assert mounts == ["/run/rlfleet/sandbox-uids"]  # the driver's default uid_lease_dir

@@ -15,6 +15,7 @@ import textwrap
 import time
 import urllib.request
 import uuid
+import zlib
 from pathlib import Path
 
 import grpc
@@ -23,10 +24,12 @@ import pytest
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as pb
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
 from rlfleet.common.config import RedisConfig
-from rlfleet.common.processes import eventually
+from rlfleet.common.processes import ProcessNotReady, eventually
 from rlfleet.common.redis_store import connect_redis, key
+from rlfleet.common.rich_errors import error_details
 from rlfleet.common.testing import unique_run_id
 from rlfleet.sandbox.testing import sandbox_manager_config, start_sandbox_manager
+from rlfleet.sandbox.uid_lease import live_leases
 
 pytestmark = [
     pytest.mark.integration,
@@ -368,3 +371,148 @@ async def test_a_manager_killed_with_sigkill_is_cleaned_up_by_its_successor(redi
         if stray is not None and stray.returncode is None:
             stray.kill()
             await stray.wait()
+
+
+# -- sharing a host ----------------------------------------------------------------------------
+
+
+async def test_two_platforms_on_one_host_lease_disjoint_uid_ranges_and_never_kill_each_others_execs(
+        redis_url, tmp_path):
+    """Two runs' managers on one host, neither pinning a uid range (the default): each leases its own
+    range host-wide, and the second's start (which clears its range) and execs leave the first's
+    running exec alone."""
+    lease_dir = tmp_path / "uid-leases"
+    window = 2_000_000 + (zlib.crc32(str(tmp_path).encode()) % 5000) * 256
+    shared = {"driver.uid_base": None, "driver.uid_lease_dir": str(lease_dir),
+              "driver.uid_search_from": window, "driver.uid_search_to": window + 256}
+    first = start_sandbox_manager(redis_url, unique_run_id("sbxhostA"), tmp_path / "a", **shared)
+    second = None
+    try:
+        async with grpc.aio.insecure_channel(first.address) as channel_a:
+            stub_a = sandbox_pb2_grpc.SandboxServiceStub(channel_a)
+            box_a = await stub_a.CreateSandbox(pb.CreateSandboxRequest(limits=pb.Limits(wall_seconds=60)))
+            running = asyncio.ensure_future(stub_a.Exec(pb.ExecRequest(sandbox_id=box_a.sandbox_id, argv=py("""
+                import os, time
+                time.sleep(6)
+                print("a survived", os.getuid())
+            """))))
+            await asyncio.sleep(1.0)  # the exec is running when the second manager starts
+            second = await asyncio.to_thread(start_sandbox_manager, redis_url, unique_run_id("sbxhostB"),
+                                             tmp_path / "b", **shared)
+            async with grpc.aio.insecure_channel(second.address) as channel_b:
+                stub_b = sandbox_pb2_grpc.SandboxServiceStub(channel_b)
+                boxes_b = [await stub_b.CreateSandbox(pb.CreateSandboxRequest()) for _ in range(3)]
+                results_b = await asyncio.gather(*(stub_b.Exec(pb.ExecRequest(
+                    sandbox_id=b.sandbox_id, argv=py("import os, time; time.sleep(1); print(os.getuid())")))
+                    for b in boxes_b))
+                for b in boxes_b:
+                    await stub_b.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=b.sandbox_id))
+            result_a = await running
+        assert (result_a.exit_code, list(result_a.violations)) == (0, []), result_a
+        uid_a = int(result_a.stdout.split()[-1])
+        assert all(r.exit_code == 0 and not r.violations for r in results_b), results_b
+        uids_b = {int(r.stdout) for r in results_b}
+
+        leases = {rec["pid"]: r for r, rec in live_leases(lease_dir)}
+        range_a, range_b = leases[first.pid], leases[second.pid]
+        assert not range_a.overlaps(range_b)
+        assert uid_a in range_a and all(u in range_b for u in uids_b)
+
+        # Pinning a range the first manager holds is refused at start, naming the holder.
+        with pytest.raises(ProcessNotReady) as refused:
+            start_sandbox_manager(redis_url, unique_run_id("sbxhostC"), tmp_path / "c",
+                                  **{**shared, "driver.uid_base": range_a.first})
+        assert "pick a free range" in str(refused.value)
+        log = "".join(p.read_text() for p in (tmp_path / "c").glob("*.log"))
+        assert f"leased by pid {first.pid}" in log, log[-2000:]
+    finally:
+        if second is not None:
+            assert second.stop() == 0
+        assert first.stop() == 0
+    assert live_leases(lease_dir) == []  # a clean stop gives the range back
+
+
+# -- caps on open sandboxes and TTL --------------------------------------------------------------
+
+
+async def test_one_client_cannot_take_every_slot_and_the_run_has_a_cap_too(redis_url, tmp_path):
+    manager = start_sandbox_manager(redis_url, unique_run_id("sbxcaps"), tmp_path,
+                                    max_open_sandboxes=6, max_sandboxes_per_client=4, max_ttl_s=7200)
+    try:
+        async with grpc.aio.insecure_channel(manager.address) as channel:
+            stub = sandbox_pb2_grpc.SandboxServiceStub(channel)
+            greedy = (("rlfleet-client-id", "greedy"),)
+            mine = [await stub.CreateSandbox(pb.CreateSandboxRequest(), metadata=greedy) for _ in range(4)]
+            with pytest.raises(grpc.aio.AioRpcError) as capped:
+                await stub.CreateSandbox(pb.CreateSandboxRequest(), metadata=greedy)
+            details = error_details(capped.value)
+            assert details.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert details.metadata["quota"] == "max_sandboxes_per_client" and details.metadata["limit"] == "4"
+            assert details.metadata["client_id"] == "greedy" and details.metadata["open"] == "4"
+            assert "greedy" in details.message
+
+            # Another client (here named by a label) still gets its own, up to the run's cap.
+            others = [await stub.CreateSandbox(pb.CreateSandboxRequest(labels={"client_id": "polite"}))
+                      for _ in range(2)]
+            with pytest.raises(grpc.aio.AioRpcError) as full:
+                await stub.CreateSandbox(pb.CreateSandboxRequest())
+            details = error_details(full.value)
+            assert details.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (details.metadata["quota"], details.metadata["limit"]) == ("max_open_sandboxes", "6")
+
+            # Destroying frees a slot for the client that held it.
+            await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=mine[0].sandbox_id))
+            again = await stub.CreateSandbox(pb.CreateSandboxRequest(), metadata=greedy)
+
+            with pytest.raises(grpc.aio.AioRpcError) as too_long:
+                await stub.CreateSandbox(pb.CreateSandboxRequest(ttl_seconds=3 * 3600))
+            details = error_details(too_long.value)
+            assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.field == "ttl_seconds"
+            assert float(details.metadata["maximum"]) == 7200
+            for box in [*mine[1:], *others, again]:
+                await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=box.sandbox_id))
+            await assert_manager_still_serves(stub)
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(manager.metrics_url, timeout=5).read().decode())
+        assert any(line.startswith("rlfleet_sandbox_creates_refused_total{") and 'cap="sandboxes_per_client"' in line
+                   for line in text.splitlines())
+    finally:
+        assert manager.stop() == 0
+
+
+async def test_a_1_gib_and_a_20000_file_writer_hit_the_workspace_quotas_not_the_host_disk(stub, manager):
+    """The defaults (256 MiB, 10,000 inodes per workspace): both writers fail cleanly with ENOSPC, the
+    violation is recorded, the disk under the manager's root is untouched and the sandbox goes on."""
+    box = await stub.CreateSandbox(pb.CreateSandboxRequest(limits=pb.Limits(wall_seconds=120)))
+    disk = os.statvfs(manager.root)
+    free_before = disk.f_bavail * disk.f_frsize
+    big = await stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=py("""
+        chunk, written = b"x" * (1 << 20), 0
+        try:
+            for n in range(16):  # 16 files of 64 MiB (max_file_bytes): 1 GiB
+                with open(f"part{n}", "wb") as f:
+                    for _ in range(64):
+                        f.write(chunk); f.flush(); written += 1
+        except OSError as e:
+            print("stopped at", written, "MiB, errno", e.errno)
+    """)))
+    assert big.stdout.startswith(b"stopped at") and b"errno 28" in big.stdout, big
+    assert int(big.stdout.split()[2]) <= 256
+    assert "VIOLATION_KIND_FILESYSTEM" in kinds(big.violations), big
+    disk = os.statvfs(manager.root)
+    assert disk.f_bavail * disk.f_frsize > free_before - 32 * MiB  # the 256 MiB went to the tmpfs
+    many = await stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=py("""
+        import os, glob
+        for p in glob.glob("part*"): os.remove(p)
+        n = 0
+        try:
+            for i in range(20000):
+                open(f"f{i}", "w").close(); n += 1
+        except OSError as e:
+            print("stopped at", n, "files, errno", e.errno)
+    """)))
+    assert many.stdout.startswith(b"stopped at") and b"errno 28" in many.stdout, many
+    assert int(many.stdout.split()[2]) < 10_000
+    await assert_recorded(stub, box.sandbox_id, many, "VIOLATION_KIND_FILESYSTEM")
+    await stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=["sh", "-c", "rm -f f*"]))
+    await assert_manager_still_serves(stub, box.sandbox_id)
+    await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=box.sandbox_id))

@@ -109,3 +109,18 @@ def test_the_kv_budget_refuses_a_request_that_could_never_be_admitted():
             Limits(100, 64, 25),
             encode=list,
         )
+
+
+def test_oversize_text_is_refused_with_413_and_the_limit_before_it_is_tokenized():
+    def never(text):
+        raise AssertionError("tokenized an oversize text")
+
+    small = Limits(vocab_size=100, context_length=64, max_total_tokens=1000, max_text_chars=10)
+    with pytest.raises(BadRequest) as refused:
+        parse_generate({"text": ["123456", "7890a"]}, small, encode=never)
+    assert refused.value.status == 413 and refused.value.details == {"field": "text", "limit": 10, "size": 11}
+    with pytest.raises(BadRequest) as long_ids:
+        parse_generate({"input_ids": [[1], [1] * 64]}, small, encode=never)
+    assert long_ids.value.status == 400 and long_ids.value.details["field"] == "input_ids[1]"
+    (item,), _ = parse_generate({"text": "1234567890"}, small, encode=lambda t: [int(c) for c in t])
+    assert len(item.input_ids) == 10

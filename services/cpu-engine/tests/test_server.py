@@ -225,3 +225,31 @@ async def test_a_client_that_disconnects_frees_its_batch_slot(engine):
         return (await load(engine.url))["num_reqs"] == 0
 
     await eventually(idle, within_s=5)
+
+
+async def test_oversize_text_and_bodies_are_refused_with_413_naming_the_limit_before_tokenizing(engine):
+    status, reply = await call(engine.url, "/generate", {"text": "x" * (4 << 20)})
+    assert status == 413, reply
+    error = reply["error"]
+    assert (error["field"], error["limit"], error["size"]) == ("text", 1_000_000, 4 << 20)
+    assert "not tokenized" in error["message"]
+    batch = {"text": ["y" * 600_000, "z" * 600_000]}  # the limit is on a request's text in total
+    status, reply = await call(engine.url, "/generate", batch)
+    assert status == 413 and reply["error"]["size"] == 1_200_000
+    status, reply = await call(engine.url, "/generate", {"input_ids": [1] * 100_000})
+    assert status == 400 and reply["error"]["limit"] < 100_000 and reply["error"]["field"] == "input_ids"
+    status, reply = await call(engine.url, "/generate", {"input_ids": [100_000] * (2 << 20)})  # 16 MiB of JSON
+    assert status == 413 and reply["error"]["field"] == "body" and reply["error"]["limit"] == 8 << 20
+
+
+async def test_health_answers_while_a_long_text_is_being_tokenized(engine):
+    """Tokenizing happens off the event loop: a request that takes seconds to tokenize (just under
+    the size limit) does not hold up /health or another request."""
+    big = asyncio.create_task(call(engine.url, "/generate", {"text": "12 + 34 = 46, what is 7*8? " * 36_000}))
+    await asyncio.sleep(0.3)  # it is being tokenized now (about 2-4 s on this tokenizer)
+    status, _ = await call(engine.url, "/health", method="GET", within_s=30)
+    small_status, small = await call(engine.url, "/generate", {"input_ids": [1, 5], "sampling_params": {
+        "max_new_tokens": 2}})
+    assert status == 200 and small_status == 200 and not big.done(), small
+    status, reply = await big
+    assert status == 400 and "context length" in reply["error"]["message"]  # tokenized, then too long

@@ -266,7 +266,7 @@ async def test_the_warm_pool_serves_creates_and_refills_in_the_background(driver
         assert len(pooled_dirs) == 3
     async with driver_factory(pool_size=0) as d:
         assert not (await d.create()).from_warm_pool
-    assert [p.name for p in d.config.root.iterdir()] == [".driver.lock"]  # close() cleans up the pool too
+    assert sorted(p.name for p in d.config.root.iterdir()) == [".driver.lock", ".uid_range"]  # pool cleaned up too
 
 
 async def test_expired_sandboxes_are_reaped(driver_factory):
@@ -303,7 +303,8 @@ async def test_a_closed_driver_refuses_work_and_leaves_nothing_behind(driver_fac
     await d.start()
     h = await d.create()
     await d.close()
-    assert [p.name for p in d.config.root.iterdir()] == [".driver.lock"]
+    assert sorted(p.name for p in d.config.root.iterdir()) == [".driver.lock", ".uid_range"]
+    assert d.uid_range is None  # the uid lease is given back
     with pytest.raises(SandboxDriverUnavailable):
         await d.create()
     with pytest.raises(SandboxNotFound):
@@ -323,3 +324,39 @@ async def test_a_sandbox_with_network_can_reach_the_host_loopback(driver):
         conn, _ = server.accept()
         with conn:
             assert conn.recv(2) == b"hi"
+
+
+async def _run_as(uid: int) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec("setpriv", f"--reuid={uid}", "--regid=65534", "--clear-groups",
+                                                "sleep", "60")
+    for _ in range(1000):  # setpriv switches uid after the fork
+        if os.stat(f"/proc/{proc.pid}").st_uid == uid:
+            return proc
+        await asyncio.sleep(0.01)
+    raise AssertionError("setpriv did not switch uid")
+
+
+async def test_a_driver_signals_only_its_leased_uid_range_and_two_drivers_lease_disjoint_ones(
+        driver_factory, tmp_path):
+    leases = tmp_path / "uid-leases"
+    first = driver_factory(uid_lease_dir=leases)
+    base = first.config.uid_base
+    inside, outside = await _run_as(base + 3), await _run_as(base + 64)  # the range is base..base+63
+    try:
+        async with first:
+            assert first.uid_range == (base, 64)
+            assert await asyncio.wait_for(inside.wait(), 5) == -9  # a stray of its own range: cleared
+            assert outside.returncode is None
+            other = driver_factory(root=tmp_path / "other", uid_base=None, uid_lease_dir=leases,
+                                   uid_search_from=base, uid_search_to=base + 256)
+            async with other:  # unpinned, searching from this range: takes the next free one
+                lo, count = other.uid_range
+                assert lo >= base + 64 and lo != base + 64  # uid base+64 has a process: skipped
+                h = await other.create()
+                assert int((await other.exec(h, ["id", "-u"])).stdout) in range(lo, lo + count)
+            assert outside.returncode is None
+    finally:
+        for proc in (inside, outside):
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()

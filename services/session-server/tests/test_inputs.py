@@ -1,5 +1,7 @@
 """Request content to tokens, budgets and sampling: bad input is refused with a message that says why."""
 
+import asyncio
+
 import pytest
 
 from rlfleet.api.common.v1 import common_pb2
@@ -98,3 +100,46 @@ def test_oversized_metadata_is_refused(inputs):
     assert inputs.metadata({"a": "b"}) == {"a": "b"}
     with pytest.raises(InvalidSessionRequest, match="more than max_metadata_bytes"):
         inputs.metadata({"key": "v" * 30})
+
+
+def test_oversize_inputs_are_refused_with_the_limit_before_they_are_tokenized(inputs):
+    def never(text):
+        raise AssertionError("tokenized an oversize input")
+
+    inputs.tokenizer.encode = never
+    state = state_with([1, 2], budget=20)
+    cases = [
+        (inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(text="x" * 101), state), "text", 100),
+        (inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(messages=common_pb2.ChatMessages(
+            messages=[common_pb2.ChatMessage(role="user", content="y" * 101)])), state), "messages", 100),
+        (inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(
+            token_ids=common_pb2.TokenIds(ids=[5] * 19)), state), "token_ids", 18),
+        (inputs.prompt_ids_off_loop(session_pb2.OpenSessionRequest(messages=common_pb2.ChatMessages(
+            messages=[common_pb2.ChatMessage(role="user", content="z" * 101)])), 10), "messages", 100),
+    ]
+    for call, field, limit in cases:
+        with pytest.raises(InvalidSessionRequest) as refused:
+            asyncio.run(call)
+        assert refused.value.field == field and refused.value.details["limit"] == limit, refused.value
+        assert refused.value.details["size"] > limit
+
+
+def test_a_long_text_is_tokenized_off_the_event_loop_while_other_sessions_go_on(tokenizer_dir):
+    """Eight near-limit observations tokenizing at once (seconds of work) do not hold up a small one."""
+    limits = Limits(context_length=None, default_budget=1 << 22, max_text_chars=1 << 20, max_metadata_bytes=20)
+    inputs = Inputs(Tokenizer(str(tokenizer_dir)), load_chat_renderer(str(tokenizer_dir), "auto"), limits)
+    big_text = "12 + 34 = 46, what is 7*8? " * 4000  # 108,000 characters each
+
+    async def main():
+        big_state, small_state = state_with([1], budget=1 << 22), state_with([1], budget=100)
+        big = [asyncio.ensure_future(inputs.observation_ids_off_loop(
+            session_pb2.AppendObservationRequest(text=big_text), big_state)) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        small = await inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(text="1 + 1"), small_state)
+        still_busy = sum(not b.done() for b in big)
+        done = await asyncio.gather(*big)
+        return small, still_busy, done
+
+    small, still_busy, done = asyncio.run(main())
+    assert small == inputs.tokenizer.encode("1 + 1") and still_busy > 0
+    assert all(ids == done[0] for ids in done) and len(done[0]) > 1000

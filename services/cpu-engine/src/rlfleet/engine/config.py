@@ -29,6 +29,10 @@ class EngineConfig(ProcessConfig):
         ge=1,
         description="most prompt + new tokens per request; default: the model's max_position_embeddings",
     )
+    max_request_bytes: int = Field(8 * 1024**2, ge=1024, description="largest request body; beyond: HTTP 413 "
+                                   "(the JSON is parsed on the event loop, about 0.1 s per MiB of token ids)")
+    max_text_chars: int = Field(1_000_000, ge=1, description="characters of 'text' one /generate request may "
+                                "carry (all prompts together), refused with 413 before tokenizing")
     max_prefill_tokens: int = Field(
         4096, ge=1, description="prompt tokens prefilled between two decode steps (at least one request)"
     )

@@ -148,7 +148,9 @@ class ModelRunner:
 
     # --- text -----------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL while it works, so a long text tokenized in
+        # a worker thread does not stop the event loop (encode holds the GIL throughout).
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode_text(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -21,7 +21,18 @@ from typing import Any
 
 
 class BadRequest(ValueError):
-    """A request the engine will not run; the message says what to fix."""
+    """A request the engine will not run; the message says what to fix. `status` is the HTTP status
+    (400, or 413 for an input over a size limit) and `details` go into the error body beside the
+    message (`field`, `limit`, `size`)."""
+
+    def __init__(self, message: str, *, status: int = 400, **details: Any) -> None:
+        super().__init__(message)
+        self.status, self.details = status, details
+
+
+# Text beyond this is refused before it is tokenized (tokenizing is the expensive part: about 4 s
+# for a million characters of the default tokenizer on one core).
+DEFAULT_MAX_TEXT_CHARS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,29 @@ class Limits:
     vocab_size: int
     context_length: int
     max_total_tokens: int
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS  # characters of `text`, all prompts of a request together
+
+
+def check_input_size(body: Any, limits: Limits) -> None:
+    """The size checks that need no tokenizing, cheap enough for the event loop: `text` against
+    max_text_chars (413), `input_ids` rows against the context length (400), before any other work."""
+    if not isinstance(body, dict):
+        return
+    text, ids = body.get("text"), body.get("input_ids")
+    texts = [text] if isinstance(text, str) else text if isinstance(text, list) else []
+    chars = sum(len(t) for t in texts if isinstance(t, str))
+    if chars > limits.max_text_chars:
+        raise BadRequest(
+            f"'text' has {chars} characters, more than the engine's max_text_chars ({limits.max_text_chars}); "
+            "it was not tokenized", status=413, field="text", limit=limits.max_text_chars, size=chars)
+    if isinstance(ids, list):
+        rows = ids if ids and all(isinstance(r, list) for r in ids) else [ids]
+        for i, row in enumerate(rows):
+            if len(row) >= limits.context_length:
+                where = f"input_ids[{i}]" if rows is ids else "input_ids"
+                raise BadRequest(
+                    f"the input ({len(row)} tokens, {where}) is longer than the model's context length "
+                    f"({limits.context_length} tokens)", field=where, limit=limits.context_length, size=len(row))
 
 
 # SGLang sampling parameters the CPU engine does not implement, with the value that means "off".
@@ -100,6 +134,7 @@ def parse_generate(
     top = body.get("top_logprobs_num")
     if any(v not in (None, 0) for v in (top if isinstance(top, list) else [top])):
         raise BadRequest("'top_logprobs_num' > 0 is not supported by the CPU engine")
+    check_input_size(body, limits)
     prompts, is_batch = _prompts(body, encode)
     count = len(prompts)
     sampling = _per_item(body.get("sampling_params"), count, "sampling_params", dict)

@@ -34,7 +34,14 @@ from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
 from rlfleet.engine import distributed
 from rlfleet.engine.config import EngineConfig
 from rlfleet.engine.model_runner import ModelRunner, WeightLoadError, read_checkpoint
-from rlfleet.engine.protocol import BadRequest, GenerateItem, Limits, SamplingSpec, parse_generate
+from rlfleet.engine.protocol import (
+    BadRequest,
+    GenerateItem,
+    Limits,
+    SamplingSpec,
+    check_input_size,
+    parse_generate,
+)
 from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
 from rlfleet.engine.store_weights import LOAD_FORMATS, StoreLoadError, StoreWeights
 
@@ -76,7 +83,7 @@ class EngineServer:
         self.scheduler = scheduler
         self.engine_id = config.engine_id or f"cpu-engine-{os.getpid()}"
         context = config.context_length or runner.max_position_embeddings
-        self.limits = Limits(runner.vocab_size, context, config.max_total_tokens)
+        self.limits = Limits(runner.vocab_size, context, config.max_total_tokens, config.max_text_chars)
         self._groups: dict[str, Any] = {}
         self._groups_lock = threading.Lock()
         self.store = StoreWeights(runner, config.weight_store_root, config.weight_store_workers)
@@ -84,7 +91,9 @@ class EngineServer:
         self._weights_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024**2, middlewares=[self._traced] if self.traced else [])
+        app = web.Application(client_max_size=self.config.max_request_bytes,
+                              middlewares=[self._traced] if self.traced else [])
+        app[MAX_REQUEST_BYTES] = self.config.max_request_bytes
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_get("/health", self.health)
@@ -146,9 +155,13 @@ class EngineServer:
     # --- generation -----------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         try:
-            items, is_batch = parse_generate(await _body(request), self.limits, self.runner.encode)
+            body = await _body(request)
+            check_input_size(body, self.limits)  # on the loop: refused before any tokenizing
+            # Tokenizing (and checking every id) happens in a worker thread, so a long prompt never
+            # holds up /health or other requests (the tokenizer releases the GIL: ModelRunner.encode).
+            items, is_batch = await asyncio.to_thread(parse_generate, body, self.limits, self.runner.encode)
         except BadRequest as exc:
-            return _error(str(exc))
+            return _error(str(exc), status=exc.status, **exc.details)
         outputs = await self._run(items)
         _describe_generation(trace.get_current_span(), items, outputs)
         if any(out.finish_reason.get("status_code") == 500 for out in outputs):
@@ -511,11 +524,23 @@ def _result(item: GenerateItem, out: RequestOutput) -> dict[str, Any]:
     return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+MAX_REQUEST_BYTES = web.AppKey("max_request_bytes", int)
+
+
+async def _body(request: web.Request, max_bytes: int | None = None) -> dict[str, Any]:
     if not request.can_read_body:
         return {}
     try:
-        body = json.loads(await request.read() or b"{}")
+        data = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        limit = max_bytes or request.app.get(MAX_REQUEST_BYTES)
+        error = {"message": f"the request body is larger than the engine's max_request_bytes ({limit})",
+                 "field": "body", "limit": limit}
+        raise web.HTTPRequestEntityTooLarge(max_size=limit or 0, actual_size=request.content_length or 0,
+                                            text=json.dumps({"error": error}),
+                                            content_type="application/json") from exc
+    try:
+        body = json.loads(data or b"{}")
     except ValueError as exc:
         raise web.HTTPBadRequest(
             text=json.dumps({"error": {"message": f"invalid JSON: {exc}"}}), content_type="application/json"
@@ -533,8 +558,8 @@ def _optional_str(body: dict, key: str) -> str | None:
     return None if value is None else str(value)
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+def _error(message: str, status: int = 400, **details: Any) -> web.Response:
+    return web.json_response({"error": {"message": message, **details}}, status=status)
 
 
 def _weight_reply(success: bool, message: str, **extra) -> web.Response:

@@ -16,6 +16,7 @@ from rlfleet.sandbox.errors import (
     SandboxDriverUnavailable,
     SandboxError,
     SandboxNotFound,
+    SandboxQuotaExceeded,
 )
 from rlfleet.sandbox.limits import LIMIT_RANGES, Limits
 
@@ -31,6 +32,7 @@ __all__ = [
     "SandboxError",
     "SandboxHandle",
     "SandboxNotFound",
+    "SandboxQuotaExceeded",
     "SandboxRef",
     "SandboxSpec",
     "Violation",

@@ -12,7 +12,7 @@ from rlfleet.sandbox.bubblewrap import BubblewrapDriver
 from rlfleet.sandbox.config import SandboxManagerConfig
 from rlfleet.sandbox.errors import SandboxDriverUnavailable
 from rlfleet.sandbox.leases import LeaseStore, Owner
-from rlfleet.sandbox.manager import ReadLimits, SandboxManager
+from rlfleet.sandbox.manager import OpenCaps, ReadLimits, SandboxManager
 from rlfleet.sandbox.policy import RequestPolicy
 from rlfleet.sandbox.servicer import SandboxServicer
 
@@ -59,7 +59,8 @@ def build_manager(config: SandboxManagerConfig, redis) -> SandboxManager:
                            config.default_ttl_s, config.max_ttl_s, config.allow_network)
     reads = ReadLimits(config.driver.max_read_bytes, config.default_read_bytes_per_file)
     return SandboxManager(driver, leases, policy, reads, reap_interval_s=config.driver.reap_interval_s,
-                          pool_size=lambda: len(driver.pool))
+                          pool_size=lambda: len(driver.pool),
+                          caps=OpenCaps(per_run=config.max_open_sandboxes, per_client=config.max_sandboxes_per_client))
 
 
 def build(config: SandboxManagerConfig) -> SandboxManagerApp:

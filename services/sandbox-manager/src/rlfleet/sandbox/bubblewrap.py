@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -47,19 +48,28 @@ from rlfleet.sandbox.driver import (
     validate_argv,
     validate_env,
 )
-from rlfleet.sandbox.errors import InvalidSandboxRequest, SandboxDriverUnavailable, SandboxNotFound
+from rlfleet.sandbox.errors import (
+    InvalidSandboxRequest,
+    SandboxDriverUnavailable,
+    SandboxNotFound,
+    SandboxQuotaExceeded,
+)
 from rlfleet.sandbox.limits import LIMIT_RANGES, Limits
 from rlfleet.sandbox.pool import WarmPool
 from rlfleet.sandbox.process import run_captured
+from rlfleet.sandbox.uid_lease import UidLease, lease_uid_range
 from rlfleet.sandbox.violations import exec_result
 from rlfleet.sandbox.workspace import (
     LOCK_NAME,
+    UID_RANGE_NAME,
     Slot,
     UidAllocator,
+    WorkspaceQuota,
     kill_uid_processes,
     prepare_slot,
     remove_slot,
     sweep_root,
+    workspace_full,
 )
 
 log = logging.getLogger(__name__)
@@ -85,7 +95,9 @@ class BubblewrapDriver:
 
     def __init__(self, config: BubblewrapConfig | None = None) -> None:
         self.config = config or BubblewrapConfig()
-        self._uids = UidAllocator(self.config.uid_base, self.config.max_sandboxes)
+        self._uids: UidAllocator | None = None  # on the range leased at start()
+        self._uid_lease: UidLease | None = None
+        self._quota = WorkspaceQuota(self.config.workspace_bytes, self.config.workspace_inodes)
         self._sandboxes: dict[str, _Live] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # id -> why, for clear NOT_FOUND messages
         self._pool = WarmPool(self.config.pool_size, self._make_slot, self._discard_slot)
@@ -105,9 +117,20 @@ class BubblewrapDriver:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
         self._lock_root(root)
-        swept = sweep_root(root)
-        kill_uid_processes(self.config.uid_base, self.config.max_sandboxes)
-        self._cgroups = self._setup_cgroups(root)
+        try:
+            self._lease_uids(root)
+            lease = self._uid_lease
+            assert lease is not None
+            swept = sweep_root(root)
+            # Only the leased range: processes there are this root's predecessor's (or strays in a
+            # pinned range); any other uid may belong to another driver on the host.
+            kill_uid_processes(lease.uids.first, lease.uids.count)
+            self._cgroups = self._setup_cgroups(root)
+        except BaseException:  # nothing started yet: give the range and the root back
+            if self._uid_lease is not None:
+                self._uid_lease.release()
+            self._unlock_root()
+            raise
         self._started = True
         try:
             await self._self_test()
@@ -118,7 +141,8 @@ class BubblewrapDriver:
         self._reaper = asyncio.create_task(self._reap_expired(), name="sandbox-ttl-reaper")
         log.info(
             "bubblewrap sandbox driver ready",
-            extra={"root": str(root), "swept": swept, "enforcement": self.enforcement},
+            extra={"root": str(root), "swept": swept, "enforcement": self.enforcement,
+                   "uid_base": lease.uids.first, "uid_count": lease.uids.count},
         )
 
     async def close(self) -> None:
@@ -134,9 +158,44 @@ class BubblewrapDriver:
             await self._destroy(live, "driver closed")
         if self._cgroups is not None and self._cgroups.available:
             self._cgroups.close()
+        if self._uid_lease is not None:
+            self._uid_lease.release()
+        self._unlock_root()
+
+    def _unlock_root(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    @property
+    def uid_range(self) -> tuple[int, int] | None:
+        """(first uid, count) this driver leased host-wide; None before start."""
+        lease = self._uid_lease
+        return (lease.uids.first, lease.uids.count) if lease is not None and lease.held else None
+
+    def _lease_uids(self, root: Path) -> None:
+        """Lease the uid range host-wide (see `uid_lease`), preferring the one this root had."""
+        remembered = root / UID_RANGE_NAME
+        preferred = None
+        with contextlib.suppress(OSError, ValueError):
+            first, count = (int(x) for x in remembered.read_text().split())
+            preferred = first if count == self.config.max_sandboxes else None
+        lease = lease_uid_range(
+            self.config.uid_lease_dir,
+            self.config.max_sandboxes,
+            pinned=self.config.uid_base,
+            search_from=self.config.uid_search_from,
+            search_to=self.config.uid_search_to,
+            preferred=preferred,
+            root=str(root.resolve()),
+        )
+        try:
+            remembered.write_text(f"{lease.uids.first} {lease.uids.count}\n")
+            self._uids = UidAllocator(lease.uids.first, lease.uids.count)
+        except BaseException:
+            lease.release()
+            raise
+        self._uid_lease = lease
 
     async def __aenter__(self) -> BubblewrapDriver:
         await self.start()
@@ -164,6 +223,7 @@ class BubblewrapDriver:
             "cpu": "RLIMIT_CPU per process (SIGXCPU, then SIGKILL 1 s later); tree total measured",
             "wall": "driver deadline, SIGKILL of the sandbox's pid namespace",
             "file_size": "RLIMIT_FSIZE per file",
+            "workspace": f"a tmpfs per sandbox: {self._quota.bytes} bytes, {self._quota.inodes} inodes (ENOSPC)",
             "output": "captured up to max_output_bytes per stream, rest read and dropped",
             "network": "own network namespace with loopback only, unless spec.network",
             "syscalls": "seccomp deny-list (user namespaces, keyrings, bpf, perf, userfaultfd, io_uring)"
@@ -176,6 +236,12 @@ class BubblewrapDriver:
         if self._sandboxing is None:
             raise SandboxDriverUnavailable("the sandbox driver is not started", reason="not_running")
         return self._sandboxing
+
+    @property
+    def _allocator(self) -> UidAllocator:
+        if self._uids is None:
+            raise SandboxDriverUnavailable("the sandbox driver is not started", reason="not_running")
+        return self._uids
 
     @property
     def pool(self) -> WarmPool[Slot]:
@@ -199,7 +265,7 @@ class BubblewrapDriver:
             raise InvalidSandboxRequest("spec must be a SandboxSpec", field="spec")
         files = _encode_files(spec.files, spec.limits, self.config.max_write_bytes)
         pooled = self._pool.take()
-        slot = pooled or prepare_slot(self.config.root, self._uids, self._cgroups)
+        slot = pooled or prepare_slot(self.config.root, self._allocator, self._cgroups, self._quota)
         try:
             if slot.cgroup is not None:
                 # + tini, which lives in the exec's cgroup too (bwrap's monitor stays outside).
@@ -208,7 +274,7 @@ class BubblewrapDriver:
             if files:
                 await asyncio.to_thread(self._write_all, slot, files)
         except BaseException:
-            await asyncio.to_thread(remove_slot, slot, self._uids)
+            await asyncio.to_thread(remove_slot, slot, self._allocator)
             raise
         now = time.time()
         handle = SandboxHandle(slot.id, spec, now, now + spec.ttl_seconds, from_warm_pool=pooled is not None)
@@ -237,7 +303,7 @@ class BubblewrapDriver:
                 await live.idle.wait()
         except TimeoutError:
             log.warning("execs of sandbox %s still running 10s after kill", live.handle.id)
-        await asyncio.to_thread(remove_slot, live.slot, self._uids)
+        await asyncio.to_thread(remove_slot, live.slot, self._allocator)
 
     # -- exec --------------------------------------------------------------------------------
 
@@ -277,6 +343,7 @@ class BubblewrapDriver:
         gate = self._host.gate(live.handle.spec, exec_cg)
         etc_args: list[str] = []
         etc_fds: list[int] = []
+        full_before = workspace_full(live.slot.work)
         live.running += 1
         live.idle.clear()
         try:
@@ -324,7 +391,12 @@ class BubblewrapDriver:
                 reason="sandbox_setup_failed",
                 sandbox_id=live.handle.id,
             )
-        return exec_result(outcome, limits, timeout_s, usage, pids_hits, live.handle.spec.network)
+        # Filled by this exec: full now and not before (statvfs of a tmpfs: no I/O, fine on the loop).
+        # A workspace that was already full is not held against every later exec.
+        bytes_full, inodes_full = workspace_full(live.slot.work)
+        full = (bytes_full and not full_before[0], inodes_full and not full_before[1])
+        return exec_result(outcome, limits, timeout_s, usage, pids_hits, live.handle.spec.network,
+                           workspace=(self._quota, *full))
 
     # -- files -------------------------------------------------------------------------------
 
@@ -356,7 +428,17 @@ class BubblewrapDriver:
 
     def _write_all(self, slot: Slot, files: dict[str, bytes]) -> None:
         for path, data in files.items():
-            ws_paths.write_file(str(slot.work), path, data, owner=(slot.uid, slot.uid))
+            try:
+                ws_paths.write_file(str(slot.work), path, data, owner=(slot.uid, slot.uid))
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                no_bytes, _ = workspace_full(slot.work)
+                quota, limit = ("workspace_bytes", self._quota.bytes) if no_bytes else (
+                    "workspace_inodes", self._quota.inodes)
+                raise SandboxQuotaExceeded(
+                    f"writing {path!r} would pass the workspace's {quota}={limit} quota",
+                    quota=quota, limit=limit, sandbox_id=slot.id, path=path) from None
 
     def _read_all(self, slot: Slot, wanted: list[str]) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -390,10 +472,10 @@ class BubblewrapDriver:
             raise SandboxDriverUnavailable("the sandbox driver is not running", reason="not_running")
 
     async def _make_slot(self) -> Slot:
-        return prepare_slot(self.config.root, self._uids, self._cgroups)
+        return prepare_slot(self.config.root, self._allocator, self._cgroups, self._quota)
 
     async def _discard_slot(self, slot: Slot) -> None:
-        remove_slot(slot, self._uids)
+        remove_slot(slot, self._allocator)
 
     async def _reap_expired(self) -> None:
         while True:

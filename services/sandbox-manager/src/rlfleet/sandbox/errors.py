@@ -45,6 +45,19 @@ class SandboxCapacityExhausted(SandboxError, ResourceExhausted):
         self.retry_after_s = 1.0
 
 
+class SandboxQuotaExceeded(SandboxError, ResourceExhausted):
+    """A quota was reached: a workspace's size or file count, or a client's or run's open sandboxes.
+
+    `quota` names it (`workspace_bytes`, `workspace_inodes`, `sandboxes_per_client`, ...) and `limit`
+    is its value; retrying only helps once something is freed (files deleted, sandboxes destroyed)."""
+
+    def __init__(self, message: str, *, quota: str, limit: int, sandbox_id: str | None = None,
+                 **details: Any) -> None:
+        super().__init__(message, sandbox_id=sandbox_id, quota=quota, limit=limit, **details)
+        self.quota, self.limit = quota, limit
+        self.retry_after_s = 1.0
+
+
 class SandboxDriverUnavailable(SandboxError, Unavailable):
     """The isolation driver cannot work on this host (missing tool, no privileges, setup failure)."""
 

@@ -1,6 +1,8 @@
 """The sandbox manager: a driver, plus what the service adds around it.
 
-- a record per live sandbox: its session, exec count and every violation so far (GetSandbox);
+- a record per live sandbox: its session, client, exec count and every violation so far (GetSandbox);
+- caps on open sandboxes, in all (one manager serves one run) and per client (`OpenCaps`): a client
+  that opens sandboxes as fast as it can gets RESOURCE_EXHAUSTED at its cap, and the others keep theirs;
 - a lease in Redis per sandbox, so a restarted manager knows what its predecessor left (`leases`);
 - a reaper that destroys sandboxes past their TTL and drops their leases;
 - a heartbeat that tells managers elsewhere this one is alive.
@@ -14,12 +16,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rlfleet.sandbox.driver import ExecResult, SandboxDriver, SandboxHandle, SandboxSpec, Violation
-from rlfleet.sandbox.errors import InvalidSandboxRequest, SandboxDriverUnavailable, SandboxNotFound
+from rlfleet.sandbox.errors import (
+    InvalidSandboxRequest,
+    SandboxDriverUnavailable,
+    SandboxNotFound,
+    SandboxQuotaExceeded,
+)
 from rlfleet.sandbox.leases import LeaseStore, Recovery
 from rlfleet.sandbox.metrics import SandboxMetrics
 from rlfleet.sandbox.policy import RequestPolicy
@@ -27,6 +34,16 @@ from rlfleet.sandbox.policy import RequestPolicy
 log = logging.getLogger(__name__)
 
 MAX_RECORDED_VIOLATIONS = 1000
+ANONYMOUS_CLIENT = "anonymous"  # callers that do not say who they are share one client's cap
+MAX_CLIENT_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class OpenCaps:
+    """How many sandboxes may be open at once: in all (this manager serves one run), and per client."""
+
+    per_run: int
+    per_client: int
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,7 @@ class RecordedViolation:
 class SandboxRecord:
     handle: SandboxHandle
     session_id: str
+    client_id: str = ANONYMOUS_CLIENT
     exec_count: int = 0
     violations: deque[RecordedViolation] = field(default_factory=lambda: deque(maxlen=MAX_RECORDED_VIOLATIONS))
 
@@ -58,8 +76,11 @@ class ReadLimits:
 
 class SandboxManager:
     def __init__(self, driver: SandboxDriver, leases: LeaseStore, policy: RequestPolicy, read_limits: ReadLimits,
-                 *, reap_interval_s: float, pool_size: Callable[[], int] = lambda: 0) -> None:
+                 *, reap_interval_s: float, pool_size: Callable[[], int] = lambda: 0,
+                 caps: OpenCaps | None = None) -> None:
         self.driver = driver
+        self.caps = caps or OpenCaps(per_run=1 << 30, per_client=1 << 30)
+        self._opening: Counter[str] = Counter()  # creates in flight, per client (counted against the caps)
         self.leases = leases
         self.policy = policy
         self.read_limits = read_limits
@@ -94,13 +115,22 @@ class SandboxManager:
     # -- sandboxes ---------------------------------------------------------------------------
 
     async def create(self, *, files: Sequence[NewFile], limits: Mapping[str, float], network: bool,
-                     env: Mapping[str, str], ttl_s: float, labels: Mapping[str, str], session_id: str) -> SandboxRecord:
+                     env: Mapping[str, str], ttl_s: float, labels: Mapping[str, str], session_id: str,
+                     client_id: str = ANONYMOUS_CLIENT) -> SandboxRecord:
         spec = SandboxSpec(files={f.path: f.content for f in files}, limits=self.policy.limits(limits),
                            network=self.policy.network(network), env=dict(env), ttl_seconds=self.policy.ttl(ttl_s),
                            labels=dict(labels))
         _check_modes(files)
-        handle = await self.driver.create(spec)
-        record = SandboxRecord(handle, session_id)
+        client_id = _check_client_id(client_id)
+        self._check_caps(client_id)
+        self._opening[client_id] += 1
+        try:
+            handle = await self.driver.create(spec)
+        finally:
+            self._opening[client_id] -= 1
+            if not self._opening[client_id]:
+                del self._opening[client_id]
+        record = SandboxRecord(handle, session_id, client_id)
         self.records[handle.id] = record
         try:
             await self.leases.grant(handle.id, created_at=handle.created_at, expires_at=handle.expires_at,
@@ -111,6 +141,27 @@ class SandboxManager:
             raise
         self.metrics.created(handle.from_warm_pool)
         return record
+
+    def open_count(self, client_id: str | None = None) -> int:
+        """Sandboxes open (or being created) in all, or for one client."""
+        if client_id is None:
+            return len(self.records) + sum(self._opening.values())
+        return sum(1 for r in self.records.values() if r.client_id == client_id) + self._opening[client_id]
+
+    def _check_caps(self, client_id: str) -> None:
+        total, mine = self.open_count(), self.open_count(client_id)
+        if total >= self.caps.per_run:
+            self.metrics.refused("sandboxes_per_run")
+            raise SandboxQuotaExceeded(
+                f"this run has {total} sandboxes open, its cap (max_open_sandboxes={self.caps.per_run}); "
+                "destroy some first", quota="max_open_sandboxes", limit=self.caps.per_run, open=total,
+                client_id=client_id)
+        if mine >= self.caps.per_client:
+            self.metrics.refused("sandboxes_per_client")
+            raise SandboxQuotaExceeded(
+                f"client {client_id!r} has {mine} sandboxes open, its cap "
+                f"(max_sandboxes_per_client={self.caps.per_client}); destroy some first",
+                quota="max_sandboxes_per_client", limit=self.caps.per_client, open=mine, client_id=client_id)
 
     async def get(self, sandbox_id: str) -> SandboxRecord:
         await self.driver.get(sandbox_id)  # NOT_FOUND (with the reason) when gone or expired
@@ -214,6 +265,14 @@ class SandboxManager:
                 raise
             except Exception:
                 log.exception("background job %s failed; retrying in %.1fs", job.__name__, interval_s)
+
+
+def _check_client_id(client_id: str) -> str:
+    client_id = client_id or ANONYMOUS_CLIENT
+    if len(client_id) > MAX_CLIENT_ID_CHARS or not client_id.isprintable():
+        raise InvalidSandboxRequest(f"client_id must be at most {MAX_CLIENT_ID_CHARS} printable characters",
+                                    field="client_id")
+    return client_id
 
 
 def _check_modes(files: Sequence[NewFile]) -> None:

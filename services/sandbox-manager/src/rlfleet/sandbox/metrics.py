@@ -13,7 +13,8 @@ from rlfleet.sandbox.driver import ExecResult
 class SandboxMetrics:
     """rlfleet_sandbox_creates_total{from_warm_pool}, rlfleet_sandbox_exec_latency_seconds,
     rlfleet_sandbox_violations_total{kind}, rlfleet_sandbox_warm_pool_size,
-    rlfleet_sandbox_active_sandboxes, rlfleet_sandbox_stale_leases_removed_total."""
+    rlfleet_sandbox_active_sandboxes, rlfleet_sandbox_stale_leases_removed_total,
+    rlfleet_sandbox_creates_refused_total{cap}."""
 
     def __init__(self, active: Callable[[], int], pool_size: Callable[[], int]) -> None:
         m = meter("rlfleet.sandbox")
@@ -24,6 +25,8 @@ class SandboxMetrics:
                                            description="limit and policy violations recorded, by kind")
         self.stale_leases = m.create_counter("rlfleet_sandbox_stale_leases_removed_total",
                                              description="leases of dead managers removed at start-up")
+        self.refusals = m.create_counter("rlfleet_sandbox_creates_refused_total",
+                                         description="creates refused at a cap on open sandboxes, by cap")
         m.create_observable_gauge("rlfleet_sandbox_active_sandboxes", callbacks=[_gauge(active)],
                                   description="live sandboxes held by this manager")
         m.create_observable_gauge("rlfleet_sandbox_warm_pool_size", callbacks=[_gauge(pool_size)],
@@ -31,6 +34,9 @@ class SandboxMetrics:
 
     def created(self, from_warm_pool: bool) -> None:
         self.creates.add(1, {"from_warm_pool": str(from_warm_pool).lower()})
+
+    def refused(self, cap: str) -> None:
+        self.refusals.add(1, {"cap": cap})
 
     def executed(self, result: ExecResult, seconds: float) -> None:
         self.exec_latency.record(seconds)

@@ -42,7 +42,7 @@ class RequestPolicy:
             return self.default_ttl_s
         if math.isnan(requested) or not 0 < requested <= self.max_ttl_s:
             raise InvalidSandboxRequest(f"ttl_seconds={requested!r} is out of range (0, {self.max_ttl_s:g}]",
-                                        field="ttl_seconds")
+                                        field="ttl_seconds", value=requested, maximum=self.max_ttl_s)
         return requested
 
     def network(self, requested: bool) -> bool:

@@ -20,7 +20,8 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         record = await self.manager.create(
             files=new_files(request.files), limits=requested_limits(request),
             network=request.network, env=dict(request.env), ttl_s=request.ttl_seconds,
-            labels=dict(request.labels), session_id=request.session_id)
+            labels=dict(request.labels), session_id=request.session_id,
+            client_id=client_id(request, context))
         return sandbox_proto(record)
 
     async def Exec(self, request: pb.ExecRequest, context) -> pb.ExecResult:
@@ -51,6 +52,17 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
 
 
 # -- conversions -------------------------------------------------------------------------------
+
+CLIENT_ID_METADATA = "rlfleet-client-id"
+
+
+def client_id(request: pb.CreateSandboxRequest, context) -> str:
+    """Who asks, for the per-client cap: the `rlfleet-client-id` metadata, else the `client_id` label."""
+    for key, value in (context.invocation_metadata() or ()) if context is not None else ():
+        if key == CLIENT_ID_METADATA and value:
+            return value
+    return request.labels.get("client_id", "")
+
 
 
 def new_files(files) -> list[NewFile]:

@@ -1,9 +1,10 @@
 """Turn what is known about a finished exec into violation records.
 
 Observed facts (`inferred=False`): the driver's own wall-clock kill, output it cut, a signal the
-kernel sends only for a limit (SIGXCPU, SIGXFSZ) — for CPU corroborated by rusage, because the
-signal is read back from a 128+N exit status a program could also produce — and cgroup counters
-(OOM kills, pids.max hits). Heuristics (`inferred=True`): recognised error messages in the
+kernel sends for a limit (SIGXCPU, SIGXFSZ, and a SIGKILL the driver did not send) — recorded from
+the signal alone: it is read back from a 128+N exit status a program could also produce, which can
+only count against that program — and cgroup counters
+(OOM kills, pids.max hits), and a workspace tmpfs left with no space or inodes. Heuristics (`inferred=True`): recognised error messages in the
 program's stderr. A program controls its stderr, so heuristics can be faked or hidden; they exist
 because a limit that makes a call fail (ENOMEM, EAGAIN, EROFS, ENETUNREACH) leaves no other trace
 outside the sandbox.
@@ -21,6 +22,7 @@ from rlfleet.sandbox.cgroups import ExecUsage
 from rlfleet.sandbox.driver import ExecResult, Violation, ViolationKind
 from rlfleet.sandbox.limits import Limits
 from rlfleet.sandbox.process import ProcessOutcome
+from rlfleet.sandbox.workspace import WorkspaceQuota
 
 K = ViolationKind
 
@@ -44,7 +46,8 @@ _STDERR_HINTS: list[tuple[ViolationKind, re.Pattern[bytes], str]] = [
         re.compile(rb"Read-only file system"),
         "a write outside the workspace was refused (EROFS)",
     ),
-    (K.FILESYSTEM, re.compile(rb"No space left on device"), "a size-limited filesystem (/tmp) is full"),
+    (K.FILESYSTEM, re.compile(rb"No space left on device"),
+     "a size-limited filesystem (/tmp, /dev/shm or the workspace) is full"),
     (
         K.NETWORK,
         re.compile(rb"Network is unreachable|Temporary failure in name resolution|Name or service not known"),
@@ -69,6 +72,9 @@ class ExecFacts:
     oom_kills: int  # counted by the exec's memory cgroup (0 without cgroups)
     pids_max_hits: int  # forks refused at pids.max during the exec (0 without cgroups)
     network: bool
+    workspace_bytes_full: bool = False  # the workspace tmpfs had no space left when the exec ended
+    workspace_inodes_full: bool = False
+    workspace_quota: WorkspaceQuota | None = None
 
 
 def derive(f: ExecFacts) -> tuple[Violation, ...]:
@@ -83,10 +89,17 @@ def derive(f: ExecFacts) -> tuple[Violation, ...]:
     if f.timed_out:
         add(K.TIMEOUT, f"killed at the {f.timeout_s:g}s wall-clock limit")
     cpu_limit = math.ceil(f.limits.cpu_seconds)
-    # rusage has tick granularity; allow a little slack below the limit.
-    if f.signal == _signal.SIGXCPU and f.cpu_s >= cpu_limit - 0.1:
-        add(K.CPU, f"SIGXCPU: a process used its {cpu_limit}s CPU limit (tree total {f.cpu_s:.2f}s)")
-    elif f.signal == _signal.SIGKILL and not f.timed_out and f.cpu_s >= cpu_limit + 1 - 0.1:
+    # A limit kill is recorded from the signal alone, never from a threshold on rusage: under load
+    # the tree's rusage can read below the limit the kernel enforced (9.89 s for a 10 s SIGXCPU).
+    # The signal comes back as a 128+N exit status a program could also produce itself; that can
+    # only put a violation against it (fail closed), never take one away.
+    if f.signal == _signal.SIGXCPU:
+        add(K.CPU, f"SIGXCPU: a process reached its {cpu_limit}s CPU limit (tree total {f.cpu_s:.2f}s)")
+    elif f.signal == _signal.SIGKILL and not f.timed_out and f.oom_kills == 0 and f.cpu_s >= cpu_limit:
+        # Not the driver's deadline kill, and past the soft limit, where the kernel sent SIGXCPU: the
+        # only SIGKILL the kernel sends for CPU is the hard limit a second later. (A SIGKILL with the
+        # tree under the soft limit and no OOM count is no limit of this sandbox's: another process or
+        # the host's OOM killer; callers treat it as an environment failure, not the program's.)
         add(K.CPU, f"SIGKILL at the hard CPU limit ({cpu_limit + 1}s; tree total {f.cpu_s:.2f}s)")
     elif f.cpu_s > f.limits.cpu_seconds + 0.1:
         # RLIMIT_CPU is per process: a tree can exceed the budget in total without any one process
@@ -104,6 +117,10 @@ def derive(f: ExecFacts) -> tuple[Violation, ...]:
         add(K.PROCESSES, f"{f.pids_max_hits} fork(s) refused at the {f.limits.max_processes}-process limit")
     if f.signal == _signal.SIGXFSZ:
         add(K.FILE_SIZE, f"SIGXFSZ: a write went past the {f.limits.max_file_bytes}-byte file size limit")
+    if f.workspace_bytes_full and f.workspace_quota is not None:
+        add(K.FILESYSTEM, f"the workspace is full: its {f.workspace_quota.bytes}-byte quota is used up")
+    elif f.workspace_inodes_full and f.workspace_quota is not None:
+        add(K.FILESYSTEM, f"the workspace is full: its {f.workspace_quota.inodes}-inode (file count) quota is used up")
     for stream, truncated, total in (
         ("stdout", f.stdout_truncated, f.stdout_bytes),
         ("stderr", f.stderr_truncated, f.stderr_bytes),
@@ -130,6 +147,7 @@ def exec_result(
     usage: ExecUsage | None,
     pids_hits: int,
     network: bool,
+    workspace: tuple[WorkspaceQuota, bool, bool] | None = None,
 ) -> ExecResult:
     """The result of a finished exec: what the program did, what it used, what it ran into."""
     exit_code = outcome.exit_code
@@ -155,6 +173,9 @@ def exec_result(
         oom_kills=usage.oom_kills if usage else 0,
         pids_max_hits=pids_hits,
         network=network,
+        workspace_quota=workspace[0] if workspace else None,
+        workspace_bytes_full=workspace[1] if workspace else False,
+        workspace_inodes_full=workspace[2] if workspace else False,
     )
     return ExecResult(
         exit_code=exit_code,

@@ -1,8 +1,13 @@
 """Request content turned into validated token IDs, budgets and sampling, with messages that say
-what was wrong. Text is tokenized here, once; token IDs are checked against the vocabulary."""
+what was wrong. Text is tokenized here, once; token IDs are checked against the vocabulary.
+
+Size before work: the servicer calls the `*_off_loop` forms, which check sizes on the event loop
+(text and messages against `max_text_chars`, token ids against the room left) and only then render
+and tokenize in a worker thread, so one long request never holds up the other sessions."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from rlfleet.api.common.v1 import common_pb2
@@ -35,6 +40,27 @@ class Inputs:
                 field="max_total_tokens")
         budget = requested or self.limits.default_budget
         return min(budget, context) if context else budget
+
+    async def prompt_ids_off_loop(self, request: session_pb2.OpenSessionRequest, budget: int) -> list[int]:
+        self._check_sizes(request, "prompt", budget)
+        return await asyncio.to_thread(self.prompt_ids, request, budget)
+
+    async def observation_ids_off_loop(self, request: session_pb2.AppendObservationRequest,
+                                       state: SessionState) -> list[int]:
+        self._check_sizes(request, "content", state.remaining)
+        return await asyncio.to_thread(self.observation_ids, request, state)
+
+    def _check_sizes(self, request, oneof: str, room: int) -> None:
+        kind = request.WhichOneof(oneof)
+        if kind == "text":
+            self._check_text_size(len(request.text), "text")
+        elif kind == "messages":
+            self._check_text_size(sum(len(m.content) for m in request.messages.messages), "messages")
+        elif kind in ("prompt_token_ids", "token_ids"):
+            count = len(getattr(request, kind).ids)
+            if count > max(room, 0):
+                raise InvalidSessionRequest(f"{kind} has {count} tokens, more than the {room} that fit",
+                                            field=kind, limit=max(room, 0), size=count)
 
     def prompt_ids(self, request: session_pb2.OpenSessionRequest, budget: int) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -77,7 +103,8 @@ class Inputs:
 
     def token_ids(self, ids: list[int], field: str, room: int) -> list[int]:
         if len(ids) > max(room, 0):
-            raise InvalidSessionRequest(f"{field} has {len(ids)} tokens, more than the {room} that fit", field=field)
+            raise InvalidSessionRequest(f"{field} has {len(ids)} tokens, more than the {room} that fit", field=field,
+                                        limit=max(room, 0), size=len(ids))
         bad = self.tokenizer.invalid_id(ids)
         if bad is not None:
             position, token = bad
@@ -139,8 +166,8 @@ class Inputs:
     def _check_text_size(self, chars: int, field: str) -> None:
         if chars > self.limits.max_text_chars:
             raise InvalidSessionRequest(
-                f"{field} has {chars} characters, more than max_text_chars ({self.limits.max_text_chars})",
-                field=field)
+                f"{field} has {chars} characters, more than max_text_chars ({self.limits.max_text_chars}); "
+                "it was not tokenized", field=field, limit=self.limits.max_text_chars, size=chars)
 
 
 def _apply_override(sampling: common_pb2.SamplingParams, override: common_pb2.SamplingParams) -> None:

@@ -39,7 +39,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         if existing is not None:  # a retried open: same answer
             return _opened(existing)
         budget = self.inputs.budget(request.max_total_tokens)
-        prompt = self.inputs.prompt_ids(request, budget)
+        prompt = await self.inputs.prompt_ids_off_loop(request, budget)
         self.inputs.check_sampling_defaults(request.sampling, budget)
         state = _new_state(session_id, self.run_id, request, budget, self.inputs.metadata(request.metadata))
         append_prompt(state, prompt)
@@ -58,7 +58,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         started = time.monotonic()
         state = await self._open_session(request.session_id)
         if request.HasField("observation"):
-            ids = self.inputs.observation_ids(request.observation, state)
+            ids = await self.inputs.observation_ids_off_loop(request.observation, state)
             append_observation(state, ids, time.time())
             self.metrics.observation_tokens.add(len(ids))
             if state.budget_exhausted:  # no room for a turn: keep the observation, generate nothing
@@ -83,7 +83,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     async def AppendObservation(self, request: session_pb2.AppendObservationRequest, context):
         state = await self._open_session(request.session_id)
-        ids = self.inputs.observation_ids(request, state)
+        ids = await self.inputs.observation_ids_off_loop(request, state)
         span_index, waited = append_observation(state, ids, time.time())
         await self.store.commit(state)
         self.metrics.observation_tokens.add(len(ids))

@@ -35,7 +35,9 @@ class Tokenizer:
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL while it works, so tokenizing in a worker
+        # thread (Inputs.*_off_loop) leaves the event loop to other sessions; encode holds it throughout.
+        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

@@ -10,6 +10,8 @@ bundles the three over one channel each:
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +47,9 @@ class _Client:
         self.channel = ch
         self.timeouts = timeouts
 
-    async def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+    async def _call(self, method: str, request: Any, timeout_s: float, metadata: Any = None) -> Any:
         try:
-            return await getattr(self._stub, method)(request, timeout=timeout_s)
+            return await getattr(self._stub, method)(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise translate(self.service, method, exc) from None
 
@@ -101,17 +103,22 @@ class SessionClient(_Client):
 
 
 class SandboxClient(_Client):
+    """`client_id` is who this process is to the sandbox manager, whose per-client cap on open
+    sandboxes counts by it (default: this host and process, so workers do not share one cap)."""
+
     service = "sandbox"
 
-    def __init__(self, ch: grpc.aio.Channel, timeouts: RpcTimeouts) -> None:
+    def __init__(self, ch: grpc.aio.Channel, timeouts: RpcTimeouts, client_id: str = "") -> None:
         super().__init__(ch, timeouts)
         self._stub = sandbox_pb2_grpc.SandboxServiceStub(ch)
+        self.client_id = client_id or f"env-{socket.gethostname()}-{os.getpid()}"
 
     async def create(self, session_id: str = "", labels: Mapping[str, str] | None = None,
                      files: Mapping[str, bytes | str] | None = None, ttl_s: float = 0.0) -> sandbox_pb2.Sandbox:
         request = sandbox_pb2.CreateSandboxRequest(
             session_id=session_id, labels=labels or {}, files=sandbox_files(files or {}), ttl_seconds=ttl_s)
-        return await self._call("CreateSandbox", request, self.timeouts.sandbox_s)
+        return await self._call("CreateSandbox", request, self.timeouts.sandbox_s,
+                                metadata=(("rlfleet-client-id", self.client_id),))
 
     async def exec(self, sandbox_id: str, argv: list[str] | tuple[str, ...], stdin: bytes | str = b"",
                    timeout_s: float = 0.0, cwd: str = "") -> sandbox_pb2.ExecResult:
