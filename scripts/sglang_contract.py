@@ -226,11 +226,10 @@ def _load_engine_requests():
 
 
 def write_snapshot(version: str, out: Path) -> int:
-    import msgspec
-
-    import sglang
 
     import warnings
+
+    import sglang
 
     warnings.filterwarnings("ignore")  # FastAPI's duplicate-operation-id warnings for SGLang's GET|POST routes
     http_server, io_struct = _import_sglang()

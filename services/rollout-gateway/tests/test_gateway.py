@@ -200,9 +200,12 @@ async def hung_engine():
         await asyncio.sleep(3600)
 
     app = web.Application()
-    app.router.add_get("/get_weight_version", version)
+    async def loads(request):
+        return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0}]})
+
+    app.router.add_get("/model_info", version)
     app.router.add_get("/health", ok)
-    app.router.add_get("/get_load", ok)
+    app.router.add_get("/v1/loads", loads)
     app.router.add_post("/generate", hang)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()

@@ -90,7 +90,7 @@ async def test_a_transport_brings_an_engine_to_the_version_with_the_trainers_exa
     outcome = await update(name, pools, ref, trainer, 2)
     assert outcome.ok and outcome.transport == name and outcome.version == 2, outcome
     assert outcome.bytes > 0 and outcome.pause_s >= 0
-    assert (await call(engine.url, "/get_weight_version", method="GET"))[1] == {"weight_version": "2"}
+    assert (await call(engine.url, "/model_info", method="GET"))[1]["weight_version"] == "2"
     await assert_engine_serves(engine.url, trainer.served(2))
 
 
@@ -111,10 +111,10 @@ async def test_an_update_the_engine_refuses_leaves_it_unchanged_and_says_why(
         outcome = await update(name, pools, ref, trainer, 2, bad_name=True)
         expected = "unknown parameter names"
     assert not outcome.ok and outcome.refused and expected in outcome.message, outcome
-    assert (await call(engine.url, "/get_weight_version", method="GET"))[1] == {"weight_version": "1"}
+    assert (await call(engine.url, "/model_info", method="GET"))[1]["weight_version"] == "1"
     await assert_engine_serves(engine.url, trainer.served(1))
-    status, load = await call(engine.url, "/get_load", method="GET")
-    assert status == 200 and load[0]["paused"] is None  # a full load resumes the engine it paused
+    status, load = await call(engine.url, "/server_info", method="GET")
+    assert status == 200 and load["paused"] is None  # a full load resumes the engine it paused
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)

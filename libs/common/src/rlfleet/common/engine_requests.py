@@ -43,6 +43,11 @@ ROUTES: dict[str, tuple[str, str, str | None]] = {
         "POST", "/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput"),
     "get_weights_by_name": ("POST", "/get_weights_by_name", "GetWeightsByNameReqInput"),
 }
+# rlfleet-only routes of the CPU engine (SGLang has none of them; never sent to an SGLang engine).
+RLFLEET_ROUTES: dict[str, tuple[str, str, str | None]] = {
+    "update_weights_from_store": ("POST", "/rlfleet/update_weights_from_store", None),
+}
+STORE_KINDS = ("delta", "full")
 # Routes that a server started with `--admin-api-key` guards (the key goes as `Authorization: Bearer`).
 # (SGLang's ADMIN_OPTIONAL / ADMIN_FORCE levels; the contract test holds this set to the snapshot's.)
 ADMIN_ROUTES = frozenset(
@@ -101,6 +106,12 @@ def destroy_weights_update_group(group_name: str = DEFAULT_GROUP) -> dict[str, A
 
 def get_weights_by_name(name: str, truncate_size: int = 100) -> dict[str, Any]:
     return {"name": name, "truncate_size": truncate_size}
+
+
+def update_weights_from_store(model_path: str, kind: str, *, weight_version: str, pause_mode: str) -> dict[str, Any]:
+    """The CPU engine's own weight-store load (kind delta | full); see its README."""
+    return {"model_path": model_path, "kind": kind, "weight_version": weight_version, "pause_mode": pause_mode,
+            "flush_cache": True}
 
 
 def sample_bodies() -> list[tuple[str, str, dict[str, Any]]]:

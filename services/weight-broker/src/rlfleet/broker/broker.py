@@ -2,7 +2,7 @@
 engine serve its pool's target.
 
     announce(v)  -> registry: ANNOUNCED; sync policy: canary target = v (older waiting: SKIPPED)
-    reconcile    -> each engine: get_weight_version; behind its pool's target -> Rollout.sync
+    reconcile    -> each engine: its weight_version (/model_info); behind its pool's target -> Rollout.sync
                     a canary engine serves v -> CANARY (auto_promote: ACCEPTED, fleet target = v)
     Promote(v)   -> v must be CANARY: ACCEPTED, fleet target = v
     Rollback()   -> both targets = the newest ACCEPTED version older than the current one;
@@ -36,6 +36,7 @@ from rlfleet.broker.rollout import Rollout, SyncResult
 from rlfleet.broker.transports import BroadcastPlan, Distributed, UpdateOutcome, VersionInfo
 from rlfleet.common.engine_client import EngineError
 from rlfleet.weights import DirectoryWeightStore, PathOutsideStore, VersionNotFound, WeightStoreError
+from rlfleet.weights.local_copy import LocalCopies
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class Broker:
         self.gateway = gateway
         self.metrics = metrics
         self.policy = SyncPolicy(config.sync)
-        self.rollout = Rollout(store, pools, gateway, metrics, config.sync)
+        copies = LocalCopies(store, config.local_copies or Path(store.root) / ".local-copies")
+        self.rollout = Rollout(store, pools, gateway, metrics, config.sync, copies)
         self._lock = asyncio.Lock()  # targets and version states
         self._busy: set[str] = set()  # engines being updated
         self._refused: dict[str, tuple[int, float]] = {}  # engine -> (version it refused, retry after)
@@ -325,6 +327,7 @@ class Broker:
             outcomes = await Distributed(self.pools, plan).update(engines, info)
             for engine, outcome in zip(engines, outcomes, strict=True):
                 self.metrics.record(outcome)
+                self.rollout.copies.forget(engine.engine_id)  # its weights came by broadcast: no local copy
                 result = SyncResult(engine.engine_id, version, [outcome], version if outcome.ok else None)
                 await self._record_engine(engine, result, version)
         finally:
