@@ -135,8 +135,8 @@ async def test_weight_updates_from_disk_and_version_bumps(client, models):
 
 
 async def test_distributed_update_through_the_client(client, models, monkeypatch):
-    from rlfleet.engine import distributed
     from rlfleet.engine.model_runner import read_checkpoint
+    from rlfleet.weights import broadcast as distributed
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     with socket.socket() as sock:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from rlfleet.common.processes import free_port
-from rlfleet.engine import distributed
 from rlfleet.engine.model_runner import ModelRunner, read_checkpoint
 from rlfleet.engine.testing import EngineProcess
 from rlfleet.engine.testing import generate_in_process as in_process
 from rlfleet.engine.testing import http_call as call
+from rlfleet.weights import broadcast as distributed
 
 pytestmark = pytest.mark.integration
 

@@ -40,12 +40,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from rlfleet.common.engine_requests import RLFLEET_ROUTES, SGLANG_VERSION, STORE_KINDS
 from rlfleet.common.service import stop_on_signals, write_ready_file
 from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
-from rlfleet.engine import distributed
 from rlfleet.engine.config import EngineConfig
 from rlfleet.engine.model_runner import LOAD_FORMATS, ModelRunner, WeightLoadError, read_checkpoint
 from rlfleet.engine.protocol import BadRequest, GenerateItem, Limits, SamplingSpec, parse_generate
 from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
 from rlfleet.engine.store_weights import StoreLoadError, StoreWeights
+from rlfleet.weights import broadcast as distributed
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,8 @@ class EngineServer:
     async def server_info(self, request: web.Request) -> web.Response:
         load = await self._call(self.scheduler.load)
         config = self.config.model_dump(mode="json", exclude={"api_key", "admin_api_key"})
-        return web.json_response({**config, **load, "engine_id": self.engine_id})
+        # tp_size / dp_size as SGLang's server_info names them: one rank, no data parallelism.
+        return web.json_response({**config, **load, "engine_id": self.engine_id, "tp_size": 1, "dp_size": 1})
 
     async def loads(self, request: web.Request) -> web.Response:
         """SGLang's `/v1/loads`: one LoadSnapshot per DP rank (here one) under `loads`."""

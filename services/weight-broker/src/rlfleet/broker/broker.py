@@ -272,8 +272,9 @@ class Broker:
                 pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
                 await self.pools.refresh()
                 candidates = [e for p in pools for e in self.pools.members(p) if e.engine_id not in self._busy]
-                up = await asyncio.gather(*(self._reachable(e) for e in candidates))
-                engines = [e for e, ok in zip(candidates, up, strict=True) if ok]
+                sizes = await asyncio.gather(*(self._tp_size(e) for e in candidates))
+                engines = [e for e, size in zip(candidates, sizes, strict=True) if size]
+                tp_sizes = tuple(size for size in sizes if size)
                 self._claim(e.engine_id for e in engines)
                 state = (await self.registry.get(version)).state  # type: ignore[union-attr]
         finally:
@@ -282,13 +283,14 @@ class Broker:
             request.master_address, request.master_port,
             f"rlfleet-{self.config.run_id}-v{version}-{uuid.uuid4().hex[:6]}", request.backend or "gloo",
             [t.name for t in request.tensors], [t.dtype for t in request.tensors],
-            [list(t.shape) for t in request.tensors],
+            [list(t.shape) for t in request.tensors], tp_sizes,
         )  # fmt: skip
+        offsets, world = plan.ranks(len(engines))
         if engines:
             self._spawn(self._broadcast(engines, plan, version))
         return broker_pb2.StartDistributedSyncResponse(
-            group_name=plan.group_name, world_size=len(engines) + 1 if engines else 1,
-            engine_ids=[e.engine_id for e in engines], state=state,
+            group_name=plan.group_name, world_size=world, engine_ids=[e.engine_id for e in engines], state=state,
+            rank_offsets=offsets, tp_sizes=tp_sizes,
         )  # fmt: skip
 
     def _hold_rounds(self, hold: bool) -> None:
@@ -314,12 +316,18 @@ class Broker:
         if not self._busy:
             self._idle.set()
 
-    async def _reachable(self, engine: EngineRef) -> bool:
+    async def _tp_size(self, engine: EngineRef) -> int:
+        """The engine's TP size (its ranks in a broadcast group), from /server_info; 0 when it cannot
+        take a broadcast: unreachable, or data-parallel (SGLang's group path needs dp_size 1)."""
         try:
-            await asyncio.wait_for(self.pools.client(engine).weight_version(), 5.0)
+            info = await asyncio.wait_for(self.pools.client(engine).server_info(), 5.0)
         except (EngineError, TimeoutError):
-            return False
-        return True
+            return 0
+        if int(info.get("dp_size", 1)) != 1:
+            log.warning("engine %s has dp_size %s: no broadcast (SGLang needs dp_size 1); it catches up "
+                        "from the store", engine.engine_id, info.get("dp_size"))
+            return 0
+        return max(1, int(info.get("tp_size", 1)))
 
     async def _broadcast(self, engines: list[EngineRef], plan: BroadcastPlan, version: int) -> None:
         try:

@@ -20,8 +20,9 @@ The transport a version takes depends on the engine's kind (`EngineRef.kind`):
   by the weight agent into a plain HF directory before the pause (SGLang) -- with the engine paused
   around the load through the gateway's `PauseEngines` (so it routes elsewhere), or directly when
   there is no gateway.
-* `Distributed`: SGLang's `init_weights_update_group` on each engine (ranks 1..n, the sender is
-  rank 0), then `update_weights_from_distributed` with names/dtypes/shapes while the sender (the
+* `Distributed`: SGLang's `init_weights_update_group` on each engine, with SGLang's rank
+  arithmetic: the sender is rank 0, engine i joins at `rank_offset` = 1 + the TP sizes of the
+  engines before it and takes one rank per TP rank, world size = 1 + the sum of TP sizes; then `update_weights_from_distributed` with names/dtypes/shapes while the sender (the
   trainer, `rlfleet.broker.distributed_sender`) broadcasts; the group is destroyed afterwards.
 """
 
@@ -239,6 +240,12 @@ class BroadcastPlan:
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    # Each engine's TP size, in the order of the engines the plan goes to; empty: 1 each.
+    tp_sizes: tuple[int, ...] = ()
+
+    def ranks(self, engines: int) -> tuple[list[int], int]:
+        """(rank_offset of each engine, world size) by SGLang's rule (rank = rank_offset + tp_rank)."""
+        return rank_layout(list(self.tp_sizes) or [1] * engines)
 
     @property
     def nbytes(self) -> int:
@@ -253,6 +260,17 @@ class BroadcastPlan:
         return total
 
 
+def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """The sender is rank 0; engine i starts at 1 + sum(tp_sizes[:i]); world = 1 + sum(tp_sizes)."""
+    offsets, next_rank = [], 1
+    for size in tp_sizes:
+        if size < 1:
+            raise ValueError(f"a TP size must be >= 1, got {size}")
+        offsets.append(next_rank)
+        next_rank += size
+    return offsets, next_rank
+
+
 class Distributed:
     name = "distributed"
 
@@ -261,13 +279,14 @@ class Distributed:
         self.plan = plan
 
     async def update(self, engines: Sequence[EngineRef], target: VersionInfo) -> list[UpdateOutcome]:
-        plan, world = self.plan, len(engines) + 1
+        plan = self.plan
+        offsets, world = plan.ranks(len(engines))
         clients = [self.pools.client(e) for e in engines]
         # Every rank blocks in the rendezvous until all have arrived, the sender included.
         joined = await asyncio.gather(
-            *(c.init_weights_update_group(plan.master_address, plan.master_port, rank, world,
+            *(c.init_weights_update_group(plan.master_address, plan.master_port, offset, world,
                                           group_name=plan.group_name, backend=plan.backend)
-              for rank, c in enumerate(clients, start=1)),
+              for offset, c in zip(offsets, clients, strict=True)),
             return_exceptions=True,
         )  # fmt: skip
         body = {"names": plan.names, "dtypes": plan.dtypes, "shapes": plan.shapes,
