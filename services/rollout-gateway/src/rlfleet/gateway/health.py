@@ -79,9 +79,11 @@ class HealthChecker:
                 raise EngineError(f"{record.url} failed its health check", url=record.url)
             in_flight = _in_flight(await client.load())
         except EngineError as exc:
+            # Which call failed: a 4xx carries only the engine's message (e.g. a 404 for a route it lacks).
+            error = exc.message if exc.url in exc.message else f"{exc.url}: {exc.message}"
             if record.healthy:
-                log.warning("engine unhealthy", extra={"engine_id": record.engine_id, "error": exc.message})
-            await self.registry.update(record.engine_id, healthy=False, last_error=exc.message[:1000],
+                log.warning("engine unhealthy", extra={"engine_id": record.engine_id, "error": error})
+            await self.registry.update(record.engine_id, healthy=False, last_error=error[:1000],
                                        last_health_ms=now_ms())
             return
         if not record.healthy:
