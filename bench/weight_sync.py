@@ -14,8 +14,10 @@ transports (`rlfleet.broker.transports`):
          version as a plain HF directory (all while the engine serves: `stage`), then the engine
          loads that directory with `update_weights_from_disk`, load format auto. SGLang holds
          requests for its whole load, so the pause of an SGLang engine is that call's wall time
-         (`load`); side by side with `local full`: the same engine paused around the load of a full
-         plain directory the agent rebuilt from the store (the path without a delta).
+         (`pause`, this bench's engine is the CPU engine: the call's wall time); side by side with the
+         full reload: the same engine paused around the load of a full plain directory the agent
+         rebuilt from the store before pausing (`full stage`, `full pause`), and the `full` column
+         (the version read and verified from the store inside the pause).
   dist   `update_weights_from_distributed`, this process broadcasting bf16 tensors as rank 0 over
          gloo; the receive overlaps generation, the engine pauses for the swap (its `pause_s`).
   full   pause_generation -> the store route, kind full, of a full checkpoint of the
@@ -74,7 +76,8 @@ class Row:
     full_over_delta: float  # full pause / delta pause
     local_stage_ms: float  # weight agent: fetch + check + apply to the local copy + write, while serving
     local_load_ms: float  # the engine's update_weights_from_disk of that directory (SGLang's pause)
-    local_full_ms: float  # paused around update_weights_from_disk of a full rebuilt directory
+    local_full_stage_ms: float  # weight agent: the version rebuilt from the store + written, before the pause
+    local_full_ms: float  # paused -> update_weights_from_disk of the full rebuilt directory -> resumed
 
 
 def build(name: str, out: Path) -> Path:
@@ -193,17 +196,15 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
                 # the delta on the agent's copy and the engine's load of the new directory.
                 (lf,) = await local_full.update([as_sglang], VersionInfo.from_store(store, version - 1))
                 assert lf.ok, lf.message
-                started = time.perf_counter()
                 (ld,) = await local_delta.update([as_sglang], info)
                 assert ld.ok and ld.reply["stage"] == "delta", ld.message
-                stage_s = ld.reply["fetch_s"] + ld.reply["write_s"]
-                load_s = time.perf_counter() - started - stage_s
                 row = Row(
                     name, round(params_m, 1), lr, version, info.full_bytes / 2**20, d.bytes / 1024,
                     100 * d.bytes / info.full_bytes, 100 * (info.changed_fraction or 0),
                     1000 * (reply["fetch_s"] + reply["preverify_s"]), 1000 * d.pause_s, 1000 * dist_pause,
                     1000 * dist_total, 1000 * f.pause_s, 1000 * rebuilt.pause_s, f.pause_s / max(d.pause_s, 1e-9),
-                    1000 * stage_s, 1000 * load_s, 1000 * lf.pause_s,
+                    1000 * (ld.reply["fetch_s"] + ld.reply["write_s"]), 1000 * ld.reply["load_call_s"],
+                    1000 * (lf.reply["fetch_s"] + lf.reply["write_s"]), 1000 * lf.pause_s,
                 )  # fmt: skip
                 print_row(row)
                 rows.append(row)
@@ -215,15 +216,17 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
 
 HEADER = (f"{'model':>7} {'params':>7} {'lr':>6} {'v':>2} {'full MB':>8} {'delta KB':>9} {'delta%':>7} "
           f"{'changed%':>8} {'prep ms':>8} {'pause: delta':>12} {'dist':>8} {'full':>8} {'full/delta':>10} "
-          f"{'rebuilt':>8} {'dist total':>10} | {'local: stage':>12} {'load':>8} {'local full':>10}")  # fmt: skip
+          f"{'rebuilt':>8} {'dist total':>10} | {'sglang: stage':>13} {'pause':>8} {'full stage':>10} "
+          f"{'full pause':>10}")  # fmt: skip
 
 
 def print_row(r: Row) -> None:
     print(f"{r.model:>7} {r.params_m:>6.1f}M {r.lr:>6.0e} {r.version:>2} {r.full_mb:>8.1f} {r.delta_kb:>9.1f} "
           f"{r.delta_pct:>6.2f}% {r.changed_pct:>7.2f}% {r.delta_prepare_ms:>8.1f} {r.delta_pause_ms:>9.1f} ms "
           f"{r.dist_pause_ms:>5.1f} ms {r.full_pause_ms:>5.0f} ms {r.full_over_delta:>9.1f}x "
-          f"{r.rebuilt_pause_ms:>5.0f} ms {r.dist_total_ms:>7.0f} ms | {r.local_stage_ms:>9.1f} ms "
-          f"{r.local_load_ms:>5.1f} ms {r.local_full_ms:>7.1f} ms", flush=True)  # fmt: skip
+          f"{r.rebuilt_pause_ms:>5.0f} ms {r.dist_total_ms:>7.0f} ms | {r.local_stage_ms:>10.1f} ms "
+          f"{r.local_load_ms:>5.1f} ms {r.local_full_stage_ms:>7.1f} ms {r.local_full_ms:>7.1f} ms",
+          flush=True)  # fmt: skip
 
 
 def summary(rows: list[Row]) -> None:
@@ -236,10 +239,14 @@ def summary(rows: list[Row]) -> None:
         fp = statistics.median(r.full_pause_ms for r in group)
         dist = statistics.median(r.dist_pause_ms for r in group)
         load = statistics.median(r.local_load_ms for r in group)
+        stage = statistics.median(r.local_stage_ms for r in group)
         local_full = statistics.median(r.local_full_ms for r in group)
+        full_stage = statistics.median(r.local_full_stage_ms for r in group)
         print(f"  {model:>7} lr {lr:.0e}: delta {pct:6.2f}% of full, pause delta {dp:7.1f} ms / dist {dist:7.1f} ms"
-              f" / full {fp:7.0f} ms  (full/delta {fp / dp:6.1f}x); SGLang path: node-local delta load "
-              f"{load:7.1f} ms vs full reload {local_full:7.1f} ms")  # fmt: skip
+              f" / full {fp:7.0f} ms  (full/delta {fp / dp:6.1f}x)\n"
+              f"  {'':>7} SGLang path, pause: node-local delta load {load:7.1f} ms (staged {stage:6.1f} ms while "
+              f"serving) vs full reload {local_full:7.1f} ms (staged {full_stage:6.1f} ms) / {fp:7.0f} ms "
+              f"(store read inside the pause)")  # fmt: skip
         ok_small &= lr != 1e-6 or pct <= 5.0
         ok_smaller &= all(r.delta_pct < 100 for r in group)
         ok_pause &= dp * 10 < fp

@@ -96,9 +96,9 @@ def _agent_refused(engine: EngineRef, target: VersionInfo, transport: str, messa
 
 
 def _loaded(engine: EngineRef, target: VersionInfo, transport: str, staged: Staged, reply: dict,
-            pause_s: float) -> UpdateOutcome:
+            pause_s: float, load_s: float) -> UpdateOutcome:
     stats = {"agent": "broker", "stage": staged.kind, "fetch_s": staged.fetch_s, "write_s": staged.write_s,
-             "local_copy": str(staged.path)}
+             "load_call_s": load_s, "local_copy": str(staged.path)}
     return UpdateOutcome(engine.engine_id, target.version, transport, True, pause_s, staged.payload_bytes,
                          staged.changed_fraction, str(reply.get("message", "")), reply={**reply, **stats})
 
@@ -146,9 +146,10 @@ class DiskDelta:
             return _failed(engine, target, self.name, exc)
         # SGLang holds requests for the whole load and reports no pause: the call's time bounds it. The
         # CPU engine reads the directory while serving and reports the swap alone.
-        pause_s = float(reply.get("pause_s", time.perf_counter() - started))
+        load_s = time.perf_counter() - started
+        pause_s = float(reply.get("pause_s", load_s))
         self.copies.commit(staged, holder=engine.engine_id)
-        return _loaded(engine, target, self.name, staged, reply, pause_s)
+        return _loaded(engine, target, self.name, staged, reply, pause_s, load_s)
 
 
 class Pauser:
@@ -207,7 +208,9 @@ class DiskFull:
                 reply = await client.load_from_store(target.path, "full", weight_version=str(target.version),
                                                      pause_mode=self.pause_mode)
             else:
+                loading = time.perf_counter()
                 reply = await client.load_directory(str(staged.path), weight_version=str(target.version))
+                load_s = time.perf_counter() - loading
         except EngineError as exc:
             outcome = _failed(engine, target, self.name, exc)
             if staged is not None:
@@ -219,7 +222,7 @@ class DiskFull:
                                         reply=reply)  # fmt: skip
             else:
                 self.copies.commit(staged, holder=engine.engine_id)  # type: ignore[union-attr]
-                outcome = _loaded(engine, target, self.name, staged, reply, 0.0)
+                outcome = _loaded(engine, target, self.name, staged, reply, 0.0, load_s)
         finally:
             try:
                 await self.pauser.resume(engine, how)
