@@ -202,6 +202,14 @@ def _convert(body: dict, cls, fields: dict) -> str | None:
     unknown = sorted(set(body) - set(fields))
     if unknown:
         return f"fields SGLang would drop: {unknown}"
+    if cls.__name__ == "GenerateReqInput":  # its sampling_params become SGLang's SamplingParams
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        for params in body["sampling_params"] if isinstance(body["sampling_params"], list) else [body["sampling_params"]]:
+            try:
+                SamplingParams(**params)
+            except TypeError as exc:
+                return f"sampling_params: {exc}"
     try:
         if getattr(cls, "__struct_config__", None) is not None and cls.__struct_config__.array_like:
             msgspec.convert(body, msgspec.defstruct(cls.__name__, [
@@ -260,6 +268,9 @@ def write_snapshot(version: str, out: Path) -> int:
     from sglang.srt.managers.load_snapshot import LoadSnapshot
 
     structs["LoadSnapshot"] = _fields(LoadSnapshot)  # one entry of /v1/loads' `loads`
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    structs["SamplingParams"] = _fields(SamplingParams)  # what GenerateReqInput.sampling_params becomes
     from sglang.srt.configs.load_config import LoadFormat
 
     load_formats = sorted(member.value for member in LoadFormat)

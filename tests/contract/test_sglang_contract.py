@@ -59,6 +59,20 @@ def test_every_body_field_is_a_field_of_sglangs_struct(snapshot):
         assert required <= set(body), f"{path}: {request_type} requires {sorted(required - set(body))}"
 
 
+def test_every_sampling_parameter_the_gateway_sends_is_one_of_sglangs(snapshot):
+    """The gateway's proto -> sampling_params translation, with every field set."""
+    pytest.importorskip("rlfleet.gateway.engine_io", reason="needs the rlfleet-rollout-gateway package")
+    from rlfleet.api.common.v1 import common_pb2
+    from rlfleet.gateway.engine_io import sampling_params
+
+    proto = common_pb2.SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20, stop=["x"],
+                                      stop_token_ids=[2], seed=3, ignore_eos=True)
+    sent = sampling_params(proto)
+    fields = snapshot["structs"]["SamplingParams"]
+    assert set(sent) <= set(fields), sorted(set(sent) - set(fields))
+    assert "sampling_seed" in sent  # effective only with --enable-deterministic-inference (the k8s overlay sets it)
+
+
 def test_every_body_converted_into_sglangs_struct_when_the_snapshot_was_written(snapshot):
     recorded = [[b["route"], b["type"], b["body"]] for b in snapshot["bodies"]]
     assert recorded == json.loads(json.dumps(wire.sample_bodies())), (
