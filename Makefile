@@ -6,7 +6,7 @@ CONFIG ?= examples/calc.toml
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test install proto proto-check lint up down status clean
+.PHONY: run test install proto proto-check lint up down status clean sglang-contract
 
 run: install
 	$(VENV)/bin/rlfleet run $(CONFIG) $(RUN_ARGS)
@@ -22,6 +22,10 @@ proto: install
 
 proto-check: install
 	$(PY) scripts/gen_proto.py --check
+
+# Regenerates contracts/sglang-<version>.json from SGLang's own wheel (a throwaway venv, ~2.6 GB, PyPI).
+sglang-contract:
+	python3.11 scripts/sglang_contract.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -6,11 +6,21 @@ every step to a weight store (`DirectoryWeightStore`, deltas against the previou
 bytes), and one CPU engine process takes each version three ways, through the weight broker's own
 transports (`rlfleet.broker.transports`):
 
-  delta  `update_weights_from_disk` with load_format rlfleet_delta: fetch + decode + preverify while
-         serving, then pause (retract) only for the in-place swap. Pause: the engine's `pause_s`.
+  delta  the CPU engine's own `/rlfleet/update_weights_from_store` (kind delta): fetch + decode +
+         preverify while serving, then pause (retract) only for the in-place swap. Pause: the
+         engine's `pause_s`.
+  local  what an SGLang engine gets (the engine taken as kind `sglang`): the broker-mode weight
+         agent fetches + checks the delta and applies it to its full local copy, writes the new
+         version as a plain HF directory (all while the engine serves: `stage`), then the engine
+         loads that directory with `update_weights_from_disk`, load format auto. SGLang holds
+         requests for its whole load, so the pause of an SGLang engine is that call's wall time
+         (`pause`, this bench's engine is the CPU engine: the call's wall time); side by side with the
+         full reload: the same engine paused around the load of a full plain directory the agent
+         rebuilt from the store before pausing (`full stage`, `full pause`), and the `full` column
+         (the version read and verified from the store inside the pause).
   dist   `update_weights_from_distributed`, this process broadcasting bf16 tensors as rank 0 over
          gloo; the receive overlaps generation, the engine pauses for the swap (its `pause_s`).
-  full   pause_generation -> update_weights_from_disk rlfleet_full of a full checkpoint of the
+  full   pause_generation -> the store route, kind full, of a full checkpoint of the
          same weights (read, every checksum verified, copied into the model) ->
          continue_generation, timed around the whole thing as the broker's full-reload path does
          it (page cache warm: the checkpoint was just written).
@@ -64,6 +74,10 @@ class Row:
     full_pause_ms: float
     rebuilt_pause_ms: float  # full load of the delta version (chain rebuilt from the store)
     full_over_delta: float  # full pause / delta pause
+    local_stage_ms: float  # weight agent: fetch + check + apply to the local copy + write, while serving
+    local_load_ms: float  # the engine's update_weights_from_disk of that directory (SGLang's pause)
+    local_full_stage_ms: float  # weight agent: the version rebuilt from the store + written, before the pause
+    local_full_ms: float  # paused -> update_weights_from_disk of the full rebuilt directory -> resumed
 
 
 def build(name: str, out: Path) -> Path:
@@ -112,7 +126,7 @@ class Trainer:
 
 async def distributed_update(pools, engine, trainer, info) -> tuple[float, float]:
     from rlfleet.broker.transports import BroadcastPlan, Distributed
-    from rlfleet.engine import distributed
+    from rlfleet.weights import broadcast as distributed
 
     named = trainer.bf16_named()
     port = free_port()
@@ -142,12 +156,14 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
     from rlfleet.common.engine_client import EngineTimeouts
     from rlfleet.engine.testing import EngineProcess
     from rlfleet.weights import DirectoryWeightStore
+    from rlfleet.weights.local_copy import LocalCopies
 
     model_dir = await asyncio.to_thread(build, name, workdir / f"model-{name}")
     engine_proc = await asyncio.to_thread(
         EngineProcess(model_dir, workdir / f"engine-{name}", weight_store_root=workdir / "store").start, 300.0)
     pools = Pools([], None, EngineTimeouts(weights_s=600))
-    engine = EngineRef(name, engine_proc.url, "fleet")
+    engine = EngineRef(name, engine_proc.url, "fleet", kind="cpu")
+    as_sglang = EngineRef(name, engine_proc.url, "fleet", kind="sglang")
     delta, full = DiskDelta(pools), DiskFull(pools, Pauser(pools, None))
     rows: list[Row] = []
     try:
@@ -155,6 +171,9 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
             store = DirectoryWeightStore(workdir / "store", f"{name}-{lr:g}", full_every=10**6, max_delta_fraction=10.0)
             full_store = DirectoryWeightStore(workdir / "store", f"{name}-{lr:g}-full", full_every=1)
             trainer = await asyncio.to_thread(Trainer, model_dir, store, full_store, lr)
+            copies = LocalCopies(store, workdir / "local-copies")
+            local_delta = DiskDelta(pools, copies=copies)
+            local_full = DiskFull(pools, Pauser(pools, None), copies=copies)
             params_m = sum(p.numel() for p in trainer.model.parameters()) / 1e6
             await asyncio.to_thread(trainer.publish)
             (first,) = await full.update([engine], VersionInfo.from_store(store, 0))
@@ -173,11 +192,19 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
                 (d,) = await delta.update([engine], info)
                 assert d.ok, d.message
                 reply = d.reply
+                # The SGLang path: a full plain directory of the base (paused around its load), then
+                # the delta on the agent's copy and the engine's load of the new directory.
+                (lf,) = await local_full.update([as_sglang], VersionInfo.from_store(store, version - 1))
+                assert lf.ok, lf.message
+                (ld,) = await local_delta.update([as_sglang], info)
+                assert ld.ok and ld.reply["stage"] == "delta", ld.message
                 row = Row(
                     name, round(params_m, 1), lr, version, info.full_bytes / 2**20, d.bytes / 1024,
                     100 * d.bytes / info.full_bytes, 100 * (info.changed_fraction or 0),
                     1000 * (reply["fetch_s"] + reply["preverify_s"]), 1000 * d.pause_s, 1000 * dist_pause,
                     1000 * dist_total, 1000 * f.pause_s, 1000 * rebuilt.pause_s, f.pause_s / max(d.pause_s, 1e-9),
+                    1000 * (ld.reply["fetch_s"] + ld.reply["write_s"]), 1000 * ld.reply["load_call_s"],
+                    1000 * (lf.reply["fetch_s"] + lf.reply["write_s"]), 1000 * lf.pause_s,
                 )  # fmt: skip
                 print_row(row)
                 rows.append(row)
@@ -189,14 +216,17 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
 
 HEADER = (f"{'model':>7} {'params':>7} {'lr':>6} {'v':>2} {'full MB':>8} {'delta KB':>9} {'delta%':>7} "
           f"{'changed%':>8} {'prep ms':>8} {'pause: delta':>12} {'dist':>8} {'full':>8} {'full/delta':>10} "
-          f"{'rebuilt':>8} {'dist total':>10}")  # fmt: skip
+          f"{'rebuilt':>8} {'dist total':>10} | {'sglang: stage':>13} {'pause':>8} {'full stage':>10} "
+          f"{'full pause':>10}")  # fmt: skip
 
 
 def print_row(r: Row) -> None:
     print(f"{r.model:>7} {r.params_m:>6.1f}M {r.lr:>6.0e} {r.version:>2} {r.full_mb:>8.1f} {r.delta_kb:>9.1f} "
           f"{r.delta_pct:>6.2f}% {r.changed_pct:>7.2f}% {r.delta_prepare_ms:>8.1f} {r.delta_pause_ms:>9.1f} ms "
           f"{r.dist_pause_ms:>5.1f} ms {r.full_pause_ms:>5.0f} ms {r.full_over_delta:>9.1f}x "
-          f"{r.rebuilt_pause_ms:>5.0f} ms {r.dist_total_ms:>7.0f} ms", flush=True)  # fmt: skip
+          f"{r.rebuilt_pause_ms:>5.0f} ms {r.dist_total_ms:>7.0f} ms | {r.local_stage_ms:>10.1f} ms "
+          f"{r.local_load_ms:>5.1f} ms {r.local_full_stage_ms:>7.1f} ms {r.local_full_ms:>7.1f} ms",
+          flush=True)  # fmt: skip
 
 
 def summary(rows: list[Row]) -> None:
@@ -208,8 +238,15 @@ def summary(rows: list[Row]) -> None:
         dp = statistics.median(r.delta_pause_ms for r in group)
         fp = statistics.median(r.full_pause_ms for r in group)
         dist = statistics.median(r.dist_pause_ms for r in group)
+        load = statistics.median(r.local_load_ms for r in group)
+        stage = statistics.median(r.local_stage_ms for r in group)
+        local_full = statistics.median(r.local_full_ms for r in group)
+        full_stage = statistics.median(r.local_full_stage_ms for r in group)
         print(f"  {model:>7} lr {lr:.0e}: delta {pct:6.2f}% of full, pause delta {dp:7.1f} ms / dist {dist:7.1f} ms"
-              f" / full {fp:7.0f} ms  (full/delta {fp / dp:6.1f}x)")  # fmt: skip
+              f" / full {fp:7.0f} ms  (full/delta {fp / dp:6.1f}x)\n"
+              f"  {'':>7} SGLang path, pause: node-local delta load {load:7.1f} ms (staged {stage:6.1f} ms while "
+              f"serving) vs full reload {local_full:7.1f} ms (staged {full_stage:6.1f} ms) / {fp:7.0f} ms "
+              f"(store read inside the pause)")  # fmt: skip
         ok_small &= lr != 1e-6 or pct <= 5.0
         ok_smaller &= all(r.delta_pct < 100 for r in group)
         ok_pause &= dp * 10 < fp

@@ -243,6 +243,11 @@ def test_sglang_engines_run_on_gpus_and_register_with_the_gateway(rendered):
     spec = h.pod_spec(deployment)
     engine = next(c for c in spec["containers"] if c["name"] == "sglang")
     assert h.split_image(engine["image"])[0] == "lmsysorg/sglang"
+    # The release the contract is taken from, and seeded sampling switched on (rollouts send sampling_seed).
+    from rlfleet.common.engine_requests import SGLANG_IMAGE
+
+    assert engine["image"] == SGLANG_IMAGE
+    assert "--enable-deterministic-inference" in engine["args"]
     assert engine["command"] == ["python3", "-m", "sglang.launch_server"]
     assert f"--port={h.ENGINE_PORT}" in engine["args"] and "--model-path=/models/policy" in engine["args"]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"

@@ -60,8 +60,10 @@ def engines(model_dir, store_root, tmp_path_factory):
             p.stop()
 
 
-def engine_list(engines, **pools):
-    return [{"engine_id": name, "url": engines[name].url, "pool": pools.get(name, "fleet")} for name in pools]
+def engine_list(engines, kinds=None, **pools):
+    kinds = kinds or {}
+    return [{"engine_id": name, "url": engines[name].url, "pool": pools.get(name, "fleet"),
+             "kind": kinds.get(name, "cpu")} for name in pools]
 
 
 class Run:
@@ -124,7 +126,7 @@ async def run(model_dir, store_root, tmp_path, nats_url, redis_url):
 
 
 async def held(url: str) -> tuple[str, str | None]:
-    _, info = await call(url, "/get_model_info", method="GET")
+    _, info = await call(url, "/model_info", method="GET")
     return info["weight_version"], info["weight_store_path"]
 
 
@@ -332,8 +334,8 @@ async def test_a_new_engine_registered_draining_gets_the_accepted_version_before
             engine_id="f0", url=engines["f0"].url, pool=gateway_pb2.ENGINE_POOL_FLEET,
             kind=gateway_pb2.ENGINE_KIND_CPU, start_draining=True))  # fmt: skip
         await all_serve(run, engines, ["f0"], v1)
-        _, load = await call(engines["f0"].url, "/get_load", method="GET")
-        assert load[0]["paused"] is None  # resumed after the full load
+        _, load = await call(engines["f0"].url, "/server_info", method="GET")
+        assert load["paused"] is None  # resumed after the full load
 
         async def state_of_f0():
             listed = await gw.ListEngines(gateway_pb2.ListEnginesRequest())

@@ -96,8 +96,8 @@ async def test_sessions_of_a_killed_engine_continue_on_the_other_engine_and_the_
         long_turn = asyncio.create_task(long_generate())
 
         async def e1_is_generating() -> bool:
-            status, load = await http_call(victim.url, "/get_load", method="GET")
-            return status == 200 and load[0]["num_reqs"] >= 1 and load[0]["generated_tokens"] > 0
+            status, load = await http_call(victim.url, "/server_info", method="GET")
+            return status == 200 and load["num_running_reqs"] >= 1 and load["generated_tokens"] > 0
 
         await eventually(e1_is_generating, within_s=20)
         victim.process.kill()

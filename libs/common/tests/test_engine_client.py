@@ -14,6 +14,7 @@ from rlfleet.common.engine_client import (
     EngineTimeouts,
     EngineUnavailable,
     GenerateResult,
+    VersionRange,
 )
 from rlfleet.common.processes import eventually
 
@@ -49,7 +50,7 @@ async def test_generate_returns_tokens_logprobs_finish_reason_and_version(client
     assert isinstance(result, GenerateResult)
     assert result.rid == "c1" and len(result.output_ids) == 10 and len(result.output_logprobs) == 10
     assert result.finish_reason == "length" and result.matched is None
-    assert result.weight_version == "default" and result.weight_version_spans == [("default", 0, 10)]
+    assert result.weight_version == "default" and result.weight_versions == [VersionRange("default", 0, 10)]
     assert result.prompt_tokens == 4 and result.cached_tokens == 0 and result.latency > 0
     again = await client.generate(
         [1, 5, 6, 7], {"max_new_tokens": 10, "sampling_seed": 4, "ignore_eos": True}
@@ -95,7 +96,7 @@ async def test_health_info_and_load(client, engine):
     info = await client.model_info()
     assert info["model_path"] == str(engine.model_path)
     load = await client.load()
-    assert load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0
+    assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
 
 
 async def test_pause_in_place_blocks_flush_until_resume_and_abort_ends_the_request(client):
@@ -103,7 +104,7 @@ async def test_pause_in_place_blocks_flush_until_resume_and_abort_ends_the_reque
     task = asyncio.create_task(client.generate([1, 40], long, rid="long"))
 
     async def running():
-        return (await client.load())["num_reqs"] == 1
+        return (await client.load())["num_running_reqs"] == 1
 
     await eventually(running)
     await client.pause("in_place")
@@ -134,14 +135,15 @@ async def test_weight_updates_from_disk_and_version_bumps(client, models):
 
 
 async def test_distributed_update_through_the_client(client, models, monkeypatch):
-    from rlfleet.engine import distributed
     from rlfleet.engine.model_runner import read_checkpoint
+    from rlfleet.weights import broadcast as distributed
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    joining = asyncio.create_task(client.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="g"))
+    joining = asyncio.create_task(client.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="g",
+                                                                      backend="gloo"))
     group = await asyncio.to_thread(distributed.join_group, "127.0.0.1", port, 0, 2, "g", "gloo", 60.0)
     try:
         await joining
@@ -159,3 +161,25 @@ async def test_distributed_update_through_the_client(client, models, monkeypatch
     finally:
         distributed.leave_group(group)
         await client.update_weights_from_disk(str(models[0]), weight_version="default")
+
+
+async def test_api_keys_go_as_bearer_tokens_the_admin_key_on_admin_routes(models, tmp_path):
+    """The CPU engine checks keys as SGLang's --api-key / --admin-api-key do."""
+    process = testing.EngineProcess(models[0], tmp_path, api_key="user-key", admin_api_key="admin-key").start()
+    try:
+        async with EngineClient(process.url) as anonymous:
+            assert await anonymous.health()  # health routes are always open
+            with pytest.raises(EngineRejected) as refused:
+                await anonymous.generate([1, 2], {"max_new_tokens": 1})
+            assert refused.value.status == 401
+        async with EngineClient(process.url, api_key="user-key") as user:
+            assert len((await user.generate([1, 2], {"max_new_tokens": 2, "ignore_eos": True})).output_ids) == 2
+            assert (await user.load())["num_running_reqs"] == 0
+            with pytest.raises(EngineRejected):  # an admin route wants the admin key
+                await user.pause("abort")
+        async with EngineClient(process.url, api_key="user-key", admin_api_key="admin-key") as admin:
+            await admin.pause("abort")
+            await admin.resume()
+            assert await admin.weight_version() == "default"
+    finally:
+        process.stop()

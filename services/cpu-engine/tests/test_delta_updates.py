@@ -1,5 +1,5 @@
-"""Weight-store loads into an engine: `load_format` rlfleet_delta (fetch + preverify while serving, pause
-only for the swap) and rlfleet_full (any version rebuilt exactly), checked bit for bit against the
+"""Weight-store loads into an engine (`/rlfleet/update_weights_from_store`): kind delta (fetch + preverify
+while serving, pause only for the swap) and full (any version rebuilt exactly), checked bit for bit against the
 trainer's published bf16 weights."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 import pytest
 from aiohttp import web
 
+from rlfleet.engine.server import STORE_ROUTE
 from rlfleet.engine.testing import EngineProcess, StoreTrainer, assert_engine_serves
 from rlfleet.engine.testing import http_call as call
 from rlfleet.weights import DirectoryWeightStore
@@ -45,23 +46,23 @@ def store_engine(model_dir, store_root, tmp_path_factory):
     process.stop()
 
 
-async def load(url: str, path, load_format: str, **extra):
-    body = {"model_path": str(path), "load_format": load_format, **extra}
-    return await call(url, "/update_weights_from_disk", body)
+async def load(url: str, path, kind: str, **extra):
+    body = {"model_path": str(path), "kind": kind, **extra}
+    return await call(url, STORE_ROUTE, body)
 
 
 async def weight_version(url: str) -> str:
-    return (await call(url, "/get_weight_version", method="GET"))[1]["weight_version"]
+    return (await call(url, "/model_info", method="GET"))[1]["weight_version"]
 
 
 async def test_after_n_delta_updates_the_engine_serves_the_trainers_weights_bit_for_bit(store_engine, trainer):
     url, store = store_engine.url, trainer.store
-    status, reply = await load(url, store.path(1), "rlfleet_full")
+    status, reply = await load(url, store.path(1), "full")
     assert status == 200 and reply["success"], reply
     await assert_engine_serves(url, trainer.served(1))
     for version in range(2, 7):
         assert store.index(version).kind == "delta"
-        status, reply = await load(url, store.path(version), "rlfleet_delta")
+        status, reply = await load(url, store.path(version), "delta")
         assert status == 200 and reply["success"], reply
         assert reply["weight_version"] == str(version) and reply["base_version"] == version - 1
         assert reply["pause_mode"] == "retract" and 0 <= reply["pause_s"] < 1.0
@@ -79,20 +80,20 @@ async def test_store_loads_empty_the_prefix_cache(store_engine, trainer):
     async def cached_tokens() -> int:
         return (await call(url, "/generate", body))[1]["meta_info"]["cached_tokens"]
 
-    assert (await load(url, store.path(1), "rlfleet_full"))[0] == 200
+    assert (await load(url, store.path(1), "full"))[0] == 200
     await cached_tokens()
     assert await cached_tokens() == 39
-    assert (await load(url, store.path(2), "rlfleet_delta"))[0] == 200
+    assert (await load(url, store.path(2), "delta"))[0] == 200
     assert await cached_tokens() == 0
     assert await cached_tokens() == 39
-    assert (await load(url, store.path(2), "rlfleet_full"))[0] == 200
+    assert (await load(url, store.path(2), "full"))[0] == 200
     assert await cached_tokens() == 0
 
 
 async def test_a_delta_whose_base_the_engine_does_not_hold_is_refused_and_nothing_changes(store_engine, trainer):
     url, store = store_engine.url, trainer.store
-    assert (await load(url, store.path(3), "rlfleet_full"))[0] == 200
-    status, reply = await load(url, store.path(5), "rlfleet_delta")
+    assert (await load(url, store.path(3), "full"))[0] == 200
+    status, reply = await load(url, store.path(5), "delta")
     assert status == 400 and not reply["success"]
     assert "base version mismatch" in reply["message"] and "applies to version 4" in reply["message"]
     assert await weight_version(url) == "3"
@@ -100,8 +101,8 @@ async def test_a_delta_whose_base_the_engine_does_not_hold_is_refused_and_nothin
 
 
 async def test_a_full_checkpoint_offered_as_a_delta_is_refused(store_engine, trainer):
-    status, reply = await load(store_engine.url, trainer.store.path(1), "rlfleet_delta")
-    assert status == 400 and "use load_format rlfleet_full" in reply["message"]
+    status, reply = await load(store_engine.url, trainer.store.path(1), "delta")
+    assert status == 400 and "use kind full" in reply["message"]
 
 
 async def test_a_corrupt_delta_is_refused_with_the_reason_and_a_full_load_recovers(
@@ -116,7 +117,7 @@ async def test_a_corrupt_delta_is_refused_with_the_reason_and_a_full_load_recove
     other.step()
     other.publish()
     url = store_engine.url
-    assert (await load(url, store.path(1), "rlfleet_full"))[0] == 200
+    assert (await load(url, store.path(1), "full"))[0] == 200
     payload = store.path(2) / "delta.safetensors"
     data = bytearray(payload.read_bytes())
     for offset in range(len(data) - 400, len(data) - 10, 7):  # inside the last zstd frames
@@ -124,19 +125,19 @@ async def test_a_corrupt_delta_is_refused_with_the_reason_and_a_full_load_recove
     payload.chmod(0o644)
     payload.write_bytes(bytes(data))
 
-    status, reply = await load(url, store.path(2), "rlfleet_delta")
+    status, reply = await load(url, store.path(2), "delta")
     assert status == 400 and not reply["success"]
     assert "corrupt or missing delta" in reply["message"] or "preverify" in reply["message"]
     assert await weight_version(url) == "1"
     await assert_engine_serves(url, other.served(1))
     # Version 2 cannot be rebuilt from the store any more: refused too, never served half right.
-    status, reply = await load(url, store.path(2), "rlfleet_full")
+    status, reply = await load(url, store.path(2), "full")
     assert status == 400 and "cannot be rebuilt exactly" in reply["message"]
     await assert_engine_serves(url, other.served(1))
     # The next full checkpoint brings the engine back to the trainer's weights.
     other.step()
     assert other.publish(kind="full")["kind"] == "full"
-    status, reply = await load(url, store.path(4), "rlfleet_full")
+    status, reply = await load(url, store.path(4), "full")
     assert status == 200 and reply["store_version"] == 4, reply
     await assert_engine_serves(url, other.served(4))
 
@@ -144,25 +145,25 @@ async def test_a_corrupt_delta_is_refused_with_the_reason_and_a_full_load_recove
 async def test_a_missing_version_and_a_path_outside_the_store_are_refused(store_engine, trainer, tmp_path):
     url = store_engine.url
     before = await weight_version(url)
-    status, reply = await load(url, trainer.store.path(99), "rlfleet_delta")
+    status, reply = await load(url, trainer.store.path(99), "delta")
     assert status == 400 and "version not found" in reply["message"]
     outside = tmp_path / "run" / "v000002"
     outside.mkdir(parents=True)
-    status, reply = await load(url, outside, "rlfleet_full")
+    status, reply = await load(url, outside, "full")
     assert status == 400 and "outside the weight store root" in reply["message"]
-    status, reply = await load(url, trainer.store.path(2), "rlfleet_delta", pause_mode="sideways")
+    status, reply = await load(url, trainer.store.path(2), "delta", pause_mode="sideways")
     assert status == 400 and "unknown pause_mode" in reply["error"]["message"]
     assert await weight_version(url) == before
 
 
 async def test_a_plain_checkpoint_load_makes_the_engine_forget_its_store_version(store_engine, trainer, model_dir):
     url, store = store_engine.url, trainer.store
-    assert (await load(url, store.path(1), "rlfleet_full"))[0] == 200
-    _, info = await call(url, "/get_model_info", method="GET")
+    assert (await load(url, store.path(1), "full"))[0] == 200
+    _, info = await call(url, "/model_info", method="GET")
     assert info["weight_store_version"] == 1
     status, _ = await call(url, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "x"})
     assert status == 200
-    status, reply = await load(url, store.path(2), "rlfleet_delta")
+    status, reply = await load(url, store.path(2), "delta")
     assert status == 400 and "holds no weight-store version" in reply["message"]
 
 
@@ -195,7 +196,7 @@ async def test_generation_keeps_running_while_a_delta_is_fetched_and_pauses_only
     in_process_engine, trainer, monkeypatch
 ):
     url, store = in_process_engine, trainer.store
-    assert (await load(url, store.path(1), "rlfleet_full"))[0] == 200
+    assert (await load(url, store.path(1), "full"))[0] == 200
     fetch: dict[str, float] = {}
     original = DirectoryWeightStore.fetch_delta
 
@@ -221,7 +222,7 @@ async def test_generation_keeps_running_while_a_delta_is_fetched_and_pauses_only
 
     clients = [asyncio.create_task(client()) for _ in range(2)]
     await asyncio.sleep(0.3)
-    status, reply = await load(url, store.path(2), "rlfleet_delta")
+    status, reply = await load(url, store.path(2), "delta")
     await asyncio.sleep(0.3)
     stop.set()
     await asyncio.gather(*clients)

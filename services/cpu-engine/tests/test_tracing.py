@@ -103,7 +103,7 @@ async def test_bad_requests_are_recorded_as_the_callers_error_and_polls_are_not_
     span = only(exporter, "POST /generate")
     assert span.attributes["http.response.status_code"] == 400
     assert span.status.status_code is StatusCode.UNSET  # a 4xx is not the server's failure
-    for path in ("/health", "/get_load", "/get_model_info", "/get_weight_version"):
+    for path in ("/health", "/v1/loads", "/model_info", "/server_info"):
         assert (await client.get(path, headers={"traceparent": TRACEPARENT})).status == 200
     assert [s.name for s in exporter.get_finished_spans()] == ["POST /generate"]
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from rlfleet.common.processes import free_port
-from rlfleet.engine import distributed
 from rlfleet.engine.model_runner import ModelRunner, read_checkpoint
 from rlfleet.engine.testing import EngineProcess
 from rlfleet.engine.testing import generate_in_process as in_process
 from rlfleet.engine.testing import http_call as call
+from rlfleet.weights import broadcast as distributed
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ async def test_update_weights_from_disk_changes_outputs_and_the_reported_weight_
         {"model_path": str(model_dir_v2), "weight_version": "v2", "flush_cache": True},
     )
     assert status == 200 and reply["success"], reply
-    assert (await call(url, "/get_weight_version", method="GET"))[1] == {"weight_version": "v2"}
+    assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v2"
     _, after = await call(
         url, "/generate", {"input_ids": PROMPT, "sampling_params": SAMPLED, "return_logprob": True}
     )
@@ -85,6 +85,18 @@ async def test_a_weight_update_empties_the_prefix_cache(weights_engine, model_di
     assert (await call(url, "/generate", body))[1]["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("load_format", ["rlfleet_delta", "rlfleet_full", "not-a-format"])
+async def test_a_load_format_sglang_does_not_have_is_refused_and_nothing_changes(
+    weights_engine, model_dir_v2, load_format
+):
+    """SGLang raises on a value outside its LoadFormat enum; the stand-in must never accept one."""
+    url = weights_engine.url
+    status, reply = await call(url, "/update_weights_from_disk", {
+        "model_path": str(model_dir_v2), "load_format": load_format, "weight_version": "v9"})
+    assert status == 400 and not reply["success"] and repr(load_format) in reply["message"]
+    assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v1"
+
+
 async def test_a_failed_update_from_disk_leaves_weights_and_version_unchanged(weights_engine, tmp_path):
     url = weights_engine.url
     _, before = await call(
@@ -94,7 +106,7 @@ async def test_a_failed_update_from_disk_leaves_weights_and_version_unchanged(we
         url, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing"), "weight_version": "v9"}
     )
     assert status == 400 and not reply["success"] and "no *.safetensors" in reply["message"]
-    assert (await call(url, "/get_weight_version", method="GET"))[1] == {"weight_version": "v1"}
+    assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v1"
     _, after = await call(
         url, "/generate", {"input_ids": PROMPT, "sampling_params": SAMPLED, "return_logprob": True}
     )
@@ -129,7 +141,7 @@ async def test_distributed_update_over_gloo_gives_bit_identical_weights(
         received = await engine_weights(url, [name for name, _ in named])
         for name, tensor in named:
             assert torch.equal(received[name], tensor), name
-        assert (await call(url, "/get_weight_version", method="GET"))[1] == {"weight_version": "v2-dist"}
+        assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v2-dist"
         _, out = await call(
             url, "/generate", {"input_ids": PROMPT, "sampling_params": SAMPLED, "return_logprob": True}
         )

@@ -3,7 +3,7 @@
 import pytest
 
 from rlfleet.api.common.v1 import common_pb2
-from rlfleet.common.engine_client import GenerateResult
+from rlfleet.common.engine_client import GenerateResult, VersionRange, version_ranges
 from rlfleet.gateway.engine_io import generate_response, sampling_params, span_version
 from rlfleet.gateway.errors import InvalidGatewayRequest
 from rlfleet.gateway.health import parse_version
@@ -11,7 +11,7 @@ from rlfleet.gateway.health import parse_version
 
 def result(**overrides) -> GenerateResult:
     fields = dict(rid="r", output_ids=[5, 6], output_logprobs=[-0.5, -1.5], finish_reason="stop", matched=2,
-                  finish_message=None, weight_version="7", weight_version_spans=None, prompt_tokens=3,
+                  finish_message=None, weight_version="7", weight_versions=[VersionRange("7", 0, 2)], prompt_tokens=3,
                   cached_tokens=0, latency=0.01, text="hi")
     return GenerateResult(**{**fields, **overrides})
 
@@ -35,9 +35,22 @@ def test_weight_versions_parse_as_integer_policy_versions(text, version):
     assert parse_version(text) == version
 
 
-def test_a_reply_that_spans_a_weight_swap_carries_its_oldest_version():
-    assert span_version(result(weight_version="5", weight_version_spans=[("4", 0, 1), ("5", 1, 2)])) == 4
-    assert span_version(result(weight_version="5")) == 5
+def test_a_reply_that_spans_a_weight_swap_carries_its_oldest_version_and_both_ranges():
+    swapped = result(weight_version="5", weight_versions=[VersionRange("4", 0, 1), VersionRange("5", 1, 2)])
+    assert span_version(swapped) == 4
+    assert span_version(result(weight_version="5", weight_versions=[VersionRange("5", 0, 2)])) == 5
+    reply = generate_response(swapped, "e", 0.1, False, "")
+    assert reply.policy_version == 4
+    assert [(r.policy_version, r.start, r.end) for r in reply.version_ranges] == [(4, 0, 1), (5, 1, 2)]
+    # An unparseable version anywhere makes the reply's version unknown, never a younger one.
+    assert span_version(result(weight_versions=[VersionRange("v3", 0, 1), VersionRange("5", 1, 2)])) == -1
+
+
+def test_sglang_meta_info_weight_versions_are_read_and_older_replies_get_one_range():
+    meta = {"weight_version": "5", "weight_versions": [{"version": "4", "start": 0, "end": 3},
+                                                       {"version": "5", "start": 3, "end": 8}]}
+    assert version_ranges(meta, 8) == [VersionRange("4", 0, 3), VersionRange("5", 3, 8)]
+    assert version_ranges({"weight_version": "5"}, 8) == [VersionRange("5", 0, 8)]
 
 
 def test_generate_response_maps_finish_reasons_and_keeps_the_reroute_reason():

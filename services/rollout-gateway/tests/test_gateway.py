@@ -47,6 +47,8 @@ async def test_generate_returns_tokens_logprobs_and_the_engines_policy_version(r
     assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert (reply.engine_id, reply.policy_version, reply.prompt_tokens) == ("e0", 3, len(PROMPT))
     assert reply.latency_s > 0 and not reply.rerouted
+    # meta_info.weight_versions, carried over: one range of the engine's version over every token.
+    assert [(r.policy_version, r.start, r.end) for r in reply.version_ranges] == [(3, 0, 6)]
 
 
 async def test_every_turn_of_a_session_goes_to_its_engine_and_new_sessions_spread_out(redis_url, engine_url):
@@ -200,9 +202,12 @@ async def hung_engine():
         await asyncio.sleep(3600)
 
     app = web.Application()
-    app.router.add_get("/get_weight_version", version)
+    async def loads(request):
+        return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0}]})
+
+    app.router.add_get("/model_info", version)
     app.router.add_get("/health", ok)
-    app.router.add_get("/get_load", ok)
+    app.router.add_get("/v1/loads", loads)
     app.router.add_post("/generate", hang)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
@@ -239,3 +244,29 @@ async def test_an_engine_can_be_drained_and_undrained_by_the_weight_broker(redis
                 engine_id="nope", state=pb.ENGINE_STATE_HEALTHY))
     assert bad_state.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_an_engine_whose_load_cannot_be_read_is_unhealthy_not_stale(redis_url):
+    """An engine without SGLang 0.5.23's /v1/loads (e.g. one that still answers only /get_load): the
+    probe fails and says why, rather than keeping an old in-flight count."""
+    async def info(request):
+        return web.json_response({"weight_version": "2"})
+
+    async def ok(request):
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/model_info", info)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/get_load", ok)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with running_gateway(redis_url, {"old": url}, health_interval_s=60) as gateway:
+            listed = (await engines_by_id(gateway))["old"]
+    finally:
+        await runner.cleanup()
+    assert listed.state == pb.ENGINE_STATE_UNHEALTHY and "/v1/loads" in listed.last_error

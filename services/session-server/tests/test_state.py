@@ -47,6 +47,21 @@ def test_spans_tile_the_tokens_and_the_loss_mask_is_one_exactly_on_generated_tok
     assert (trajectory.suite, trajectory.split, trajectory.sample_index) == ("calc", "train", 2)
 
 
+def test_a_turn_that_crossed_a_weight_swap_keeps_both_versions_at_trajectory_offsets():
+    state = new_state()
+    append_prompt(state, [1, 2, 3])
+    swapped = reply([7, 8, 9, 10], version=4)
+    swapped.version_ranges.add(policy_version=4, start=0, end=1)
+    swapped.version_ranges.add(policy_version=5, start=1, end=4)
+    append_generated(state, swapped, finished_at=1.0)
+    append_generated(state, reply([11]), finished_at=2.0)  # no ranges from the gateway: one, of its version
+    trajectory = build_trajectory(state, "tid", common_pb2.TRAJECTORY_STATUS_UNSPECIFIED, None, {})
+    crossed, plain = trajectory.spans[1], trajectory.spans[2]
+    assert crossed.policy_version == 4
+    assert [(r.policy_version, r.start, r.end) for r in crossed.version_ranges] == [(4, 3, 4), (5, 4, 7)]
+    assert [(r.policy_version, r.start, r.end) for r in plain.version_ranges] == [(3, 7, 8)]
+
+
 def test_tool_wait_counts_only_from_the_last_generate():
     state = new_state()
     append_prompt(state, [1])

@@ -120,6 +120,7 @@ class ScriptedEngine:
             ids, finish = self.complete(list(body["input_ids"]), int(sampling.get("max_new_tokens", 128)))
             meta = {"id": body.get("rid", ""), "prompt_tokens": len(body["input_ids"]),
                     "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": "0",
+                    "weight_versions": [{"version": "0", "start": 0, "end": len(ids)}],
                     "finish_reason": {"type": finish, **({"matched": self.end_id} if finish == "stop" else {})},
                     "output_token_logprobs": [[-0.25, token, None] for token in ids],
                     "e2e_latency": time.monotonic() - started}
@@ -140,9 +141,10 @@ class ScriptedEngine:
         app.router.add_post("/script", script)
         app.router.add_get("/health", static({}))
         app.router.add_get("/health_generate", static({}))
-        app.router.add_get("/get_weight_version", static({"weight_version": "0"}))
-        app.router.add_get("/get_model_info", static({"model_path": "scripted", "is_generation": True}))
-        app.router.add_get("/get_load", static({"num_reqs": 0, "num_waiting_reqs": 0}))
+        app.router.add_get("/model_info", static({"model_path": "scripted", "is_generation": True,
+                                                  "weight_version": "0"}))
+        app.router.add_get("/v1/loads", static({"loads": [{"dp_rank": 0, "num_running_reqs": 0,
+                                                          "num_waiting_reqs": 0}]}))
         app.router.add_post("/flush_cache", static({}))
         return app
 

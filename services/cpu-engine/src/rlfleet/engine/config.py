@@ -44,12 +44,17 @@ class EngineConfig(ProcessConfig):
         "head_dim x 4 bytes; 0 turns the prefix cache off",
     )
     engine_id: str | None = Field(
-        None, description="name reported by /get_model_info; default cpu-engine-<pid>"
+        None, description="name reported by /model_info; default cpu-engine-<pid>"
     )
+    api_key: str | None = Field(
+        None, description="as SGLang's --api-key: every route but health wants `Authorization: Bearer <key>`")
+    admin_api_key: str | None = Field(
+        None, description="as SGLang's --admin-api-key: the admin routes (weights, pause, flush, abort) want "
+        "this key instead")
     weight_version: str = Field("default", description="weight version reported until the first update")
     weight_store_root: Path | None = Field(
         None,
-        description="weight store root that load_format rlfleet_delta/rlfleet_full may read from; a model_path "
+        description="weight store root that /rlfleet/update_weights_from_store may read from; a model_path "
         "outside it is refused (default: any store, the version directory's grandparent)",
     )
     weight_store_workers: int = Field(

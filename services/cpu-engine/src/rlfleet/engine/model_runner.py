@@ -19,6 +19,11 @@ from rlfleet.engine.kv_cache import PaddedKVCache
 log = logging.getLogger(__name__)
 
 
+# The SGLang load formats (its LoadFormat values) this engine reads from disk: an HF directory of
+# safetensors. Any other value is refused with an error (SGLang itself would raise in its scheduler).
+LOAD_FORMATS = ("auto", "safetensors")
+
+
 class WeightLoadError(ValueError):
     """New weights that do not fit the served model; nothing was changed."""
 

@@ -392,7 +392,7 @@ class Scheduler:
 
     def load(self) -> dict[str, Any]:
         return {
-            "num_reqs": len(self.running),
+            "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting) + len(self._inbox),
             "num_tokens": sum(len(r.prompt_ids) + len(r.output_ids) for r in self.running),
             "paused": self.paused,

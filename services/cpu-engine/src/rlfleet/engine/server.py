@@ -1,4 +1,11 @@
-"""The HTTP layer: SGLang's routes over the scheduler, on aiohttp.
+"""The HTTP layer: SGLang 0.5.23's routes over the scheduler, on aiohttp.
+
+Route names, request fields, reply keys and error behaviour are SGLang's for everything rlfleet uses
+(tests/contract checks them against the snapshot taken from SGLang's package): `/model_info`,
+`/server_info`, `/v1/loads`, per-token `meta_info.weight_versions`, `update_weights_from_disk` with
+SGLang's load formats only (an unknown one is an error, never a silent success), `--api-key` /
+`--admin-api-key` as `Authorization: Bearer`. What SGLang has no route for lives under `/rlfleet/`
+(`/rlfleet/update_weights_from_store`: weight-store deltas and exact full loads).
 
 Handlers never touch the model: generation goes through `Scheduler.submit`, control through
 `Scheduler.call` (run between two steps). Slow blocking work that does not touch the model --
@@ -17,6 +24,7 @@ nothing is recorded per token. Health and load polls are not traced.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -29,11 +37,11 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from rlfleet.common.engine_requests import RLFLEET_ROUTES, SGLANG_VERSION, STORE_KINDS
 from rlfleet.common.service import stop_on_signals, write_ready_file
 from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
-from rlfleet.engine import distributed
 from rlfleet.engine.config import EngineConfig
-from rlfleet.engine.model_runner import ModelRunner, WeightLoadError, read_checkpoint
+from rlfleet.engine.model_runner import LOAD_FORMATS, ModelRunner, WeightLoadError, read_checkpoint
 from rlfleet.engine.protocol import (
     BadRequest,
     GenerateItem,
@@ -43,11 +51,14 @@ from rlfleet.engine.protocol import (
     parse_generate,
 )
 from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
-from rlfleet.engine.store_weights import LOAD_FORMATS, StoreLoadError, StoreWeights
+from rlfleet.engine.store_weights import StoreLoadError, StoreWeights
+from rlfleet.weights import broadcast as distributed
 
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
+ENGINE_VERSION = f"rlfleet-cpu-engine (SGLang {SGLANG_VERSION} API)"
+STORE_ROUTE = RLFLEET_ROUTES["update_weights_from_store"][1]  # rlfleet-only: SGLang has no such route
 SERVICE_NAME = "rlfleet-cpu-engine"
 # Routes that do work worth a span; the polled ones (health, load, info, version) are left out.
 TRACED_ROUTES = frozenset(
@@ -62,6 +73,24 @@ TRACED_ROUTES = frozenset(
         "/init_weights_update_group",
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
+        STORE_ROUTE,
+    }
+)
+# SGLang's auth levels (sglang.srt.utils.auth) of the routes served here that are not NORMAL: with
+# an admin key set they take only it; with only an API key, that one. Health routes are always open.
+ADMIN_ROUTES = frozenset(
+    {
+        "/abort_request",
+        "/flush_cache",
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/get_weights_by_name",
+        STORE_ROUTE,
     }
 )
 
@@ -91,22 +120,22 @@ class EngineServer:
         self._weights_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_bytes,
-                              middlewares=[self._traced] if self.traced else [])
+        middlewares = [self._authorized, *([self._traced] if self.traced else [])]
+        app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=middlewares)
         app[MAX_REQUEST_BYTES] = self.config.max_request_bytes
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_get("/health", self.health)
         app.router.add_get("/health_generate", self.health_generate)
-        app.router.add_get("/get_model_info", self.get_model_info)
-        app.router.add_get("/get_server_info", self.get_server_info)
-        app.router.add_get("/get_load", self.get_load)
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/v1/loads", self.loads)
         app.router.add_route("GET", "/flush_cache", self.flush_cache)
         app.router.add_route("POST", "/flush_cache", self.flush_cache)
         app.router.add_post("/pause_generation", self.pause_generation)
         app.router.add_post("/continue_generation", self.continue_generation)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        app.router.add_get("/get_weight_version", self.get_weight_version)
+        app.router.add_post(STORE_ROUTE, self.update_weights_from_store)
         app.router.add_post("/update_weight_version", self.update_weight_version)
         app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
         app.router.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
@@ -114,6 +143,21 @@ class EngineServer:
         app.router.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
         app.router.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
         return app
+
+    # --- auth ------------------------------------------------------------------------------------
+    @web.middleware
+    async def _authorized(self, request: web.Request, handler) -> web.StreamResponse:
+        """SGLang's decide_request_auth for NORMAL and ADMIN_OPTIONAL routes: 401 without the right key."""
+        api_key, admin_key = self.config.api_key, self.config.admin_api_key
+        if not (api_key or admin_key) or request.path.startswith(("/health", "/ready", "/metrics")):
+            return await handler(request)
+        wanted = (admin_key or api_key) if request.path in ADMIN_ROUTES else api_key
+        if wanted is None:
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token, wanted):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     # --- tracing --------------------------------------------------------------------------------
     @web.middleware
@@ -222,13 +266,14 @@ class EngineServer:
     def _probe_token(self) -> int:
         return next(i for i in range(self.runner.vocab_size) if i not in self.runner.eos_token_ids)
 
-    async def get_model_info(self, request: web.Request) -> web.Response:
+    async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
                 "model_path": str(self.runner.model_path),
                 "tokenizer_path": str(self.runner.model_path),
                 "is_generation": True,
                 "weight_version": self.scheduler.weight_version,
+                "load_format": "auto",
                 # rlfleet extension: the weight-store version whose exact bytes are served, if any.
                 "weight_store_version": self.store.held_version,
                 "weight_store_path": self.store.held_path,
@@ -240,13 +285,29 @@ class EngineServer:
             }
         )
 
-    async def get_server_info(self, request: web.Request) -> web.Response:
+    async def server_info(self, request: web.Request) -> web.Response:
         load = await self._call(self.scheduler.load)
-        return web.json_response({**self.config.model_dump(mode="json"), **load, "engine_id": self.engine_id})
+        config = self.config.model_dump(mode="json", exclude={"api_key", "admin_api_key"})
+        # tp_size / dp_size as SGLang's server_info names them: one rank, no data parallelism.
+        return web.json_response({**config, **load, "engine_id": self.engine_id, "tp_size": 1, "dp_size": 1})
 
-    async def get_load(self, request: web.Request) -> web.Response:
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang's `/v1/loads`: one LoadSnapshot per DP rank (here one) under `loads`."""
         load = await self._call(self.scheduler.load)
-        return web.json_response([{"dp_rank": 0, **load}])
+        snapshot = {
+            "timestamp": time.time(),
+            "dp_rank": 0,
+            "num_running_reqs": load["num_running_reqs"],
+            "num_waiting_reqs": load["num_waiting_reqs"],
+            "num_used_tokens": load["num_tokens"],
+            "max_total_num_tokens": self.config.max_total_tokens,
+            "max_running_requests": self.config.max_running_requests,
+            "token_usage": load["num_tokens"] / max(self.config.max_total_tokens, 1),
+            "cache_hit_rate": load["prefix_cache_hits"] / load["prefix_cache_lookups"]
+            if load["prefix_cache_lookups"] else 0.0,
+        }
+        return web.json_response({"timestamp": snapshot["timestamp"], "version": ENGINE_VERSION,
+                                  "accelerator": "cpu", "num_accelerators": 0, "loads": [snapshot]})
 
     # --- pause, cache, versions -----------------------------------------------------------------
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -263,9 +324,6 @@ class EngineServer:
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self._call(self.scheduler.resume)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.scheduler.weight_version})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -286,11 +344,11 @@ class EngineServer:
         if not isinstance(path, str) or not path:
             return _error("update_weights_from_disk needs 'model_path'")
         load_format = body.get("load_format")
-        if load_format in LOAD_FORMATS:
-            return await self._load_from_store(body, path, load_format)
-        if load_format not in (None, "auto", "safetensors"):
-            formats = ", ".join(("safetensors", *LOAD_FORMATS))
-            return _error(f"load_format {load_format!r} is not supported; use one of {formats}")
+        if load_format is not None and load_format not in LOAD_FORMATS:
+            # SGLang raises on a load format outside its LoadFormat enum (and its scheduler then takes
+            # the server down); a stand-in that accepted one would hide that. Refused, nothing changes.
+            return _weight_reply(False, f"load_format {load_format!r} is not supported by this engine; "
+                                        f"use one of {', '.join(LOAD_FORMATS)}")
         version = _optional_str(body, "weight_version")
         async with self._weights_lock:
             try:
@@ -299,20 +357,27 @@ class EngineServer:
                 return _weight_reply(False, f"Failed to read {path}: {exc}")
             return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
 
-    async def _load_from_store(self, body: dict[str, Any], path: str, load_format: str) -> web.Response:
-        """rlfleet_delta / rlfleet_full: prepare while serving, then pause only for the swap.
+    async def update_weights_from_store(self, request: web.Request) -> web.Response:
+        """rlfleet-only: a weight-store version, `kind` delta or full; prepared while serving, then a
+        pause for the swap only.
 
         The pause mode is the request's `pause_mode` (abort | retract | in_place; default retract,
         abort when `abort_all_requests`). An engine that is already paused (by the gateway, around a
         full reload) stays paused: the caller resumes it.
         """
+        body = await _body(request)
+        path, kind = body.get("model_path"), body.get("kind")
+        if not isinstance(path, str) or not path:
+            return _error("update_weights_from_store needs 'model_path'")
+        if kind not in STORE_KINDS:
+            return _error(f"update_weights_from_store needs 'kind', one of {', '.join(STORE_KINDS)}")
         mode = "abort" if body.get("abort_all_requests") else body.get("pause_mode", "retract")
         if mode not in PAUSE_MODES:
             return _error(f"unknown pause_mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
         async with self._weights_lock:
             try:
                 ref = self.store.locate(path)
-                if load_format == "rlfleet_delta":
+                if kind == "delta":
                     prepared = await asyncio.to_thread(self.store.prepare_delta, ref)
                     install, finish = self.store.swap_delta, self.store.finish_delta
                     stats = {
@@ -328,7 +393,7 @@ class EngineServer:
                     install, finish = self.store.install_full, None
                     stats = {"load_s": prepared.load_s, "bytes": prepared.bytes_read}
             except StoreLoadError as exc:
-                return _weight_reply(False, f"Failed to load {path} ({load_format}): {exc}")
+                return _weight_reply(False, f"Failed to load {path} ({kind}): {exc}")
             version = _optional_str(body, "weight_version") or str(ref.version)
 
             def swap() -> tuple[int, float]:
@@ -350,10 +415,10 @@ class EngineServer:
                 await asyncio.to_thread(finish, prepared)
         return _weight_reply(
             True,
-            f"Succeeded to update model weights to store version {ref.version} ({load_format}).",
+            f"Succeeded to update model weights to store version {ref.version} ({kind}).",
             weight_version=version,
             store_version=ref.version,
-            load_format=load_format,
+            kind=kind,
             pause_mode=mode,
             pause_s=pause_s,
             num_paused_requests=paused_requests,
@@ -512,8 +577,11 @@ def _result(item: GenerateItem, out: RequestOutput) -> dict[str, Any]:
         "completion_tokens": len(out.output_ids),
         "cached_tokens": out.cached_tokens,
         "weight_version": out.weight_version,
-        # rlfleet extension: which weight version produced which output tokens, [version, start, end).
-        "weight_version_spans": [list(span) for span in out.weight_version_spans],
+        # SGLang 0.5.23: which weight version produced which output tokens, [start, end); a reply
+        # with no output tokens has one empty range of the version it saw.
+        "weight_versions": [{"version": version, "start": start, "end": end}
+                            for version, start, end in out.weight_version_spans]
+        or [{"version": out.weight_version, "start": 0, "end": 0}],
         "e2e_latency": out.e2e_latency,
     }
     if item.return_logprob:

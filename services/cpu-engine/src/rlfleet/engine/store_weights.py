@@ -1,14 +1,15 @@
-"""Weight loads from the rlfleet weight store: `load_format` "rlfleet_delta" and "rlfleet_full".
+"""Weight loads from the rlfleet weight store: `POST /rlfleet/update_weights_from_store`, `kind` delta or full.
 
-`POST /update_weights_from_disk` with `model_path` = a version directory of a `DirectoryWeightStore`
-(`<root>/<run_id>/v000013`, or its `file://` URI):
+An rlfleet-only route (SGLang has no load format for store deltas; its `update_weights_from_disk`
+takes SGLang's own formats only, and so does this engine's), with `model_path` = a version directory
+of a `DirectoryWeightStore` (`<root>/<run_id>/v000013`, or its `file://` URI):
 
-* `rlfleet_delta`: the version must be a delta whose base version the engine holds. The delta is
+* `delta`: the version must be a delta whose base version the engine holds. The delta is
   fetched (read + decompress + decode), preverified (current + delta == the trainer's checksums,
   on scratch copies) and staged for the fp32 model in a worker thread while the engine keeps
   generating; the pause covers only the swap (an in-place scatter per sparsely changed tensor, a
   buffer swap per densely changed one), and the served bytes follow with `apply_delta` after it.
-* `rlfleet_full`: any version, rebuilt from its full checkpoint and the deltas after it
+* `full`: any version, rebuilt from its full checkpoint and the deltas after it
   (`store.load_version`), every tensor checked against the trainer's checksums before it is
   copied in. This is the fallback when a delta is refused, and what a new or lagging engine gets.
 
@@ -54,7 +55,6 @@ from rlfleet.weights.tensors import bf16_bits_to_fp32
 
 log = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("rlfleet_delta", "rlfleet_full")
 
 
 class StoreLoadError(Exception):
@@ -165,7 +165,7 @@ class StoreWeights:
             raise StoreLoadError(str(exc)) from None
         if index.kind != "delta":
             raise StoreLoadError(
-                f"version {ref.version} is a {index.kind} checkpoint, not a delta; use load_format rlfleet_full"
+                f"version {ref.version} is a {index.kind} checkpoint, not a delta; use kind full"
             )
         if self.held != (ref.store.run_dir, index.base_version) or self.served is None:
             holds = (

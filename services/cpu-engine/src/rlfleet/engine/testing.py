@@ -181,3 +181,23 @@ async def assert_engine_serves(url: str, served) -> None:
         if not torch.equal(got[name], want):
             diff = (got[name] != want).sum().item()
             raise AssertionError(f"{name}: {diff} values differ from the trainer's")
+
+
+def served_routes() -> dict[str, list[str]]:
+    """Path -> methods of every route the engine's HTTP app serves (built without a model: the app's
+    route table does not touch the runner), for the contract tests against SGLang's route table."""
+    from types import SimpleNamespace
+
+    from rlfleet.engine.config import EngineConfig
+    from rlfleet.engine.server import EngineServer
+
+    server = EngineServer.__new__(EngineServer)  # the route table only: no model, no scheduler
+    server.config = EngineConfig()
+    server.traced = False
+    server.runner = SimpleNamespace()
+    routes: dict[str, set[str]] = {}
+    for resource in server.app().router.resources():
+        for route in resource:
+            if route.method != "HEAD":
+                routes.setdefault(resource.canonical, set()).add(route.method)
+    return {path: sorted(methods) for path, methods in routes.items()}

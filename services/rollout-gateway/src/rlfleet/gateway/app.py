@@ -33,7 +33,8 @@ class RolloutGatewayApp(PeersApp):
         await self.connect()
         timeouts = EngineTimeouts(connect_s=config.connect_timeout_s, generate_s=config.generate_timeout_s,
                                   control_s=config.control_timeout_s)
-        self.registry = EngineRegistry(self.redis, config.run_id, timeouts)
+        self.registry = EngineRegistry(self.redis, config.run_id, timeouts, api_key=config.engine_api_key,
+                                       admin_api_key=config.engine_admin_api_key)
         for spec in config.engines:
             await self.registry.register(_record(spec))
         admission = Admission(self.redis, config.run_id, config.admission_lease_s, config.retry_after_ms)

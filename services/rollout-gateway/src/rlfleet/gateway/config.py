@@ -43,3 +43,8 @@ class RolloutGatewayConfig(ServiceConfig):
     generate_timeout_s: float = Field(600.0, gt=0, description="longest one engine generate call may take")
     control_timeout_s: float = Field(30.0, gt=0, description="timeout of health, pause and resume calls")
     connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout to an engine")
+    engine_api_key: str = Field(
+        "", description="SGLang's --api-key of the engines, sent as `Authorization: Bearer`; empty = none")
+    engine_admin_api_key: str = Field(
+        "", description="SGLang's --admin-api-key, sent on admin routes (pause, continue, abort); "
+        "empty = engine_api_key")

@@ -55,16 +55,22 @@ def validate_input_ids(input_ids: list[int] | Any) -> None:
         raise InvalidGatewayRequest(f"input_ids contains a negative token id ({min(input_ids)})", field="input_ids")
 
 
+def version_ranges(result: GenerateResult) -> list[common_pb2.VersionRange]:
+    """The reply's per-token versions (SGLang 0.5.23's meta_info.weight_versions) as policy versions."""
+    return [common_pb2.VersionRange(policy_version=parse_version(r.version), start=r.start, end=r.end)
+            for r in result.weight_versions]
+
+
 def span_version(result: GenerateResult) -> int:
     """The policy version of a reply: the oldest version that produced any of its tokens.
 
     A request that ran across a weight swap (no pause, or an in-place pause) mixes versions; the
-    oldest one is what bounds its staleness. The CPU engine reports per-token versions
-    (`weight_version_spans`); SGLang only the version at the end.
+    oldest one is what bounds its staleness. An unparseable version (-1) makes the whole reply -1.
     """
-    if result.weight_version_spans:
-        return min(parse_version(version) for version, _start, _end in result.weight_version_spans)
-    return parse_version(result.weight_version)
+    versions = [parse_version(r.version) for r in result.weight_versions]
+    if not versions:
+        return parse_version(result.weight_version)
+    return -1 if min(versions) < 0 else min(versions)
 
 
 def generate_response(result: GenerateResult, engine_id: str, latency_s: float, rerouted: bool,
@@ -74,4 +80,4 @@ def generate_response(result: GenerateResult, engine_id: str, latency_s: float, 
         finish_reason=FINISH_REASONS.get(result.finish_reason, common_pb2.FINISH_REASON_ABORT),
         policy_version=span_version(result), engine_id=engine_id, prompt_tokens=result.prompt_tokens,
         cached_tokens=result.cached_tokens, latency_s=latency_s, text=result.text, rerouted=rerouted,
-        reroute_reason=reroute_reason)
+        reroute_reason=reroute_reason, version_ranges=version_ranges(result))

@@ -1,7 +1,9 @@
 """The health checker: probes every engine each interval and keeps its live status in the registry.
 
-A probe is `/health` (or `/health_generate`), then `/get_weight_version` and `/get_load`. A failed
-probe marks the engine UNHEALTHY with the error; a good one marks it healthy again. PAUSED and
+A probe is SGLang 0.5.23's `/model_info` (its `weight_version`), `/health` (or `/health_generate`)
+and `/v1/loads` (running + waiting requests, over every DP rank). Any of them failing marks the
+engine UNHEALTHY with the error -- a load figure that cannot be read is not kept stale -- and a good
+probe marks it healthy again. PAUSED and
 DRAINING are set by operators (PauseEngines, RegisterEngine) and are never changed here.
 """
 
@@ -75,14 +77,13 @@ class HealthChecker:
             version = await client.weight_version()
             if not await client.health(generate=self.generate_probe):
                 raise EngineError(f"{record.url} failed its health check", url=record.url)
-            try:
-                in_flight = _in_flight(await client.load())
-            except EngineError:  # /get_load is optional (older SGLang): keep the last figure
-                in_flight = record.in_flight
+            in_flight = _in_flight(await client.load())
         except EngineError as exc:
+            # Which call failed: a 4xx carries only the engine's message (e.g. a 404 for a route it lacks).
+            error = exc.message if exc.url in exc.message else f"{exc.url}: {exc.message}"
             if record.healthy:
-                log.warning("engine unhealthy", extra={"engine_id": record.engine_id, "error": exc.message})
-            await self.registry.update(record.engine_id, healthy=False, last_error=exc.message[:1000],
+                log.warning("engine unhealthy", extra={"engine_id": record.engine_id, "error": error})
+            await self.registry.update(record.engine_id, healthy=False, last_error=error[:1000],
                                        last_health_ms=now_ms())
             return
         if not record.healthy:
@@ -94,4 +95,4 @@ class HealthChecker:
 
 
 def _in_flight(load: dict) -> int:
-    return int(load.get("num_reqs", 0)) + int(load.get("num_waiting_reqs", 0))
+    return int(load.get("num_running_reqs", 0)) + int(load.get("num_waiting_reqs", 0))

@@ -91,8 +91,11 @@ def _apply_status(record: EngineRecord, raw: dict[bytes, bytes]) -> None:
 class EngineRegistry:
     """Engines by id, their HTTP clients (one shared connection pool) and this replica's in-flight counts."""
 
-    def __init__(self, redis: aioredis.Redis, run_id: str, timeouts: EngineTimeouts) -> None:
+    def __init__(self, redis: aioredis.Redis, run_id: str, timeouts: EngineTimeouts, *,
+                 api_key: str = "", admin_api_key: str = "") -> None:
         self.redis = redis
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
         self.run_id = run_id
         self.timeouts = timeouts
         self.engines: dict[str, EngineRecord] = {}
@@ -145,7 +148,8 @@ class EngineRegistry:
     def client(self, record: EngineRecord) -> EngineClient:
         client = self._clients.get(record.engine_id)
         if client is None or client.base_url != record.url.rstrip("/"):
-            client = EngineClient(record.url, timeouts=self.timeouts, session=self._http)
+            client = EngineClient(record.url, timeouts=self.timeouts, session=self._http, api_key=self.api_key,
+                                  admin_api_key=self.admin_api_key)
             self._clients[record.engine_id] = client
         return client
 

@@ -90,6 +90,15 @@ def append_generated(state: SessionState, reply: gateway_pb2.GenerateResponse, f
     logprobs = list(reply.output_logprobs)
     if len(logprobs) != len(reply.output_ids):
         raise ValueError(f"the engine returned {len(logprobs)} log-probs for {len(reply.output_ids)} tokens")
+    # The reply's per-token versions, moved to trajectory offsets: a turn that crossed a weight swap
+    # keeps both versions (policy_version, the oldest, is what staleness is counted by). Set before
+    # _append, which stores a copy of the span.
+    offset = len(state.session.token_ids)
+    span.version_ranges.extend(
+        common_pb2.VersionRange(policy_version=r.policy_version, start=offset + r.start, end=offset + r.end)
+        for r in reply.version_ranges)
+    if not reply.version_ranges and reply.output_ids:  # a gateway that sends none: one range
+        span.version_ranges.add(policy_version=reply.policy_version, start=offset, end=offset + len(reply.output_ids))
     index = _append(state, list(reply.output_ids), logprobs, span)
     state.session.engine_id = reply.engine_id
     state.generate_s += reply.latency_s

@@ -38,7 +38,8 @@ class WeightBrokerApp(PeersApp):
         await self.connect()
         self.gateway = GatewayLink(config.gateway_address) if config.gateway_address else None
         timeouts = EngineTimeouts(weights_s=config.sync.update_timeout_s)
-        self.pools = Pools(config.engines, self.gateway, timeouts)
+        self.pools = Pools(config.engines, self.gateway, timeouts, api_key=config.engine_api_key,
+                           admin_api_key=config.engine_admin_api_key)
         self.broker = Broker(config, VersionRegistry(self.redis, config.run_id), store, self.pools, self.gateway,
                              BrokerMetrics())  # fmt: skip
         if config.consume_policy_stream:

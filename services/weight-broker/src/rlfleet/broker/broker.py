@@ -2,7 +2,7 @@
 engine serve its pool's target.
 
     announce(v)  -> registry: ANNOUNCED; sync policy: canary target = v (older waiting: SKIPPED)
-    reconcile    -> each engine: get_weight_version; behind its pool's target -> Rollout.sync
+    reconcile    -> each engine: its weight_version (/model_info); behind its pool's target -> Rollout.sync
                     a canary engine serves v -> CANARY (auto_promote: ACCEPTED, fleet target = v)
     Promote(v)   -> v must be CANARY: ACCEPTED, fleet target = v
     Rollback()   -> both targets = the newest ACCEPTED version older than the current one;
@@ -36,6 +36,7 @@ from rlfleet.broker.rollout import Rollout, SyncResult
 from rlfleet.broker.transports import BroadcastPlan, Distributed, UpdateOutcome, VersionInfo
 from rlfleet.common.engine_client import EngineError
 from rlfleet.weights import DirectoryWeightStore, PathOutsideStore, VersionNotFound, WeightStoreError
+from rlfleet.weights.local_copy import LocalCopies
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class Broker:
         self.gateway = gateway
         self.metrics = metrics
         self.policy = SyncPolicy(config.sync)
-        self.rollout = Rollout(store, pools, gateway, metrics, config.sync)
+        copies = LocalCopies(store, config.local_copies or Path(store.root) / ".local-copies")
+        self.rollout = Rollout(store, pools, gateway, metrics, config.sync, copies)
         self._lock = asyncio.Lock()  # targets and version states
         self._busy: set[str] = set()  # engines being updated
         self._refused: dict[str, tuple[int, float]] = {}  # engine -> (version it refused, retry after)
@@ -270,8 +272,9 @@ class Broker:
                 pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
                 await self.pools.refresh()
                 candidates = [e for p in pools for e in self.pools.members(p) if e.engine_id not in self._busy]
-                up = await asyncio.gather(*(self._reachable(e) for e in candidates))
-                engines = [e for e, ok in zip(candidates, up, strict=True) if ok]
+                sizes = await asyncio.gather(*(self._tp_size(e) for e in candidates))
+                engines = [e for e, size in zip(candidates, sizes, strict=True) if size]
+                tp_sizes = tuple(size for size in sizes if size)
                 self._claim(e.engine_id for e in engines)
                 state = (await self.registry.get(version)).state  # type: ignore[union-attr]
         finally:
@@ -280,13 +283,14 @@ class Broker:
             request.master_address, request.master_port,
             f"rlfleet-{self.config.run_id}-v{version}-{uuid.uuid4().hex[:6]}", request.backend or "gloo",
             [t.name for t in request.tensors], [t.dtype for t in request.tensors],
-            [list(t.shape) for t in request.tensors],
+            [list(t.shape) for t in request.tensors], tp_sizes,
         )  # fmt: skip
+        offsets, world = plan.ranks(len(engines))
         if engines:
             self._spawn(self._broadcast(engines, plan, version))
         return broker_pb2.StartDistributedSyncResponse(
-            group_name=plan.group_name, world_size=len(engines) + 1 if engines else 1,
-            engine_ids=[e.engine_id for e in engines], state=state,
+            group_name=plan.group_name, world_size=world, engine_ids=[e.engine_id for e in engines], state=state,
+            rank_offsets=offsets, tp_sizes=tp_sizes,
         )  # fmt: skip
 
     def _hold_rounds(self, hold: bool) -> None:
@@ -312,12 +316,18 @@ class Broker:
         if not self._busy:
             self._idle.set()
 
-    async def _reachable(self, engine: EngineRef) -> bool:
+    async def _tp_size(self, engine: EngineRef) -> int:
+        """The engine's TP size (its ranks in a broadcast group), from /server_info; 0 when it cannot
+        take a broadcast: unreachable, or data-parallel (SGLang's group path needs dp_size 1)."""
         try:
-            await asyncio.wait_for(self.pools.client(engine).weight_version(), 5.0)
+            info = await asyncio.wait_for(self.pools.client(engine).server_info(), 5.0)
         except (EngineError, TimeoutError):
-            return False
-        return True
+            return 0
+        if int(info.get("dp_size", 1)) != 1:
+            log.warning("engine %s has dp_size %s: no broadcast (SGLang needs dp_size 1); it catches up "
+                        "from the store", engine.engine_id, info.get("dp_size"))
+            return 0
+        return max(1, int(info.get("tp_size", 1)))
 
     async def _broadcast(self, engines: list[EngineRef], plan: BroadcastPlan, version: int) -> None:
         try:
@@ -325,6 +335,7 @@ class Broker:
             outcomes = await Distributed(self.pools, plan).update(engines, info)
             for engine, outcome in zip(engines, outcomes, strict=True):
                 self.metrics.record(outcome)
+                self.rollout.copies.forget(engine.engine_id)  # its weights came by broadcast: no local copy
                 result = SyncResult(engine.engine_id, version, [outcome], version if outcome.ok else None)
                 await self._record_engine(engine, result, version)
         finally:

@@ -17,6 +17,9 @@ class StaticEngine(StrictModel):
     engine_id: str = Field(min_length=1, description="the engine's name in the broker's status")
     url: str = Field(min_length=1, description="base URL of its SGLang-compatible HTTP API")
     pool: PoolName = Field("fleet", description="canary (gets new versions first) or fleet")
+    kind: Literal["cpu", "sglang"] = Field(
+        "sglang", description="cpu (rlfleet's CPU engine: in-engine store deltas) or sglang (a real SGLang "
+        "server: full HF directories only, deltas applied by the node-local weight agent)")
 
 
 class SyncConfig(StrictModel):
@@ -69,6 +72,13 @@ class WeightBrokerConfig(ServiceConfig):
         '(e.g. [{"engine_id": "e0", "url": "http://10.0.0.5:30000", "pool": "canary"}])',
     )
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    local_copies: str = Field(
+        "", description="broker-mode weight agent: directory of the full local copies SGLang engines load "
+        "(each engine must read it at the same path: node-local disk beside a single node, or shared); "
+        "empty = <weight_store>/.local-copies")
+    engine_api_key: str = Field("", description="SGLang's --api-key of the engines (Authorization: Bearer)")
+    engine_admin_api_key: str = Field(
+        "", description="SGLang's --admin-api-key, sent on the weight routes; empty = engine_api_key")
     auto_promote: bool = Field(
         False,
         description="promote a version to the fleet as soon as the canary pool serves it (no promotion gate); "

@@ -16,13 +16,17 @@ import grpc
 
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.broker.config import StaticEngine
-from rlfleet.common.engine_client import EngineClient, EngineRejected, EngineTimeouts
+from rlfleet.common import engine_requests as wire
+from rlfleet.common.engine_client import EngineClient, EngineTimeouts
 from rlfleet.common.errors import Unavailable
 from rlfleet.common.grpc_server import channel
 
 log = logging.getLogger(__name__)
 
 POOL_NAMES = {gateway_pb2.ENGINE_POOL_CANARY: "canary", gateway_pb2.ENGINE_POOL_FLEET: "fleet"}
+# An engine registered without a kind is taken for a real SGLang server: SGLang's routes and load
+# formats work on both kinds, the CPU engine's own store route on the CPU engine only.
+KIND_NAMES = {gateway_pb2.ENGINE_KIND_CPU: "cpu", gateway_pb2.ENGINE_KIND_SGLANG: "sglang"}
 PAUSE_MODES = {
     "abort": gateway_pb2.PAUSE_MODE_ABORT,
     "retract": gateway_pb2.PAUSE_MODE_RETRACT,
@@ -36,6 +40,7 @@ class EngineRef:
     url: str
     pool: str  # canary | fleet
     gateway_state: str = ""  # healthy | unhealthy | paused | draining (from the gateway); "" = no gateway
+    kind: str = "sglang"  # cpu (rlfleet's CPU engine) | sglang: which weight transports it can take
 
     @property
     def draining(self) -> bool:
@@ -43,32 +48,24 @@ class EngineRef:
 
 
 class BrokerEngineClient(EngineClient):
-    """The shared SGLang client plus the weight-update calls whose full reply the broker needs
-    (pause time, bytes, changed share): store loads (`load_format` rlfleet_delta / rlfleet_full)
-    and distributed updates."""
+    """The shared SGLang client plus the calls whose full reply the broker needs (pause time, bytes,
+    changed share): the CPU engine's own weight-store loads (`/rlfleet/update_weights_from_store`,
+    never sent to an SGLang engine), plain-directory loads and distributed updates."""
 
-    async def load_from_store(
-        self, model_path: str, load_format: str, *, weight_version: str, pause_mode: str
-    ) -> dict[str, Any]:
-        body = {
-            "model_path": model_path,
-            "load_format": load_format,
-            "weight_version": weight_version,
-            "pause_mode": pause_mode,
-            "flush_cache": True,
-        }
-        return await self._weights_reply("/update_weights_from_disk", body)
+    async def load_from_store(self, model_path: str, kind: str, *, weight_version: str, pause_mode: str
+                              ) -> dict[str, Any]:
+        body = wire.update_weights_from_store(model_path, kind, weight_version=weight_version,
+                                              pause_mode=pause_mode)
+        return await self._weights("update_weights_from_store", body)
+
+    async def load_directory(self, model_path: str, *, weight_version: str) -> dict[str, Any]:
+        """SGLang's update_weights_from_disk of a plain HF directory, load format `auto`."""
+        body = wire.update_weights_from_disk(model_path, weight_version=weight_version, flush_cache=True,
+                                             abort_all_requests=False)
+        return await self._weights("update_weights_from_disk", body)
 
     async def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._weights_reply("/update_weights_from_distributed", body)
-
-    async def _weights_reply(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        reply = await self._request("POST", path, body, self.timeouts.weights_s)
-        if not isinstance(reply, dict):
-            reply = {"message": str(reply)}
-        if reply.get("success") is False:
-            raise EngineRejected(str(reply.get("message", "weight update failed")), url=self.base_url + path, status=200)
-        return reply
+        return await self._weights("update_weights_from_distributed", body)
 
 
 class GatewayLink:
@@ -105,6 +102,7 @@ class GatewayLink:
                 e.url,
                 POOL_NAMES.get(e.pool, "fleet"),
                 gateway_pb2.EngineState.Name(e.state).removeprefix("ENGINE_STATE_").lower(),
+                KIND_NAMES.get(e.kind, "sglang"),
             )
             for e in reply.engines
         ]
@@ -132,9 +130,12 @@ class Pools:
     """The current engines by id; refreshed from the gateway (or the static list) each reconcile."""
 
     def __init__(
-        self, static: list[StaticEngine], gateway: GatewayLink | None, timeouts: EngineTimeouts
+        self, static: list[StaticEngine], gateway: GatewayLink | None, timeouts: EngineTimeouts, *,
+        api_key: str = "", admin_api_key: str = "",
     ) -> None:
-        self.static = [EngineRef(e.engine_id, e.url.rstrip("/"), e.pool) for e in static]
+        self.static = [EngineRef(e.engine_id, e.url.rstrip("/"), e.pool, kind=e.kind) for e in static]
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
         self.gateway = gateway
         self.timeouts = timeouts
         self.engines: dict[str, EngineRef] = {e.engine_id: e for e in self.static}
@@ -162,7 +163,8 @@ class Pools:
         if current is None or current.base_url != engine.url.rstrip("/"):
             if current is not None:  # the engine moved: its old connections go
                 self._closing.append(current)
-            current = BrokerEngineClient(engine.url, timeouts=self.timeouts)
+            current = BrokerEngineClient(engine.url, timeouts=self.timeouts, api_key=self.api_key,
+                                         admin_api_key=self.admin_api_key)
             self._clients[engine.engine_id] = current
         return current
 

@@ -21,6 +21,7 @@ from rlfleet.broker.metrics import BrokerMetrics
 from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
 from rlfleet.broker.transports import DiskDelta, DiskFull, Pauser, UpdateOutcome, VersionInfo
 from rlfleet.weights import DirectoryWeightStore, WeightStoreError
+from rlfleet.weights.local_copy import LocalCopies
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,15 @@ class Rollout:
         gateway: GatewayLink | None,
         metrics: BrokerMetrics,
         config: SyncConfig,
+        copies: LocalCopies | None = None,
     ) -> None:
         self.store = store
         self.config = config
         self.metrics = metrics
-        self.delta = DiskDelta(pools, config.pause_mode)
-        self.full = DiskFull(pools, Pauser(pools, gateway), config.pause_mode)
+        # The broker-mode weight agent: the full local copies SGLang engines load.
+        self.copies = copies
+        self.delta = DiskDelta(pools, config.pause_mode, copies)
+        self.full = DiskFull(pools, Pauser(pools, gateway), config.pause_mode, copies)
 
     def plan(self, current: int | None, target: int) -> list[int]:
         """The deltas to apply in order, or [] for one full load (current == target: nothing to do)."""

@@ -6,14 +6,23 @@ Every transport implements `WeightTransport.update(engines, target)` and returns
 engine either serves exactly the trainer's weights of `target` and reports its version, or is
 unchanged and the outcome says why.
 
-* `DiskDelta`: `update_weights_from_disk` with `load_format: rlfleet_delta`. The engine fetches,
-  decodes and preverifies the delta while it serves, then pauses only for the in-place swap
+The transport a version takes depends on the engine's kind (`EngineRef.kind`):
+
+* `DiskDelta`, CPU engine: its own `/rlfleet/update_weights_from_store` (kind delta). The engine
+  fetches, decodes and preverifies the delta while it serves, then pauses only for the in-place swap
   (pause mode from the config) and reports the pause.
-* `DiskFull`: `load_format: rlfleet_full` (the version rebuilt exactly from the store), with the
-  engine paused around the whole load through the gateway's `PauseEngines` (so it routes
-  elsewhere), or directly when there is no gateway.
-* `Distributed`: SGLang's `init_weights_update_group` on each engine (ranks 1..n, the sender is
-  rank 0), then `update_weights_from_distributed` with names/dtypes/shapes while the sender (the
+* `DiskDelta`, SGLang engine: SGLang has no load format for deltas, so the node-local weight agent
+  (here in broker mode: `rlfleet.weights.local_copy.LocalCopies`) fetches and checks the delta and
+  applies it to its full copy of the engine's current version while the engine keeps generating,
+  writes the new version as a plain HF directory, and only then has the engine load it
+  (`update_weights_from_disk`, load format `auto`): only that load is inside the pause.
+* `DiskFull`: the version rebuilt exactly from the store -- by the CPU engine itself (kind full), or
+  by the weight agent into a plain HF directory before the pause (SGLang) -- with the engine paused
+  around the load through the gateway's `PauseEngines` (so it routes elsewhere), or directly when
+  there is no gateway.
+* `Distributed`: SGLang's `init_weights_update_group` on each engine, with SGLang's rank
+  arithmetic: the sender is rank 0, engine i joins at `rank_offset` = 1 + the TP sizes of the
+  engines before it and takes one rank per TP rank, world size = 1 + the sum of TP sizes; then `update_weights_from_distributed` with names/dtypes/shapes while the sender (the
   trainer, `rlfleet.broker.distributed_sender`) broadcasts; the group is destroyed afterwards.
 """
 
@@ -28,7 +37,8 @@ from typing import Protocol
 
 from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
 from rlfleet.common.engine_client import EngineError, EngineRejected
-from rlfleet.weights import DirectoryWeightStore
+from rlfleet.weights import DirectoryWeightStore, WeightStoreError
+from rlfleet.weights.local_copy import LocalCopies, Staged
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +90,36 @@ def _failed(engine: EngineRef, target: VersionInfo, transport: str, exc: EngineE
                          message=exc.message, refused=isinstance(exc, EngineRejected))  # fmt: skip
 
 
+def _agent_refused(engine: EngineRef, target: VersionInfo, transport: str, message: str) -> UpdateOutcome:
+    return UpdateOutcome(engine.engine_id, target.version, transport, False, message=f"weight agent: {message}",
+                         refused=True)  # fmt: skip
+
+
+def _loaded(engine: EngineRef, target: VersionInfo, transport: str, staged: Staged, reply: dict,
+            pause_s: float, load_s: float) -> UpdateOutcome:
+    stats = {"agent": "broker", "stage": staged.kind, "fetch_s": staged.fetch_s, "write_s": staged.write_s,
+             "load_call_s": load_s, "local_copy": str(staged.path)}
+    return UpdateOutcome(engine.engine_id, target.version, transport, True, pause_s, staged.payload_bytes,
+                         staged.changed_fraction, str(reply.get("message", "")), reply={**reply, **stats})
+
+
 class DiskDelta:
     name = "disk_delta"
 
-    def __init__(self, pools: Pools, pause_mode: str = "retract") -> None:
+    def __init__(self, pools: Pools, pause_mode: str = "retract", copies: LocalCopies | None = None) -> None:
         self.pools = pools
         self.pause_mode = pause_mode
+        self.copies = copies
 
     async def update(self, engines: Sequence[EngineRef], target: VersionInfo) -> list[UpdateOutcome]:
         return list(await asyncio.gather(*(self._one(e, target) for e in engines)))
 
     async def _one(self, engine: EngineRef, target: VersionInfo) -> UpdateOutcome:
+        if engine.kind != "cpu":
+            return await self._node_local(engine, target)
         try:
             reply = await self.pools.client(engine).load_from_store(
-                target.path, "rlfleet_delta", weight_version=str(target.version), pause_mode=self.pause_mode
+                target.path, "delta", weight_version=str(target.version), pause_mode=self.pause_mode
             )
         except EngineError as exc:
             return _failed(engine, target, self.name, exc)
@@ -102,6 +128,28 @@ class DiskDelta:
             int(reply.get("bytes", target.nbytes)), reply.get("changed_fraction", target.changed_fraction),
             str(reply.get("message", "")), reply=reply,
         )  # fmt: skip
+
+    async def _node_local(self, engine: EngineRef, target: VersionInfo) -> UpdateOutcome:
+        """Delta applied to the agent's local full copy while the engine serves; then the engine loads it."""
+        if self.copies is None:
+            return _agent_refused(engine, target, self.name, "no local copies configured for SGLang engines")
+        try:
+            staged = await asyncio.to_thread(self.copies.stage_delta, target.version, holder=engine.engine_id)
+        except WeightStoreError as exc:  # no copy of the base, corrupt delta, ...: a full load instead
+            return _agent_refused(engine, target, self.name, str(exc))
+        started = time.perf_counter()
+        try:
+            reply = await self.pools.client(engine).load_directory(str(staged.path),
+                                                                   weight_version=str(target.version))
+        except EngineError as exc:
+            self.copies.discard(staged)
+            return _failed(engine, target, self.name, exc)
+        # SGLang holds requests for the whole load and reports no pause: the call's time bounds it. The
+        # CPU engine reads the directory while serving and reports the swap alone.
+        load_s = time.perf_counter() - started
+        pause_s = float(reply.get("pause_s", load_s))
+        self.copies.commit(staged, holder=engine.engine_id)
+        return _loaded(engine, target, self.name, staged, reply, pause_s, load_s)
 
 
 class Pauser:
@@ -127,30 +175,54 @@ class Pauser:
 class DiskFull:
     name = "disk_full"
 
-    def __init__(self, pools: Pools, pauser: Pauser, pause_mode: str = "retract") -> None:
+    def __init__(self, pools: Pools, pauser: Pauser, pause_mode: str = "retract",
+                 copies: LocalCopies | None = None) -> None:
         self.pools = pools
         self.pauser = pauser
         self.pause_mode = pause_mode
+        self.copies = copies
 
     async def update(self, engines: Sequence[EngineRef], target: VersionInfo) -> list[UpdateOutcome]:
         return list(await asyncio.gather(*(self._one(e, target) for e in engines)))
 
     async def _one(self, engine: EngineRef, target: VersionInfo) -> UpdateOutcome:
+        staged = None
+        if engine.kind != "cpu":
+            # The agent rebuilds the version into a plain HF directory before the pause.
+            if self.copies is None:
+                return _agent_refused(engine, target, self.name, "no local copies configured for SGLang engines")
+            try:
+                staged = await asyncio.to_thread(self.copies.stage_full, target.version)
+            except WeightStoreError as exc:
+                return _agent_refused(engine, target, self.name, str(exc))
         started = time.perf_counter()
         try:
             how = await self.pauser.pause(engine, self.pause_mode)
         except EngineError as exc:
+            if staged is not None:
+                self.copies.discard(staged)  # type: ignore[union-attr]
             return _failed(engine, target, self.name, exc)
         try:
-            reply = await self.pools.client(engine).load_from_store(
-                target.path, "rlfleet_full", weight_version=str(target.version), pause_mode=self.pause_mode
-            )
+            client = self.pools.client(engine)
+            if staged is None:
+                reply = await client.load_from_store(target.path, "full", weight_version=str(target.version),
+                                                     pause_mode=self.pause_mode)
+            else:
+                loading = time.perf_counter()
+                reply = await client.load_directory(str(staged.path), weight_version=str(target.version))
+                load_s = time.perf_counter() - loading
         except EngineError as exc:
             outcome = _failed(engine, target, self.name, exc)
+            if staged is not None:
+                self.copies.discard(staged)  # type: ignore[union-attr]
         else:
-            outcome = UpdateOutcome(engine.engine_id, target.version, self.name, True,
-                                    bytes=int(reply.get("bytes", 0)), message=str(reply.get("message", "")),
-                                    reply=reply)  # fmt: skip
+            if staged is None:
+                outcome = UpdateOutcome(engine.engine_id, target.version, self.name, True,
+                                        bytes=int(reply.get("bytes", 0)), message=str(reply.get("message", "")),
+                                        reply=reply)  # fmt: skip
+            else:
+                self.copies.commit(staged, holder=engine.engine_id)  # type: ignore[union-attr]
+                outcome = _loaded(engine, target, self.name, staged, reply, 0.0, load_s)
         finally:
             try:
                 await self.pauser.resume(engine, how)
@@ -171,6 +243,12 @@ class BroadcastPlan:
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    # Each engine's TP size, in the order of the engines the plan goes to; empty: 1 each.
+    tp_sizes: tuple[int, ...] = ()
+
+    def ranks(self, engines: int) -> tuple[list[int], int]:
+        """(rank_offset of each engine, world size) by SGLang's rule (rank = rank_offset + tp_rank)."""
+        return rank_layout(list(self.tp_sizes) or [1] * engines)
 
     @property
     def nbytes(self) -> int:
@@ -185,6 +263,17 @@ class BroadcastPlan:
         return total
 
 
+def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """The sender is rank 0; engine i starts at 1 + sum(tp_sizes[:i]); world = 1 + sum(tp_sizes)."""
+    offsets, next_rank = [], 1
+    for size in tp_sizes:
+        if size < 1:
+            raise ValueError(f"a TP size must be >= 1, got {size}")
+        offsets.append(next_rank)
+        next_rank += size
+    return offsets, next_rank
+
+
 class Distributed:
     name = "distributed"
 
@@ -193,13 +282,14 @@ class Distributed:
         self.plan = plan
 
     async def update(self, engines: Sequence[EngineRef], target: VersionInfo) -> list[UpdateOutcome]:
-        plan, world = self.plan, len(engines) + 1
+        plan = self.plan
+        offsets, world = plan.ranks(len(engines))
         clients = [self.pools.client(e) for e in engines]
         # Every rank blocks in the rendezvous until all have arrived, the sender included.
         joined = await asyncio.gather(
-            *(c.init_weights_update_group(plan.master_address, plan.master_port, rank, world,
+            *(c.init_weights_update_group(plan.master_address, plan.master_port, offset, world,
                                           group_name=plan.group_name, backend=plan.backend)
-              for rank, c in enumerate(clients, start=1)),
+              for offset, c in zip(offsets, clients, strict=True)),
             return_exceptions=True,
         )  # fmt: skip
         body = {"names": plan.names, "dtypes": plan.dtypes, "shapes": plan.shapes,

@@ -179,13 +179,17 @@ class StartDistributedSyncRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class StartDistributedSyncResponse(_message.Message):
-    __slots__ = ("group_name", "world_size", "engine_ids", "state")
+    __slots__ = ("group_name", "world_size", "engine_ids", "state", "rank_offsets", "tp_sizes")
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZES_FIELD_NUMBER: _ClassVar[int]
     group_name: str
     world_size: int
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
     state: VersionState
-    def __init__(self, group_name: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
+    rank_offsets: _containers.RepeatedScalarFieldContainer[int]
+    tp_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_name: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[VersionState, str]] = ..., rank_offsets: _Optional[_Iterable[int]] = ..., tp_sizes: _Optional[_Iterable[int]] = ...) -> None: ...

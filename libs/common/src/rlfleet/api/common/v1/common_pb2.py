@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erlfleet/common/v1/common.proto\x12\x11rlfleet.common.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.rlfleet.common.v1.ChatMessage\"\xe4\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xc3\x01\n\x04Span\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.rlfleet.common.v1.SpanKind\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.rlfleet.common.v1.FinishReason\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\"\xbd\x01\n\rFailureReason\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.rlfleet.common.v1.ReasonCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12>\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32-.rlfleet.common.v1.FailureReason.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xdb\x01\n\x07Verdict\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\x0e\n\x06passed\x18\x05 \x01(\x08\x12\x31\n\x07reasons\x18\x06 \x03(\x0b\x32 .rlfleet.common.v1.FailureReason\x12\x15\n\rverifier_kind\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x08 \x01(\x03\x12\x10\n\x08verify_s\x18\t \x01(\x01\"\x84\x01\n\x07Timings\x12\x12\n\ngenerate_s\x18\x01 \x01(\x01\x12\x13\n\x0btool_wait_s\x18\x02 \x01(\x01\x12\x10\n\x08verify_s\x18\x03 \x01(\x01\x12\x0e\n\x06wall_s\x18\x04 \x01(\x01\x12\x16\n\x0eopened_unix_ms\x18\x05 \x01(\x03\x12\x16\n\x0e\x63losed_unix_ms\x18\x06 \x01(\x03\"\xdb\x05\n\nTrajectory\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x11\n\ttoken_ids\x18\t \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\n \x03(\x02\x12\x11\n\tloss_mask\x18\x0b \x03(\r\x12&\n\x05spans\x18\x0c \x03(\x0b\x32\x17.rlfleet.common.v1.Span\x12+\n\x07verdict\x18\r \x01(\x0b\x32\x1a.rlfleet.common.v1.Verdict\x12\x33\n\x06status\x18\x0e \x01(\x0e\x32#.rlfleet.common.v1.TrajectoryStatus\x12+\n\x07timings\x18\x0f \x01(\x0b\x32\x1a.rlfleet.common.v1.Timings\x12\x11\n\tnum_turns\x18\x10 \x01(\r\x12\x18\n\x10num_observations\x18\x11 \x01(\r\x12=\n\x08metadata\x18\x12 \x03(\x0b\x32+.rlfleet.common.v1.Trajectory.MetadataEntry\x12\r\n\x05suite\x18\x13 \x01(\t\x12\r\n\x05split\x18\x14 \x01(\t\x12\x46\n\rtrace_context\x18\x15 \x03(\x0b\x32/.rlfleet.common.v1.Trajectory.TraceContextEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x98\x03\n\rPolicyVersion\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x16\n\x0eparent_version\x18\x04 \x01(\x03\x12/\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x1f.rlfleet.common.v1.WeightFormat\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x0b\n\x03uri\x18\x07 \x01(\t\x12\x10\n\x08\x66ull_uri\x18\x08 \x01(\t\x12\x10\n\x08\x63hecksum\x18\t \x01(\t\x12\x11\n\tnum_bytes\x18\n \x01(\x04\x12\x0c\n\x04step\x18\x0b \x01(\x04\x12\x17\n\x0f\x63reated_unix_ms\x18\x0c \x01(\x03\x12>\n\x07metrics\x18\r \x03(\x0b\x32-.rlfleet.common.v1.PolicyVersion.MetricsEntry\x12\x14\n\x0cserved_dtype\x18\x0e \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x91\x03\n\x04Task\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\r\n\x05suite\x18\x04 \x01(\t\x12\r\n\x05split\x18\x05 \x01(\t\x12\x30\n\x08messages\x18\x06 \x03(\x0b\x32\x1e.rlfleet.common.v1.ChatMessage\x12\r\n\x05tools\x18\x07 \x03(\t\x12\x12\n\ngroup_size\x18\x08 \x01(\r\x12\x33\n\x08sampling\x18\t \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x11\n\tmax_turns\x18\n \x01(\r\x12\x19\n\x11\x65pisode_timeout_s\x18\x0b \x01(\x01\x12\x37\n\x08metadata\x18\x0c \x03(\x0b\x32%.rlfleet.common.v1.Task.MetadataEntry\x12\x10\n\x08group_id\x18\r \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*E\n\rSchemaVersion\x12\x1e\n\x1aSCHEMA_VERSION_UNSPECIFIED\x10\x00\x12\x14\n\x10SCHEMA_VERSION_1\x10\x01*o\n\x08SpanKind\x12\x19\n\x15SPAN_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10SPAN_KIND_PROMPT\x10\x01\x12\x17\n\x13SPAN_KIND_GENERATED\x10\x02\x12\x19\n\x15SPAN_KIND_OBSERVATION\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xaf\x02\n\nReasonCode\x12\x1b\n\x17REASON_CODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18REASON_CODE_WRONG_ANSWER\x10\x01\x12\x19\n\x15REASON_CODE_NO_ANSWER\x10\x02\x12\x1b\n\x17REASON_CODE_TEST_FAILED\x10\x03\x12\x17\n\x13REASON_CODE_TIMEOUT\x10\x04\x12!\n\x1dREASON_CODE_INVALID_TOOL_CALL\x10\x05\x12 \n\x1cREASON_CODE_SAFETY_VIOLATION\x10\x06\x12\x19\n\x15REASON_CODE_TRUNCATED\x10\x07\x12\x1e\n\x1aREASON_CODE_VERIFIER_ERROR\x10\x08\x12\x15\n\x11REASON_CODE_OTHER\x10\x0f*\xb4\x01\n\x10TrajectoryStatus\x12!\n\x1dTRAJECTORY_STATUS_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTRAJECTORY_STATUS_COMPLETED\x10\x01\x12\x1f\n\x1bTRAJECTORY_STATUS_TRUNCATED\x10\x02\x12\x1d\n\x19TRAJECTORY_STATUS_ABORTED\x10\x03\x12\x1c\n\x18TRAJECTORY_STATUS_FAILED\x10\x04*^\n\x0cWeightFormat\x12\x1d\n\x19WEIGHT_FORMAT_UNSPECIFIED\x10\x00\x12\x16\n\x12WEIGHT_FORMAT_FULL\x10\x01\x12\x17\n\x13WEIGHT_FORMAT_DELTA\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erlfleet/common/v1/common.proto\x12\x11rlfleet.common.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.rlfleet.common.v1.ChatMessage\"\xe4\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"B\n\x0cVersionRange\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\xfc\x01\n\x04Span\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.rlfleet.common.v1.SpanKind\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.rlfleet.common.v1.FinishReason\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\x12\x37\n\x0eversion_ranges\x18\x08 \x03(\x0b\x32\x1f.rlfleet.common.v1.VersionRange\"\xbd\x01\n\rFailureReason\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.rlfleet.common.v1.ReasonCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12>\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32-.rlfleet.common.v1.FailureReason.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xdb\x01\n\x07Verdict\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\x0e\n\x06passed\x18\x05 \x01(\x08\x12\x31\n\x07reasons\x18\x06 \x03(\x0b\x32 .rlfleet.common.v1.FailureReason\x12\x15\n\rverifier_kind\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x08 \x01(\x03\x12\x10\n\x08verify_s\x18\t \x01(\x01\"\x84\x01\n\x07Timings\x12\x12\n\ngenerate_s\x18\x01 \x01(\x01\x12\x13\n\x0btool_wait_s\x18\x02 \x01(\x01\x12\x10\n\x08verify_s\x18\x03 \x01(\x01\x12\x0e\n\x06wall_s\x18\x04 \x01(\x01\x12\x16\n\x0eopened_unix_ms\x18\x05 \x01(\x03\x12\x16\n\x0e\x63losed_unix_ms\x18\x06 \x01(\x03\"\xdb\x05\n\nTrajectory\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x11\n\ttoken_ids\x18\t \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\n \x03(\x02\x12\x11\n\tloss_mask\x18\x0b \x03(\r\x12&\n\x05spans\x18\x0c \x03(\x0b\x32\x17.rlfleet.common.v1.Span\x12+\n\x07verdict\x18\r \x01(\x0b\x32\x1a.rlfleet.common.v1.Verdict\x12\x33\n\x06status\x18\x0e \x01(\x0e\x32#.rlfleet.common.v1.TrajectoryStatus\x12+\n\x07timings\x18\x0f \x01(\x0b\x32\x1a.rlfleet.common.v1.Timings\x12\x11\n\tnum_turns\x18\x10 \x01(\r\x12\x18\n\x10num_observations\x18\x11 \x01(\r\x12=\n\x08metadata\x18\x12 \x03(\x0b\x32+.rlfleet.common.v1.Trajectory.MetadataEntry\x12\r\n\x05suite\x18\x13 \x01(\t\x12\r\n\x05split\x18\x14 \x01(\t\x12\x46\n\rtrace_context\x18\x15 \x03(\x0b\x32/.rlfleet.common.v1.Trajectory.TraceContextEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x98\x03\n\rPolicyVersion\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x16\n\x0eparent_version\x18\x04 \x01(\x03\x12/\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x1f.rlfleet.common.v1.WeightFormat\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x0b\n\x03uri\x18\x07 \x01(\t\x12\x10\n\x08\x66ull_uri\x18\x08 \x01(\t\x12\x10\n\x08\x63hecksum\x18\t \x01(\t\x12\x11\n\tnum_bytes\x18\n \x01(\x04\x12\x0c\n\x04step\x18\x0b \x01(\x04\x12\x17\n\x0f\x63reated_unix_ms\x18\x0c \x01(\x03\x12>\n\x07metrics\x18\r \x03(\x0b\x32-.rlfleet.common.v1.PolicyVersion.MetricsEntry\x12\x14\n\x0cserved_dtype\x18\x0e \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x91\x03\n\x04Task\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\r\n\x05suite\x18\x04 \x01(\t\x12\r\n\x05split\x18\x05 \x01(\t\x12\x30\n\x08messages\x18\x06 \x03(\x0b\x32\x1e.rlfleet.common.v1.ChatMessage\x12\r\n\x05tools\x18\x07 \x03(\t\x12\x12\n\ngroup_size\x18\x08 \x01(\r\x12\x33\n\x08sampling\x18\t \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x11\n\tmax_turns\x18\n \x01(\r\x12\x19\n\x11\x65pisode_timeout_s\x18\x0b \x01(\x01\x12\x37\n\x08metadata\x18\x0c \x03(\x0b\x32%.rlfleet.common.v1.Task.MetadataEntry\x12\x10\n\x08group_id\x18\r \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*E\n\rSchemaVersion\x12\x1e\n\x1aSCHEMA_VERSION_UNSPECIFIED\x10\x00\x12\x14\n\x10SCHEMA_VERSION_1\x10\x01*o\n\x08SpanKind\x12\x19\n\x15SPAN_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10SPAN_KIND_PROMPT\x10\x01\x12\x17\n\x13SPAN_KIND_GENERATED\x10\x02\x12\x19\n\x15SPAN_KIND_OBSERVATION\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xaf\x02\n\nReasonCode\x12\x1b\n\x17REASON_CODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18REASON_CODE_WRONG_ANSWER\x10\x01\x12\x19\n\x15REASON_CODE_NO_ANSWER\x10\x02\x12\x1b\n\x17REASON_CODE_TEST_FAILED\x10\x03\x12\x17\n\x13REASON_CODE_TIMEOUT\x10\x04\x12!\n\x1dREASON_CODE_INVALID_TOOL_CALL\x10\x05\x12 \n\x1cREASON_CODE_SAFETY_VIOLATION\x10\x06\x12\x19\n\x15REASON_CODE_TRUNCATED\x10\x07\x12\x1e\n\x1aREASON_CODE_VERIFIER_ERROR\x10\x08\x12\x15\n\x11REASON_CODE_OTHER\x10\x0f*\xb4\x01\n\x10TrajectoryStatus\x12!\n\x1dTRAJECTORY_STATUS_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTRAJECTORY_STATUS_COMPLETED\x10\x01\x12\x1f\n\x1bTRAJECTORY_STATUS_TRUNCATED\x10\x02\x12\x1d\n\x19TRAJECTORY_STATUS_ABORTED\x10\x03\x12\x1c\n\x18TRAJECTORY_STATUS_FAILED\x10\x04*^\n\x0cWeightFormat\x12\x1d\n\x19WEIGHT_FORMAT_UNSPECIFIED\x10\x00\x12\x16\n\x12WEIGHT_FORMAT_FULL\x10\x01\x12\x17\n\x13WEIGHT_FORMAT_DELTA\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,18 +41,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POLICYVERSION_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_TASK_METADATAENTRY']._loaded_options = None
   _globals['_TASK_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_SCHEMAVERSION']._serialized_start=2717
-  _globals['_SCHEMAVERSION']._serialized_end=2786
-  _globals['_SPANKIND']._serialized_start=2788
-  _globals['_SPANKIND']._serialized_end=2899
-  _globals['_FINISHREASON']._serialized_start=2901
-  _globals['_FINISHREASON']._serialized_end=3021
-  _globals['_REASONCODE']._serialized_start=3024
-  _globals['_REASONCODE']._serialized_end=3327
-  _globals['_TRAJECTORYSTATUS']._serialized_start=3330
-  _globals['_TRAJECTORYSTATUS']._serialized_end=3510
-  _globals['_WEIGHTFORMAT']._serialized_start=3512
-  _globals['_WEIGHTFORMAT']._serialized_end=3606
+  _globals['_SCHEMAVERSION']._serialized_start=2842
+  _globals['_SCHEMAVERSION']._serialized_end=2911
+  _globals['_SPANKIND']._serialized_start=2913
+  _globals['_SPANKIND']._serialized_end=3024
+  _globals['_FINISHREASON']._serialized_start=3026
+  _globals['_FINISHREASON']._serialized_end=3146
+  _globals['_REASONCODE']._serialized_start=3149
+  _globals['_REASONCODE']._serialized_end=3452
+  _globals['_TRAJECTORYSTATUS']._serialized_start=3455
+  _globals['_TRAJECTORYSTATUS']._serialized_end=3635
+  _globals['_WEIGHTFORMAT']._serialized_start=3637
+  _globals['_WEIGHTFORMAT']._serialized_end=3731
   _globals['_TOKENIDS']._serialized_start=53
   _globals['_TOKENIDS']._serialized_end=76
   _globals['_CHATMESSAGE']._serialized_start=78
@@ -61,28 +61,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_end=188
   _globals['_SAMPLINGPARAMS']._serialized_start=191
   _globals['_SAMPLINGPARAMS']._serialized_end=419
-  _globals['_SPAN']._serialized_start=422
-  _globals['_SPAN']._serialized_end=617
-  _globals['_FAILUREREASON']._serialized_start=620
-  _globals['_FAILUREREASON']._serialized_end=809
-  _globals['_FAILUREREASON_DETAILSENTRY']._serialized_start=763
-  _globals['_FAILUREREASON_DETAILSENTRY']._serialized_end=809
-  _globals['_VERDICT']._serialized_start=812
-  _globals['_VERDICT']._serialized_end=1031
-  _globals['_TIMINGS']._serialized_start=1034
-  _globals['_TIMINGS']._serialized_end=1166
-  _globals['_TRAJECTORY']._serialized_start=1169
-  _globals['_TRAJECTORY']._serialized_end=1900
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=1800
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=1847
-  _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_start=1849
-  _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_end=1900
-  _globals['_POLICYVERSION']._serialized_start=1903
-  _globals['_POLICYVERSION']._serialized_end=2311
-  _globals['_POLICYVERSION_METRICSENTRY']._serialized_start=2265
-  _globals['_POLICYVERSION_METRICSENTRY']._serialized_end=2311
-  _globals['_TASK']._serialized_start=2314
-  _globals['_TASK']._serialized_end=2715
-  _globals['_TASK_METADATAENTRY']._serialized_start=1800
-  _globals['_TASK_METADATAENTRY']._serialized_end=1847
+  _globals['_VERSIONRANGE']._serialized_start=421
+  _globals['_VERSIONRANGE']._serialized_end=487
+  _globals['_SPAN']._serialized_start=490
+  _globals['_SPAN']._serialized_end=742
+  _globals['_FAILUREREASON']._serialized_start=745
+  _globals['_FAILUREREASON']._serialized_end=934
+  _globals['_FAILUREREASON_DETAILSENTRY']._serialized_start=888
+  _globals['_FAILUREREASON_DETAILSENTRY']._serialized_end=934
+  _globals['_VERDICT']._serialized_start=937
+  _globals['_VERDICT']._serialized_end=1156
+  _globals['_TIMINGS']._serialized_start=1159
+  _globals['_TIMINGS']._serialized_end=1291
+  _globals['_TRAJECTORY']._serialized_start=1294
+  _globals['_TRAJECTORY']._serialized_end=2025
+  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=1925
+  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=1972
+  _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_start=1974
+  _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_end=2025
+  _globals['_POLICYVERSION']._serialized_start=2028
+  _globals['_POLICYVERSION']._serialized_end=2436
+  _globals['_POLICYVERSION_METRICSENTRY']._serialized_start=2390
+  _globals['_POLICYVERSION_METRICSENTRY']._serialized_end=2436
+  _globals['_TASK']._serialized_start=2439
+  _globals['_TASK']._serialized_end=2840
+  _globals['_TASK_METADATAENTRY']._serialized_start=1925
+  _globals['_TASK_METADATAENTRY']._serialized_end=1972
 # @@protoc_insertion_point(module_scope)

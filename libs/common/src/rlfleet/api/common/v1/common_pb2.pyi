@@ -121,8 +121,18 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class VersionRange(_message.Message):
+    __slots__ = ("policy_version", "start", "end")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    start: int
+    end: int
+    def __init__(self, policy_version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
 class Span(_message.Message):
-    __slots__ = ("kind", "start", "end", "policy_version", "finish_reason", "engine_id", "latency_s")
+    __slots__ = ("kind", "start", "end", "policy_version", "finish_reason", "engine_id", "latency_s", "version_ranges")
     KIND_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +140,7 @@ class Span(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_RANGES_FIELD_NUMBER: _ClassVar[int]
     kind: SpanKind
     start: int
     end: int
@@ -137,7 +148,8 @@ class Span(_message.Message):
     finish_reason: FinishReason
     engine_id: str
     latency_s: float
-    def __init__(self, kind: _Optional[_Union[SpanKind, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engine_id: _Optional[str] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    version_ranges: _containers.RepeatedCompositeFieldContainer[VersionRange]
+    def __init__(self, kind: _Optional[_Union[SpanKind, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engine_id: _Optional[str] = ..., latency_s: _Optional[float] = ..., version_ranges: _Optional[_Iterable[_Union[VersionRange, _Mapping]]] = ...) -> None: ...
 
 class FailureReason(_message.Message):
     __slots__ = ("code", "message", "details")

@@ -67,7 +67,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., request_id: _Optional[str] = ..., engine_pool: _Optional[_Union[EnginePool, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("output_ids", "output_logprobs", "finish_reason", "policy_version", "engine_id", "prompt_tokens", "cached_tokens", "latency_s", "text", "rerouted", "reroute_reason")
+    __slots__ = ("output_ids", "output_logprobs", "finish_reason", "policy_version", "engine_id", "prompt_tokens", "cached_tokens", "latency_s", "text", "rerouted", "reroute_reason", "version_ranges")
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class GenerateResponse(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     REROUTED_FIELD_NUMBER: _ClassVar[int]
     REROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_RANGES_FIELD_NUMBER: _ClassVar[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     output_logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _common_pb2.FinishReason
@@ -90,7 +91,8 @@ class GenerateResponse(_message.Message):
     text: str
     rerouted: bool
     reroute_reason: str
-    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., latency_s: _Optional[float] = ..., text: _Optional[str] = ..., rerouted: _Optional[bool] = ..., reroute_reason: _Optional[str] = ...) -> None: ...
+    version_ranges: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionRange]
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., latency_s: _Optional[float] = ..., text: _Optional[str] = ..., rerouted: _Optional[bool] = ..., reroute_reason: _Optional[str] = ..., version_ranges: _Optional[_Iterable[_Union[_common_pb2.VersionRange, _Mapping]]] = ...) -> None: ...
 
 class Engine(_message.Message):
     __slots__ = ("engine_id", "url", "pool", "kind", "state", "policy_version", "in_flight_requests", "sessions", "last_error", "last_health_unix_ms", "labels")

@@ -2,15 +2,18 @@
 
 The protocol (SGLang `init_weights_update_group` / `update_weights_from_distributed`):
   * The sender (trainer rank 0) and every engine join one extra process group by TCP rendezvous at
-    `master_address:master_port`: the sender is rank 0, an engine is `rank_offset` (+ its TP rank,
-    always 0 here), `world_size` counts all of them. Like SGLang's `init_custom_process_group`, the
+    `master_address:master_port`: the sender is rank 0, each TP rank of an engine is `rank_offset`
+    + its TP rank (the CPU engine has TP size 1), `world_size` counts all of them (1 + the sum of
+    the engines' TP sizes). Like SGLang's `init_custom_process_group`, the
     group is a fresh one with its store prefixed by `group_name`, not the default group, so it
     coexists with whatever groups the trainer already runs.
   * For an update the sender POSTs `names`, `dtypes`, `shapes` to each engine and broadcasts each
     tensor from rank 0, in the order of `names`; the engines receive them all, then load them.
 
-The helpers serve both sides: the engine uses `join_group` + `receive`, a sender (the weight
-broker, the tests) uses `join_group` + `send`.
+The helpers serve both sides: the engine uses `join_group` + `receive`, a sender (the trainer's
+`rlfleet.broker.distributed_sender`, the tests) uses `join_group` + `send`. Tensors are sent from
+where they live: over gloo from host memory, over NCCL from a GPU (no host copy); `receive` allocates
+on `device`. Shared by the CPU engine and the broker's sender, so it lives in this library.
 """
 
 from __future__ import annotations
@@ -65,11 +68,12 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def receive(
-    group, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    group, names: list[str], dtypes: list[str], shapes: list[list[int]], device: str | torch.device = "cpu"
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receives one broadcast per name from rank 0, in order."""
+    """Receives one broadcast per name from rank 0, in order (into tensors on `device`)."""
     tensors = [
-        torch.empty(shape, dtype=parse_dtype(dtype)) for dtype, shape in zip(dtypes, shapes, strict=True)
+        torch.empty(shape, dtype=parse_dtype(dtype), device=device)
+        for dtype, shape in zip(dtypes, shapes, strict=True)
     ]
     handles = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in tensors]
     for handle in handles:
