@@ -41,7 +41,8 @@ pytestmark = [
 R = common_pb2.ReasonCode
 CALC = calc.generate_tasks("train", 3)
 CODE = code.generate_tasks("train", 1)[0]
-SLOW_TESTS = "import solution\nprint('PASS t')\nprint('RESULT passed=1 failed=0')\n"
+SLOW_TESTS = ("import solution\nok = solution.ready() == 1\nprint('PASS t' if ok else 'FAIL t: not ready')\n"
+              "print(f'RESULT passed={int(ok)} failed={int(not ok)}')\n")
 MINI = {"task_id": "mini-sleepy", "suite": "mini", "split": "train", "prompt": "write solution.py",
         "verifier": {"kind": "unit_tests", "tests": SLOW_TESTS, "timeout_s": 1.5}}
 
@@ -244,8 +245,8 @@ async def test_code_tasks_pass_and_fail_hidden_tests_run_outside_the_policy_sand
     function = CODE.metadata["function"]
     bad = await policy_sandbox(sandboxes, f"def {function}(*args):\n    return None\n")
     failed = await verifier.Verify(pb.VerifyRequest(suite="code", task_id=CODE.task_id, sandbox_id=bad))
-    assert not failed.passed and set(codes(failed)) == {"TEST_FAILED"}
-    assert failed.reasons[0].details["test"].startswith(f"test_{function}_") and "returned None" in failed.reasons[0].details["why"]
+    assert not failed.passed and set(codes(failed)) == {"WRONG_ANSWER"}
+    assert failed.reasons[0].details["test"].isdigit() and function not in repr(failed.reasons)
 
     for sandbox_id in (good, bad):  # the tests never entered the policy's workspace
         listed = await sandboxes.ListFiles(sbx.ListFilesRequest(sandbox_id=sandbox_id))
@@ -264,7 +265,8 @@ async def test_hidden_tests_that_run_too_long_time_out(verifier, sandboxes):
     assert (verdict.passed, codes(verdict)) == (False, ["TIMEOUT"])
     assert verdict.verify_s < 10
     offline = await verifier.Verify(pb.VerifyRequest(suite="mini", task_id="mini-sleepy",
-                                                     files={"solution.py": b"x = 1\n", "conftest.py": b"boom"}))
+                                                     files={"solution.py": b"def ready():\n    return 1\n",
+                                                            "conftest.py": b"boom"}))
     assert offline.passed  # only the declared solution files reach the tests
 
 

@@ -1,6 +1,5 @@
 import itertools
-import subprocess
-import sys
+import json
 
 import pytest
 
@@ -12,7 +11,6 @@ from rlfleet.verifier.kinds import (
     NumericKind,
     ReasonCode,
     ScoringConfig,
-    TestRunRequest,
     TestRunResult,
     ToolCallRecord,
     UnitTestsKind,
@@ -21,9 +19,11 @@ from rlfleet.verifier.kinds import (
     audit,
     default_kinds,
     parse_number,
+    run_locally,
 )
 from rlfleet.verifier.kinds.base import DEFAULT_MAX_TURNS
 from rlfleet.verifier.kinds.turns import read_turns
+from rlfleet.verifier.kinds.unit_tests import GRACE_S, _clean
 
 CALC_TASK = {
     "task_id": "calc-2-abc",
@@ -248,13 +248,25 @@ def test_penalties_and_rewards_are_configurable():
 
 
 class FakeRunner:
-    def __init__(self, result):
-        self.result = result
+    """Answers every run with the report a supervisor would print (with the request's nonce) plus `extra`."""
+
+    def __init__(self, report=None, extra="", exit_code=0, timed_out=False):
+        self.report, self.extra, self.exit_code, self.timed_out = report, extra, exit_code, timed_out
         self.requests = []
 
     def __call__(self, request):
         self.requests.append(request)
-        return self.result
+        output = self.extra
+        if self.report is not None:
+            nonce = json.loads(request.stdin)["nonce"]
+            output += f"RLFLEET-HARNESS-REPORT {nonce} {json.dumps(self.report)}\n"
+        return TestRunResult(self.exit_code, output, timed_out=self.timed_out)
+
+
+def report(*lines, exit_code=0, protected=True, outcomes=None, failures=()):
+    rows = [{"text": text, "outcomes": list(codes)} for text, *codes in lines]
+    return {"protected": protected, "exit_code": exit_code, "error": "", "calls": len(rows),
+            "outcomes": outcomes or {}, "failures": list(failures), "lines": rows}
 
 
 def code_episode(**files):
@@ -263,8 +275,8 @@ def code_episode(**files):
     )
 
 
-def test_unit_tests_pass_on_exit_zero_with_a_clean_summary_and_get_only_the_declared_files():
-    runner = FakeRunner(TestRunResult(0, "PASS test_a\nPASS test_b\nRESULT passed=2 failed=0\n"))
+def test_unit_tests_pass_on_a_clean_report_and_send_only_the_declared_files_and_the_tests_on_stdin():
+    runner = FakeRunner(report(("PASS test_a", "ok"), ("PASS test_b", "ok"), ("RESULT passed=2 failed=0",)))
     verdict = score(
         CODE_TASK,
         code_episode(**{"solution.py": "def f(): ...", "conftest.py": "evil", "test_hidden.py": "fake"}),
@@ -272,64 +284,61 @@ def test_unit_tests_pass_on_exit_zero_with_a_clean_summary_and_get_only_the_decl
     )
     assert (verdict.passed, verdict.reward, verdict.kind) == (True, 1.0, "unit_tests")
     (request,) = runner.requests
-    assert request == TestRunRequest(
-        tests="HIDDEN", test_file="test_hidden.py", files={"solution.py": "def f(): ..."}, timeout_s=5.0
-    )
+    assert request.files == {"solution.py": "def f(): ..."} and request.timeout_s == 5.0 + GRACE_S
+    job = json.loads(request.stdin)
+    assert (job["tests"], job["modules"], job["timeout_s"]) == ("HIDDEN", ["solution"], 5.0)
+    assert len(job["nonce"]) == 32 and request.argv[:3] == ("python3", "-I", "-c")
 
 
-def test_unit_test_failures_are_reported_by_test_name():
-    output = "PASS test_fizzbuzz_0\nFAIL test_fizzbuzz_1: fizzbuzz(5,) returned '5', expected 'Buzz'\nFAIL test_fizzbuzz_2: ZeroDivisionError: x\nRESULT passed=1 failed=2\n"
-    verdict = score(
-        CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(TestRunResult(1, output))
-    )
-    assert verdict.codes == [ReasonCode.TEST_FAILED, ReasonCode.TEST_FAILED]
-    assert [r.details["test"] for r in verdict.reasons] == ["test_fizzbuzz_1", "test_fizzbuzz_2"]
-    assert verdict.reasons[0].details["why"] == "fizzbuzz(5,) returned '5', expected 'Buzz'"
+def test_failures_carry_codes_by_the_calls_before_them_and_no_hidden_text():
+    verdict = score(CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(report(
+        ("PASS test_fizzbuzz_0", "ok"),
+        ("FAIL test_fizzbuzz_1: fizzbuzz(5,) returned '5', expected 'Buzz'", "ok"),
+        ("FAIL test_fizzbuzz_2: ZeroDivisionError: x", "EXCEPTION"),
+        ("FAIL test_fizzbuzz_3: CandidateTimeout", "TIMEOUT"),
+        ("RESULT passed=1 failed=3",), exit_code=1, failures=[{"code": "EXCEPTION", "detail": "ZeroDivisionError"}])))
+    assert verdict.codes == [ReasonCode.WRONG_ANSWER, ReasonCode.EXCEPTION, ReasonCode.TIMEOUT]
+    assert [r.details["test"] for r in verdict.reasons] == ["1", "2", "3"]
+    assert verdict.reasons[1].details["exception"] == "ZeroDivisionError"
+    assert "Buzz" not in repr(verdict.reasons) and "fizzbuzz" not in repr(verdict.reasons)
 
 
-def test_pytest_style_output_is_understood_too():
-    failed = "FAILED test_hidden.py::test_empty - AssertionError: assert 1 == 0\n==== 1 failed, 3 passed in 0.01s ====\n"
-    verdict = score(
-        CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(TestRunResult(1, failed))
-    )
-    assert [(r.code, r.details["test"]) for r in verdict.reasons] == [(ReasonCode.TEST_FAILED, "test_empty")]
-    passed = "..\n==== 2 passed in 0.01s ====\n"
-    assert score(
-        CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(TestRunResult(0, passed))
-    ).passed
+def test_exception_text_that_quotes_the_hidden_tests_is_masked():
+    hidden = "CASES = [([15], 'FizzBuzz'), ([7], 'seven thousand')]"
+    masked = _clean("leaked:([7], 'seven thousand')", hidden)
+    assert masked == "leaked:" + "*" * 23, masked
+    assert _clean("ValueError", hidden) == "ValueError"
 
 
 @pytest.mark.parametrize(
-    ("result", "message"),
+    ("runner", "code", "failure"),
     [
-        (TestRunResult(0, ""), "the test script reported no passed tests (did the solution exit early?)"),
-        (
-            TestRunResult(0, "RESULT passed=0 failed=0"),
-            "the test script reported no passed tests (did the solution exit early?)",
-        ),
-        (TestRunResult(2, "SyntaxError: invalid syntax"), "the test script exited with status 2"),
+        (FakeRunner(None, "PASS t\nRESULT passed=5 failed=0\n"), ReasonCode.TEST_FAILED, "NO_REPORT"),
+        (FakeRunner(report(("RESULT passed=1 failed=0",)), "RLFLEET-HARNESS-REPORT 00 {}\n"),
+         ReasonCode.REWARD_HACKING, "FORGED_REPORT"),
+        (FakeRunner(None, timed_out=True, exit_code=-9), ReasonCode.TIMEOUT, "TIMEOUT"),
+        (FakeRunner(report(("RESULT passed=1 failed=0",), protected=False)), ReasonCode.VERIFIER_ERROR,
+         "UNPROTECTED"),
+        (FakeRunner(report(("RESULT passed=0 failed=0",))), ReasonCode.TEST_FAILED, "NO_PASS"),
+        (FakeRunner(report(("RESULT passed=1 failed=0",), exit_code=2)), ReasonCode.TEST_FAILED, "EXIT_STATUS"),
+        (FakeRunner(report(("PASS t", "ok"), ("RESULT passed=1 failed=0",), outcomes={"REWARD_HACKING": 1})),
+         ReasonCode.REWARD_HACKING, "REWARD_HACKING"),
     ],
 )
-def test_a_run_that_reports_nothing_passed_or_crashes_fails(result, message):
-    verdict = score(CODE_TASK, code_episode(**{"solution.py": ""}), runner=FakeRunner(result))
-    assert verdict.codes == [ReasonCode.TEST_FAILED] and verdict.reasons[0].message == message
+def test_a_run_without_a_clean_report_of_its_own_fails(runner, code, failure):
+    verdict = score(CODE_TASK, code_episode(**{"solution.py": ""}), runner=runner)
+    assert not verdict.passed and verdict.codes == [code] and verdict.reasons[0].details["failure"] == failure
 
 
-def test_a_timed_out_test_run_is_a_timeout_and_a_missing_solution_is_no_answer():
-    timeout = score(
-        CODE_TASK,
-        code_episode(**{"solution.py": "while True: pass"}),
-        runner=FakeRunner(TestRunResult(-9, "", timed_out=True)),
-    )
-    assert timeout.codes == [ReasonCode.TIMEOUT]
-    runner = FakeRunner(TestRunResult(0, "RESULT passed=1 failed=0"))
+def test_a_missing_solution_is_no_answer_without_a_run():
+    runner = FakeRunner(report(("RESULT passed=1 failed=0",)))
     missing = score(CODE_TASK, code_episode(**{"solutions.py": ""}), runner=runner)
     assert missing.codes == [ReasonCode.NO_ANSWER] and runner.requests == []
 
 
 def test_too_many_failing_tests_are_summarised():
-    output = "".join(f"FAIL test_{i}: no\n" for i in range(30)) + "RESULT passed=0 failed=30\n"
-    verdict = UnitTestsKind(FakeRunner(TestRunResult(1, output))).score(
+    lines = [(f"FAIL test_{i}: no", "ok") for i in range(30)]
+    verdict = UnitTestsKind(FakeRunner(report(*lines, ("RESULT passed=0 failed=30",), exit_code=1))).score(
         CODE_TASK, code_episode(**{"solution.py": ""})
     )
     assert len(verdict.reasons) == 21 and verdict.reasons[-1].message == "and 10 more failing tests"
@@ -441,28 +450,7 @@ def test_built_in_calc_demos_score_as_their_flaws_say():
             assert verdict.codes in ([], [ReasonCode.WRONG_ANSWER])
 
 
-def _local_runner(tmp_path):
-    """Runs hidden tests in a temporary folder: the shape of the service's runner, without isolation."""
-
-    def run(request):
-        for name, content in {**request.files, request.test_file: request.tests}.items():
-            (tmp_path / name).write_text(content)
-        try:
-            done = subprocess.run(
-                [sys.executable, "-I", request.test_file],
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                timeout=request.timeout_s,
-            )
-        except subprocess.TimeoutExpired as exc:
-            return TestRunResult(-9, str(exc.stdout or ""), timed_out=True)
-        return TestRunResult(done.returncode, done.stdout + done.stderr)
-
-    return run
-
-
-def test_built_in_code_tasks_pass_with_the_reference_and_fail_with_named_tests_otherwise(tmp_path):
+def test_built_in_code_tasks_pass_with_the_reference_and_fail_with_numbered_tests_otherwise():
     pytest.importorskip("rlfleet.envkit")
     from rlfleet.envkit.suites import code
 
@@ -471,12 +459,9 @@ def test_built_in_code_tasks_pass_with_the_reference_and_fail_with_named_tests_o
         for t in code.generate_tasks("train") + code.generate_tasks("heldout")
         if t.task_id == "code-fizzbuzz"
     )
-    kinds = default_kinds(runner=_local_runner(tmp_path))
+    kinds = default_kinds(runner=run_locally)
     assert kinds.score(task, code_episode(**{"solution.py": code.reference_solution(task)})).passed
     wrong = kinds.score(task, code_episode(**{"solution.py": "def fizzbuzz(n):\n    return 'Fizz'\n"}))
-    assert [r.details["test"] for r in wrong.reasons] == [
-        "test_fizzbuzz_1",
-        "test_fizzbuzz_2",
-        "test_fizzbuzz_3",
-        "test_fizzbuzz_4",
+    assert [(r.code, r.details["test"]) for r in wrong.reasons] == [
+        (ReasonCode.WRONG_ANSWER, str(i)) for i in range(1, 5)
     ]

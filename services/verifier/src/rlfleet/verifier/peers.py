@@ -101,9 +101,9 @@ class SandboxPeer(_Peer):
         return {f.path: f.content for f in reply.files}
 
     async def run_tests(self, request: TestRunRequest, session_id: str = "") -> TestRunResult:
-        """Runs the hidden script in a fresh sandbox holding only it and the candidate's files, then destroys it."""
+        """Runs the harness in a fresh sandbox holding only the candidate's files (the hidden tests go on
+        its stdin, never to its disk), then destroys it."""
         files = [sbx.File(path=path, content=_bytes(content)) for path, content in request.files.items()]
-        files.append(sbx.File(path=request.test_file, content=request.tests.encode()))
         cpu = max(1.0, float(math.ceil(request.timeout_s)))
         limits = sbx.Limits(cpu_seconds=cpu, wall_seconds=request.timeout_s, memory_bytes=self.tests.memory_bytes,
                             max_processes=self.tests.max_processes, max_output_bytes=self.tests.max_output_bytes)
@@ -114,16 +114,16 @@ class SandboxPeer(_Peer):
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, "a sandbox for the hidden tests") from None
         try:
-            result = await self.stub.Exec(sbx.ExecRequest(sandbox_id=box.sandbox_id, argv=["python3", request.test_file]),
+            result = await self.stub.Exec(sbx.ExecRequest(sandbox_id=box.sandbox_id, argv=list(request.argv),
+                                                          stdin=request.stdin),
                                           timeout=request.timeout_s + self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, "the hidden tests' run") from None
         finally:
             await self._destroy(box.sandbox_id)
-        output = (result.stdout + result.stderr).decode("utf-8", "replace")
-        timed_out = any(v.kind == sbx.VIOLATION_KIND_TIMEOUT for v in result.violations)
-        return TestRunResult(exit_code=result.exit_code, output=output, timed_out=timed_out)
-
+        kinds = tuple(sbx.ViolationKind.Name(v.kind).removeprefix("VIOLATION_KIND_").lower() for v in result.violations)
+        return TestRunResult(exit_code=result.exit_code, output=result.stdout.decode("utf-8", "replace"),
+                             timed_out="timeout" in kinds, violations=kinds)
 
     async def _destroy(self, sandbox_id: str) -> None:
         try:

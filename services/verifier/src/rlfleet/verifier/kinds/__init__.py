@@ -20,7 +20,9 @@ from rlfleet.verifier.kinds.unit_tests import (
     TestRunRequest,
     TestRunResult,
     UnitTestsKind,
-    failing_tests,
+    harness_request,
+    judge,
+    run_locally,
 )
 
 __all__ = [
@@ -47,7 +49,9 @@ __all__ = [
     "Violation",
     "audit",
     "default_kinds",
-    "failing_tests",
+    "harness_request",
+    "judge",
     "normalise_text",
     "parse_number",
+    "run_locally",
 ]

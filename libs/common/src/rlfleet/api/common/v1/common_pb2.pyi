@@ -37,6 +37,8 @@ class ReasonCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_CODE_SAFETY_VIOLATION: _ClassVar[ReasonCode]
     REASON_CODE_TRUNCATED: _ClassVar[ReasonCode]
     REASON_CODE_VERIFIER_ERROR: _ClassVar[ReasonCode]
+    REASON_CODE_EXCEPTION: _ClassVar[ReasonCode]
+    REASON_CODE_REWARD_HACKING: _ClassVar[ReasonCode]
     REASON_CODE_OTHER: _ClassVar[ReasonCode]
 
 class TrajectoryStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -71,6 +73,8 @@ REASON_CODE_INVALID_TOOL_CALL: ReasonCode
 REASON_CODE_SAFETY_VIOLATION: ReasonCode
 REASON_CODE_TRUNCATED: ReasonCode
 REASON_CODE_VERIFIER_ERROR: ReasonCode
+REASON_CODE_EXCEPTION: ReasonCode
+REASON_CODE_REWARD_HACKING: ReasonCode
 REASON_CODE_OTHER: ReasonCode
 TRAJECTORY_STATUS_UNSPECIFIED: TrajectoryStatus
 TRAJECTORY_STATUS_COMPLETED: TrajectoryStatus
