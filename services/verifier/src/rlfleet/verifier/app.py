@@ -39,7 +39,7 @@ class VerifierApp(PeersApp):
         if not self.verifier.catalog.tasks:
             log.warning("no task suites loaded yet; they are read when a task is first asked for",
                         extra={"suites_dir": self.config.suites_dir})
-        server.add(verifier_pb2_grpc.add_VerifierServiceServicer_to_server, VerifierServicer(self.verifier),
+        server.add(verifier_pb2_grpc.add_VerifierServiceServicer_to_server, VerifierServicer(self.verifier, self.config.max_audit_episodes),
                    SERVICE_NAME)
 
     async def stop(self) -> None:

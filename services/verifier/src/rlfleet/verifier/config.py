@@ -39,5 +39,6 @@ class VerifierConfig(ServiceConfig):
     suites_dir: str = Field("", description="directory of task suites (*.jsonl, searched recursively) with their hidden answers/tests")
     tokenizer_path: str = Field("", description="directory with the policy's tokenizer.json, to decode session tokens")
     peer_timeout_s: float = Field(30.0, gt=0, description="deadline of one call to the session server or sandbox manager")
+    max_audit_episodes: int = Field(500, ge=1, description="labelled episodes one Audit call may carry (each may run hidden tests in a sandbox)")
     scoring: ScoringSection = Field(default_factory=ScoringSection)
     test_sandbox: TestSandboxSection = Field(default_factory=TestSandboxSection)

@@ -29,4 +29,9 @@ def audit_report_proto(report: AuditReport) -> verifier_pb2.AuditReport:
         disagreements=[verifier_pb2.Disagreement(episode_id=d.episode_id, task_id=d.task_id,
                                                  human_passed=d.human_passed, verifier_passed=d.verifier_passed,
                                                  reasons=[reason_proto(r) for r in d.reasons])
-                       for d in report.disagreements])
+                       for d in report.disagreements],
+        suites=[verifier_pb2.SuiteAudit(suite=name, n=r.n, true_positives=r.tp, false_positives=r.fp,
+                                        true_negatives=r.tn, false_negatives=r.fn,
+                                        false_positive_rate=r.false_positive_rate,
+                                        false_negative_rate=r.false_negative_rate)
+                for name, r in sorted(report.by_suite.items())])

@@ -11,8 +11,9 @@ from rlfleet.verifier.verifier import LabelledInput, Verifier, VerifyInput
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, verifier: Verifier) -> None:
+    def __init__(self, verifier: Verifier, max_audit_episodes: int = 500) -> None:
         self.verifier = verifier
+        self.max_audit_episodes = max_audit_episodes
 
     async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> common_pb2.Verdict:
         return await self.verifier.verify(VerifyInput(
@@ -28,6 +29,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return verdict
 
     async def Audit(self, request: verifier_pb2.AuditRequest, context) -> verifier_pb2.AuditReport:
+        if not request.episodes:
+            raise InvalidArgument("an audit needs at least one labelled episode", field="episodes")
+        if len(request.episodes) > self.max_audit_episodes:
+            raise InvalidArgument(
+                f"{len(request.episodes)} labelled episodes in one Audit call, at most {self.max_audit_episodes} "
+                "(max_audit_episodes): split the set", field="episodes", count=len(request.episodes),
+                limit=self.max_audit_episodes)
         items = [LabelledInput(suite=e.suite, task_id=e.task_id, human_passed=e.human_passed,
                                final_answer=e.final_answer, files=dict(e.files), transcript=e.transcript,
                                episode_id=e.episode_id) for e in request.episodes]

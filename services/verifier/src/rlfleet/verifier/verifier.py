@@ -69,7 +69,8 @@ class LabelledInput:
 class Verifier:
     def __init__(self, catalog: SuiteCatalog, *, sessions: SessionPeer, sandboxes: SandboxPeer, decoder: SessionDecoder,
                  scoring: ScoringConfig, redis: Any = None, run_id: str = "",
-                 metrics: VerifierMetrics | None = None) -> None:
+                 metrics: VerifierMetrics | None = None, audit_workers: int = 4) -> None:
+        self.audit_workers = audit_workers
         self.catalog = catalog
         self.sessions = sessions
         self.sandboxes = sandboxes
@@ -103,7 +104,7 @@ class Verifier:
             episode.answer = item.final_answer or None  # used only when the transcript has no assistant turn
             episode.files = solution_files(task, item.files)
             labelled.append(LabelledEpisode(task, episode, item.human_passed, item.episode_id))
-        return await asyncio.to_thread(audit, self.kinds(""), labelled)
+        return await asyncio.to_thread(audit, self.kinds(""), labelled, self.audit_workers)
 
     # -- parts -------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ expensive error in RL, because it rewards the policy for a wrong behaviour it wi
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,18 @@ class AuditReport:
     tn: int = 0
     fn: int = 0
     disagreements: list[Disagreement] = field(default_factory=list)
+    by_suite: dict[str, AuditReport] = field(default_factory=dict)  # the same counts per task suite
+
+    def add(self, human_passed: bool, verifier_passed: bool) -> None:
+        self.n += 1
+        if verifier_passed and human_passed:
+            self.tp += 1
+        elif verifier_passed:
+            self.fp += 1
+        elif human_passed:
+            self.fn += 1
+        else:
+            self.tn += 1
 
     @property
     def false_positive_rate(self) -> float:
@@ -52,21 +65,18 @@ class AuditReport:
         return self.fn / (self.fn + self.tp) if self.fn + self.tp else 0.0
 
 
-def audit(kind: Scorer, labelled_episodes: Iterable[LabelledEpisode]) -> AuditReport:
+def audit(kind: Scorer, labelled_episodes: Iterable[LabelledEpisode], workers: int = 1) -> AuditReport:
+    """Scores every episode (``workers`` at a time: hidden-test runs mostly wait on a sandbox)."""
+    items = list(labelled_episodes)
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        verdicts = list(pool.map(lambda item: kind.score(item.task, item.episode), items))
     report = AuditReport()
-    for item in labelled_episodes:
-        verdict = kind.score(item.task, item.episode)
-        report.n += 1
-        if verdict.passed and item.human_passed:
-            report.tp += 1
-        elif verdict.passed:
-            report.fp += 1
-        elif item.human_passed:
-            report.fn += 1
-        else:
-            report.tn += 1
+    for item, verdict in zip(items, verdicts, strict=True):
+        task = as_task_dict(item.task)
+        report.add(item.human_passed, verdict.passed)
+        report.by_suite.setdefault(str(task.get("suite", "")), AuditReport()).add(item.human_passed, verdict.passed)
         if verdict.passed != item.human_passed:
-            task_id = str(as_task_dict(item.task).get("task_id", ""))
+            task_id = str(task.get("task_id", ""))
             report.disagreements.append(
                 Disagreement(item.episode_id, task_id, item.human_passed, verdict.passed, verdict.reasons)
             )

@@ -82,7 +82,7 @@ class Disagreement(_message.Message):
     def __init__(self, episode_id: _Optional[str] = ..., task_id: _Optional[str] = ..., human_passed: _Optional[bool] = ..., verifier_passed: _Optional[bool] = ..., reasons: _Optional[_Iterable[_Union[_common_pb2.FailureReason, _Mapping]]] = ...) -> None: ...
 
 class AuditReport(_message.Message):
-    __slots__ = ("n", "true_positives", "false_positives", "true_negatives", "false_negatives", "false_positive_rate", "false_negative_rate", "disagreements")
+    __slots__ = ("n", "true_positives", "false_positives", "true_negatives", "false_negatives", "false_positive_rate", "false_negative_rate", "disagreements", "suites")
     N_FIELD_NUMBER: _ClassVar[int]
     TRUE_POSITIVES_FIELD_NUMBER: _ClassVar[int]
     FALSE_POSITIVES_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class AuditReport(_message.Message):
     FALSE_POSITIVE_RATE_FIELD_NUMBER: _ClassVar[int]
     FALSE_NEGATIVE_RATE_FIELD_NUMBER: _ClassVar[int]
     DISAGREEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SUITES_FIELD_NUMBER: _ClassVar[int]
     n: int
     true_positives: int
     false_positives: int
@@ -99,4 +100,25 @@ class AuditReport(_message.Message):
     false_positive_rate: float
     false_negative_rate: float
     disagreements: _containers.RepeatedCompositeFieldContainer[Disagreement]
-    def __init__(self, n: _Optional[int] = ..., true_positives: _Optional[int] = ..., false_positives: _Optional[int] = ..., true_negatives: _Optional[int] = ..., false_negatives: _Optional[int] = ..., false_positive_rate: _Optional[float] = ..., false_negative_rate: _Optional[float] = ..., disagreements: _Optional[_Iterable[_Union[Disagreement, _Mapping]]] = ...) -> None: ...
+    suites: _containers.RepeatedCompositeFieldContainer[SuiteAudit]
+    def __init__(self, n: _Optional[int] = ..., true_positives: _Optional[int] = ..., false_positives: _Optional[int] = ..., true_negatives: _Optional[int] = ..., false_negatives: _Optional[int] = ..., false_positive_rate: _Optional[float] = ..., false_negative_rate: _Optional[float] = ..., disagreements: _Optional[_Iterable[_Union[Disagreement, _Mapping]]] = ..., suites: _Optional[_Iterable[_Union[SuiteAudit, _Mapping]]] = ...) -> None: ...
+
+class SuiteAudit(_message.Message):
+    __slots__ = ("suite", "n", "true_positives", "false_positives", "true_negatives", "false_negatives", "false_positive_rate", "false_negative_rate")
+    SUITE_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    TRUE_POSITIVES_FIELD_NUMBER: _ClassVar[int]
+    FALSE_POSITIVES_FIELD_NUMBER: _ClassVar[int]
+    TRUE_NEGATIVES_FIELD_NUMBER: _ClassVar[int]
+    FALSE_NEGATIVES_FIELD_NUMBER: _ClassVar[int]
+    FALSE_POSITIVE_RATE_FIELD_NUMBER: _ClassVar[int]
+    FALSE_NEGATIVE_RATE_FIELD_NUMBER: _ClassVar[int]
+    suite: str
+    n: int
+    true_positives: int
+    false_positives: int
+    true_negatives: int
+    false_negatives: int
+    false_positive_rate: float
+    false_negative_rate: float
+    def __init__(self, suite: _Optional[str] = ..., n: _Optional[int] = ..., true_positives: _Optional[int] = ..., false_positives: _Optional[int] = ..., true_negatives: _Optional[int] = ..., false_negatives: _Optional[int] = ..., false_positive_rate: _Optional[float] = ..., false_negative_rate: _Optional[float] = ...) -> None: ...
