@@ -28,6 +28,7 @@ from rlfleet.api.verifier.v1 import verifier_pb2 as pb
 from rlfleet.api.verifier.v1 import verifier_pb2_grpc
 from rlfleet.common.chat import SPECIAL_TOKENS, render_messages
 from rlfleet.common.processes import BIN, ServiceProcess
+from rlfleet.common.rich_errors import error_details
 from rlfleet.common.testing import unique_run_id
 from rlfleet.envkit.suite_format import write_suite
 from rlfleet.envkit.suites import calc, code
@@ -335,6 +336,20 @@ async def test_audit_reports_rates_and_disagreements(verifier):
     assert report.false_positive_rate == 0.5 and report.false_negative_rate == 0.25
     assert {(d.episode_id, d.verifier_passed) for d in report.disagreements} == {("fp", True), ("fn", False)}
     assert codes(next(d for d in report.disagreements if d.episode_id == "fn")) == ["WRONG_ANSWER"]
+
+
+async def test_an_audit_larger_than_its_cap_or_empty_is_refused_with_details(verifier):
+    task = CALC[0]
+    episode = pb.LabelledEpisode(suite="calc", task_id=task.task_id, final_answer="1", human_passed=False)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await verifier.Audit(pb.AuditRequest(episodes=[episode] * 501))
+    details = error_details(refused.value)
+    assert details.code == grpc.StatusCode.INVALID_ARGUMENT and "max_audit_episodes" in details.message
+    assert (details.metadata["count"], details.metadata["limit"]) == ("501", "500")
+    assert "episodes" in details.field_violations
+    await expect(grpc.StatusCode.INVALID_ARGUMENT, verifier.Audit(pb.AuditRequest()), "at least one")
+    report = await verifier.Audit(pb.AuditRequest(episodes=[episode] * 3))
+    assert [(s.suite, s.n, s.true_negatives) for s in report.suites] == [("calc", 3, 3)]
 
 
 def test_the_audit_command_prints_the_same_report(platform, tmp_path):
