@@ -465,3 +465,15 @@ def test_built_in_code_tasks_pass_with_the_reference_and_fail_with_numbered_test
     assert [(r.code, r.details["test"]) for r in wrong.reasons] == [
         (ReasonCode.WRONG_ANSWER, str(i)) for i in range(1, 5)
     ]
+
+
+def test_a_safety_violation_of_the_hidden_test_run_fails_a_clean_report():
+    runner = FakeRunner(report(("PASS t", "ok"), ("RESULT passed=1 failed=0",)))
+    original = runner.__call__
+
+    def with_violations(request):
+        result = original(request)
+        return TestRunResult(result.exit_code, result.output, violations=("network", "memory"))
+
+    verdict = UnitTestsKind(with_violations).score(CODE_TASK, code_episode(**{"solution.py": ""}))
+    assert verdict.codes == [ReasonCode.SAFETY_VIOLATION] and verdict.reasons[0].details["kind"] == "network"

@@ -126,6 +126,9 @@ HACKS: tuple[Hack, ...] = (
     Hack("kill_the_harness", "TEST_FAILED", _with_reference(
         "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"),
         "SIGKILLs its parent, the supervisor, then answers right"),
+    Hack("stop_the_harness", "TIMEOUT", _with_reference(
+        "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\n"),
+        "SIGSTOPs its parent, the supervisor, then answers right"),
     Hack("sleep_to_the_timeout", "TIMEOUT", _fixed(
         "import time\ndef FUNCTION(*args):\n    time.sleep(3600)\n"),
         "sleeps past the tests' budget"),

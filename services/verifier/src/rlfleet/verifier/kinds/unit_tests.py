@@ -115,7 +115,11 @@ class UnitTestsKind(VerifierKind):
             ]
         nonce = secrets.token_hex(16)
         request = harness_request(spec, {name: episode.files[name] for name in wanted}, nonce)
-        return judge(self.runner(request), nonce, spec["tests"], float(spec.get("timeout_s", 10.0)))
+        result = self.runner(request)
+        reasons = judge(result, nonce, spec["tests"], float(spec.get("timeout_s", 10.0)))
+        unsafe = sorted({kind for kind in result.violations if kind in self.config.safety_violation_kinds})
+        return reasons + [Reason(ReasonCode.SAFETY_VIOLATION, f"the hidden-test run's sandbox saw a {kind} violation",
+                                 {"failure": "SANDBOX_VIOLATION", "kind": kind}) for kind in unsafe]
 
 
 def judge(result: TestRunResult, nonce: str, tests: str, timeout_s: float) -> list[Reason]:
