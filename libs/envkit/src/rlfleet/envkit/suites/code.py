@@ -6,9 +6,9 @@ sandbox next to the candidate's ``solution.py``. The script's contract, which th
 verifier kind parses: one ``PASS <name>`` or ``FAIL <name>: <why>`` line per test, then a final
 ``RESULT passed=<p> failed=<f>`` line, and exit status 0 only when every test passed.
 
-Known limit: the tests import the candidate into their own process, so a deliberately adversarial
-solution could print a fake RESULT line and ``os._exit(0)``. Templated toy tasks accept that; the
-verifier's audit against labelled episodes is the check.
+The verifier never runs this script next to candidate code: its supervisor replaces ``solution``
+with a proxy whose every call runs in a fresh process and returns only data, so a fake RESULT line
+or ``os._exit(0)`` in the candidate reaches nothing (``services/verifier/README.md``).
 """
 
 from __future__ import annotations
