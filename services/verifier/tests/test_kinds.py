@@ -477,3 +477,38 @@ def test_a_safety_violation_of_the_hidden_test_run_fails_a_clean_report():
 
     verdict = UnitTestsKind(with_violations).score(CODE_TASK, code_episode(**{"solution.py": ""}))
     assert verdict.codes == [ReasonCode.SAFETY_VIOLATION] and verdict.reasons[0].details["kind"] == "network"
+
+
+# Hacks that are harmless to run on this host without a sandbox (the rest need its pid namespace,
+# uid and limits: tests/integration/test_reward_hacking.py runs every one of them there).
+LOCAL_HACKS = ("fake_result_lines", "os_exit_zero_at_import", "os_exit_zero_in_call", "exit_in_atexit",
+               "eq_always_true", "str_subclass_eq", "patched_builtins", "patched_math", "raise_with_hidden_text",
+               "plant_modules_for_the_harness", "inspect_the_caller", "system_exit_in_call", "sleep_to_the_timeout")
+
+
+@pytest.mark.parametrize("name", LOCAL_HACKS)
+def test_hacks_score_zero_with_their_reason_under_the_local_supervisor(name):
+    from rlfleet.envkit.suites import code
+    from rlfleet.envkit.suites.code_templates import TEMPLATES
+    from rlfleet.verifier.hacks import HACKS
+
+    template = next(t for t in TEMPLATES if t.function == "fizzbuzz")
+    task = code.make_task(template).model_dump(mode="json")
+    task["verifier"]["timeout_s"] = 2.0
+    hack = next(h for h in HACKS if h.name == name)
+    verdict = default_kinds(runner=run_locally).score(
+        task, code_episode(**{"solution.py": hack.write(template.function, template.solution)}))
+    assert not verdict.passed and verdict.reward == 0.0 and hack.code in verdict.codes, verdict
+    assert "Buzz" not in repr(verdict.reasons) and "CASES" not in repr(verdict.reasons)
+
+
+def test_the_hacks_that_look_for_the_tests_would_answer_right_from_them():
+    from rlfleet.envkit.suites import code
+    from rlfleet.envkit.suites.code_templates import TEMPLATES
+    from rlfleet.verifier import hacks
+
+    template = next(t for t in TEMPLATES if t.function == "fizzbuzz")
+    namespace: dict = {}
+    exec(hacks._ANSWER_FROM_FOUND, namespace)
+    assert namespace["_answer_from"](["junk", code.build_test_script(template)], (5,)) == (True, "Buzz")
+    assert namespace["_answer_from"](["junk"], (5,)) == (False, None)
