@@ -512,3 +512,16 @@ def test_the_hacks_that_look_for_the_tests_would_answer_right_from_them():
     exec(hacks._ANSWER_FROM_FOUND, namespace)
     assert namespace["_answer_from"](["junk", code.build_test_script(template)], (5,)) == (True, "Buzz")
     assert namespace["_answer_from"](["junk"], (5,)) == (False, None)
+
+
+def test_a_hidden_test_that_expects_the_candidate_to_raise_a_builtin_error_catches_it():
+    tests = ("from solution import root\n"
+             "try:\n    root(-1)\n    ok = False\nexcept ValueError:\n    ok = True\n"
+             "ok = ok and root(9) == 3\n"
+             "print('PASS t' if ok else 'FAIL t: no')\nprint(f'RESULT passed={int(ok)} failed={int(not ok)}')\n")
+    task = dict(CODE_TASK, verifier={"kind": "unit_tests", "tests": tests, "solution_files": ["solution.py"]})
+    right = ("def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return int(x ** 0.5)\n")
+    assert score(task, code_episode(**{"solution.py": right}), runner=run_locally).passed
+    wrong = right.replace("ValueError", "KeyError")
+    failed = score(task, code_episode(**{"solution.py": wrong}), runner=run_locally)
+    assert failed.codes == [ReasonCode.EXCEPTION] and failed.reasons[0].details["exception"] == "KeyError"

@@ -180,7 +180,16 @@ def raised_type(name):
     """An exception class named like the candidate's (sanitised), so scripts print a familiar name."""
     name = NAME_RE.sub("_", name)[:64].rsplit(".", 1)[-1] or "Exception"
     if name not in _raised_types:
-        _raised_types[name] = type(name, (CandidateError,), {"code": "EXCEPTION"})
+        # A built-in exception's name gives a subclass of it too, so `except ValueError` in the
+        # hidden tests (a test that expects the candidate to raise) still matches.
+        builtin = getattr(builtins, name, None)
+        bases = (CandidateError,)
+        if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not Exception:
+            bases = (builtin, CandidateError)
+        try:
+            _raised_types[name] = type(name, bases, {"code": "EXCEPTION"})
+        except TypeError:  # a layout the two bases cannot share
+            _raised_types[name] = type(name, (CandidateError,), {"code": "EXCEPTION"})
     return _raised_types[name]
 
 
@@ -251,20 +260,19 @@ class Run:
             raise CandidateCrashed(f"the candidate process {what}")
         try:
             message = json.loads(reply)
-            if "value" in message:
-                value = decode(message["value"])
-            elif "raised" in message:
-                name, text = str(message["raised"]), str(message.get("message", ""))
-                self.record("EXCEPTION", name)
-                raise raised_type(name)(text[:200])
-            elif "not_data" in message:
-                self.record("REWARD_HACKING", f"returned a {str(message['not_data'])[:80]} object, not plain data")
-                raise CandidateCheating("the candidate returned an object that is not plain data")
-            else:
-                raise ValueError("no value")
-        except (ValueError, TypeError, AttributeError, RecursionError, MemoryError):
+            kind = next(k for k in ("value", "raised", "not_data") if k in message)
+            value = decode(message["value"]) if kind == "value" else None
+            detail = str(message[kind])[:80] if kind != "value" else ""
+            text = str(message.get("message", ""))[:200] if kind == "raised" else ""
+        except (ValueError, TypeError, AttributeError, RecursionError, MemoryError, StopIteration):
             self.record("REWARD_HACKING", "wrote a reply outside the protocol")
             raise CandidateCheating("the candidate's reply was not in the protocol") from None
+        if kind == "raised":
+            self.record("EXCEPTION", detail)
+            raise raised_type(detail)(text)
+        if kind == "not_data":
+            self.record("REWARD_HACKING", f"returned a {detail} object, not plain data")
+            raise CandidateCheating("the candidate returned an object that is not plain data")
         self.record("ok")
         return value
 
@@ -455,19 +463,21 @@ def main():
                  and not os.path.realpath(p).startswith(os.path.realpath(run.workdir))]
     sys.meta_path.insert(0, ConfinedImports(run, job["modules"], safe_path))
     capture = LineCapture(run)
-    exit_code, error = 0, ""
+    exit_code, error, error_code = 0, "", ""
     namespace = {"__name__": "__main__", "__file__": job["test_file"], "__builtins__": builtins}
     sys.stdout = sys.stderr = capture
     try:
         exec(compile(job["tests"], job["test_file"], "exec"), namespace)
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException as exc:
-        exit_code, error = 1, type(exc).__name__
+    except BaseException as exc:  # a candidate failure the script did not catch carries its code
+        exit_code, error, error_code = 1, type(exc).__name__, getattr(exc, "code", "") if isinstance(
+            exc, CandidateError) else ""
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     capture.finish()
-    report = {"protected": protected, "exit_code": exit_code, "error": error, "calls": run.calls,
+    report = {"protected": protected, "exit_code": exit_code, "error": error, "error_code": error_code,
+              "calls": run.calls,
               "outcomes": run.outcomes, "failures": run.details, "lines": capture.lines,
               "timed_out": run.outcomes.get("TIMEOUT", 0) > 0}
     report_out.write(f"{REPORT_TAG} {job['nonce']} {json.dumps(report)}\n")

@@ -213,8 +213,11 @@ def reasons_from_report(report: Mapping[str, Any], tests: str, timeout_s: float)
         return reasons
     exit_code = report.get("exit_code", 1)
     if report.get("error"):
-        return [Reason(ReasonCode.TEST_FAILED, "the test script raised", {"failure": "SCRIPT_ERROR",
-                                                                          "exception": _clean(report["error"], tests)})]
+        outcome = str(report.get("error_code") or "")
+        code = _CODE_OF_OUTCOME.get(outcome, ReasonCode.TEST_FAILED)
+        message = _MESSAGE_OF_CODE[code] if outcome in _CODE_OF_OUTCOME else "the test script raised"
+        return [Reason(code, message, {"failure": outcome or "SCRIPT_ERROR",
+                                       "exception": _clean(str(report["error"]), tests)})]
     if exit_code != 0:
         return [Reason(ReasonCode.TEST_FAILED, f"the test script exited with status {int(exit_code)}",
                        {"failure": "EXIT_STATUS"})]
