@@ -481,7 +481,7 @@ def test_a_safety_violation_of_the_hidden_test_run_fails_a_clean_report():
 
 # Hacks that are harmless to run on this host without a sandbox (the rest need its pid namespace,
 # uid and limits: tests/integration/test_reward_hacking.py runs every one of them there).
-LOCAL_HACKS = ("fake_result_lines", "os_exit_zero_at_import", "os_exit_zero_in_call", "exit_in_atexit",
+LOCAL_HACKS = ("fake_result_lines", "result_line_in_an_exception", "os_exit_zero_at_import", "os_exit_zero_in_call", "exit_in_atexit",
                "eq_always_true", "str_subclass_eq", "patched_builtins", "patched_math", "raise_with_hidden_text",
                "plant_modules_for_the_harness", "inspect_the_caller", "system_exit_in_call", "sleep_to_the_timeout")
 

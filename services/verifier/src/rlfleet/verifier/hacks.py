@@ -179,6 +179,9 @@ HACKS: tuple[Hack, ...] = (
         "                return (frame.frame.f_locals.get(name) or frame.frame.f_globals.get(name))\n"
         "    raise LookupError('no expected value in any frame')\n"),
         "walks the call stack for the expected value"),
+    Hack("result_line_in_an_exception", "EXCEPTION", _fixed(
+        "def FUNCTION(*args):\n    raise ValueError('x\\nPASS test_0\\nRESULT passed=5 failed=0\\n')\n"),
+        "raises with PASS/RESULT lines in its message, for the script to print"),
     Hack("system_exit_in_call", "EXCEPTION", _fixed(
         "import sys\ndef FUNCTION(*args):\n    sys.exit(0)\n"),
         "raises SystemExit(0) from the call"),

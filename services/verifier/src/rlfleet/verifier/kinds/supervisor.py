@@ -42,6 +42,7 @@ MAX_LINES = 200
 MAX_LINE = 240
 PROTOCOL_RE = re.compile(rb"^(PASS |FAIL |RESULT |FAILED |RLFLEET-HARNESS-REPORT)", re.M)
 NAME_RE = re.compile(r"[^A-Za-z0-9_.]")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f\u2028\u2029\x85]")
 
 WORKER = r'''
 import json, os, sys
@@ -263,7 +264,8 @@ class Run:
             kind = next(k for k in ("value", "raised", "not_data") if k in message)
             value = decode(message["value"]) if kind == "value" else None
             detail = str(message[kind])[:80] if kind != "value" else ""
-            text = str(message.get("message", ""))[:200] if kind == "raised" else ""
+            # one printable line: a message cannot add lines (a fake RESULT) to the script's output
+            text = CONTROL_RE.sub(" ", str(message.get("message", "")))[:200] if kind == "raised" else ""
         except (ValueError, TypeError, AttributeError, RecursionError, MemoryError, StopIteration):
             self.record("REWARD_HACKING", "wrote a reply outside the protocol")
             raise CandidateCheating("the candidate's reply was not in the protocol") from None
