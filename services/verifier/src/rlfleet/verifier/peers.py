@@ -110,7 +110,10 @@ class SandboxPeer(_Peer):
         create = sbx.CreateSandboxRequest(files=files, limits=limits, ttl_seconds=request.timeout_s + 120,
                                           labels={"purpose": "hidden-tests"}, session_id=session_id)
         try:
-            box = await self.stub.CreateSandbox(create, timeout=self.timeout_s)
+            # Named, so the hidden-test sandboxes count against the verifier's own per-client cap, not
+            # the one every unnamed caller shares.
+            box = await self.stub.CreateSandbox(create, timeout=self.timeout_s,
+                                                metadata=(("rlfleet-client-id", "verifier"),))
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, "a sandbox for the hidden tests") from None
         try:
