@@ -208,3 +208,16 @@ def test_sft_loss_is_the_mean_negative_log_likelihood_of_masked_tokens():
     loss, m = sft_loss(LOGP, T([[0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]), SEQ_IDS)
     assert loss.item() == pytest.approx((1.0 + 2.0 + 1.0) / 3)
     assert m["nll"] == pytest.approx(4 / 3)
+
+
+def test_each_algorithm_gets_its_own_defaults_and_explicit_values_win():
+    gspo = LossConfig(algorithm="gspo")
+    # The GSPO paper's sequence-ratio clip; a token-level 0.2 would clip almost nothing.
+    assert (gspo.clip_eps_low, gspo.clip_eps_high, gspo.loss_agg) == (3e-4, 4e-4, "seq_mean")
+    assert (LossConfig().clip_eps_low, LossConfig().clip_eps_high, LossConfig().loss_agg) == (0.2, 0.2, "token_mean")
+    ppo = LossConfig(algorithm="ppo")
+    assert (ppo.clip_eps_low, ppo.clip_eps_high, ppo.loss_agg) == (0.2, 0.2, "token_mean")
+    mine = LossConfig(algorithm="gspo", clip_eps_high=0.01, loss_agg="token_mean")
+    assert (mine.clip_eps_low, mine.clip_eps_high, mine.loss_agg) == (3e-4, 0.01, "token_mean")
+    # What the launcher writes and the service reads back is the same config.
+    assert LossConfig.model_validate_json(gspo.model_dump_json()) == gspo

@@ -64,7 +64,7 @@ class TrainBatch:
     loss_mask: torch.Tensor  # [R, L] float
     rollout_logprobs: torch.Tensor  # [R, L] float
     # Per sequence, indexed by sample index.
-    rewards: torch.Tensor  # [S] float
+    rewards: torch.Tensor  # [S] float64: group centring must see differences past float32's precision
     seq_num_loss_tokens: torch.Tensor  # [S] float
     policy_versions: torch.Tensor  # [S] long, oldest generated span
     seq_rows: torch.Tensor  # [S] long: row holding the sample
@@ -115,7 +115,7 @@ class TrainBatch:
 
 def _per_sequence_fields(samples: Sequence[TrainSample]) -> dict:
     return dict(
-        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float64),
         seq_num_loss_tokens=torch.tensor([float(sum(s.loss_mask)) for s in samples]),
         policy_versions=torch.tensor([s.oldest_policy_version for s in samples], dtype=torch.long),
         seq_lengths=torch.tensor([len(s.token_ids) for s in samples], dtype=torch.long),

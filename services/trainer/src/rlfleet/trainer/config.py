@@ -12,20 +12,31 @@ from pydantic import Field, model_validator
 
 from rlfleet.common.config import StrictModel
 
+# Defaults that differ by algorithm; a value the user sets always wins. GSPO clips a sequence
+# ratio (the geometric mean of token ratios), which stays much closer to 1 than a token ratio: the
+# paper's clip is 3e-4 / 4e-4, where 0.2 would clip almost nothing; its loss averages per sequence.
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "loss_agg": "token_mean"},
+    "gspo": {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "loss_agg": "seq_mean"},
+    "ppo": {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "loss_agg": "token_mean"},
+}
+
 
 class LossConfig(StrictModel):
-    """The RL objective. Defaults are GRPO with token-level averaging and TIS on."""
+    """The RL objective. Defaults are GRPO with token-level averaging (DAPO's token-mean) and TIS on;
+    `clip_eps_low`, `clip_eps_high` and `loss_agg` default per algorithm (ALGORITHM_DEFAULTS)."""
 
     algorithm: Literal["grpo", "gspo", "ppo"] = Field(
         "grpo", description="grpo: token-level clipped ratio with group-normalised advantages; "
         "gspo: sequence-level ratio (geometric mean of token ratios), clipped per sequence; "
         "ppo: token-level clipped ratio with GAE advantages from a value head.")
-    clip_eps_low: float = Field(0.2, ge=0.0, description="ratio is clipped below at 1 - clip_eps_low.")
+    clip_eps_low: float = Field(0.2, ge=0.0, description="ratio is clipped below at 1 - clip_eps_low "
+                                "(default 0.2; gspo: 3e-4, the GSPO paper's sequence-ratio clip).")
     clip_eps_high: float = Field(0.2, ge=0.0, description="ratio is clipped above at 1 + clip_eps_high "
-                                 "(DAPO's clip-higher uses e.g. 0.28; GSPO uses ~3e-4/4e-4).")
+                                 "(default 0.2, DAPO's clip-higher uses e.g. 0.28; gspo: 4e-4).")
     loss_agg: Literal["token_mean", "seq_mean"] = Field(
-        "token_mean", description="token_mean: average over all loss tokens of the batch; "
-        "seq_mean: average over each sequence's loss tokens, then over sequences.")
+        "token_mean", description="token_mean: average over all loss tokens of the batch (default); "
+        "seq_mean: average over each sequence's loss tokens, then over sequences (gspo's default).")
     std_normalize: bool = Field(True, description="divide group-centred rewards by the group std "
                                 "(False gives Dr.GRPO-style advantages r - mean).")
     adv_eps: float = Field(1e-6, gt=0.0, description="added to the group std before dividing.")
@@ -41,6 +52,17 @@ class LossConfig(StrictModel):
     value_coef: float = Field(0.5, ge=0.0, description="PPO: weight of the value loss.")
     whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the batch's "
                                     "loss tokens (mean 0, std 1).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        """Fills the fields the user left unset with the algorithm's defaults (explicit values win)."""
+        if not isinstance(data, dict):
+            return data
+        defaults = ALGORITHM_DEFAULTS.get(data.get("algorithm", "grpo"))
+        if not defaults:
+            return data  # an unknown algorithm: the Literal reports it
+        return {**defaults, **data}
 
 
 class BatchConfig(StrictModel):

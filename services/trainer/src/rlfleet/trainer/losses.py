@@ -66,18 +66,22 @@ def group_advantages(rewards: torch.Tensor, group_ids: Sequence[str], std_normal
                      eps: float = 1e-6) -> torch.Tensor:
     """(r - mean_group) / (std_group + eps), std with Bessel's correction; Dr.GRPO: r - mean_group.
 
-    A group of one has std 0 (its advantage is 0 either way).
+    Centred in float64: a float32 mean of eight rewards of 0.7 is one ulp off while the std is
+    exactly 0, which made every member's advantage 0.056 instead of 0. A group whose rewards are all
+    equal gets exactly 0, and so does a group of one (its std is 0).
     """
-    out = torch.zeros_like(rewards, dtype=torch.float32)
+    out = torch.zeros(rewards.shape, dtype=torch.float64)
+    r_all = rewards.detach().to(torch.float64)
     for gid in dict.fromkeys(group_ids):
         idx = torch.tensor([i for i, g in enumerate(group_ids) if g == gid])
-        r = rewards[idx].to(torch.float32)
+        r = r_all[idx]
+        if len(idx) < 2 or bool((r == r[0]).all()):
+            continue
         centred = r - r.mean()
         if std_normalize:
-            std = r.std() if len(idx) > 1 else torch.tensor(0.0)
-            centred = centred / (std + eps)
+            centred = centred / (r.std() + eps)
         out[idx] = centred
-    return out
+    return out.to(torch.float32)
 
 
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
@@ -303,7 +307,8 @@ def ppo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) -
         raise ValueError("ppo_loss needs values, old_values and returns")
     norm = norm or LossNorm.local(inp.mask, inp.seq_ids)
     pg_loss, metrics = _clipped_token_objective(inp, cfg, norm)
-    v, old_v, ret = inp.values.float(), inp.old_values.detach(), inp.returns.detach()
+    v = inp.values.to(torch.promote_types(inp.values.dtype, torch.float32))  # bf16 up, float64 kept
+    old_v, ret = inp.old_values.detach(), inp.returns.detach()
     err = (v - ret) ** 2
     if cfg.value_clip is not None:
         v_clipped = old_v + (v - old_v).clamp(-cfg.value_clip, cfg.value_clip)
