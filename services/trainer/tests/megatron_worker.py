@@ -36,7 +36,8 @@ def steps() -> list:
 def loss_config(algorithm: str) -> LossConfig:
     """"grpo+kl": GRPO with a k3 KL penalty to a frozen reference copy of the starting model."""
     name, _, kl = algorithm.partition("+")
-    return LossConfig(algorithm=name, loss_agg="seq_mean", tis_cap=2.0, kl_coef=0.5 if kl else 0.0)
+    return LossConfig(algorithm=name, loss_agg="seq_mean", tis_cap=2.0, kl_coef=0.5 if kl else 0.0,
+                      critic="shared")  # Megatron's PPO: a value head on the policy's trunk
 
 
 

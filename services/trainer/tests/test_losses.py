@@ -19,6 +19,7 @@ from rlfleet.trainer.losses import (
     sft_loss,
     terminal_rewards,
 )
+from rlfleet.trainer.losses import value_loss as value_loss_fn
 
 torch.set_num_threads(1)
 T = torch.tensor
@@ -169,11 +170,11 @@ def test_gae_skips_observation_tokens_and_resets_between_packed_sequences():
     assert ret.tolist()[0] == pytest.approx([0, a1 + 0.5, a2 + 0.2, 0, 0, a5 + 0.8, 0, b1 + 0.1, b2 + 0.3], abs=1e-6)
 
 
-def test_ppo_adds_a_clipped_value_loss():
+def test_ppo_with_a_shared_critic_adds_a_clipped_value_loss():
     values = T([[0.0, 0.9, 0.1], [0.0, 0.3, -0.5]], requires_grad=True)
     old_values = T([[0.0, 0.5, 0.0], [0.0, 0.35, 0.0]])
     returns = T([[0.0, 1.0, 0.5], [0.0, 0.0, -1.0]])
-    cfg = LossConfig(algorithm="ppo", value_clip=0.2, value_coef=0.5, tis_cap=2.0)
+    cfg = LossConfig(algorithm="ppo", value_clip=0.2, value_coef=0.5, tis_cap=2.0, critic="shared")
     loss, m = ppo_loss(inputs(values=values, old_values=old_values, returns=returns), cfg)
     errs = []
     for v, old, r in [(0.9, 0.5, 1.0), (0.1, 0.0, 0.5), (0.3, 0.35, 0.0), (-0.5, 0.0, -1.0)]:
@@ -184,6 +185,12 @@ def test_ppo_adds_a_clipped_value_loss():
     assert loss.item() == pytest.approx(sum(_hand_grpo_terms()) / 4 + 0.5 * value_loss, abs=1e-6)
     # Tokens 1 (0.9 -> 0.7) and 4 (-0.5 -> -0.2) have their clipped error larger.
     assert m["value_clip_frac"] == pytest.approx(2 / 4)
+    # A separate critic: the policy's loss is the clipped objective alone, the critic's the value loss.
+    separate = cfg.model_copy(update={"critic": "separate"})
+    policy_loss, pm = ppo_loss(inputs(), separate)
+    assert policy_loss.item() == pytest.approx(sum(_hand_grpo_terms()) / 4, abs=1e-6) and "value_loss" not in pm
+    critic_loss, cm = value_loss_fn(values, old_values, returns, MASK, SEQ_IDS, separate)
+    assert critic_loss.item() == pytest.approx(value_loss, abs=1e-6) and cm["value_clip_frac"] == pytest.approx(0.5)
 
 
 def test_micro_batch_losses_with_the_global_norm_add_up_to_the_batch_loss():

@@ -27,6 +27,7 @@ from rlfleet.trainer.losses import (
     gspo_loss,
     ppo_loss,
     terminal_rewards,
+    value_loss,
 )
 from rlfleet.trainer.objectives import with_advantages
 
@@ -114,7 +115,7 @@ def ref_gspo(seqs, cfg):
     return _agg(terms, cfg.loss_agg) + _regularisers(seqs, cfg)
 
 
-def ref_ppo(seqs, cfg):
+def ref_value_loss(seqs, cfg):
     errs = []
     for s in seqs:
         e = []
@@ -125,11 +126,20 @@ def ref_ppo(seqs, cfg):
                 err = max(err, (vc - ret) ** 2)
             e.append(err)
         errs.append(e)
-    return ref_token_pg(seqs, cfg) + cfg.value_coef * 0.5 * _agg(errs, cfg.loss_agg) + _regularisers(seqs, cfg)
+    return 0.5 * _agg(errs, cfg.loss_agg)
 
 
-REFERENCES = {"grpo": ref_grpo, "gspo": ref_gspo, "ppo": ref_ppo}
-LOSSES = {"grpo": grpo_loss, "gspo": gspo_loss, "ppo": ppo_loss}
+def ref_ppo(seqs, cfg):
+    policy = ref_token_pg(seqs, cfg) + _regularisers(seqs, cfg)
+    return policy + cfg.value_coef * ref_value_loss(seqs, cfg) if cfg.critic == "shared" else policy
+
+
+def critic_loss(inp, cfg, norm):
+    return value_loss(inp.values, inp.old_values, inp.returns, inp.mask, inp.seq_ids, cfg, norm)
+
+
+REFERENCES = {"grpo": ref_grpo, "gspo": ref_gspo, "ppo": ref_ppo, "critic": ref_value_loss}
+LOSSES = {"grpo": grpo_loss, "gspo": gspo_loss, "ppo": ppo_loss, "critic": critic_loss}
 DIFFERENTIABLE = ("logp", "ent", "v")
 
 
@@ -230,19 +240,25 @@ CONFIGS = [
     ("grpo", dict(tis_cap=None, std_normalize=False)),
     ("gspo", dict(tis_cap=1.5)),  # the paper's clip: 3e-4 / 4e-4
     ("gspo", dict(tis_cap=1.5, clip_eps_low=0.05, clip_eps_high=0.08, loss_agg="token_mean", kl_coef=0.05)),
-    ("ppo", dict(tis_cap=1.5, gamma=0.99, gae_lambda=0.9, value_clip=0.2)),
-    ("ppo", dict(tis_cap=1.5, value_clip=None, entropy_coef=0.01, loss_agg="seq_mean")),
+    ("ppo", dict(tis_cap=1.5, gamma=0.99, gae_lambda=0.9, value_clip=0.2, critic="shared")),
+    ("ppo", dict(tis_cap=1.5, value_clip=None, entropy_coef=0.01, loss_agg="seq_mean", critic="shared")),
+    ("ppo", dict(tis_cap=1.5, gamma=0.99, gae_lambda=0.9)),  # separate critic: the policy's loss only
+    ("critic", dict(value_clip=0.2)),  # the separate critic's loss
+    ("critic", dict(value_clip=None, loss_agg="seq_mean")),
 ]
 
 
 @pytest.mark.parametrize(("algorithm", "overrides"), CONFIGS)
 def test_loss_value_and_gradient_match_the_reference(algorithm, overrides):
+    critic = algorithm == "critic"
+    if critic:
+        algorithm = "ppo"
     cfg = LossConfig(algorithm=algorithm, **overrides)
     rewards, groups, seqs = make_case(seed=len(str(overrides)),
                                      seq_scale=0.35 if algorithm != "gspo" else 4 * cfg.clip_eps_high)
     with_reference_advantages(seqs, rewards, groups, algorithm, cfg)
     ref_seqs = loss_tokens(seqs)
-    reference = REFERENCES[algorithm]
+    reference = REFERENCES["critic" if critic else algorithm]
 
     # The batch really does hit the cases it is meant to.
     tis_over = sum(math.exp(o - r) > cfg.tis_cap for s in ref_seqs for o, r in zip(s["old"], s["roll"], strict=True)
@@ -266,18 +282,21 @@ def test_loss_value_and_gradient_match_the_reference(algorithm, overrides):
     inp = PolicyInputs(logprobs=leaves["logp"], old_logprobs=f["old"], rollout_logprobs=f["roll"],
                        advantages=f["adv"], mask=f["mask"], seq_ids=seq_ids,
                        ref_logprobs=f["ref"] if cfg.kl_coef else None, entropy=leaves["ent"],
-                       values=leaves["v"] if algorithm == "ppo" else None,
+                       values=leaves["v"] if algorithm == "ppo" and (critic or cfg.critic == "shared") else None,
                        old_values=f["old_v"] if algorithm == "ppo" else None,
                        returns=f["ret"] if algorithm == "ppo" else None)
     norm = LossNorm(float(f["mask"].sum()), len(seqs),
                     torch.tensor([sum(s["mask"]) for s in seqs], dtype=torch.float64))
-    loss, metrics = LOSSES[algorithm](inp, cfg, norm)
+    loss, metrics = LOSSES["critic" if critic else algorithm](inp, cfg, norm)
     expected = reference(ref_seqs, cfg)
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-10, abs=1e-12)
-    assert metrics["loss"] == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    assert metrics["value_loss" if critic else "loss"] == pytest.approx(expected, rel=1e-10, abs=1e-12)
     loss.backward()
 
-    keys = ["logp"] + (["ent"] if cfg.entropy_coef else []) + (["v"] if algorithm == "ppo" else [])
+    if critic:
+        keys = ["v"]
+    else:
+        keys = ["logp"] + (["ent"] if cfg.entropy_coef else []) + (["v"] if cfg.critic == "shared" else [])
     for key in keys:
         got = leaves[key].grad
         want = ref_grad(reference, ref_seqs, cfg, key)

@@ -129,9 +129,9 @@ def test_save_hf_writes_a_model_transformers_loads_with_the_same_outputs(tmp_pat
     assert torch.allclose(ours, theirs, atol=1e-5)
 
 
-def test_ppo_trains_the_value_head_towards_the_returns():
+def test_ppo_trains_the_shared_value_head_towards_the_returns():
     b = backend(value_head=True)
-    cfg = LossConfig(algorithm="ppo", gamma=1.0, gae_lambda=0.95)
+    cfg = LossConfig(algorithm="ppo", gamma=1.0, gae_lambda=0.95, critic="shared")
     samples = make_samples(2, 4, seed=7)
     first = rl_step(b, samples, cfg, BatchConfig(pack_length=64))
     for _ in range(5):

@@ -29,7 +29,12 @@ class LossConfig(StrictModel):
     algorithm: Literal["grpo", "gspo", "ppo"] = Field(
         "grpo", description="grpo: token-level clipped ratio with group-normalised advantages; "
         "gspo: sequence-level ratio (geometric mean of token ratios), clipped per sequence; "
-        "ppo: token-level clipped ratio with GAE advantages from a value head.")
+        "ppo: token-level clipped ratio with GAE advantages from a critic (see `critic`).")
+    critic: Literal["separate", "shared"] = Field(
+        "separate", description="PPO: separate: a value model with its own weights (initialised from the "
+        "policy's, or [value_model] model_path), optimizer and checkpoint, as verl, OpenRLHF and slime train it; "
+        "shared: a linear value head on the policy's own trunk, trained with the policy's loss "
+        "(value_coef weighs it; the only choice with the Megatron backend)")
     clip_eps_low: float = Field(0.2, ge=0.0, description="ratio is clipped below at 1 - clip_eps_low "
                                 "(default 0.2; gspo: 3e-4, the GSPO paper's sequence-ratio clip).")
     clip_eps_high: float = Field(0.2, ge=0.0, description="ratio is clipped above at 1 + clip_eps_high "
@@ -49,7 +54,8 @@ class LossConfig(StrictModel):
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
     value_clip: float | None = Field(0.2, gt=0.0, description="PPO: value predictions are clipped to "
                                      "old_value +- value_clip in the value loss; None disables.")
-    value_coef: float = Field(0.5, ge=0.0, description="PPO: weight of the value loss.")
+    value_coef: float = Field(0.5, ge=0.0, description="PPO, critic = shared: weight of the value loss in the "
+                              "policy's loss (a separate critic minimises the value loss alone).")
     whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the batch's "
                                     "loss tokens (mean 0, std 1).")
 
@@ -124,6 +130,8 @@ class TorchBackendConfig(BackendOptions):
         None, description="build a model from this config (`model_type` defaults to qwen2; random init with "
         "`seed`) instead of loading model_dir.")
     value_head: bool = Field(False, description="add a scalar value head on the final hidden state (PPO).")
+    values_only: bool = Field(False, description="a critic: only the value head's output is computed (no "
+                              "LM head, no log-probs); needs value_head")
     optim: OptimConfig = OptimConfig()
     batch: BatchConfig = BatchConfig()
 
@@ -131,4 +139,6 @@ class TorchBackendConfig(BackendOptions):
     def _one_model_source(self) -> TorchBackendConfig:
         if (self.model_dir is None) == (self.model_config_dict is None):
             raise ValueError("set exactly one of model_dir and model_config_dict")
+        if self.values_only and not self.value_head:
+            raise ValueError("values_only needs value_head")
         return self

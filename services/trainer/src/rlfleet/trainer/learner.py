@@ -57,6 +57,7 @@ class LearnerCore:
         self.config = config
         self.backend = None
         self.reference = None
+        self.value_model = None
 
     @property
     def world_size(self) -> int:
@@ -76,6 +77,10 @@ class LearnerCore:
         if self.config.loss.kl_coef > 0:
             # The frozen starting policy, for the KL penalty; never stepped.
             self.reference = self._build(cfg.model_copy(update={"value_head": False}), trainable=False)
+        if self.config.uses_value_model:
+            from rlfleet.trainer.value_model import TorchValueModel
+
+            self.value_model = TorchValueModel(self.config.value_model_config())
 
     def _build(self, cfg, trainable: bool = True):
         if self.config.backend.name == "megatron":
@@ -91,15 +96,25 @@ class LearnerCore:
 
         start = time.perf_counter()
         metrics = rl_step(self.backend, samples, self.config.loss, self.config.batch, reference=self.reference,
-                          recompute_old_logprobs=self.config.backend.recompute_old_logprobs)
+                          recompute_old_logprobs=self.config.backend.recompute_old_logprobs,
+                          value_model=self.value_model)
         metrics["rl_step_s"] = time.perf_counter() - start  # batch assembly, old log-probs, update
         return metrics
 
     def save_checkpoint(self, ckpt_dir: Path) -> None:
         self.backend.save_checkpoint(ckpt_dir)
+        if self.value_model is not None:
+            from rlfleet.trainer.value_model import VALUE_MODEL_DIR
+
+            # Inside the same checkpoint directory: one rename makes both durable, or neither.
+            self.value_model.save_checkpoint(Path(ckpt_dir) / VALUE_MODEL_DIR)
 
     def load_checkpoint(self, ckpt_dir: Path) -> None:
         self.backend.load_checkpoint(ckpt_dir)
+        if self.value_model is not None:
+            from rlfleet.trainer.value_model import VALUE_MODEL_DIR
+
+            self.value_model.load_checkpoint(Path(ckpt_dir) / VALUE_MODEL_DIR)
 
     def export(self) -> dict[str, Any]:
         """The policy's HF-named fp32 state dict (full on rank 0, empty elsewhere)."""
@@ -109,7 +124,7 @@ class LearnerCore:
         """Keeps the followers' wait for the next command under the process group's timeout."""
 
     def close(self) -> None:
-        for b in (self.backend, self.reference):
+        for b in (self.value_model, self.reference, self.backend):  # the policy's owns the process group
             if b is not None:
                 b.close()
 

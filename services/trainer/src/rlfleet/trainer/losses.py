@@ -301,24 +301,39 @@ def gspo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) 
     return loss, metrics
 
 
-def ppo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
-    """PPO-clip on GAE advantages plus a clipped value loss: 0.5 * max((v - R)^2, (v_clip - R)^2)."""
-    if inp.values is None or inp.old_values is None or inp.returns is None:
-        raise ValueError("ppo_loss needs values, old_values and returns")
-    norm = norm or LossNorm.local(inp.mask, inp.seq_ids)
-    pg_loss, metrics = _clipped_token_objective(inp, cfg, norm)
-    v = inp.values.to(torch.promote_types(inp.values.dtype, torch.float32))  # bf16 up, float64 kept
-    old_v, ret = inp.old_values.detach(), inp.returns.detach()
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               seq_ids: torch.Tensor, cfg: LossConfig, norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
+    """The clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old_v + clip(v - old_v, +-value_clip)."""
+    norm = norm or LossNorm.local(mask, seq_ids)
+    v = values.to(torch.promote_types(values.dtype, torch.float32))  # bf16 up, float64 kept
+    old_v, ret = old_values.detach(), returns.detach()
     err = (v - ret) ** 2
+    metrics: Metrics = {}
     if cfg.value_clip is not None:
         v_clipped = old_v + (v - old_v).clamp(-cfg.value_clip, cfg.value_clip)
         err_clipped = (v_clipped - ret) ** 2
-        metrics["value_clip_frac"] = _masked_mean((err_clipped > err).float(), inp.mask)
+        metrics["value_clip_frac"] = _masked_mean((err_clipped > err).float(), mask)
         err = torch.maximum(err, err_clipped)
-    value_loss = 0.5 * aggregate(err, inp.mask, inp.seq_ids, norm, cfg.loss_agg)
+    loss = 0.5 * aggregate(err, mask, seq_ids, norm, cfg.loss_agg)
+    metrics.update(value_loss=_item(loss), value_mean=_masked_mean(v, mask))
+    return loss, metrics
+
+
+def ppo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
+    """PPO-clip on GAE advantages; with a shared critic (value head on the policy's trunk) plus
+    value_coef times the clipped value loss. A separate critic trains on `value_loss` alone."""
+    shared = cfg.critic == "shared"
+    if shared and (inp.values is None or inp.old_values is None or inp.returns is None):
+        raise ValueError("ppo_loss with critic = 'shared' needs values, old_values and returns")
+    norm = norm or LossNorm.local(inp.mask, inp.seq_ids)
+    pg_loss, metrics = _clipped_token_objective(inp, cfg, norm)
     reg, reg_metrics = _regularisers(inp, cfg, norm)
-    loss = pg_loss + cfg.value_coef * value_loss + reg
-    metrics.update(value_loss=_item(value_loss), value_mean=_masked_mean(v, inp.mask), **reg_metrics)
+    loss = pg_loss + reg
+    if shared:
+        v_loss, v_metrics = value_loss(inp.values, inp.old_values, inp.returns, inp.mask, inp.seq_ids, cfg, norm)
+        loss = loss + cfg.value_coef * v_loss
+        metrics.update(v_metrics)
+    metrics.update(reg_metrics)
     return loss, {"loss": _item(loss), **metrics}
 
 

@@ -4,10 +4,12 @@
 complete groups:
 
     batch = assemble_batch(samples)                      # exact tokens, packed
-    old   = backend.forward_inference(batch)             # PPO only: values (+ log-probs before the update)
-    batch = with_advantages(batch, old, loss_cfg)        # group-normalised or GAE
+    old   = backend.forward_inference(batch)             # PPO, shared critic: values (+ log-probs before the update)
+    values = value_model.values(batch)                   # PPO, separate critic
+    batch = with_advantages(batch, loss_cfg, values)     # group-normalised or GAE
     batch.ref_logprobs = reference.compute_logprobs(...) # only with a KL penalty
     metrics = backend.train_step(batch, RLObjective(loss_cfg))
+    metrics |= value_model.train_step(batch, loss_cfg)   # PPO, separate critic: its own optimizer step
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from rlfleet.trainer.losses import (
     terminal_rewards,
     whiten,
 )
+from rlfleet.trainer.value_model import ValueModel
 
 
 class RLObjective:
@@ -38,7 +41,7 @@ class RLObjective:
     def __init__(self, cfg: LossConfig, old_is_current: bool = False) -> None:
         self.cfg = cfg
         self.loss = POLICY_LOSSES[cfg.algorithm]
-        self.needs_values = cfg.algorithm == "ppo"
+        self.needs_values = cfg.algorithm == "ppo" and cfg.critic == "shared"
         self.needs_entropy_grad = cfg.entropy_coef > 0
         # One optimizer step per batch: the proximal policy (the trainer's log-probs before the update)
         # is this very forward pass, detached, so a separate no-grad pass over the batch is not needed.
@@ -89,7 +92,7 @@ def with_advantages(batch: TrainBatch, cfg: LossConfig, values: torch.Tensor | N
     """Per-token advantages: group-normalised rewards (GRPO/GSPO) or GAE on `values` (PPO)."""
     if cfg.algorithm == "ppo":
         if values is None:
-            raise ValueError("PPO advantages need the value head's predictions")
+            raise ValueError("PPO advantages need the critic's values")
         rewards = terminal_rewards(batch.rewards, batch.loss_mask, batch.seq_ids)
         adv, returns = gae_advantages(rewards, values, batch.loss_mask, batch.seq_ids, cfg.gamma, cfg.gae_lambda)
         if cfg.whiten_advantages:
@@ -101,19 +104,26 @@ def with_advantages(batch: TrainBatch, cfg: LossConfig, values: torch.Tensor | N
 
 def rl_step(backend: TrainingBackend, samples: Sequence[TrainSample], loss_cfg: LossConfig,
             batch_cfg: BatchConfig, reference: TrainingBackend | None = None,
-            recompute_old_logprobs: bool = True) -> Metrics:
-    """One optimizer step of the RL loop on complete groups of samples."""
+            recompute_old_logprobs: bool = True, value_model: ValueModel | None = None) -> Metrics:
+    """One optimizer step of the RL loop on complete groups of samples (and one of the critic's,
+    for PPO with a separate critic: both on the values from before either update)."""
     batch = assemble_batch(samples, batch_cfg.layout, batch_cfg.pack_length, batch_cfg.pad_token_id)
     ppo = loss_cfg.algorithm == "ppo"
+    separate = ppo and loss_cfg.critic == "separate"
+    if separate and value_model is None:
+        raise ValueError("PPO with critic = 'separate' needs a value model")
     # `train_step` is one optimizer step (micro-batches accumulate), so the log-probs before the update
-    # are those of its own forward pass; only PPO's values need a pass of their own first.
-    old = backend.forward_inference(batch, with_values=True) if ppo else None
+    # are those of its own forward pass; only a shared critic's values need a pass of their own first.
+    old = backend.forward_inference(batch, with_values=True) if ppo and not separate else None
     if old is not None and recompute_old_logprobs:
         batch = batch.replace(old_logprobs=old.logprobs)
-    batch = with_advantages(batch, loss_cfg, old.values if old is not None else None)
+    values = value_model.values(batch) if separate else (old.values if old is not None else None)
+    batch = with_advantages(batch, loss_cfg, values)
     if reference is not None:
         batch = batch.replace(ref_logprobs=reference.compute_logprobs(batch))
     metrics = backend.train_step(batch, RLObjective(loss_cfg, old_is_current=recompute_old_logprobs))
+    if separate:
+        metrics.update(value_model.train_step(batch, loss_cfg))
     versions = batch.policy_versions.float()
     metrics.update(reward_mean=float(batch.rewards.mean()), policy_version_min=float(versions.min()))
     return metrics

@@ -60,6 +60,18 @@ class ConsumerConfig(StrictModel):
     fetch_timeout_s: float = Field(1.0, gt=0, description="longest a pull waits for messages")
 
 
+class ValueModelConfig(StrictModel):
+    """PPO with `[trainer.loss] critic = "separate"`: the critic's own model and optimizer (its
+    numerics, batch layout and device are the backend's)."""
+
+    model_path: str = Field("", description="HF directory whose trunk the critic starts from (its LM head "
+                            "is never run; a zero-initialised value head is added); empty = the policy's "
+                            "model_path")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5),
+                               description="the critic's AdamW and LR schedule (default lr 1e-5, verl's critic "
+                               "default, ten times the policy's)")
+
+
 class TrainerBackendOptions(BackendOptions):
     """The backend's options (the model itself comes from model_path), and where the proximal policy
     of the clipped ratio comes from."""
@@ -94,6 +106,7 @@ class TrainerConfig(ServiceConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     backend: TrainerBackendOptions = Field(default_factory=TrainerBackendOptions)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    value_model: ValueModelConfig = Field(default_factory=ValueModelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     weights: WeightStoreConfig = Field(default_factory=WeightStoreConfig,
                                        description="how each policy version is written to the weight store")
@@ -110,6 +123,18 @@ class TrainerConfig(ServiceConfig):
                              "trajectories stay unacked until the checkpoint that includes them")
         return self
 
+    @model_validator(mode="after")
+    def _megatron_ppo_has_a_shared_critic(self) -> TrainerConfig:
+        if self.backend.name == "megatron" and self.uses_value_model:
+            raise ValueError("PPO on the Megatron backend trains a shared critic only: set "
+                             "[trainer.loss] critic = \"shared\"")
+        return self
+
+    @property
+    def uses_value_model(self) -> bool:
+        """PPO with a separate critic."""
+        return self.loss.algorithm == "ppo" and self.loss.critic == "separate"
+
     @property
     def has_model(self) -> bool:
         return bool(self.model_path)
@@ -121,7 +146,13 @@ class TrainerConfig(ServiceConfig):
         """The learning core's config of the policy: this service's sections as they are."""
         options = self.backend.model_dump(include=set(BackendOptions.model_fields))
         return TorchBackendConfig(**options, model_dir=self.model_path, optim=self.optim, batch=self.batch,
-                                  value_head=self.loss.algorithm == "ppo")
+                                  value_head=self.loss.algorithm == "ppo" and self.loss.critic == "shared")
+
+    def value_model_config(self) -> TorchBackendConfig:
+        """The separate critic's config: its own model and optimizer, the backend's numerics and batch layout."""
+        options = self.backend.model_dump(include=set(BackendOptions.model_fields))
+        return TorchBackendConfig(**options, model_dir=self.value_model.model_path or self.model_path,
+                                  optim=self.value_model.optim, batch=self.batch, value_head=True, values_only=True)
 
     def checkpoint_dir(self) -> Path:
         if self.checkpoint.dir:

@@ -51,9 +51,14 @@ class PolicyModel(nn.Module):
     from outside a sharded root would skip its unshard hooks.
     """
 
-    def __init__(self, lm: nn.Module, value_head: bool) -> None:
+    def __init__(self, lm: nn.Module, value_head: bool, values_only: bool = False) -> None:
         super().__init__()
         self.lm = lm
+        self.values_only = values_only  # a critic: the LM head is never run
+        head = lm.get_output_embeddings()
+        if values_only and head.weight is not lm.get_input_embeddings().weight:
+            # Never run, so never stepped: frozen, it has no optimizer state to save or miss on load.
+            head.weight.requires_grad_(False)
         self.value_head = None
         if value_head:
             self.value_head = nn.Linear(lm.config.hidden_size, 1)
@@ -62,10 +67,10 @@ class PolicyModel(nn.Module):
             nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                attention_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                        attention_mask=attention_mask, use_cache=False).last_hidden_state
-        logits = self.lm.get_output_embeddings()(hidden)
+        logits = None if self.values_only else self.lm.get_output_embeddings()(hidden)
         values = self.value_head(hidden).squeeze(-1) if self.value_head is not None else None
         return logits, values
 
@@ -115,12 +120,12 @@ class TorchBackend(TrainingBackend):
         lm = build_lm(cfg)
         # Seeded after the LM so that the value head is identical on every rank and every run.
         torch.manual_seed(cfg.seed)
-        self.model = PolicyModel(lm, cfg.value_head).to(self.device)
+        self.model = PolicyModel(lm, cfg.value_head, cfg.values_only).to(self.device)
         if self.world_size > 1:
             self._shard()
         o = self.optim_cfg = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.optim_cfg))
         self._step = 0
 
@@ -147,9 +152,12 @@ class TorchBackend(TrainingBackend):
         attention_mask = None if mb.attention_mask is None else mb.attention_mask.to(self.device)
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             logits, values = self.model(mb.input_ids.to(self.device), mb.position_ids.to(self.device), attention_mask)
-        logprobs = logprobs_from_logits(logits, mb.input_ids.to(self.device))
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)
+        if logits is None:  # a critic
+            logprobs, entropy = torch.zeros(mb.input_ids.shape, device=self.device), None
+        else:
+            logprobs = logprobs_from_logits(logits, mb.input_ids.to(self.device))
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy_from_logits(logits)
         if with_values:
             if values is None:
                 raise ValueError("the loss needs values but the backend has no value head (set value_head=true)")
@@ -163,7 +171,7 @@ class TorchBackend(TrainingBackend):
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             logits, values = self.model(ids, torch.arange(2, device=self.device)[None], None)
         if backward:
-            zero = logits.float().sum() * 0.0
+            zero = values.new_zeros(()) if logits is None else logits.float().sum() * 0.0
             if values is not None:
                 zero = zero + values.float().sum() * 0.0
             zero.backward()
@@ -199,7 +207,8 @@ class TorchBackend(TrainingBackend):
             # A sequence's first token has nothing to be predicted from (packed: it would be the previous sample).
             valid = ((mb.seq_ids >= 0) & (mb.position_ids > 0)).float().to(dev)
             logprobs[idx, :width] = out.logprobs.float() * valid
-            entropy[idx, :width] = out.entropy.float() * valid
+            if out.entropy is not None:
+                entropy[idx, :width] = out.entropy.float() * valid
             if values is not None:
                 values[idx, :width] = out.values.float() * valid
         if self.world_size > 1:
