@@ -2,6 +2,8 @@
 
 Writes into argv[1]: logprobs.pt (before training), metrics.json, hf/ (after two steps), and at world
 size >= 2 also hf_resumed/ (a fresh backend that loaded the step-1 checkpoint and took step 2).
+With argv[2] = "ppo": PPO with a separate critic, whose weights after the two steps (and after the
+resumed step 2) are written as critic.safetensors (critic_resumed.safetensors).
 """
 
 import json
@@ -9,12 +11,14 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from rlfleet.trainer.batching import pack_batch
 from rlfleet.trainer.config import BatchConfig, LossConfig, TorchBackendConfig
 from rlfleet.trainer.objectives import rl_step
 from rlfleet.trainer.testing import make_samples, tiny_qwen2_config
 from rlfleet.trainer.torch_backend import TorchBackend
+from rlfleet.trainer.value_model import TorchValueModel
 
 torch.set_num_threads(1)
 
@@ -26,21 +30,38 @@ def config(seed: int) -> TorchBackendConfig:
                               batch={"micro_batch_rows": 1, "pack_length": 40})
 
 
-def main(out: Path) -> None:
-    loss_cfg = LossConfig(loss_agg="seq_mean", tis_cap=2.0)
+def critic_weights(critic: TorchValueModel | None, path: Path) -> None:
+    if critic is None:
+        return
+    state = critic.state_dict()["model"]
+    if critic.backend.rank == 0:
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(path))
+
+
+def main(out: Path, algorithm: str) -> None:
+    ppo = algorithm == "ppo"
+    loss_cfg = LossConfig(algorithm=algorithm, loss_agg="seq_mean", tis_cap=2.0)
     batch_cfg = BatchConfig(pack_length=40, micro_batch_rows=1)
     first, second = make_samples(3, 4, lengths=(6, 30), seed=11), make_samples(3, 4, lengths=(6, 30), seed=12)
     b = TorchBackend(config(seed=0))
+    critic = TorchValueModel(config(seed=0)) if ppo else None
     logprobs = b.compute_logprobs(pack_batch(first, 40))
-    metrics = [rl_step(b, first, loss_cfg, batch_cfg)]
+    metrics = [rl_step(b, first, loss_cfg, batch_cfg, value_model=critic)]
     b.save_checkpoint(out / "ckpt")
-    metrics.append(rl_step(b, second, loss_cfg, batch_cfg))
+    if critic is not None:
+        critic.save_checkpoint(out / "ckpt" / "value_model")
+    metrics.append(rl_step(b, second, loss_cfg, batch_cfg, value_model=critic))
     b.save_hf(out / "hf")
+    critic_weights(critic, out / "critic.safetensors")
     if b.world_size > 1:
         resumed = TorchBackend(config(seed=7))
+        resumed_critic = TorchValueModel(config(seed=7)) if ppo else None
         resumed.load_checkpoint(out / "ckpt")
-        rl_step(resumed, second, loss_cfg, batch_cfg)
+        if resumed_critic is not None:
+            resumed_critic.load_checkpoint(out / "ckpt" / "value_model")
+        rl_step(resumed, second, loss_cfg, batch_cfg, value_model=resumed_critic)
         resumed.save_hf(out / "hf_resumed")
+        critic_weights(resumed_critic, out / "critic_resumed.safetensors")
     if b.rank == 0:
         torch.save(logprobs, out / "logprobs.pt")
         (out / "metrics.json").write_text(json.dumps({"world_size": b.world_size, "steps": metrics}))
@@ -48,4 +69,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "grpo")
