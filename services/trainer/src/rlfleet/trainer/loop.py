@@ -35,7 +35,9 @@ tracer = trace.get_tracer("rlfleet.trainer")
 
 REPORTED = ("loss", "pg_loss", "entropy", "clip_frac", "approx_kl", "kl", "grad_norm", "logprob_gap_mean",
             "logprob_gap_max", "tis_weight_mean", "tis_clip_frac", "reward_mean", "lr", "tokens",
-            "loss_tokens", "seqs", "step_time_s", "rl_step_s", "tokens_per_s", "value_loss", "skipped")
+            "loss_tokens", "seqs", "step_time_s", "rl_step_s", "tokens_per_s", "skipped", "ratio_mean",
+            # PPO: the value loss (either critic) and a separate critic's own step.
+            "value_loss", "value_mean", "value_clip_frac", "critic_grad_norm", "critic_lr", "critic_step_time_s")
 
 
 class TrainerLoop:

@@ -7,7 +7,7 @@ so `--loss.algorithm gspo` or `[optim] lr = 1e-6` in TOML reach the core unchang
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -60,6 +60,9 @@ class ConsumerConfig(StrictModel):
     fetch_timeout_s: float = Field(1.0, gt=0, description="longest a pull waits for messages")
 
 
+CRITIC_LR = 1e-5
+
+
 class ValueModelConfig(StrictModel):
     """PPO with `[trainer.loss] critic = "separate"`: the critic's own model and optimizer (its
     numerics, batch layout and device are the backend's)."""
@@ -67,9 +70,17 @@ class ValueModelConfig(StrictModel):
     model_path: str = Field("", description="HF directory whose trunk the critic starts from (its LM head "
                             "is never run; a zero-initialised value head is added); empty = the policy's "
                             "model_path")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5),
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=CRITIC_LR),
                                description="the critic's AdamW and LR schedule (default lr 1e-5, verl's critic "
                                "default, ten times the policy's)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _critic_lr_default(cls, data: Any) -> Any:
+        # A section that sets other optimizer keys keeps the critic's LR default, not the policy's.
+        if isinstance(data, dict) and isinstance(data.get("optim"), dict) and "lr" not in data["optim"]:
+            return {**data, "optim": {"lr": CRITIC_LR, **data["optim"]}}
+        return data
 
 
 class TrainerBackendOptions(BackendOptions):
