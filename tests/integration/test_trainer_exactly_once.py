@@ -1,10 +1,13 @@
-"""Kill -9 the trainer at random moments; every published trajectory is trained exactly once."""
+"""Kill -9 the trainer at random moments; every published trajectory is trained exactly once.
+"torch-ppo": PPO with a separate critic, whose own checkpoint (inside the trainer's) must then hold
+exactly one critic step per trained step too."""
 
 import asyncio
 import random
 import time
 
 import pytest
+import torch
 
 from rlfleet.common.testing import unique_run_id
 from rlfleet.trainer.checkpointer import Checkpointer
@@ -21,8 +24,9 @@ G, GROUPS, PER_STEP = 4, 12, 2
 STEPS = GROUPS // PER_STEP
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("megatron", marks=pytest.mark.timeout(900))])
+@pytest.mark.parametrize("backend", ["torch", "torch-ppo", pytest.param("megatron", marks=pytest.mark.timeout(900))])
 def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once(tmp_path, nats_url, backend):
+    backend, _, loss = backend.partition("-")
     seed = time.time_ns() % 10**6
     rng = random.Random(seed)
     run = unique_run_id("tk")
@@ -33,7 +37,7 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
 
     args = ("--group-size", str(G), "--groups-per-step", str(PER_STEP), "--max-staleness", "1000",
             "--consumer.ack-wait-s", "2", "--checkpoint.every", "1", "--optim.lr", "1e-3",
-            "--backend.name", backend)
+            "--backend.name", backend, "--loss.algorithm", loss or "grpo")
     kills = []
     for attempt in range(3):
         trainer = TrainerProcess(tmp_path, nats_url, run, model, *args).start(timeout_s=300)
@@ -42,8 +46,11 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
             if attempt < 2:
                 # Killed at a random moment once this process has made progress of its own: inside a
                 # step, a checkpoint, a weight-store write or an announcement, or between them.
-                trainer.wait_for(lambda s, after=restored_step: s.step > after or s.trained_trajectories == G * GROUPS,
-                                 what="a step")
+                # The first kill waits for a checkpoint too, so that there is one to resume from: on a
+                # loaded machine two kills inside the first step's checkpoint left nothing to restore.
+                trainer.wait_for(lambda s, after=restored_step, first=attempt == 0:
+                                 (s.step > after and (not first or s.last_checkpoint))
+                                 or s.trained_trajectories == G * GROUPS, what="a step")
                 time.sleep(rng.uniform(0.0, 0.3))
                 trainer.kill()
                 kills.append(trainer.log().count("-> version"))
@@ -61,3 +68,6 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
     assert set(trained) == {t.trajectory_id for t in published}, f"trajectories lost ({context})"
     assert [r.step for r in restored.ledger.records()] == list(range(1, STEPS + 1)), context
     assert restored.state.step == STEPS and status.step == STEPS and status.trained_trajectories == len(published)
+    if loss == "ppo":
+        critic = torch.load(restored.path / "value_model" / "trainer_state.pt", weights_only=False)
+        assert critic["step"] == STEPS, context
