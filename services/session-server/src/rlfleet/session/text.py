@@ -67,13 +67,13 @@ class ChatRenderer:
     def uses_model_template(self) -> bool:
         return self._template is not None
 
-    def render(self, messages: Messages, add_generation_prompt: bool) -> str:
+    def render(self, messages: Messages, add_generation_prompt: bool, tools: list | None = None) -> str:
         _check_roles(messages)
         if self._template is None:
             return render_messages(messages, add_generation_prompt)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         tools=tools, **self.special_tokens)
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the messages: {exc}") from None
 
