@@ -27,8 +27,10 @@ from pathlib import Path
 
 # The tokenizer format is the chat format's other half, shared with the session server and the
 # environment kit's tests: it lives with the chat format, in libs/common.
-from rlfleet.common.chat import train_tokenizer
+from rlfleet.common.chat import tokenizer_config, train_tokenizer
 from rlfleet.common.families import FAMILIES, QWEN2, Family, family
+
+__all__ = ["ModelSpec", "build", "build_model", "tokenizer_config", "train_tokenizer"]
 
 
 @dataclass(frozen=True)
