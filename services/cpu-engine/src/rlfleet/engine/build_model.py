@@ -30,7 +30,7 @@ from pathlib import Path
 from rlfleet.common.chat import tokenizer_config, train_tokenizer
 from rlfleet.common.families import FAMILIES, QWEN2, Family, family
 
-__all__ = ["ModelSpec", "build", "build_model", "tokenizer_config", "train_tokenizer"]
+__all__ = ["ModelSpec", "build", "build_model", "tokenizer_config", "train_tokenizer", "write_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -94,17 +94,25 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int, model_family: Famil
     return model.eval()
 
 
-def build(out: Path, texts: Sequence[str], seed: int, spec: ModelSpec, model_family: Family = QWEN2,
-          dtype: str = "float32") -> Path:
-    """Writes tokenizer and model to `out` and returns it."""
+def write_tokenizer(out: Path, texts: Sequence[str], vocab_size: int, model_max_length: int,
+                    model_family: Family = QWEN2):
+    """tokenizer.json, tokenizer_config.json (with the family's chat template) and
+    special_tokens_map.json in `out`; returns the trained `tokenizers.Tokenizer`."""
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(texts, spec.vocab_size, model_family.special_tokens, model_family.split_regex)
+    tokenizer = train_tokenizer(texts, vocab_size, model_family.special_tokens, model_family.split_regex)
     tokenizer.save(str(out / "tokenizer.json"))
-    config = model_family.tokenizer_config(spec.max_position_embeddings)
+    config = model_family.tokenizer_config(model_max_length)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     names = ("bos_token", "eos_token", "pad_token", "unk_token", "additional_special_tokens")
     special = {k: config[k] for k in names if config[k] is not None}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
+    return tokenizer
+
+
+def build(out: Path, texts: Sequence[str], seed: int, spec: ModelSpec, model_family: Family = QWEN2,
+          dtype: str = "float32") -> Path:
+    """Writes tokenizer and model to `out` and returns it."""
+    tokenizer = write_tokenizer(out, texts, spec.vocab_size, spec.max_position_embeddings, model_family)
     # The embedding matrix is sized to the trained vocabulary, which can fall short of the
     # requested size on a small corpus.
     model = build_model(spec, tokenizer.get_vocab_size(), seed, model_family, dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -10,6 +11,7 @@ import grpc
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
+from rlfleet.common.chat import CHAT_TEMPLATE
 from rlfleet.session.closing import ABORTED_STATUS, Closer
 from rlfleet.session.errors import InvalidSessionRequest, SessionNotOpen, SessionsExhausted
 from rlfleet.session.gateway_client import GatewayClient
@@ -31,6 +33,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         self.gateway = gateway
         self.closer = closer
         self.metrics = metrics
+        self.model_info = model_info(inputs)
 
     async def OpenSession(self, request: session_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext):
         session_id = _session_id(request.session_id) if request.session_id else uuid.uuid4().hex
@@ -57,13 +60,15 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     async def Generate(self, request: session_pb2.GenerateRequest, context):
         started = time.monotonic()
         state = await self._open_session(request.session_id)
+        observed: list[int] = []
         if request.HasField("observation"):
-            ids = await self.inputs.observation_ids_off_loop(request.observation, state)
+            ids = observed = await self.inputs.observation_ids_off_loop(request.observation, state)
             append_observation(state, ids, time.time())
             self.metrics.observation_tokens.add(len(ids))
             if state.budget_exhausted:  # no room for a turn: keep the observation, generate nothing
                 await self.store.commit(state)
-                return session_pb2.GenerateResponse(total_tokens=state.total_tokens, budget_exhausted=True)
+                return session_pb2.GenerateResponse(total_tokens=state.total_tokens, budget_exhausted=True,
+                                                    observation_token_ids=observed)
         sampling = self.inputs.turn_sampling(state, request.sampling if request.HasField("sampling") else None)
         request_id = f"{state.session_id}-{len(state.session.spans)}-{uuid.uuid4().hex[:8]}"
         # `engine_pool` in the session's metadata pins it to a pool (evaluations of a canary candidate).
@@ -71,15 +76,24 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                                             state.session.metadata.get("engine_pool", ""))
         span_index = append_generated(state, reply, time.time())
         await self.store.commit(state)
-        text = self.inputs.tokenizer.decode(list(reply.output_ids))
+        output = list(reply.output_ids)
+        tokenizer = self.inputs.tokenizer
         elapsed = time.monotonic() - started
         self.metrics.generate_seconds.record(elapsed)
         self.metrics.overhead_seconds.record(max(0.0, elapsed - reply.latency_s))
         self.metrics.generated_tokens.add(len(reply.output_ids))
-        return session_pb2.GenerateResponse(
-            token_ids=reply.output_ids, logprobs=reply.output_logprobs, finish_reason=reply.finish_reason,
-            policy_version=reply.policy_version, text=text, engine_id=reply.engine_id, span_index=span_index,
-            total_tokens=state.total_tokens, budget_exhausted=state.budget_exhausted)
+        response = session_pb2.GenerateResponse(
+            token_ids=output, logprobs=reply.output_logprobs, finish_reason=reply.finish_reason,
+            policy_version=reply.policy_version, text=tokenizer.decode(output), engine_id=reply.engine_id,
+            span_index=span_index, total_tokens=state.total_tokens, budget_exhausted=state.budget_exhausted,
+            observation_token_ids=observed, text_with_special_tokens=tokenizer.decode(output, skip_special_tokens=False))
+        stops = {*tokenizer.stop_token_ids, *sampling.stop_token_ids}
+        if reply.finish_reason == common_pb2.FINISH_REASON_STOP and output and output[-1] in stops:
+            response.matched_stop_token_id = output[-1]
+        return response
+
+    async def GetModelInfo(self, request: session_pb2.GetModelInfoRequest, context):
+        return self.model_info
 
     async def AppendObservation(self, request: session_pb2.AppendObservationRequest, context):
         state = await self._open_session(request.session_id)
@@ -132,6 +146,23 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         if run_id and run_id != self.run_id:
             raise InvalidSessionRequest(f"this session server serves run {self.run_id!r}, not {run_id!r}",
                                         field="run_id")
+
+
+def model_info(inputs: Inputs) -> session_pb2.ModelInfo:
+    tokenizer, renderer = inputs.tokenizer, inputs.renderer
+    config_file = tokenizer.path / "tokenizer_config.json"
+    model_config = tokenizer.path / "config.json"
+    special = renderer.special_tokens
+    return session_pb2.ModelInfo(
+        tokenizer_json=tokenizer.json,
+        tokenizer_config_json=config_file.read_text(encoding="utf-8") if config_file.exists() else "",
+        chat_template=renderer.template_source if renderer.uses_model_template else CHAT_TEMPLATE,
+        bos_token=special.get("bos_token", ""), eos_token=special.get("eos_token", ""),
+        pad_token=special.get("pad_token", ""),
+        special_tokens=[session_pb2.SpecialToken(content=c, id=i) for i, c in sorted(tokenizer.special_tokens.items())],
+        stop_token_ids=tokenizer.stop_token_ids, vocab_size=tokenizer.vocab_size,
+        context_length=inputs.limits.context_length or 0,
+        model_type=json.loads(model_config.read_text()).get("model_type", "") if model_config.exists() else "")
 
 
 def _session_id(session_id: str) -> str:
