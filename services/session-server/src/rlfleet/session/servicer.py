@@ -12,8 +12,14 @@ import grpc
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.common.chat import CHAT_TEMPLATE
-from rlfleet.session.closing import ABORTED_STATUS, Closer
-from rlfleet.session.errors import InvalidSessionRequest, SessionNotOpen, SessionsExhausted
+from rlfleet.session.closing import ABORTED_STATUS, VERDICT_MISSING, Closer
+from rlfleet.session.errors import (
+    InvalidSessionRequest,
+    SessionBusy,
+    SessionExists,
+    SessionNotOpen,
+    SessionsExhausted,
+)
 from rlfleet.session.gateway_client import GatewayClient
 from rlfleet.session.inputs import Inputs
 from rlfleet.session.metrics import SessionMetrics
@@ -26,7 +32,8 @@ CLOSE_STATUSES = set(common_pb2.TrajectoryStatus.values())
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     def __init__(self, run_id: str, store: SessionStore, inputs: Inputs, gateway: GatewayClient, closer: Closer,
-                 metrics: SessionMetrics) -> None:
+                 metrics: SessionMetrics, turn_lease_s: float = 600.0) -> None:
+        self.turn_lease_s = turn_lease_s
         self.run_id = run_id
         self.store = store
         self.inputs = inputs
@@ -40,7 +47,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         self._check_run(request.run_id)
         existing = await self.store.find(session_id)
         if existing is not None:  # a retried open: same answer
-            return _opened(existing)
+            return self._reopened(existing, request)
         budget = self.inputs.budget(request.max_total_tokens)
         prompt = await self.inputs.prompt_ids_off_loop(request, budget)
         self.inputs.check_sampling_defaults(request.sampling, budget)
@@ -53,13 +60,25 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
             raise
         if not created:  # opened concurrently under the same id
-            return _opened(await self.store.load(session_id))
+            return self._reopened(await self.store.load(session_id), request)
         self.metrics.sessions_opened.add(1)
         return _opened(state)
 
     async def Generate(self, request: session_pb2.GenerateRequest, context):
         started = time.monotonic()
         state = await self._open_session(request.session_id)
+        lease = await self.store.begin_turn(state.session_id, self.turn_lease_s)
+        if lease is None:
+            raise SessionBusy(f"session {state.session_id!r} is generating a turn already; calls on one "
+                              "session must not overlap", session_id=state.session_id)
+        try:
+            # Loaded again under the lease: a turn that ended between the first load and the lease.
+            state = await self._open_session(request.session_id)
+            return await self._generate(state, request, started)
+        finally:
+            await self.store.end_turn(state.session_id, lease)
+
+    async def _generate(self, state: SessionState, request: session_pb2.GenerateRequest, started: float):
         observed: list[int] = []
         if request.HasField("observation"):
             ids = observed = await self.inputs.observation_ids_off_loop(request.observation, state)
@@ -115,7 +134,8 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         closed = await self.closer.close(_session_id(request.session_id), request.status, metadata)
         response = session_pb2.CloseSessionResponse(trajectory_id=closed.trajectory.trajectory_id,
                                                     verdict=closed.trajectory.verdict,
-                                                    published_now=closed.published_now)
+                                                    published_now=closed.published_now,
+                                                    verdict_missing=VERDICT_MISSING in closed.trajectory.metadata)
         if request.return_trajectory:
             response.trajectory.CopyFrom(closed.trajectory)
         return response
@@ -127,6 +147,19 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return session_pb2.AbortSessionResponse(trajectory_id=closed.trajectory.trajectory_id)
 
     # --- helpers --------------------------------------------------------------------------------
+    def _reopened(self, existing: SessionState, request: session_pb2.OpenSessionRequest) -> session_pb2.OpenSessionResponse:
+        """A retried open gets the same answer; an open of the same id with another prompt or task is refused."""
+        opened = _opened(existing)
+        try:
+            prompt = self.inputs.prompt_ids(request, existing.session.max_total_tokens)
+        except InvalidSessionRequest:
+            prompt = None
+        if prompt != list(opened.prompt_token_ids) or request.task_id != existing.session.task_id:
+            raise SessionExists(
+                f"session {existing.session_id!r} exists with another prompt or task_id; a retried OpenSession "
+                "must repeat the first one's, a new episode needs a new session_id", session_id=existing.session_id)
+        return opened
+
     async def _open_session(self, session_id: str) -> SessionState:
         state = await self.store.load(_session_id(session_id))
         if state.session.state != OPEN:

@@ -235,16 +235,18 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.TrajectoryStatus, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., return_trajectory: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
-    __slots__ = ("trajectory_id", "verdict", "published_now", "trajectory")
+    __slots__ = ("trajectory_id", "verdict", "published_now", "trajectory", "verdict_missing")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_NOW_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_MISSING_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     verdict: _common_pb2.Verdict
     published_now: bool
     trajectory: _common_pb2.Trajectory
-    def __init__(self, trajectory_id: _Optional[str] = ..., verdict: _Optional[_Union[_common_pb2.Verdict, _Mapping]] = ..., published_now: _Optional[bool] = ..., trajectory: _Optional[_Union[_common_pb2.Trajectory, _Mapping]] = ...) -> None: ...
+    verdict_missing: bool
+    def __init__(self, trajectory_id: _Optional[str] = ..., verdict: _Optional[_Union[_common_pb2.Verdict, _Mapping]] = ..., published_now: _Optional[bool] = ..., trajectory: _Optional[_Union[_common_pb2.Trajectory, _Mapping]] = ..., verdict_missing: _Optional[bool] = ...) -> None: ...
 
 class AbortSessionRequest(_message.Message):
     __slots__ = ("session_id", "reason")
