@@ -97,6 +97,7 @@ def test_each_process_reads_back_exactly_the_config_the_launcher_wrote(tmp_path,
 def test_every_toml_the_repo_ships_loads():
     shipped = {ROOT / "examples" / "calc.toml": RunConfig,
                ROOT / "examples" / "calc-megatron.toml": RunConfig,
+               ROOT / "examples" / "llama.toml": RunConfig,
                ROOT / "services" / "weight-broker" / "examples" / "broker.toml": WeightBrokerConfig}
     assert set(shipped) == {p for p in ROOT.glob("**/*.toml") if p.name != "pyproject.toml"
                             and ".venv" not in p.parts and "runs" not in p.parts}

@@ -310,7 +310,7 @@ def test_another_family_s_tool_call_format_runs_the_tool_and_sends_the_result_as
     from rlfleet.envkit.sdk import framing_for
 
     clients = FakeClients([call, "<answer>5</answer>"])
-    summary = run(clients, tool_call_format=fmt, framing=framing_for(fmt))
+    summary = run(clients, tool_call_format=fmt, framing=framing_for("template"))
     assert (summary.end, summary.tool_calls, summary.invalid_calls, summary.final_answer) == ("answer", 1, 0, "5")
     (appended,) = clients.session.appended
     assert [(m.role, m.content) for m in appended.messages.messages] == [("tool", "5")]

@@ -205,7 +205,7 @@ class RolloutWorker:
         hooks = EpisodeHooks(on_admission_retry=lambda exc: self.metrics.admission_retries.add(1),
                              on_tool_result=lambda call, result, waited: self.metrics.tool_wait.record(waited))
         loop = AgentLoop(self.clients, environments=self.environments, admission=admission, hooks=hooks,
-                         framing=framing_for(config.tool_call_format), tool_call_format=config.tool_call_format)
+                         framing=framing_for(config.observation_framing), tool_call_format=config.tool_call_format)
         self.runner = GroupRunner(loop, self.clients.session, asyncio.Semaphore(config.concurrency),
                                   sampling=config.sampling, max_total_tokens=config.max_total_tokens)
         log.info("consuming tasks", extra={"run_id": config.run_id, "consumer": self.queue.durable,

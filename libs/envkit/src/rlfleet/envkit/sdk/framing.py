@@ -83,7 +83,6 @@ class TemplateFraming:
             add_generation_prompt=True)
 
 
-def framing_for(tool_call_format: str):
-    """The framing a worker uses with a tool-call format: the built-in tags' ChatML client-side (the
-    default model), any other family's template server-side."""
-    return ChatMLFraming if tool_call_format == "tags" else TemplateFraming
+def framing_for(name: str):
+    """`chatml`: ChatML framed here (the default model); `template`: the model's template, by the server."""
+    return {"chatml": ChatMLFraming, "template": TemplateFraming}[name]
