@@ -380,3 +380,41 @@ async def test_generate_returns_the_observation_ids_and_the_stop_token_it_ended_
     assert tokenizer.decode(list(second.observation_token_ids), skip_special_tokens=False) == (
         "<|im_end|>\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n")
     await sessions.AbortSession(pb.AbortSessionRequest(session_id=sid))
+
+
+async def test_an_idle_session_is_expired_published_released_and_answered_as_expired(rollout, tmp_path):
+    from rlfleet.common.processes import ServiceProcess, free_port
+    from rlfleet.session.testing import session_server_config
+
+    config = session_server_config(rollout.nats_url, rollout.redis_url, rollout.run_id, rollout.gateway.address,
+                                   str(rollout.model), **{"grpc.port": free_port(), "session_idle_timeout_s": 1.0,
+                                                          "expiry_sweep_s": 0.2})
+    server = ServiceProcess("rlfleet-session-server", tmp_path, config=config).spawn().wait_ready()
+    try:
+        async with channel(server.address) as ch:
+            expiring = session_pb2_grpc.SessionServiceStub(ch)
+            opened = await open_chat(expiring)
+            sid = opened.session_id
+            await expiring.Generate(pb.GenerateRequest(session_id=sid))
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                session = await expiring.GetSession(pb.GetSessionRequest(session_id=sid))
+                if session.state != pb.SESSION_STATE_OPEN:
+                    break
+            assert session.state == pb.SESSION_STATE_ABORTED and session.trajectory_id
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await expiring.Generate(pb.GenerateRequest(session_id=sid))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "expired" in refused.value.details()
+            assert error_details(refused.value).metadata["state"] == "expired"
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await expiring.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            assert "expired" in refused.value.details()
+        (trajectory,) = await published(rollout, session.trajectory_id)
+        assert trajectory.status == common_pb2.TRAJECTORY_STATUS_ABORTED
+        assert trajectory.metadata["abort_reason"] == "expired"
+        async with redis_client(rollout.redis_url) as redis:  # the admission slot was given back
+            stored = await redis.hgetall(key(rollout.run_id, "session", sid))
+            assert stored[b"released"] == b"1" and stored[b"published"] == b"1"
+            assert await redis.zscore(key(rollout.run_id, "sessions", "open"), sid) is None
+    finally:
+        server.stop()

@@ -14,6 +14,7 @@ re-publishes the same bytes under the same ID (JetStream drops the duplicate ins
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -23,7 +24,13 @@ from opentelemetry import trace
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.telemetry import current_trace_context
 from rlfleet.common.verdicts import verdict_key
-from rlfleet.session.errors import ConcurrentSessionCall, GatewayUnavailable, SessionNotOpen
+from rlfleet.session.errors import (
+    ConcurrentSessionCall,
+    GatewayUnavailable,
+    PublishFailed,
+    SessionNotFound,
+    SessionNotOpen,
+)
 from rlfleet.session.gateway_client import GatewayClient
 from rlfleet.session.metrics import SessionMetrics
 from rlfleet.session.publisher import TrajectoryPublisher
@@ -69,6 +76,34 @@ class Closer:
         raise ConcurrentSessionCall(f"session {session_id!r} kept changing while it was being closed",
                                     session_id=session_id)
 
+    async def expire(self, session_id: str, idle_s: float) -> bool:
+        """Closes an idle open session as expired (ABORTED, abort_reason "expired") and releases its
+        admission slot; False when it changed or closed meanwhile."""
+        last = await self.store.last_change(session_id)
+        if last is None or last > time.time() - idle_s:
+            return False
+        state = await self.store.load(session_id)
+        if state.session.state != OPEN:
+            return False
+        state.expired = True
+        try:
+            trajectory = await self._seal(state, ABORTED_STATUS, None, {"abort_reason": "expired"})
+        except ConcurrentSessionCall:
+            return False  # a call landed meanwhile: not idle after all
+        await self._deliver(state, trajectory)
+        self.metrics.sessions_expired.add(1)
+        log.info("session expired", extra={"session_id": session_id, "idle_s": round(time.time() - last, 1)})
+        return True
+
+    async def expire_idle(self, idle_s: float) -> int:
+        expired = 0
+        for session_id in await self.store.idle_sessions(idle_s):
+            try:
+                expired += await self.expire(session_id, idle_s)
+            except (SessionNotFound, GatewayUnavailable, PublishFailed) as exc:
+                log.warning("expiring a session failed", extra={"session_id": session_id, "error": str(exc)})
+        return expired
+
     async def _seal(self, state: SessionState, status: int, verdict: common_pb2.Verdict | None,
                     metadata: dict[str, str]) -> common_pb2.Trajectory:
         trajectory = build_trajectory(state, uuid.uuid4().hex, status, verdict, metadata)
@@ -94,6 +129,11 @@ class Closer:
         aborting = status == ABORTED_STATUS
         was_aborted = state.session.state == ABORTED
         trajectory = common_pb2.Trajectory.FromString(state.trajectory)
+        if state.expired and not aborting:
+            raise SessionNotOpen(
+                f"cannot close session {state.session_id!r}: it expired (no call for session_idle_timeout_s) and was "
+                f"published as aborted (trajectory {state.session.trajectory_id})", session_id=state.session_id,
+                state="expired")
         if aborting != was_aborted:
             asked = "abort" if aborting else "close"
             raise SessionNotOpen(

@@ -162,6 +162,10 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     async def _open_session(self, session_id: str) -> SessionState:
         state = await self.store.load(_session_id(session_id))
+        if state.expired:
+            raise SessionNotOpen(
+                f"session {state.session_id!r} expired: no call for session_idle_timeout_s; it was published as "
+                f"aborted (trajectory {state.session.trajectory_id})", session_id=state.session_id, state="expired")
         if state.session.state != OPEN:
             raise SessionNotOpen(
                 f"session {state.session_id!r} is {state.state_name} (trajectory {state.session.trajectory_id})",

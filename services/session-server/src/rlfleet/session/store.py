@@ -145,6 +145,14 @@ class SessionStore:
         """Records a close step that needs no compare-and-set (published, released): it only ever goes 0 -> 1."""
         await self.redis.hset(self._key(session_id), flag, "1")
 
+    async def idle_sessions(self, idle_s: float, limit: int = 256) -> list[str]:
+        """Open sessions whose last change is more than `idle_s` ago."""
+        ids = await self.redis.zrangebyscore(self._open_key, "-inf", time.time() - idle_s, start=0, num=limit)
+        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
+    async def last_change(self, session_id: str) -> float | None:
+        return await self.redis.zscore(self._open_key, session_id)
+
     async def open_count(self) -> int:
         return await self.redis.zcount(self._open_key, time.time() - self.ttl_s, "+inf")
 
