@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2 as pb
 from rlfleet.api.session.v1 import session_pb2_grpc
+from rlfleet.common.families import FAMILIES
 from rlfleet.common.grpc_server import channel
 from rlfleet.common.testing import unique_run_id
 from rlfleet.engine.testing import build_tiny_model, http_call
@@ -82,10 +84,19 @@ async def episode(sessions, seed: int) -> common_pb2.Trajectory:
 
 async def test_the_prompt_is_the_family_template_and_the_trainer_matches_the_rollout_before_and_after_a_sync(
         member, tmp_path):
-    _, model, stack = member
+    name, model, stack = member
     tokenizer = AutoTokenizer.from_pretrained(str(model))
+    family = FAMILIES[name]
     async with channel(stack.session.address) as ch:
         sessions = session_pb2_grpc.SessionServiceStub(ch)
+        # What an outside client learns from the protocol alone: the family's tokens and template.
+        info = await sessions.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.model_type == family.model_type and info.chat_template == family.chat_template
+        assert list(info.stop_token_ids) == sorted(family.special_tokens.index(t) for t in family.stop_tokens)
+        assert [t.content for t in info.special_tokens] == list(family.special_tokens)
+        assert (info.eos_token, info.bos_token) == (family.eos_token, family.bos_token or "")
+        assert Tokenizer.from_str(info.tokenizer_json).encode(QUESTION).ids == tokenizer.encode(
+            QUESTION, add_special_tokens=False)
         opened = await sessions.OpenSession(pb.OpenSessionRequest(
             messages=chat(("system", SYSTEM), ("user", QUESTION)),
             sampling=common_pb2.SamplingParams(max_new_tokens=4)))
