@@ -45,7 +45,7 @@ class SessionServerApp(PeersApp):
         publisher = TrajectoryPublisher(self.js, config.run_id, config.publish_timeout_s)
         closer = Closer(store, self.redis, publisher, self.gateway, metrics)
         servicer = SessionServicer(config.run_id, store, Inputs(tokenizer, renderer, limits), self.gateway, closer,
-                                   metrics, turn_lease_s=config.gateway_timeout_s + 5.0)
+                                   metrics)
         server.add(session_pb2_grpc.add_SessionServiceServicer_to_server, servicer, SERVICE_NAME)
         self.expiry = asyncio.create_task(self._expire_idle(closer))
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -26,13 +28,14 @@ from rlfleet.session.metrics import SessionMetrics
 from rlfleet.session.state import OPEN, SessionState, append_generated, append_observation, append_prompt
 from rlfleet.session.store import SessionStore
 
+log = logging.getLogger(__name__)
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 CLOSE_STATUSES = set(common_pb2.TrajectoryStatus.values())
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     def __init__(self, run_id: str, store: SessionStore, inputs: Inputs, gateway: GatewayClient, closer: Closer,
-                 metrics: SessionMetrics, turn_lease_s: float = 600.0) -> None:
+                 metrics: SessionMetrics, turn_lease_s: float = 10.0) -> None:
         self.turn_lease_s = turn_lease_s
         self.run_id = run_id
         self.store = store
@@ -71,12 +74,23 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         if lease is None:
             raise SessionBusy(f"session {state.session_id!r} is generating a turn already; calls on one "
                               "session must not overlap", session_id=state.session_id)
+        renewing = asyncio.create_task(self._keep_turn(state.session_id, lease))
         try:
             # Loaded again under the lease: a turn that ended between the first load and the lease.
             state = await self._open_session(request.session_id)
             return await self._generate(state, request, started)
         finally:
+            renewing.cancel()
             await self.store.end_turn(state.session_id, lease)
+
+    async def _keep_turn(self, session_id: str, lease: str) -> None:
+        """Renews the turn lease while the turn runs; a server that dies stops renewing it."""
+        while True:
+            await asyncio.sleep(self.turn_lease_s / 3)
+            try:
+                await self.store.renew_turn(session_id, lease, self.turn_lease_s)
+            except Exception:  # Redis away for a moment: the commit's compare-and-set still guards the session
+                log.warning("renewing a turn lease failed", extra={"session_id": session_id})
 
     async def _generate(self, state: SessionState, request: session_pb2.GenerateRequest, started: float):
         observed: list[int] = []

@@ -7,13 +7,13 @@ Redis layout (namespaced by run):
                                                (Trajectory proto, once closing), published, released
     rlfleet:<run>:sessions:open          ZSET  session_id -> last change (unix s): the open-session limit
     rlfleet:<run>:session:<session_id>:turn  STRING  the token of the Generate running on the session
-                                               (SET NX, expires after the gateway deadline)
+                                               (SET NX, a 10 s lease renewed while the turn runs)
 
 Every change is a compare-and-set on `rev`: a call reads the session, does its work (e.g. a whole
 engine round trip) and writes back only if nobody changed the session meanwhile. A concurrent second
 call on one session loses. The one lease is a Generate's turn: a second Generate on a busy session
-is refused before it costs an engine generation; the lease expires on its own, so a server killed
-mid-turn leaves nothing stuck for longer than the gateway deadline.
+is refused before it costs an engine generation. The lease is short and renewed while the turn runs,
+so a server killed mid-turn leaves the session busy for at most one lease (10 s).
 Keys expire `session_ttl_s` after their last change.
 """
 
@@ -63,6 +63,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# KEYS: lease key. ARGV: token, ttl ms.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 
 class SessionStore:
     def __init__(self, redis: aioredis.Redis, run_id: str, ttl_s: float, max_open: int) -> None:
@@ -74,6 +80,7 @@ class SessionStore:
         self._create = redis.register_script(_CREATE)
         self._commit = redis.register_script(_COMMIT)
         self._release = redis.register_script(_RELEASE)
+        self._renew = redis.register_script(_RENEW)
 
     def _key(self, session_id: str) -> str:
         return key(self.run_id, "session", session_id)
@@ -137,6 +144,9 @@ class SessionStore:
         token = uuid.uuid4().hex
         taken = await self.redis.set(self._key(session_id) + ":turn", token, nx=True, px=int(lease_s * 1000))
         return token if taken else None
+
+    async def renew_turn(self, session_id: str, token: str, lease_s: float) -> bool:
+        return bool(await self._renew(keys=[self._key(session_id) + ":turn"], args=[token, int(lease_s * 1000)]))
 
     async def end_turn(self, session_id: str, token: str) -> None:
         await self._release(keys=[self._key(session_id) + ":turn"], args=[token])
