@@ -65,6 +65,7 @@ max_minutes = 1.5
     assert "gate: version" in result.stdout and "refused" in result.stdout
 
 
+@pytest.mark.timeout(900)  # a model build, a warm start and a run: past the default 300 s on a busy machine
 def test_a_run_on_a_model_directory_of_another_family_trains_and_publishes_versions(tmp_path):
     """`[model] path` names a Llama directory (built here as a Hub checkpoint would be laid out):
     the warm start renders its demonstrations with the model's template, the session server its
