@@ -284,9 +284,9 @@ async def test_opening_with_the_same_session_id_again_returns_the_same_session(r
 async def engine_generated_tokens(rollout) -> int:
     from rlfleet.engine.testing import http_call
 
-    status, load = await http_call(rollout.engines["e0"].url, "/get_load", method="GET")
-    assert status == 200, load
-    return load[0]["generated_tokens"]
+    status, info = await http_call(rollout.engines["e0"].url, "/server_info", method="GET")
+    assert status == 200, info
+    return info["generated_tokens"]
 
 
 async def test_two_overlapping_calls_on_one_session_cannot_both_change_it(rollout, sessions):
