@@ -38,6 +38,14 @@ python=$(command -v python3.11 || command -v python3)
 real_python=$("$python" -c 'import os, sys; print(os.path.realpath(sys.executable))')
 "$real_python" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"rlfleet needs Python 3.11, found {sys.version}"'
 
+# The Node environment client's packages (examples/node_env: @grpc/grpc-js, @grpc/proto-loader, from
+# its committed lockfile), when node is on the machine; again whenever the lockfile changes.
+node_env=examples/node_env
+if command -v npm >/dev/null 2>&1 && ! cmp -s "$node_env/package-lock.json" "$node_env/node_modules/.rlfleet-lock"; then
+  echo "install: npm ci in $node_env"
+  (cd "$node_env" && npm ci --no-audit --no-fund --silent) && cp "$node_env/package-lock.json" "$node_env/node_modules/.rlfleet-lock"
+fi
+
 packages=(libs/common libs/weights libs/envkit libs/cli services/*/)
 want=$(cat requirements/lock.txt scripts/install.sh scripts/megatron_bridge_wheel.py "${packages[@]/%//pyproject.toml}" \
   | sha256sum | cut -c1-16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -340,3 +341,33 @@ def test_the_custom_environment_example_runs_an_episode_with_the_generated_stubs
     assert episode["passed"] and episode["reward"] == 1.0 and episode["tool_calls"] == 1
     published = asyncio.run(trajectories(rig.info, lambda t: t.session_id == episode["session_id"]))
     assert [t.trajectory_id for t in published] == [episode["trajectory_id"]]
+
+
+NODE = shutil.which("node")
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed (scripts/install.sh installs the client's packages when it is)")
+def test_the_node_client_runs_a_multi_turn_calc_episode_from_the_protos_alone(rig):
+    node_env = ROOT / "examples" / "node_env"
+    assert (node_env / "node_modules" / "@grpc" / "grpc-js").is_dir(), \
+        "run scripts/install.sh (npm ci in examples/node_env)"
+    task = calc.generate_tasks("train", 1, seed=606)[0]
+    write_for_verifier([task], rig.info.suites_dir)
+    result = subprocess.run([NODE, str(node_env / "client.js"), "--session", rig.info.session_address,
+                             "--sandbox", rig.info.sandbox_address, "--verifier", rig.info.verifier_address,
+                             "--run-id", rig.info.run_id, "--task-id", task.task_id,
+                             "--question", task.chat_messages()[-1]["content"]],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    episode = json.loads(result.stdout)
+    assert episode["passed"] and episode["reward"] == 1.0 and episode["tool_calls"] == 1 and episode["turns"] == 2
+    assert episode["token_ids_match"] and episode["model_type"] == "scripted"  # the rig's config.json says so
+    (published,) = asyncio.run(trajectories(rig.info, lambda t: t.session_id == episode["session_id"]))
+    assert published.trajectory_id == episode["trajectory_id"]
+    assert list(published.token_ids) == episode["token_ids"]
+    # The prompt, then generated turns and the observation the server framed, as ChatML renders them.
+    text = rig.tokenizer.decode(episode["token_ids"], skip_special_tokens=False)
+    assert "<|im_end|>\n<|im_start|>tool\n" in text and text.count("<|im_start|>assistant\n") == 2
+    kinds = [s.kind for s in published.spans]
+    assert kinds == [common_pb2.SPAN_KIND_PROMPT, common_pb2.SPAN_KIND_GENERATED, common_pb2.SPAN_KIND_OBSERVATION,
+                     common_pb2.SPAN_KIND_GENERATED]

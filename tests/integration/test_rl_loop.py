@@ -63,3 +63,51 @@ max_minutes = 1.5
     assert summary["baseline_vs_rl"]["rl_accepted"]["version"] == 0
     assert (run_dir / "report.html").exists() and (run_dir / "report" / "reward_success.png").exists()
     assert "gate: version" in result.stdout and "refused" in result.stdout
+
+
+@pytest.mark.timeout(900)  # a model build, a warm start and a run: past the default 300 s on a busy machine
+def test_a_run_on_a_model_directory_of_another_family_trains_and_publishes_versions(tmp_path):
+    """`[model] path` names a Llama directory (built here as a Hub checkpoint would be laid out):
+    the warm start renders its demonstrations with the model's template, the session server its
+    prompts and observations, and the loop trains it (examples/llama.toml, docs/models.md)."""
+    corpus = tmp_path / "corpus.txt"
+    subprocess.run([sys.executable, "-m", "rlfleet.envkit.corpus", "--out", str(corpus)], check=True, timeout=120)
+    model = tmp_path / "llama-tiny"
+    subprocess.run([str(Path(sys.executable).parent / "rlfleet-build-model"), "--family", "llama", "--out", str(model),
+                    "--corpus", str(corpus), "--hidden-size", "64", "--intermediate-size", "128",
+                    "--num-hidden-layers", "2"], check=True, capture_output=True, timeout=300)
+    config = tmp_path / "llama.toml"
+    config.write_text(f"""
+run_id = "itest-llama"
+group_size = 4
+[model]
+path = "{model}"
+[warm_start]
+demonstrations = 200
+epochs = 1
+[rollout]
+concurrency = 8
+max_staleness = 2
+observation_framing = "template"
+[trainer]
+groups_per_step = 2
+[eval]
+heldout = 8
+regression = 0
+[gate]
+enabled = false
+[budget]
+max_steps = 3
+max_minutes = 1.5
+""")
+    run_dir = tmp_path / "run"
+    result = subprocess.run([RLFLEET, "run", str(config), "--run-dir", str(run_dir),
+                             "--model-cache-dir", str(tmp_path / "cache")],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_version"] >= 1
+    assert summary["trajectories"]["train"] >= 2 * 4
+    (policy,) = (tmp_path / "cache").glob("policy-*")
+    assert json.loads((policy / "config.json").read_text())["model_type"] == "llama"
+    assert "<|start_header_id|>" in json.loads((policy / "tokenizer_config.json").read_text())["chat_template"]

@@ -281,9 +281,18 @@ async def test_opening_with_the_same_session_id_again_returns_the_same_session(r
     await sessions.AbortSession(pb.AbortSessionRequest(session_id=first.session_id))
 
 
+async def engine_generated_tokens(rollout) -> int:
+    from rlfleet.engine.testing import http_call
+
+    status, info = await http_call(rollout.engines["e0"].url, "/server_info", method="GET")
+    assert status == 200, info
+    return info["generated_tokens"]
+
+
 async def test_two_overlapping_calls_on_one_session_cannot_both_change_it(rollout, sessions):
     opened = await open_chat(sessions)
     request = pb.GenerateRequest(session_id=opened.session_id, sampling=sampling(32, ignore_eos=True))
+    before = await engine_generated_tokens(rollout)
 
     async def generate():
         return await sessions.Generate(request)
@@ -292,8 +301,120 @@ async def test_two_overlapping_calls_on_one_session_cannot_both_change_it(rollou
     won = [r for r in results if isinstance(r, pb.GenerateResponse)]
     lost = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
     assert len(won) == len(lost) == 1
-    assert lost[0].code() == grpc.StatusCode.FAILED_PRECONDITION and "changed by another call" in lost[0].details()
+    assert lost[0].code() == grpc.StatusCode.FAILED_PRECONDITION and "generating a turn already" in lost[0].details()
+    assert error_details(lost[0]).reason == "SESSION_BUSY"
+    # The refused call cost no engine work: the engine generated the winner's tokens only.
+    assert await engine_generated_tokens(rollout) - before == len(won[0].token_ids) == 32
     session = await sessions.GetSession(pb.GetSessionRequest(session_id=opened.session_id))
     assert [s.kind for s in session.spans] == [common_pb2.SPAN_KIND_PROMPT, GENERATED]
     assert list(session.token_ids) == [*opened.prompt_token_ids, *won[0].token_ids]
     await sessions.AbortSession(pb.AbortSessionRequest(session_id=opened.session_id))
+
+
+async def test_reopening_a_session_id_with_another_prompt_is_already_exists(rollout, sessions):
+    opened = await open_chat(sessions, session_id="reopen-1", task_id="t1")
+    again = await open_chat(sessions, session_id="reopen-1", task_id="t1")  # a retry: the same answer
+    assert list(again.prompt_token_ids) == list(opened.prompt_token_ids)
+    for other in ({"question": "What is 1+1?", "task_id": "t1"}, {"task_id": "t2"}):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await open_chat(sessions, session_id="reopen-1", **other)
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert error_details(refused.value).reason == "SESSION_EXISTS"
+    await sessions.AbortSession(pb.AbortSessionRequest(session_id="reopen-1"))
+
+
+async def test_a_second_close_with_another_status_is_refused_and_one_without_a_verdict_is_marked(rollout, sessions):
+    opened = await open_chat(sessions)
+    sid = opened.session_id
+    await sessions.Generate(pb.GenerateRequest(session_id=sid))
+    closed = await sessions.CloseSession(pb.CloseSessionRequest(
+        session_id=sid, status=common_pb2.TRAJECTORY_STATUS_FAILED))
+    assert closed.verdict_missing
+    (trajectory,) = await published(rollout, closed.trajectory_id)
+    assert trajectory.metadata["rlfleet.verdict_missing"] == "1"
+    same = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, status=common_pb2.TRAJECTORY_STATUS_FAILED))
+    assert same.trajectory_id == closed.trajectory_id and not same.published_now
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, status=common_pb2.TRAJECTORY_STATUS_COMPLETED))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "already closed as TRAJECTORY_STATUS_FAILED" in refused.value.details()
+
+
+async def test_a_request_with_invalid_utf8_is_invalid_argument(rollout):
+    async with channel(rollout.session.address) as ch:
+        call = ch.unary_unary("/rlfleet.session.v1.SessionService/OpenSession",
+                              request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call(b"\x0a\x02\xff\xfe")  # field 1 (session_id): two bytes that are no UTF-8
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bad UTF-8" in refused.value.details()
+
+
+async def test_model_info_gives_what_a_client_needs_to_tokenize_and_frame(rollout, sessions, tokenizer):
+    info = await sessions.GetModelInfo(pb.GetModelInfoRequest())
+    assert Tokenizer.from_str(info.tokenizer_json).encode("<|im_start|>user\nhi").ids == tokenizer.encode(
+        "<|im_start|>user\nhi").ids
+    assert [(t.content, t.id) for t in info.special_tokens] == [("<|endoftext|>", 0), ("<|im_start|>", 1),
+                                                                ("<|im_end|>", 2)]
+    assert list(info.stop_token_ids) == [0, 2] and info.eos_token == "<|endoftext|>"
+    assert "<|im_start|>" in info.chat_template and info.model_type == "qwen2"
+    assert info.vocab_size == tokenizer.get_vocab_size() and info.context_length == 1024
+
+
+async def test_generate_returns_the_observation_ids_and_the_stop_token_it_ended_on(rollout, sessions, tokenizer):
+    opened = await open_chat(sessions, sampling=sampling(24, seed=3))
+    sid = opened.session_id
+    first = await sessions.Generate(pb.GenerateRequest(session_id=sid, sampling=sampling(
+        24, stop_token_ids=list(range(3, 400)))))  # nearly every token stops: the turn ends on its first
+    assert first.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert first.HasField("matched_stop_token_id") and first.matched_stop_token_id == first.token_ids[-1]
+    assert first.text_with_special_tokens == tokenizer.decode(list(first.token_ids), skip_special_tokens=False)
+    second = await sessions.Generate(pb.GenerateRequest(
+        session_id=sid, sampling=sampling(3, ignore_eos=True),
+        observation=pb.AppendObservationRequest(messages=chat(("tool", "84")), add_generation_prompt=True)))
+    assert second.finish_reason == common_pb2.FINISH_REASON_LENGTH and not second.HasField("matched_stop_token_id")
+    session = await sessions.GetSession(pb.GetSessionRequest(session_id=sid))
+    observation = session.spans[2]
+    assert list(session.token_ids[observation.start:observation.end]) == list(second.observation_token_ids)
+    # The turn did not end on <|im_end|>, so the observation closes it as the template would.
+    assert tokenizer.decode(list(second.observation_token_ids), skip_special_tokens=False) == (
+        "<|im_end|>\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n")
+    await sessions.AbortSession(pb.AbortSessionRequest(session_id=sid))
+
+
+async def test_an_idle_session_is_expired_published_released_and_answered_as_expired(rollout, tmp_path):
+    from rlfleet.common.processes import ServiceProcess, free_port
+    from rlfleet.session.testing import session_server_config
+
+    config = session_server_config(rollout.nats_url, rollout.redis_url, rollout.run_id, rollout.gateway.address,
+                                   str(rollout.model), **{"grpc.port": free_port(), "session_idle_timeout_s": 1.0,
+                                                          "expiry_sweep_s": 0.2})
+    server = ServiceProcess("rlfleet-session-server", tmp_path, config=config).spawn().wait_ready()
+    try:
+        async with channel(server.address) as ch:
+            expiring = session_pb2_grpc.SessionServiceStub(ch)
+            opened = await open_chat(expiring)
+            sid = opened.session_id
+            await expiring.Generate(pb.GenerateRequest(session_id=sid))
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                session = await expiring.GetSession(pb.GetSessionRequest(session_id=sid))
+                if session.state != pb.SESSION_STATE_OPEN:
+                    break
+            assert session.state == pb.SESSION_STATE_ABORTED and session.trajectory_id
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await expiring.Generate(pb.GenerateRequest(session_id=sid))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "expired" in refused.value.details()
+            assert error_details(refused.value).metadata["state"] == "expired"
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await expiring.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            assert "expired" in refused.value.details()
+        (trajectory,) = await published(rollout, session.trajectory_id)
+        assert trajectory.status == common_pb2.TRAJECTORY_STATUS_ABORTED
+        assert trajectory.metadata["abort_reason"] == "expired"
+        async with redis_client(rollout.redis_url) as redis:  # the admission slot was given back
+            stored = await redis.hgetall(key(rollout.run_id, "session", sid))
+            assert stored[b"released"] == b"1" and stored[b"published"] == b"1"
+            assert await redis.zscore(key(rollout.run_id, "sessions", "open"), sid) is None
+    finally:
+        server.stop()

@@ -13,7 +13,7 @@ from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.sandbox.v1 import sandbox_pb2
 from rlfleet.api.session.v1 import session_pb2
 from rlfleet.common.rich_errors import ErrorDetails
-from rlfleet.envkit.sdk import AgentLoop, Backoff, EpisodeSpec, Superseded
+from rlfleet.envkit.sdk import AgentLoop, Backoff, EpisodeSpec, Superseded, TemplateFraming
 from rlfleet.envkit.sdk.environment import (
     CodeEnvironment,
     InProcessCalcEnvironment,
@@ -299,3 +299,27 @@ def test_a_worker_preferring_in_process_tools_still_sandboxes_a_suite_that_runs_
         environments("docker")
     with pytest.raises(UnknownSuite, match="no environment for suite 'chess'"):
         prefer("chess")
+
+
+@pytest.mark.parametrize("fmt, call", [
+    ("hermes", '<tool_call>\n{"name": "calc", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'),
+    ("llama3_json", '{"name": "calc", "parameters": {"expression": "2+3"}}<|eot_id|>'),
+    ("mistral", '[TOOL_CALLS] [{"name": "calc", "arguments": {"expression": "2+3"}}]</s>'),
+])
+def test_another_family_s_tool_call_format_runs_the_tool_and_sends_the_result_as_a_message_to_frame(fmt, call):
+    from rlfleet.envkit.sdk import framing_for
+
+    clients = FakeClients([call, "<answer>5</answer>"])
+    summary = run(clients, tool_call_format=fmt, framing=framing_for("template"))
+    assert (summary.end, summary.tool_calls, summary.invalid_calls, summary.final_answer) == ("answer", 1, 0, "5")
+    (appended,) = clients.session.appended
+    assert [(m.role, m.content) for m in appended.messages.messages] == [("tool", "5")]
+    assert appended.add_generation_prompt
+
+
+def test_a_malformed_call_in_another_format_is_an_invalid_call_fed_back():
+    clients = FakeClients(['<tool_call>{"name": "calc", "arguments": 2+3}</tool_call>', "<answer>5</answer>"])
+    summary = run(clients, tool_call_format="hermes", framing=TemplateFraming)
+    assert summary.invalid_calls == 1 and summary.tool_calls == 0
+    (appended,) = clients.session.appended
+    assert appended.messages.messages[0].content.startswith("error: malformed tool call: not JSON")

@@ -71,3 +71,33 @@ def test_cli_help_is_instant_and_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "--model-dir" in out.stdout and out.stdout.strip().endswith("False")
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("name, closing", [("llama", "<|eot_id|>"), ("qwen3", "<|im_end|>"), ("mistral", "</s>")])
+def test_a_model_s_own_template_renders_the_demonstrations_and_the_mask_covers_its_assistant_turns(
+        tmp_path, name, closing):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from rlfleet.common.chat import train_tokenizer
+    from rlfleet.common.families import FAMILIES
+    from rlfleet.trainer.sft import model_template_renderer
+
+    family = FAMILIES[name]
+    corpus = [render_messages(conversation(a, b), False) for a in range(5) for b in range(5)]
+    train_tokenizer(corpus, 300, family.special_tokens, family.split_regex).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(family.tokenizer_config(512)))
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    messages = conversation(2, 3)[1:]  # Mistral's template moves a system prompt; demos have none
+    ids, mask = encode_messages(messages, tok, model_template_renderer(tmp_path))
+    expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=False, return_dict=False)
+    assert ids == list(expected)
+    scored = tok.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+    assert scored == f"<calc>2+3</calc>{closing}<answer>5</answer>{closing}"
+
+
+def test_the_built_in_chatml_template_keeps_the_built_in_rendering(model_dir):
+    from rlfleet.trainer.sft import model_template_renderer
+
+    assert model_template_renderer(model_dir) is None

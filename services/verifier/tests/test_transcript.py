@@ -91,3 +91,21 @@ def test_a_turn_is_a_call_to_run_exactly_when_the_rollout_worker_runs_it(turn):
     action = actions.parse_action(turn, ["calc"])
     expected = (action.tool, action.args) if isinstance(action, actions.ToolCall) else None
     assert offered_call(turn, ["calc"]) == expected
+
+
+@pytest.mark.parametrize("observation", [
+    # as the session server frames a tool result after a turn that ended on its stop token
+    "\n<|im_start|>user\n<tool_response>\nerror: division by zero\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    "<|start_header_id|>ipython<|end_header_id|>\n\nerror: division by zero<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    '[TOOL_RESULTS] {"content": "error: division by zero"}[/TOOL_RESULTS]',
+], ids=["hermes", "llama3", "mistral"])
+def test_tool_results_framed_by_other_families_templates_are_read_as_tool_messages(observation):
+    assert observation_turns(observation) == [Turn("tool", "error: division by zero")]
+
+
+def test_user_turns_of_other_families_are_user_messages():
+    assert observation_turns("<|start_header_id|>user<|end_header_id|>\n\nand now?<|eot_id|>") == [
+        Turn("user", "and now?")]
+    assert observation_turns('[TOOL_RESULTS] {"content": "5"}[/TOOL_RESULTS][INST] and now?[/INST]') == [
+        Turn("tool", "5"), Turn("user", "and now?")]

@@ -374,7 +374,8 @@ class RLRun:
                               sandbox_address=state.by_name("sandbox-manager").address,
                               verifier_address=state.by_name("verifier").address,
                               concurrency=c.rollout.concurrency, tool_runtime=c.rollout.tool_runtime,
-                              metrics={"enabled": False})
+                              tool_call_format=c.rollout.tool_call_format,
+                              observation_framing=c.rollout.observation_framing, metrics={"enabled": False})
         return RolloutWorker(config, environments=environments, clients=peers.clients)
 
     def _environments(self):

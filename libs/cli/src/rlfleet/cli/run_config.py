@@ -42,6 +42,12 @@ class RolloutConfig(StrictModel):
     tool_runtime: Literal["sandbox", "in_process"] = Field(
         "in_process", description="in_process: the calc tool (a pure function) runs in the rollout worker, with "
         "no sandbox per episode; sandbox: a fresh sandbox per episode and a sandboxed process per call")
+    tool_call_format: Literal["tags", "hermes", "llama3_json", "mistral"] = Field(
+        "tags", description="how the policy writes tool calls (rlfleet.common.tool_calls); the calc suite's "
+        "prompts and demonstrations use tags")
+    observation_framing: Literal["chatml", "template"] = Field(
+        "chatml", description="chatml: tool results framed as ChatML by the worker (the default model); template: "
+        "sent as chat messages the session server frames with the model's own template (any other family)")
 
 
 class EvalConfig(StrictModel):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -30,6 +31,21 @@ class ModelSpec(StrictModel):
     seed: int = Field(0, ge=0, description="seed of the tokenizer corpus and the initial weights")
     hidden_size: int = Field(256, ge=32, description="width of the default Qwen2 model")
     num_hidden_layers: int = Field(4, ge=1, description="layers of the default model")
+    family: Literal["qwen2", "qwen3", "llama", "mistral"] = Field(
+        "qwen2", description="architecture and chat format of the model built here (rlfleet-build-model --family)")
+    path: str = Field("", description="an HF causal-LM directory to start from instead of building one (any "
+                      "family: its own tokenizer and chat template); warm-started unless warm_start.enabled = false")
+
+    def key_fields(self) -> dict:
+        """What names the base policy; the fields added after the first cached policies only when set, so
+        those stay valid."""
+        fields = self.model_dump()
+        for name, default in (("family", "qwen2"), ("path", "")):
+            if fields[name] == default:
+                del fields[name]
+        if self.path:
+            fields["path"] = str(Path(self.path).resolve())
+        return fields
 
 
 class WarmStartConfig(StrictModel):
@@ -44,7 +60,7 @@ class WarmStartConfig(StrictModel):
 
 
 def cache_key(model: ModelSpec, warm: WarmStartConfig, system_prompt: bool) -> str:
-    blob = json.dumps({"model": model.model_dump(), "warm": warm.model_dump(exclude={"torch_threads"}),
+    blob = json.dumps({"model": model.key_fields(), "warm": warm.model_dump(exclude={"torch_threads"}),
                        "system_prompt": system_prompt, "format": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -81,10 +97,17 @@ def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig
     log = building / "warm-start.log"
     start = time.monotonic()
     initial = building / "initial"
-    _run([*build_model_command(initial, model.seed), "--hidden-size", str(model.hidden_size),
-          "--num-hidden-layers", str(model.num_hidden_layers)], log, "building the default model",
-         warm.torch_threads)
-    say(f"base policy: built the initial model ({time.monotonic() - start:.0f} s)")
+    if model.path:
+        source = Path(model.path).resolve()
+        if not (source / "config.json").is_file() or not (source / "tokenizer.json").is_file():
+            raise StartupError(f"model.path {source} is not a model directory (config.json and tokenizer.json)")
+        shutil.copytree(source, initial)
+        say(f"base policy: starting from {source}")
+    else:
+        _run([*build_model_command(initial, model.seed), "--hidden-size", str(model.hidden_size),
+              "--num-hidden-layers", str(model.num_hidden_layers), "--family", model.family], log,
+             "building the default model", warm.torch_threads)
+        say(f"base policy: built the initial {model.family} model ({time.monotonic() - start:.0f} s)")
     policy = building / "policy"
     if warm.enabled:
         demos = generate_demos(warm.demonstrations, seed=model.seed, imperfection=warm.imperfection,
@@ -100,7 +123,8 @@ def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig
               "--out", str(policy), "--epochs", str(warm.epochs), "--lr", str(warm.lr),
               "--batch-size", str(warm.batch_size), "--seed", str(model.seed)],
              log, "the SFT warm start", warm.torch_threads)
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                     "generation_config.json"):
             if (initial / name).exists() and not (policy / name).exists():
                 shutil.copy2(initial / name, policy / name)
     else:

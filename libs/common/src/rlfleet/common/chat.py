@@ -9,7 +9,7 @@ which the session server then uses instead.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -65,8 +65,10 @@ QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
                      r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int):
-    """A byte-level BPE tokenizer with the chat special tokens at ids 0, 1, 2.
+def train_tokenizer(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = SPECIAL_TOKENS,
+                    split_regex: str = QWEN2_SPLIT_REGEX):
+    """A byte-level BPE tokenizer with `special_tokens` at ids 0, 1, 2, ... (the default chat
+    format's three unless a model family names its own, `rlfleet.common.families`).
 
     Every byte is in the base alphabet, so any text encodes without unknown tokens. The vocabulary
     can come out smaller than `vocab_size` when the corpus has too few repeated pairs.
@@ -82,7 +84,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -90,12 +92,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(texts), trainer=trainer)
-    for index, token in enumerate(SPECIAL_TOKENS):
+    for index, token in enumerate(special_tokens):
         # The engine, the session server and the trainer rely on these ids.
         assert tokenizer.token_to_id(token) == index, (token, tokenizer.token_to_id(token))
     return tokenizer

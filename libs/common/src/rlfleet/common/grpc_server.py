@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rlfleet.common.config import GrpcServerConfig
-from rlfleet.common.errors import StartupError, status_for
+from rlfleet.common.errors import InvalidArgument, StartupError, status_for
 from rlfleet.common.rich_errors import rich_status
 from rlfleet.common.telemetry import tracing_enabled
 
@@ -38,8 +39,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         inner = handler.unary_unary
         method = details.method
+        deserialize = handler.request_deserializer
 
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            # Deserialized here rather than by grpc, so that bytes that are no valid request (a
+            # string field with bad UTF-8, a truncated message) are the client's INVALID_ARGUMENT,
+            # not an opaque failure of the server.
+            try:
+                request = deserialize(raw) if deserialize is not None else raw
+            except DecodeError as exc:
+                status = rich_status(InvalidArgument(f"{method}: the request does not parse: {exc}",
+                                                     field="request"))
+                await context.abort(status.code, status.details, status.trailing_metadata)
             try:
                 return await inner(request, context)
             except grpc.aio.AbortError:
@@ -53,7 +64,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(status.code, status.details, status.trailing_metadata)
 
         return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=handler.request_deserializer,
+            guarded, request_deserializer=None,
             response_serializer=handler.response_serializer)
 
 

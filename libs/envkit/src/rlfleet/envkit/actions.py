@@ -15,6 +15,12 @@ Rules, applied to the first ``<name>`` or ``</name>`` tag in the turn:
 
 An invalid call is answered with ``InvalidCall.error`` as the tool observation, so the policy sees
 its mistake the same way it sees a calculator error.
+
+A model family with its own tool-call format (``rlfleet.common.tool_calls``: Hermes, Llama 3 JSON,
+Mistral) is parsed with that format instead: its first call counts (malformed -> invalid, a tool
+the task does not offer -> unknown), ``<answer>...</answer>`` in a turn without a call is the final
+answer, and a turn with neither is no action. The text parsed is the turn's tokens decoded with
+special tokens kept; the tokens themselves are never changed.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rlfleet.common.chat import TOOL_CALL_RE
+from rlfleet.common.chat import ANSWER_RE, TOOL_CALL_RE
+from rlfleet.common.tool_calls import TagFormat, tool_call_format
 
 ANSWER_TAG = "answer"
 _ANY_TAG_RE = re.compile(r"<(/?)([a-z_]+)>")
@@ -54,8 +61,11 @@ class NoAction:
 Action = ToolCall | FinalAnswer | InvalidCall | NoAction
 
 
-def parse_action(text: str, tools: Iterable[str]) -> Action:
-    """The action of one assistant turn, by the rules in the module docstring."""
+def parse_action(text: str, tools: Iterable[str], fmt: str = TagFormat.name) -> Action:
+    """The action of one assistant turn, by the rules in the module docstring; `fmt` names the
+    model's tool-call format (`rlfleet.common.tool_calls.FORMATS`)."""
+    if fmt != TagFormat.name:
+        return _parse_formatted(text, sorted(tools), fmt)
     tag = _ANY_TAG_RE.search(text)
     if tag is None:
         return NoAction()
@@ -71,6 +81,19 @@ def parse_action(text: str, tools: Iterable[str]) -> Action:
     if name not in offered:
         return InvalidCall(f"error: unknown tool {name!r}; available: {', '.join(offered)}", tool=name)
     return ToolCall(name, call["args"])
+
+
+def _parse_formatted(text: str, offered: list[str], fmt: str) -> Action:
+    calls = tool_call_format(fmt).parse(text)
+    if calls:
+        call = calls[0]
+        if not call.ok:
+            return InvalidCall(f"error: {call.error}", tool=call.name)
+        if call.name not in offered:
+            return InvalidCall(f"error: unknown tool {call.name!r}; available: {', '.join(offered)}", tool=call.name)
+        return ToolCall(call.name, call.argument_text())
+    answer = ANSWER_RE.search(text)
+    return NoAction() if answer is None else FinalAnswer(answer["answer"].strip())
 
 
 def too_many_calls_error(max_turns: int) -> str:

@@ -33,6 +33,7 @@ from rlfleet.envkit.sdk.environment import Environment, known_suites
 from rlfleet.envkit.sdk.environment import environments as environments_for_runtime
 from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeHooks
 from rlfleet.envkit.sdk.errors import RpcError
+from rlfleet.envkit.sdk.framing import framing_for
 from rlfleet.envkit.sdk.retry import Backoff
 from rlfleet.envkit.sdk.summary import EpisodeSummary
 from rlfleet.envkit.task_queue import TASKS, Delivery, MaxDeliveriesWatch, TaskQueue
@@ -203,7 +204,8 @@ class RolloutWorker:
                             give_up_after_s=config.admission.give_up_after_s)
         hooks = EpisodeHooks(on_admission_retry=lambda exc: self.metrics.admission_retries.add(1),
                              on_tool_result=lambda call, result, waited: self.metrics.tool_wait.record(waited))
-        loop = AgentLoop(self.clients, environments=self.environments, admission=admission, hooks=hooks)
+        loop = AgentLoop(self.clients, environments=self.environments, admission=admission, hooks=hooks,
+                         framing=framing_for(config.observation_framing), tool_call_format=config.tool_call_format)
         self.runner = GroupRunner(loop, self.clients.session, asyncio.Semaphore(config.concurrency),
                                   sampling=config.sampling, max_total_tokens=config.max_total_tokens)
         log.info("consuming tasks", extra={"run_id": config.run_id, "consumer": self.queue.durable,

@@ -44,6 +44,13 @@ class WorkerConfig(StrictModel):
         "sandbox", description="sandbox: a fresh sandbox per episode; in_process: suites whose tools are pure "
         "functions (calc) run them in this worker with no sandbox, the others still get one")
     max_total_tokens: int = Field(0, ge=0, description="token budget per session; 0 = the session server's default")
+    tool_call_format: Literal["tags", "hermes", "llama3_json", "mistral"] = Field(
+        "tags", description="how the model writes tool calls (rlfleet.common.tool_calls): tags = the built-in "
+        "<calc>...</calc>; hermes, llama3_json, mistral = those families' formats")
+    observation_framing: Literal["chatml", "template"] = Field(
+        "chatml", description="chatml: observations framed as ChatML text here (the default model's template); "
+        "template: sent as chat messages that the session server frames with the model's own template "
+        "(any model family)")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     consumer: str = Field("rollout-workers", pattern=r"^[A-Za-z0-9_-]{1,64}$",

@@ -42,6 +42,11 @@ class ModelRunner:
         self.model.requires_grad_(False)
         self.tokenizer = Tokenizer.from_file(str(self.model_path / "tokenizer.json"))
         config = self.model.config
+        _check_full_attention(config)
+        # Models whose decoder takes a per-layer-type mask mapping (Qwen2/3, Gemma2/3, ...) are given
+        # {"full_attention": mask}, which also lets a plain prefill pass None (SDPA's own causal mask);
+        # the others (Llama, Mistral, ...) are given the 4D mask itself, which HF uses as it is.
+        self._mask_mapping = bool(getattr(config, "layer_types", None))
         self.vocab_size = int(config.vocab_size)
         self.max_position_embeddings = int(config.max_position_embeddings)
         self.num_layers = int(config.num_hidden_layers)
@@ -61,7 +66,7 @@ class ModelRunner:
         start = 0 if cached is None else cached.length
         cache = PaddedKVCache(self.num_layers, rows=1) if cached is None else cached
         fed = token_ids[start:]
-        if start == 0:
+        if start == 0 and self._mask_mapping:
             # A dict bypasses HF's mask construction; None lets SDPA apply its own causal mask.
             mask = None
         else:
@@ -70,7 +75,7 @@ class ModelRunner:
             mask = _causal_mask(start, len(fed), torch.float32)
         output = self.model(
             input_ids=torch.tensor([fed]),
-            attention_mask={"full_attention": mask},
+            attention_mask=self._mask(mask),
             position_ids=torch.arange(start, len(token_ids))[None, :],
             cache=cache,
             use_cache=True,
@@ -128,7 +133,7 @@ class ModelRunner:
         mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, torch.finfo(torch.float32).min)
         output = self.model(
             input_ids=input_ids,
-            attention_mask={"full_attention": mask[:, None]},
+            attention_mask=self._mask(mask[:, None]),
             position_ids=positions,
             cache=cache,
             use_cache=True,
@@ -143,13 +148,16 @@ class ModelRunner:
         mask, positions = cache.decode_inputs(torch.float32)
         output = self.model(
             input_ids=torch.tensor(last_tokens)[:, None],
-            attention_mask={"full_attention": mask},
+            attention_mask=self._mask(mask),
             position_ids=positions,
             cache=cache,
             use_cache=True,
         )
         cache.advance(1)
         return output.logits[:, -1].float()
+
+    def _mask(self, mask: torch.Tensor | None):
+        return {"full_attention": mask} if self._mask_mapping else mask
 
     # --- text -----------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -191,6 +199,19 @@ class ModelRunner:
 
     def parameter(self, name: str) -> torch.Tensor:
         return self._params[name]
+
+
+def _check_full_attention(config) -> None:
+    """The engine's masks are full causal attention: a model with sliding-window layers is refused
+    rather than served with the wrong attention."""
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [t for t in layer_types if t != "full_attention"]
+    window = getattr(config, "sliding_window", None)
+    if not layer_types and window and getattr(config, "use_sliding_window", True):
+        sliding = ["sliding_attention"]
+    if sliding:
+        raise WeightLoadError(f"{config.model_type} model with {sorted(set(sliding))} layers: the CPU engine "
+                              "serves full causal attention only (serve it with SGLang)")
 
 
 def _causal_mask(past: int, new: int, dtype: torch.dtype) -> torch.Tensor:

@@ -47,8 +47,11 @@ def write_corpus(path: Path, texts: list[str]) -> Path:
     return path
 
 
-def build_tiny_model(out: Path, seed: int = 0, corpus_seed: int = 0, **sizes) -> Path:
-    """A model small enough for unit tests (~0.2M parameters)."""
+def build_tiny_model(out: Path, seed: int = 0, corpus_seed: int = 0, family: str = "qwen2",
+                     dtype: str = "float32", **sizes) -> Path:
+    """A model small enough for unit tests (~0.2M parameters), of any family in
+    `rlfleet.common.families` (its tokenizer trained on the same calc corpus)."""
+    from rlfleet.common.families import family as model_family
 
     spec = {
         "vocab_size": 512,
@@ -60,7 +63,7 @@ def build_tiny_model(out: Path, seed: int = 0, corpus_seed: int = 0, **sizes) ->
         "max_position_embeddings": 1024,
         **sizes,
     }
-    return build(out, calc_dialogues(300, corpus_seed), seed, ModelSpec(**spec))
+    return build(out, calc_dialogues(300, corpus_seed), seed, ModelSpec(**spec), model_family(family), dtype)
 
 
 class EngineProcess(ServiceProcess):

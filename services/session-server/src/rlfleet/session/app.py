@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.common.config import require
 from rlfleet.common.grpc_server import GrpcServer
@@ -16,6 +20,7 @@ from rlfleet.session.servicer import SessionServicer
 from rlfleet.session.store import SessionStore
 from rlfleet.session.text import Tokenizer, load_chat_renderer, model_context_length
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name
 
 
@@ -42,8 +47,22 @@ class SessionServerApp(PeersApp):
         servicer = SessionServicer(config.run_id, store, Inputs(tokenizer, renderer, limits), self.gateway, closer,
                                    metrics)
         server.add(session_pb2_grpc.add_SessionServiceServicer_to_server, servicer, SERVICE_NAME)
+        self.expiry = asyncio.create_task(self._expire_idle(closer))
+
+    async def _expire_idle(self, closer: Closer) -> None:
+        """Closes sessions nobody calls any more, so they are published and free their admission slot."""
+        while True:
+            await asyncio.sleep(self.config.expiry_sweep_s)
+            try:
+                await closer.expire_idle(self.config.session_idle_timeout_s)
+            except Exception:  # Redis away for a moment: the next sweep tries again
+                log.exception("expiring idle sessions failed")
 
     async def stop(self) -> None:
+        if getattr(self, "expiry", None) is not None:
+            self.expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.expiry
         if getattr(self, "gateway", None) is not None:
             await self.gateway.close()
         await super().stop()

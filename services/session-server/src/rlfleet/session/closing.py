@@ -14,6 +14,7 @@ re-publishes the same bytes under the same ID (JetStream drops the duplicate ins
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -23,7 +24,13 @@ from opentelemetry import trace
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.telemetry import current_trace_context
 from rlfleet.common.verdicts import verdict_key
-from rlfleet.session.errors import ConcurrentSessionCall, GatewayUnavailable, SessionNotOpen
+from rlfleet.session.errors import (
+    ConcurrentSessionCall,
+    GatewayUnavailable,
+    PublishFailed,
+    SessionNotFound,
+    SessionNotOpen,
+)
 from rlfleet.session.gateway_client import GatewayClient
 from rlfleet.session.metrics import SessionMetrics
 from rlfleet.session.publisher import TrajectoryPublisher
@@ -33,6 +40,8 @@ from rlfleet.session.store import SessionStore
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("rlfleet.session")
 ABORTED_STATUS = common_pb2.TRAJECTORY_STATUS_ABORTED
+# Trajectory metadata key set on a trajectory closed without a verdict (never trained on).
+VERDICT_MISSING = "rlfleet.verdict_missing"
 
 
 @dataclass(frozen=True)
@@ -62,14 +71,49 @@ class Closer:
                 except ConcurrentSessionCall:
                     continue  # a turn or another close landed meanwhile: look again
             else:
-                trajectory = self._sealed(state, aborting=status == ABORTED_STATUS)
+                trajectory = self._sealed(state, status)
             return Closed(trajectory, await self._deliver(state, trajectory))
         raise ConcurrentSessionCall(f"session {session_id!r} kept changing while it was being closed",
                                     session_id=session_id)
 
+    async def expire(self, session_id: str, idle_s: float) -> bool:
+        """Closes an idle open session as expired (ABORTED, abort_reason "expired") and releases its
+        admission slot; False when it changed or closed meanwhile."""
+        last = await self.store.last_change(session_id)
+        if last is None or last > time.time() - idle_s:
+            return False
+        state = await self.store.load(session_id)
+        if state.session.state != OPEN:
+            return False
+        state.expired = True
+        try:
+            trajectory = await self._seal(state, ABORTED_STATUS, None, {"abort_reason": "expired"})
+        except ConcurrentSessionCall:
+            return False  # a call landed meanwhile: not idle after all
+        await self._deliver(state, trajectory)
+        self.metrics.sessions_expired.add(1)
+        log.info("session expired", extra={"session_id": session_id, "idle_s": round(time.time() - last, 1)})
+        return True
+
+    async def expire_idle(self, idle_s: float) -> int:
+        expired = 0
+        for session_id in await self.store.idle_sessions(idle_s):
+            try:
+                expired += await self.expire(session_id, idle_s)
+            except (SessionNotFound, GatewayUnavailable, PublishFailed) as exc:
+                log.warning("expiring a session failed", extra={"session_id": session_id, "error": str(exc)})
+        return expired
+
     async def _seal(self, state: SessionState, status: int, verdict: common_pb2.Verdict | None,
                     metadata: dict[str, str]) -> common_pb2.Trajectory:
         trajectory = build_trajectory(state, uuid.uuid4().hex, status, verdict, metadata)
+        if verdict is None and trajectory.status != ABORTED_STATUS:
+            # The trainer trains only on verdicts: say so at close, where the client sees it, rather
+            # than leave it to the trainer's rejection log.
+            trajectory.metadata[VERDICT_MISSING] = "1"
+            self.metrics.verdict_missing.add(1)
+            log.warning("trajectory closed without a verdict: it will not be trained on",
+                        extra={"session_id": state.session_id})
         # Sealed with the episode's trace (this CloseSession call is part of it), so a retried
         # close republishes the same bytes and the trainer links its step to the right trace.
         trajectory.trace_context.update(current_trace_context())
@@ -79,15 +123,33 @@ class Closer:
         await self.store.commit(state)
         return trajectory
 
-    def _sealed(self, state: SessionState, aborting: bool) -> common_pb2.Trajectory:
-        """The stored trajectory of a finished session, if this call asks for the same ending."""
+    def _sealed(self, state: SessionState, status: int) -> common_pb2.Trajectory:
+        """The stored trajectory of a finished session, if this call asks for the same ending: a
+        retry answers the first close; a close with another status is refused (FAILED_PRECONDITION)."""
+        aborting = status == ABORTED_STATUS
         was_aborted = state.session.state == ABORTED
+        trajectory = common_pb2.Trajectory.FromString(state.trajectory)
+        if state.expired and not aborting:
+            raise SessionNotOpen(
+                f"cannot close session {state.session_id!r}: it expired (no call for session_idle_timeout_s) and was "
+                f"published as aborted (trajectory {state.session.trajectory_id})", session_id=state.session_id,
+                state="expired")
         if aborting != was_aborted:
             asked = "abort" if aborting else "close"
             raise SessionNotOpen(
                 f"cannot {asked} session {state.session_id!r}: it was already {state.state_name} "
                 f"(trajectory {state.session.trajectory_id})", session_id=state.session_id, state=state.state_name)
-        return common_pb2.Trajectory.FromString(state.trajectory)
+        # COMPLETED (or unset) is what the server turns into TRUNCATED when the budget ran out.
+        same = (status == trajectory.status or status == common_pb2.TRAJECTORY_STATUS_UNSPECIFIED
+                or (status == common_pb2.TRAJECTORY_STATUS_COMPLETED
+                    and trajectory.status == common_pb2.TRAJECTORY_STATUS_TRUNCATED and state.budget_exhausted))
+        if not same:
+            asked = common_pb2.TrajectoryStatus.Name(status)
+            raise SessionNotOpen(
+                f"session {state.session_id!r} was already closed as "
+                f"{common_pb2.TrajectoryStatus.Name(trajectory.status)}, not {asked} (trajectory "
+                f"{trajectory.trajectory_id})", session_id=state.session_id, state=state.state_name)
+        return trajectory
 
     async def _deliver(self, state: SessionState, trajectory: common_pb2.Trajectory) -> bool:
         published_now = False

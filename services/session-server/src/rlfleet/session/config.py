@@ -25,6 +25,10 @@ class SessionServerConfig(ServiceConfig):
     max_open_sessions: int = Field(4096, gt=0, description="open sessions allowed at once")
     session_ttl_s: float = Field(
         24 * 3600.0, gt=0, description="a session (open or closed) is forgotten this long after its last change")
+    session_idle_timeout_s: float = Field(
+        3600.0, gt=0, description="an open session with no call for this long is expired: published ABORTED "
+        "(abort_reason expired), its admission slot released, and answered as expired afterwards")
+    expiry_sweep_s: float = Field(10.0, gt=0, description="how often idle sessions are looked for")
     gateway_timeout_s: float = Field(600.0, gt=0, description="deadline of one Generate call to the gateway")
     publish_timeout_s: float = Field(5.0, gt=0, description="deadline of one publish to JetStream")
     max_text_chars: int = Field(1 << 20, gt=0, description="largest text (or chat message) a request may carry")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlfleet.common.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -55,6 +56,14 @@ class SessionNotOpen(SessionError, FailedPrecondition):
 
 class ConcurrentSessionCall(SessionError, FailedPrecondition):
     """Another call changed the session while this one ran; this one's change was discarded."""
+
+
+class SessionBusy(ConcurrentSessionCall):
+    """A Generate is already running on the session; this one was refused before any engine work."""
+
+
+class SessionExists(SessionError, AlreadyExists):
+    """OpenSession with the id of a session opened with another prompt (or task)."""
 
 
 class SessionsExhausted(SessionError, ResourceExhausted):

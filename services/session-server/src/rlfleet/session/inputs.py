@@ -90,8 +90,7 @@ class Inputs:
         elif kind == "token_ids":
             ids = self.token_ids(list(request.token_ids.ids), "token_ids", state.remaining)
         else:
-            text = self._render(request.messages, request.add_generation_prompt, continuation=True)
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(self._framed(request, state))
         if not ids:
             raise InvalidSessionRequest(f"the observation is empty ({kind})", field=kind, session_id=state.session_id)
         if len(ids) > state.remaining:
@@ -152,11 +151,38 @@ class Inputs:
                 f"sampling.max_new_tokens must be in [1, {budget}] (0 = set it on each Generate), "
                 f"got {sampling.max_new_tokens}", field="sampling.max_new_tokens")
 
-    def _render(self, messages: common_pb2.ChatMessages, add_generation_prompt: bool, continuation: bool) -> str:
+    def _framed(self, request: session_pb2.AppendObservationRequest, state: SessionState) -> str:
+        """Chat messages as the template renders them at this point of the conversation.
+
+        After a generated turn: what the template puts after that turn's content (its closing, the
+        messages, the next opening), less the stop token the turn already ended on. A turn cut
+        short (max_new_tokens, a stop string) is thereby closed as the template closes it."""
+        spans = state.session.spans
+        if not spans or spans[-1].kind != common_pb2.SPAN_KIND_GENERATED:
+            return self._render(request.messages, request.add_generation_prompt, continuation=True)
+        plain = self._plain(request.messages)
+        try:
+            tail = self.renderer.render_after_turn(plain, request.add_generation_prompt)
+        except ValueError as exc:
+            raise InvalidSessionRequest(str(exc), field="messages") from None
+        if tail is None:
+            return self._render(request.messages, request.add_generation_prompt, continuation=True)
+        span = spans[-1]
+        if span.end > span.start:
+            last = state.session.token_ids[span.end - 1]
+            closing = self.tokenizer.special_tokens.get(last)
+            if closing and tail.startswith(closing):
+                tail = tail[len(closing):]
+        return tail
+
+    def _plain(self, messages: common_pb2.ChatMessages) -> list[dict[str, str]]:
         if not messages.messages:
             raise InvalidSessionRequest("messages is empty", field="messages")
         self._check_text_size(sum(len(m.content) for m in messages.messages), "messages")
-        plain = [{"role": m.role, "content": m.content} for m in messages.messages]
+        return [{"role": m.role, "content": m.content} for m in messages.messages]
+
+    def _render(self, messages: common_pb2.ChatMessages, add_generation_prompt: bool, continuation: bool) -> str:
+        plain = self._plain(messages)
         render = self.renderer.render_continuation if continuation else self.renderer.render
         try:
             return render(plain, add_generation_prompt)

@@ -28,6 +28,12 @@ class SessionMetrics:
             "rlfleet_session_trajectory_tokens", unit="1",
             description="tokens per published trajectory (prompt, generated and observations), by status",
             explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
+        self.sessions_expired = m.create_counter(
+            "rlfleet_session_sessions_expired_total",
+            description="open sessions closed by the server after session_idle_timeout_s without a call")
+        self.verdict_missing = m.create_counter(
+            "rlfleet_session_verdict_missing_total",
+            description="trajectories closed without a verifier verdict (marked; the trainer does not train on them)")
         self.release_failures = m.create_counter(
             "rlfleet_session_release_failures_total",
             description="closes whose admission slot could not be released at the gateway (retried on the next close)")

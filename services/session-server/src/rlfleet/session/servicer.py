@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import re
 import time
 import uuid
@@ -10,34 +13,44 @@ import grpc
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
-from rlfleet.session.closing import ABORTED_STATUS, Closer
-from rlfleet.session.errors import InvalidSessionRequest, SessionNotOpen, SessionsExhausted
+from rlfleet.common.chat import CHAT_TEMPLATE
+from rlfleet.session.closing import ABORTED_STATUS, VERDICT_MISSING, Closer
+from rlfleet.session.errors import (
+    InvalidSessionRequest,
+    SessionBusy,
+    SessionExists,
+    SessionNotOpen,
+    SessionsExhausted,
+)
 from rlfleet.session.gateway_client import GatewayClient
 from rlfleet.session.inputs import Inputs
 from rlfleet.session.metrics import SessionMetrics
 from rlfleet.session.state import OPEN, SessionState, append_generated, append_observation, append_prompt
 from rlfleet.session.store import SessionStore
 
+log = logging.getLogger(__name__)
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 CLOSE_STATUSES = set(common_pb2.TrajectoryStatus.values())
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     def __init__(self, run_id: str, store: SessionStore, inputs: Inputs, gateway: GatewayClient, closer: Closer,
-                 metrics: SessionMetrics) -> None:
+                 metrics: SessionMetrics, turn_lease_s: float = 10.0) -> None:
+        self.turn_lease_s = turn_lease_s
         self.run_id = run_id
         self.store = store
         self.inputs = inputs
         self.gateway = gateway
         self.closer = closer
         self.metrics = metrics
+        self.model_info = model_info(inputs)
 
     async def OpenSession(self, request: session_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext):
         session_id = _session_id(request.session_id) if request.session_id else uuid.uuid4().hex
         self._check_run(request.run_id)
         existing = await self.store.find(session_id)
         if existing is not None:  # a retried open: same answer
-            return _opened(existing)
+            return self._reopened(existing, request)
         budget = self.inputs.budget(request.max_total_tokens)
         prompt = await self.inputs.prompt_ids_off_loop(request, budget)
         self.inputs.check_sampling_defaults(request.sampling, budget)
@@ -50,20 +63,45 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
             raise
         if not created:  # opened concurrently under the same id
-            return _opened(await self.store.load(session_id))
+            return self._reopened(await self.store.load(session_id), request)
         self.metrics.sessions_opened.add(1)
         return _opened(state)
 
     async def Generate(self, request: session_pb2.GenerateRequest, context):
         started = time.monotonic()
         state = await self._open_session(request.session_id)
+        lease = await self.store.begin_turn(state.session_id, self.turn_lease_s)
+        if lease is None:
+            raise SessionBusy(f"session {state.session_id!r} is generating a turn already; calls on one "
+                              "session must not overlap", session_id=state.session_id)
+        renewing = asyncio.create_task(self._keep_turn(state.session_id, lease))
+        try:
+            # Loaded again under the lease: a turn that ended between the first load and the lease.
+            state = await self._open_session(request.session_id)
+            return await self._generate(state, request, started)
+        finally:
+            renewing.cancel()
+            await self.store.end_turn(state.session_id, lease)
+
+    async def _keep_turn(self, session_id: str, lease: str) -> None:
+        """Renews the turn lease while the turn runs; a server that dies stops renewing it."""
+        while True:
+            await asyncio.sleep(self.turn_lease_s / 3)
+            try:
+                await self.store.renew_turn(session_id, lease, self.turn_lease_s)
+            except Exception:  # Redis away for a moment: the commit's compare-and-set still guards the session
+                log.warning("renewing a turn lease failed", extra={"session_id": session_id})
+
+    async def _generate(self, state: SessionState, request: session_pb2.GenerateRequest, started: float):
+        observed: list[int] = []
         if request.HasField("observation"):
-            ids = await self.inputs.observation_ids_off_loop(request.observation, state)
+            ids = observed = await self.inputs.observation_ids_off_loop(request.observation, state)
             append_observation(state, ids, time.time())
             self.metrics.observation_tokens.add(len(ids))
             if state.budget_exhausted:  # no room for a turn: keep the observation, generate nothing
                 await self.store.commit(state)
-                return session_pb2.GenerateResponse(total_tokens=state.total_tokens, budget_exhausted=True)
+                return session_pb2.GenerateResponse(total_tokens=state.total_tokens, budget_exhausted=True,
+                                                    observation_token_ids=observed)
         sampling = self.inputs.turn_sampling(state, request.sampling if request.HasField("sampling") else None)
         request_id = f"{state.session_id}-{len(state.session.spans)}-{uuid.uuid4().hex[:8]}"
         # `engine_pool` in the session's metadata pins it to a pool (evaluations of a canary candidate).
@@ -71,15 +109,24 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                                             state.session.metadata.get("engine_pool", ""))
         span_index = append_generated(state, reply, time.time())
         await self.store.commit(state)
-        text = self.inputs.tokenizer.decode(list(reply.output_ids))
+        output = list(reply.output_ids)
+        tokenizer = self.inputs.tokenizer
         elapsed = time.monotonic() - started
         self.metrics.generate_seconds.record(elapsed)
         self.metrics.overhead_seconds.record(max(0.0, elapsed - reply.latency_s))
         self.metrics.generated_tokens.add(len(reply.output_ids))
-        return session_pb2.GenerateResponse(
-            token_ids=reply.output_ids, logprobs=reply.output_logprobs, finish_reason=reply.finish_reason,
-            policy_version=reply.policy_version, text=text, engine_id=reply.engine_id, span_index=span_index,
-            total_tokens=state.total_tokens, budget_exhausted=state.budget_exhausted)
+        response = session_pb2.GenerateResponse(
+            token_ids=output, logprobs=reply.output_logprobs, finish_reason=reply.finish_reason,
+            policy_version=reply.policy_version, text=tokenizer.decode(output), engine_id=reply.engine_id,
+            span_index=span_index, total_tokens=state.total_tokens, budget_exhausted=state.budget_exhausted,
+            observation_token_ids=observed, text_with_special_tokens=tokenizer.decode(output, skip_special_tokens=False))
+        stops = {*tokenizer.stop_token_ids, *sampling.stop_token_ids}
+        if reply.finish_reason == common_pb2.FINISH_REASON_STOP and output and output[-1] in stops:
+            response.matched_stop_token_id = output[-1]
+        return response
+
+    async def GetModelInfo(self, request: session_pb2.GetModelInfoRequest, context):
+        return self.model_info
 
     async def AppendObservation(self, request: session_pb2.AppendObservationRequest, context):
         state = await self._open_session(request.session_id)
@@ -101,7 +148,8 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         closed = await self.closer.close(_session_id(request.session_id), request.status, metadata)
         response = session_pb2.CloseSessionResponse(trajectory_id=closed.trajectory.trajectory_id,
                                                     verdict=closed.trajectory.verdict,
-                                                    published_now=closed.published_now)
+                                                    published_now=closed.published_now,
+                                                    verdict_missing=VERDICT_MISSING in closed.trajectory.metadata)
         if request.return_trajectory:
             response.trajectory.CopyFrom(closed.trajectory)
         return response
@@ -113,8 +161,25 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return session_pb2.AbortSessionResponse(trajectory_id=closed.trajectory.trajectory_id)
 
     # --- helpers --------------------------------------------------------------------------------
+    def _reopened(self, existing: SessionState, request: session_pb2.OpenSessionRequest) -> session_pb2.OpenSessionResponse:
+        """A retried open gets the same answer; an open of the same id with another prompt or task is refused."""
+        opened = _opened(existing)
+        try:
+            prompt = self.inputs.prompt_ids(request, existing.session.max_total_tokens)
+        except InvalidSessionRequest:
+            prompt = None
+        if prompt != list(opened.prompt_token_ids) or request.task_id != existing.session.task_id:
+            raise SessionExists(
+                f"session {existing.session_id!r} exists with another prompt or task_id; a retried OpenSession "
+                "must repeat the first one's, a new episode needs a new session_id", session_id=existing.session_id)
+        return opened
+
     async def _open_session(self, session_id: str) -> SessionState:
         state = await self.store.load(_session_id(session_id))
+        if state.expired:
+            raise SessionNotOpen(
+                f"session {state.session_id!r} expired: no call for session_idle_timeout_s; it was published as "
+                f"aborted (trajectory {state.session.trajectory_id})", session_id=state.session_id, state="expired")
         if state.session.state != OPEN:
             raise SessionNotOpen(
                 f"session {state.session_id!r} is {state.state_name} (trajectory {state.session.trajectory_id})",
@@ -132,6 +197,23 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         if run_id and run_id != self.run_id:
             raise InvalidSessionRequest(f"this session server serves run {self.run_id!r}, not {run_id!r}",
                                         field="run_id")
+
+
+def model_info(inputs: Inputs) -> session_pb2.ModelInfo:
+    tokenizer, renderer = inputs.tokenizer, inputs.renderer
+    config_file = tokenizer.path / "tokenizer_config.json"
+    model_config = tokenizer.path / "config.json"
+    special = renderer.special_tokens
+    return session_pb2.ModelInfo(
+        tokenizer_json=tokenizer.json,
+        tokenizer_config_json=config_file.read_text(encoding="utf-8") if config_file.exists() else "",
+        chat_template=renderer.template_source if renderer.uses_model_template else CHAT_TEMPLATE,
+        bos_token=special.get("bos_token", ""), eos_token=special.get("eos_token", ""),
+        pad_token=special.get("pad_token", ""),
+        special_tokens=[session_pb2.SpecialToken(content=c, id=i) for i, c in sorted(tokenizer.special_tokens.items())],
+        stop_token_ids=tokenizer.stop_token_ids, vocab_size=tokenizer.vocab_size,
+        context_length=inputs.limits.context_length or 0,
+        model_type=json.loads(model_config.read_text()).get("model_type", "") if model_config.exists() else "")
 
 
 def _session_id(session_id: str) -> str:

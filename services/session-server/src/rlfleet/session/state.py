@@ -35,6 +35,7 @@ class SessionState:
     num_turns: int = 0
     num_observations: int = 0
     budget_exhausted: bool = False
+    expired: bool = False  # closed by the server after session_idle_timeout_s without a call
     # Close bookkeeping (the exactly-once state machine; see store.py).
     rev: int = 0
     trajectory: bytes = b""
@@ -62,7 +63,8 @@ class SessionState:
         info = {"group_size": self.group_size, "suite": self.suite, "split": self.split, "opened_ms": self.opened_ms,
                 "generate_s": self.generate_s, "tool_wait_s": self.tool_wait_s,
                 "last_generate_end": self.last_generate_end, "num_turns": self.num_turns,
-                "num_observations": self.num_observations, "budget_exhausted": self.budget_exhausted}
+                "num_observations": self.num_observations, "budget_exhausted": self.budget_exhausted,
+                "expired": self.expired}
         fields = {"session": self.session.SerializeToString(), "info": json.dumps(info).encode(),
                   "trajectory": self.trajectory}
         if with_sampling:

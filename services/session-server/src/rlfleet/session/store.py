@@ -6,16 +6,21 @@ Redis layout (namespaced by run):
                                                info (JSON: timings, counters), rev, trajectory
                                                (Trajectory proto, once closing), published, released
     rlfleet:<run>:sessions:open          ZSET  session_id -> last change (unix s): the open-session limit
+    rlfleet:<run>:session:<session_id>:turn  STRING  the token of the Generate running on the session
+                                               (SET NX, a 10 s lease renewed while the turn runs)
 
 Every change is a compare-and-set on `rev`: a call reads the session, does its work (e.g. a whole
-engine round trip) and writes back only if nobody changed the session meanwhile. Nothing is locked,
-so a server killed mid-call leaves nothing stuck; a concurrent second call on one session loses.
+engine round trip) and writes back only if nobody changed the session meanwhile. A concurrent second
+call on one session loses. The one lease is a Generate's turn: a second Generate on a busy session
+is refused before it costs an engine generation. The lease is short and renewed while the turn runs,
+so a server killed mid-turn leaves the session busy for at most one lease (10 s).
 Keys expire `session_ttl_s` after their last change.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
 import redis.asyncio as aioredis
 
@@ -52,6 +57,19 @@ return 1
 """
 
 
+# KEYS: lease key. ARGV: token.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: lease key. ARGV: token, ttl ms.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
 class SessionStore:
     def __init__(self, redis: aioredis.Redis, run_id: str, ttl_s: float, max_open: int) -> None:
         self.redis = redis
@@ -61,6 +79,8 @@ class SessionStore:
         self._open_key = key(run_id, "sessions", "open")
         self._create = redis.register_script(_CREATE)
         self._commit = redis.register_script(_COMMIT)
+        self._release = redis.register_script(_RELEASE)
+        self._renew = redis.register_script(_RENEW)
 
     def _key(self, session_id: str) -> str:
         return key(self.run_id, "session", session_id)
@@ -119,9 +139,29 @@ class SessionStore:
                 "change was discarded (calls on one session must not overlap)", session_id=state.session_id)
         state.rev += 1
 
+    async def begin_turn(self, session_id: str, lease_s: float) -> str | None:
+        """Takes the session's turn lease; its token, or None when another Generate holds it."""
+        token = uuid.uuid4().hex
+        taken = await self.redis.set(self._key(session_id) + ":turn", token, nx=True, px=int(lease_s * 1000))
+        return token if taken else None
+
+    async def renew_turn(self, session_id: str, token: str, lease_s: float) -> bool:
+        return bool(await self._renew(keys=[self._key(session_id) + ":turn"], args=[token, int(lease_s * 1000)]))
+
+    async def end_turn(self, session_id: str, token: str) -> None:
+        await self._release(keys=[self._key(session_id) + ":turn"], args=[token])
+
     async def mark(self, session_id: str, flag: str) -> None:
         """Records a close step that needs no compare-and-set (published, released): it only ever goes 0 -> 1."""
         await self.redis.hset(self._key(session_id), flag, "1")
+
+    async def idle_sessions(self, idle_s: float, limit: int = 256) -> list[str]:
+        """Open sessions whose last change is more than `idle_s` ago."""
+        ids = await self.redis.zrangebyscore(self._open_key, "-inf", time.time() - idle_s, start=0, num=limit)
+        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
+    async def last_change(self, session_id: str) -> float | None:
+        return await self.redis.zscore(self._open_key, session_id)
 
     async def open_count(self) -> int:
         return await self.redis.zcount(self._open_key, time.time() - self.ttl_s, "+inf")

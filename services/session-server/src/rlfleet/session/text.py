@@ -31,22 +31,44 @@ class Tokenizer:
         file = Path(path) / "tokenizer.json"
         if not file.exists():
             raise StartupError(f"tokenizer_path {path!r} has no tokenizer.json")
-        self._tokenizer = HfTokenizer.from_file(str(file))
+        self.path = Path(path)
+        self.json = file.read_text(encoding="utf-8")
+        self._tokenizer = HfTokenizer.from_str(self.json)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = {index: token.content for index, token in
+                               self._tokenizer.get_added_tokens_decoder().items() if token.special}
+        self.stop_token_ids = sorted(_eos_ids(self.path))
 
     def encode(self, text: str) -> list[int]:
         # encode_batch, not encode: it releases the GIL while it works, so tokenizing in a worker
         # thread (Inputs.*_off_loop) leaves the event loop to other sessions; encode holds it throughout.
         return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def invalid_id(self, ids: list[int]) -> tuple[int, int] | None:
         """(position, id) of the first id outside the vocabulary, or None."""
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             return next((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
         return None
+
+
+def _eos_ids(path: Path) -> set[int]:
+    """EOS ids from generation_config.json and config.json (an int or a list in either), as the engine reads them."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        file = path / name
+        value = json.loads(file.read_text()).get("eos_token_id") if file.exists() else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+# Stands in for an assistant turn's content, to find what the template renders after it.
+_TURN = "\u2063rlfleet-turn\u2063"
 
 
 class ChatRenderer:
@@ -67,15 +89,31 @@ class ChatRenderer:
     def uses_model_template(self) -> bool:
         return self._template is not None
 
-    def render(self, messages: Messages, add_generation_prompt: bool) -> str:
+    def render(self, messages: Messages, add_generation_prompt: bool, tools: list | None = None) -> str:
         _check_roles(messages)
         if self._template is None:
             return render_messages(messages, add_generation_prompt)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         tools=tools, **self.special_tokens)
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the messages: {exc}") from None
+
+    def render_after_turn(self, messages: Messages, add_generation_prompt: bool) -> str | None:
+        """The text the template renders after an assistant turn's content up to the end of
+        `messages` (the turn's closing, the messages, the next opening); None when no stand-in
+        conversation renders (a template with stricter rules)."""
+        for context in ([{"role": "user", "content": "x"}],
+                         [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}]):
+            try:
+                text = self.render([*context, {"role": "assistant", "content": _TURN}, *messages],
+                                   add_generation_prompt)
+            except ValueError:
+                continue
+            at = text.find(_TURN)
+            if at >= 0:
+                return text[at + len(_TURN):]
+        return None
 
     def render_continuation(self, messages: Messages, add_generation_prompt: bool) -> str:
         """The text `messages` add to a conversation already under way (an observation)."""

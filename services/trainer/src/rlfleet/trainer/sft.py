@@ -2,8 +2,9 @@
 
 Data: JSONL, one demonstration per line, either
     {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}
-rendered with the chat template of rlfleet.common.chat and tokenized once with the model's
-`tokenizer.json` (loss on each assistant turn's content and its <|im_end|>), or
+rendered with the model's own chat template (tokenizer_config.json; rlfleet's ChatML when it has
+none or has that one) and tokenized once with the model's `tokenizer.json` (loss on each assistant
+turn's content and the tokens that close it: <|im_end|>, <|eot_id|>, </s>, ...), or
     {"token_ids": [...], "loss_mask": [...]}
 taken as is.
 
@@ -25,19 +26,29 @@ from typing import Any
 from rlfleet.common.chat import IM_END, IM_START, render_messages
 
 
-def encode_messages(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and a mask that is 1 on assistant content + <|im_end|>.
+def encode_messages(messages: list[dict[str, str]], tokenizer: Any, render=None) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a mask that is 1 on assistant content + <|im_end|>
+    (with `render(messages, add_generation_prompt)`, a model's own template: on what the template
+    renders for each assistant turn after its generation prompt, closing tokens included, trailing
+    newlines not).
 
     The whole conversation is tokenized in one go (as the engine's context would be) and the mask is
     derived from character offsets, so no token is split differently because of the mask.
     """
-
-    text = render_messages(messages, add_generation_prompt=False)
     spans = []
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            start = len(render_messages(messages[:i], add_generation_prompt=False)) + len(f"{IM_START}assistant\n")
-            spans.append((start, start + len(message["content"]) + len(IM_END)))
+    if render is None:
+        text = render_messages(messages, add_generation_prompt=False)
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                start = len(render_messages(messages[:i], add_generation_prompt=False)) + len(f"{IM_START}assistant\n")
+                spans.append((start, start + len(message["content"]) + len(IM_END)))
+    else:
+        text = render(messages, False)
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                start = len(render(messages[:i], True))
+                end = len(render(messages[:i + 1], False).rstrip("\n"))
+                spans.append((start, end))
     encoding = tokenizer.encode(text, add_special_tokens=False)
     mask = [int(any(lo <= begin < hi for lo, hi in spans)) for begin, _ in encoding.offsets]
     if mask:
@@ -45,7 +56,23 @@ def encode_messages(messages: list[dict[str, str]], tokenizer: Any) -> tuple[lis
     return list(encoding.ids), mask
 
 
-def load_demonstrations(path: str | Path, tokenizer: Any | None = None) -> list:
+def model_template_renderer(model_dir: str | Path):
+    """`render(messages, add_generation_prompt)` with the model's chat template, or None when it has
+    none or has rlfleet's ChatML (rendered by rlfleet.common.chat, exactly as before)."""
+    from rlfleet.common.chat import CHAT_TEMPLATE
+
+    config_file = Path(model_dir) / "tokenizer_config.json"
+    template = json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
+    if not isinstance(template, str) or not template or template == CHAT_TEMPLATE:
+        return None
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    return lambda messages, generation_prompt: hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def load_demonstrations(path: str | Path, tokenizer: Any | None = None, render=None) -> list:
     from rlfleet.trainer.batching import TrainSample
 
     samples = []
@@ -56,7 +83,7 @@ def load_demonstrations(path: str | Path, tokenizer: Any | None = None) -> list:
         if "messages" in record:
             if tokenizer is None:
                 raise ValueError(f"{path}:{n}: chat messages need the model's tokenizer.json")
-            token_ids, loss_mask = encode_messages(record["messages"], tokenizer)
+            token_ids, loss_mask = encode_messages(record["messages"], tokenizer, render)
         elif "token_ids" in record:
             token_ids, loss_mask = record["token_ids"], record.get("loss_mask") or [0] + [1] * (len(record["token_ids"]) - 1)
         else:
@@ -93,7 +120,7 @@ def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: f
 
     tokenizer_file = Path(model_dir) / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
-    samples = load_demonstrations(data_path, tokenizer)
+    samples = load_demonstrations(data_path, tokenizer, model_template_renderer(model_dir))
     steps_per_epoch = -(-len(samples) // batch_size)
     backend = TorchBackend(TorchBackendConfig(
         model_dir=model_dir, seed=seed,

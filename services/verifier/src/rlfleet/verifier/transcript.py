@@ -14,6 +14,7 @@ when its observation is an error line (``error: ...``), as the built-in tools an
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -90,8 +91,37 @@ def session_truncated(session: session_pb2.Session) -> bool:
     return bool(session.max_total_tokens) and len(session.token_ids) >= session.max_total_tokens
 
 
+# Tool results as the other model families' templates frame them (rlfleet.common.families): Hermes
+# (Qwen2.5/Qwen3) inside a user turn, Llama 3 in the `ipython` role, Mistral in [TOOL_RESULTS].
+_HERMES_RESULT_RE = re.compile(r"<tool_response>\n?(?P<content>.*?)\n?</tool_response>", re.DOTALL)
+_LLAMA_MESSAGE_RE = re.compile(
+    r"<\|start_header_id\|>(?P<role>[a-z]+)<\|end_header_id\|>\n\n(?P<content>.*?)(?=<\|eot_id\|>|<\|eom_id\|>|"
+    r"<\|start_header_id\|>|\Z)", re.DOTALL)
+_MISTRAL_RESULT_RE = re.compile(r"\[TOOL_RESULTS\]\s*(?P<content>.*?)\s*\[/TOOL_RESULTS\]", re.DOTALL)
+_MISTRAL_USER_RE = re.compile(r"\[INST\]\s?(?P<content>.*?)\[/INST\]", re.DOTALL)
+
+
 def observation_turns(text: str) -> list[Turn]:
-    """Tool (and user) messages of an observation span; the whole text as one tool message without markup."""
+    """Tool (and user) messages of an observation span, in the chat format it is framed in (ChatML,
+    Hermes, Llama 3, Mistral); the whole text as one tool message without markup."""
+    if "<tool_response>" in text:
+        return [Turn("tool", m["content"].strip()) for m in _HERMES_RESULT_RE.finditer(text)]
+    if "<|start_header_id|>" in text:
+        roles = {"ipython": "tool", "tool": "tool", "user": "user"}
+        return [Turn(roles[m["role"]], m["content"].strip()) for m in _LLAMA_MESSAGE_RE.finditer(text)
+                if m["role"] in roles]
+    if "[TOOL_RESULTS]" in text or "[INST]" in text:
+        turns = []
+        for m in sorted([*_MISTRAL_RESULT_RE.finditer(text), *_MISTRAL_USER_RE.finditer(text)], key=lambda m: m.start()):
+            if m.re is _MISTRAL_USER_RE:
+                turns.append(Turn("user", m["content"].strip()))
+                continue
+            try:
+                content = json.loads(m["content"])
+            except json.JSONDecodeError:
+                content = m["content"]
+            turns.append(Turn("tool", str(content.get("content", "")) if isinstance(content, dict) else str(content)))
+        return turns
     if IM_START not in text:
         return [Turn("tool", _SPECIAL_RE.sub("", text).strip())]
     return [Turn(m["role"], m["content"].strip()) for m in _MESSAGE_RE.finditer(text) if m["role"] in ("tool", "user")]

@@ -37,7 +37,7 @@ from rlfleet.envkit.sdk.errors import (
     SandboxFailure,
     Superseded,
 )
-from rlfleet.envkit.sdk.framing import ChatMLFraming, TurnFraming
+from rlfleet.envkit.sdk.framing import ChatMLFraming, TemplateFraming, TurnFraming, framing_for
 from rlfleet.envkit.sdk.retry import Backoff
 from rlfleet.envkit.sdk.summary import EpisodeSummary
 
@@ -66,6 +66,7 @@ __all__ = [
     "SandboxHandle",
     "SessionClient",
     "Superseded",
+    "TemplateFraming",
     "ToolResult",
     "TurnFraming",
     "UnknownSuite",
@@ -73,6 +74,7 @@ __all__ = [
     "environment_for",
     "environments",
     "exec_observation",
+    "framing_for",
     "known_suites",
     "register_environment",
     "run_episode",

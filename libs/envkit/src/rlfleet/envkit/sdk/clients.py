@@ -65,11 +65,16 @@ class SessionClient(_Client):
         return await self._call("OpenSession", request, self.timeouts.open_s)
 
     async def generate(self, session_id: str, sampling: common_pb2.SamplingParams | None = None,
-                       timeout_s: float | None = None, observation: str | None = None) -> session_pb2.GenerateResponse:
-        """The next turn; `observation` (text, tokenized once as is) is appended first in the same call."""
+                       timeout_s: float | None = None,
+                       observation: str | session_pb2.AppendObservationRequest | None = None,
+                       ) -> session_pb2.GenerateResponse:
+        """The next turn; `observation` (text, tokenized once as is, or a full request: chat messages
+        the server frames) is appended first in the same call."""
         request = session_pb2.GenerateRequest(session_id=session_id, sampling=sampling)
-        if observation is not None:
+        if isinstance(observation, str):
             request.observation.text = observation
+        elif observation is not None:
+            request.observation.CopyFrom(observation)
         return await self._call("Generate", request, timeout_s or self.timeouts.generate_s)
 
     async def append_text(self, session_id: str, text: str) -> session_pb2.AppendObservationResponse:

@@ -121,8 +121,9 @@ class AgentLoop:
 
     def __init__(self, clients: Clients, *, environments: Callable[[str], Environment] = environment_for,
                  framing: Callable[[], TurnFraming] = ChatMLFraming, admission: Backoff | None = None,
-                 hooks: EpisodeHooks | None = None) -> None:
+                 hooks: EpisodeHooks | None = None, tool_call_format: str = "tags") -> None:
         self.clients = clients
+        self.tool_call_format = tool_call_format
         self.environments = environments
         self.framing = framing
         self.admission = admission or Backoff()
@@ -219,12 +220,13 @@ class _Episode:
 
     async def _turns(self) -> str:
         tools, calls = list(self.task.tools), 0
-        observation: str | None = None  # framed; it goes with the next Generate (one round trip a turn)
+        # Framed; it goes with the next Generate (one round trip a turn).
+        observation: str | session_pb2.AppendObservationRequest | None = None
         for turn in range(self.spec.max_turns + 1):
             reply = await self._generate(observation)
             if reply is None:
                 return END_BUDGET
-            action = parse_action(reply.text, tools)
+            action = parse_action(self._parsed_text(reply), tools, self.loop.tool_call_format)
             if isinstance(action, FinalAnswer):
                 self.summary.final_answer = action.answer
                 return END_ANSWER
@@ -251,7 +253,14 @@ class _Episode:
             observation = self.framing.observation(reply, result)
         return END_TURN_LIMIT
 
-    async def _generate(self, observation: str | None) -> session_pb2.GenerateResponse | None:
+    def _parsed_text(self, reply: session_pb2.GenerateResponse) -> str:
+        """The text tool calls are parsed from: the built-in tags read the plain text (as the verifier
+        does); other formats read the tokens with special tokens kept ([TOOL_CALLS] is one)."""
+        if self.loop.tool_call_format == "tags":
+            return reply.text
+        return reply.text_with_special_tokens or reply.text
+
+    async def _generate(self, observation: str | session_pb2.AppendObservationRequest | None) -> session_pb2.GenerateResponse | None:
         """The next turn, with `observation` appended first in the same call; None when the observation
         does not fit the session's token budget or leaves no room for a turn."""
         started = time.monotonic()

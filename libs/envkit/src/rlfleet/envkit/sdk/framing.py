@@ -29,8 +29,10 @@ class TurnFraming(Protocol):
     def learn_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         """Sees the rendered prompt's IDs once, at open (to learn the end-of-turn token)."""
 
-    def observation(self, reply: session_pb2.GenerateResponse, content: str, role: str = "tool") -> str:
-        """The text to append after `reply`: closes the turn if needed, the message, the next turn's opening."""
+    def observation(self, reply: session_pb2.GenerateResponse, content: str,
+                    role: str = "tool") -> str | session_pb2.AppendObservationRequest:
+        """What to append after `reply`: text that closes the turn if needed, the message and the next
+        turn's opening; or a request with chat messages that the session server frames itself."""
 
 
 class ChatMLFraming:
@@ -64,3 +66,23 @@ class ChatMLFraming:
     def observation(self, reply: session_pb2.GenerateResponse, content: str, role: str = "tool") -> str:
         opener = "\n" if self.turn_closed(reply) else IM_END + "\n"
         return opener + render_messages([{"role": role, "content": content}], add_generation_prompt=True)
+
+
+class TemplateFraming:
+    """Framing by the session server: the observation goes as a chat message and the server renders
+    it with the model's own template, closing the turn as that template does (any model family).
+    The IDs it was tokenized as come back in `GenerateResponse.observation_token_ids`."""
+
+    def learn_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        pass
+
+    def observation(self, reply: session_pb2.GenerateResponse, content: str,
+                    role: str = "tool") -> session_pb2.AppendObservationRequest:
+        return session_pb2.AppendObservationRequest(
+            messages=common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role=role, content=content)]),
+            add_generation_prompt=True)
+
+
+def framing_for(name: str):
+    """`chatml`: ChatML framed here (the default model); `template`: the model's template, by the server."""
+    return {"chatml": ChatMLFraming, "template": TemplateFraming}[name]

@@ -19,6 +19,44 @@ SESSION_STATE_OPEN: SessionState
 SESSION_STATE_CLOSED: SessionState
 SESSION_STATE_ABORTED: SessionState
 
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SpecialToken(_message.Message):
+    __slots__ = ("content", "id")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    id: int
+    def __init__(self, content: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("tokenizer_json", "tokenizer_config_json", "chat_template", "bos_token", "eos_token", "pad_token", "special_tokens", "stop_token_ids", "vocab_size", "context_length", "model_type")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: str
+    tokenizer_config_json: str
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    pad_token: str
+    special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    vocab_size: int
+    context_length: int
+    model_type: str
+    def __init__(self, tokenizer_json: _Optional[str] = ..., tokenizer_config_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., pad_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., model_type: _Optional[str] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "run_id", "task_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "messages", "sampling", "max_total_tokens", "metadata", "suite", "split")
     class MetadataEntry(_message.Message):
@@ -77,7 +115,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., observation: _Optional[_Union[AppendObservationRequest, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "policy_version", "text", "engine_id", "span_index", "total_tokens", "budget_exhausted")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "policy_version", "text", "engine_id", "span_index", "total_tokens", "budget_exhausted", "observation_token_ids", "text_with_special_tokens", "matched_stop_token_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +125,9 @@ class GenerateResponse(_message.Message):
     SPAN_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_WITH_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _common_pb2.FinishReason
@@ -96,7 +137,10 @@ class GenerateResponse(_message.Message):
     span_index: int
     total_tokens: int
     budget_exhausted: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., text: _Optional[str] = ..., engine_id: _Optional[str] = ..., span_index: _Optional[int] = ..., total_tokens: _Optional[int] = ..., budget_exhausted: _Optional[bool] = ...) -> None: ...
+    observation_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_with_special_tokens: str
+    matched_stop_token_id: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., text: _Optional[str] = ..., engine_id: _Optional[str] = ..., span_index: _Optional[int] = ..., total_tokens: _Optional[int] = ..., budget_exhausted: _Optional[bool] = ..., observation_token_ids: _Optional[_Iterable[int]] = ..., text_with_special_tokens: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ...) -> None: ...
 
 class AppendObservationRequest(_message.Message):
     __slots__ = ("session_id", "text", "token_ids", "messages", "add_generation_prompt")
@@ -191,16 +235,18 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.TrajectoryStatus, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., return_trajectory: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
-    __slots__ = ("trajectory_id", "verdict", "published_now", "trajectory")
+    __slots__ = ("trajectory_id", "verdict", "published_now", "trajectory", "verdict_missing")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_NOW_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_MISSING_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     verdict: _common_pb2.Verdict
     published_now: bool
     trajectory: _common_pb2.Trajectory
-    def __init__(self, trajectory_id: _Optional[str] = ..., verdict: _Optional[_Union[_common_pb2.Verdict, _Mapping]] = ..., published_now: _Optional[bool] = ..., trajectory: _Optional[_Union[_common_pb2.Trajectory, _Mapping]] = ...) -> None: ...
+    verdict_missing: bool
+    def __init__(self, trajectory_id: _Optional[str] = ..., verdict: _Optional[_Union[_common_pb2.Verdict, _Mapping]] = ..., published_now: _Optional[bool] = ..., trajectory: _Optional[_Union[_common_pb2.Trajectory, _Mapping]] = ..., verdict_missing: _Optional[bool] = ...) -> None: ...
 
 class AbortSessionRequest(_message.Message):
     __slots__ = ("session_id", "reason")

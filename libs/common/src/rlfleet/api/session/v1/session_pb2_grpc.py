@@ -64,6 +64,11 @@ class SessionServiceStub:
                 request_serializer=rlfleet_dot_session_dot_v1_dot_session__pb2.AbortSessionRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_session_dot_v1_dot_session__pb2.AbortSessionResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/rlfleet.session.v1.SessionService/GetModelInfo',
+                request_serializer=rlfleet_dot_session_dot_v1_dot_session__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_session_dot_v1_dot_session__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -111,6 +116,15 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What a client needs to speak the model's token language without any rlfleet package: its
+        tokenizer (tokenizer.json, loadable by HF `tokenizers` in any language), special tokens, the
+        token IDs generation stops on, and the chat template the server renders messages with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +157,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.AbortSession,
                     request_deserializer=rlfleet_dot_session_dot_v1_dot_session__pb2.AbortSessionRequest.FromString,
                     response_serializer=rlfleet_dot_session_dot_v1_dot_session__pb2.AbortSessionResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=rlfleet_dot_session_dot_v1_dot_session__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=rlfleet_dot_session_dot_v1_dot_session__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +326,33 @@ class SessionService:
             '/rlfleet.session.v1.SessionService/AbortSession',
             rlfleet_dot_session_dot_v1_dot_session__pb2.AbortSessionRequest.SerializeToString,
             rlfleet_dot_session_dot_v1_dot_session__pb2.AbortSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.session.v1.SessionService/GetModelInfo',
+            rlfleet_dot_session_dot_v1_dot_session__pb2.GetModelInfoRequest.SerializeToString,
+            rlfleet_dot_session_dot_v1_dot_session__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
