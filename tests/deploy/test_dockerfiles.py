@@ -18,6 +18,7 @@ INSTALL_PY = h.DEPLOY / "docker" / "install.py"
 NOT_IN_IMAGE = {
     ("weight-broker", "libs/weights/src/rlfleet/weights/torch_io.py", "torch"),
     ("weight-broker", "libs/weights/src/rlfleet/weights/p2p.py", "torch"),
+    ("weight-broker", "libs/weights/src/rlfleet/weights/broadcast.py", "torch"),
     ("weight-broker", "services/weight-broker/src/rlfleet/broker/distributed_sender.py", "torch"),
     ("weight-broker", "services/weight-broker/src/rlfleet/broker/distributed_sender.py", "services/cpu-engine"),
 }
