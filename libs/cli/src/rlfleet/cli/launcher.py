@@ -3,6 +3,13 @@
 Everything a launch starts is recorded in `<run_dir>/platform.json` (PID, command line, log file,
 address), so `rlfleet down` and `rlfleet status` work from another shell, and stopping never
 touches a process that is not ours: a PID is only signalled while its start time still matches the one recorded.
+
+Supervision (`Platform.restart_dead`, what compose's restart policy and Kubernetes do for their
+deployments): once a process serves, its ports are written into its own config file (gRPC and
+metrics port of a service, an engine's port, NATS's `listen`; Redis has `--port` on its command
+line), so a process that died is started again with its recorded command line and comes back on
+the same addresses its peers already know. Restarts back off exponentially up to a bound, are
+counted in platform.json (count, last exit, time) and shown by `rlfleet status`.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from rlfleet.common.processes import (
     RedisServer,
     find_binary,
     last_log_line,
+    port_open,
     start_redis,
+    wait_until,
     write_json_atomic,
 )
 
@@ -44,6 +53,9 @@ class ProcessRecord:
     url: str = ""           # nats://, redis://, http://
     metrics_port: int = 0
     kind: str = "service"   # service | nats | redis | engine | worker
+    restarts: int = 0       # times the launcher started it again after it died
+    last_exit: str = ""     # how it last died: "exit 1", "signal SIGKILL", "unknown"
+    last_restart_unix: float = 0.0
 
 
 @dataclass
@@ -274,6 +286,8 @@ class Platform:
         self.state = PlatformState(config.run_id, str(self.run_dir), os.getpid(),
                                    config=config.model_dump(mode="json"))
         self.model: Path | None = None
+        self._restart_tries: dict[str, tuple[int, float]] = {}  # name -> (restarts since it was last stable, last)
+        self._children: dict[str, ChildProcess] = {}  # what this launcher started, to learn how it exited
 
     def up(self) -> PlatformState:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -316,16 +330,19 @@ class Platform:
         server = NatsServer(self.run_dir / "nats", nats.max_payload_bytes, nats.binary,
                             log_path=self.logs / "nats.log", name="nats", new_session=True,
                             log_lines=1).spawn()
+        self._children[server.name] = server
         self._record(record_of(server, kind="nats"))
         url = server.wait_url(self.config.start_timeout_s)
         record = self.state.by_name(server.name)
         record.url, record.address = url, url.removeprefix("nats://")
+        server.write_conf(_port_of(record.address))  # a restart listens where the clients reconnect to
         self.state.save()
 
     def _start_redis(self) -> None:
         def record(server: RedisServer) -> None:
             # A retry on another port replaces its predecessor's record.
             self.state.processes = [p for p in self.state.processes if p.kind != "redis"]
+            self._children[server.name] = server
             self._record(record_of(server, kind="redis", address=f"127.0.0.1:{server.port}", url=server.url))
 
         start_redis(self.run_dir / "redis", timeout_s=min(10.0, self.config.start_timeout_s),
@@ -344,6 +361,7 @@ class Platform:
             info = child.wait_for_file(ready, self.config.start_timeout_s)
             record = self.state.by_name(child.name)
             record.url, record.address = info["url"], f"127.0.0.1:{info['port']}"
+            _pin_ports(record, {"port": info["port"]})
             self.state.save()
 
     def _start_services(self, names: list[str]) -> None:
@@ -355,6 +373,10 @@ class Platform:
             info = child.wait_for_file(ready, self.config.start_timeout_s)
             record = self.state.by_name(child.name)
             record.address, record.metrics_port = info["grpc_address"], info.get("metrics_port", 0)
+            pinned = {"grpc": {"port": _port_of(record.address)}}
+            if record.metrics_port:
+                pinned["metrics"] = {"port": record.metrics_port}
+            _pin_ports(record, pinned)
             self.state.save()
 
     def _process_config(self, process: str, name: str) -> ProcessConfig:
@@ -369,8 +391,143 @@ class Platform:
         config_file = write_process_config(self.run_dir, name, config)
         child = spawn([find_binary(script), "--config", str(config_file)], self.logs / f"{name}.log", name,
                       env=service_env())
+        self._children[name] = child
         self._record(record_of(child, kind=kind))
         return child, Path(config.ready_file)
+
+
+    # -- supervision -------------------------------------------------------------------------------
+
+    def restart_dead(self, now: float | None = None) -> list[str]:
+        """Starts again every recorded process that is no longer running and whose backoff has run
+        out: NATS and Redis first (everyone else reconnects to them), then the rest, all of one kind
+        at once. Returns one line per restart or failed restart, for the caller to show."""
+        if not self.config.restart.enabled:
+            return []
+        now = time.time() if now is None else now
+        events: list[str] = []
+        dead = [r for r in self.state.processes if not is_ours(r) and self._backoff_over(r, now)]
+        for wave in ([r for r in dead if r.kind in ("nats", "redis")], [r for r in dead if r.kind not in ("nats", "redis")]):
+            started = []
+            for record in wave:
+                exit_status = self._exit_status(record)
+                try:
+                    child = self._respawn(record)
+                except (OSError, StartupError) as exc:
+                    events.append(self._failed(record, f"could not start: {exc}"))
+                    continue
+                record.restarts += 1
+                record.last_exit = exit_status
+                record.last_restart_unix = now
+                started.append((record, child))
+            self.state.save()
+            for record, child in started:
+                try:
+                    self._wait_restarted(record, child)
+                except StartupError as exc:
+                    events.append(self._failed(record, str(exc)))
+                    continue
+                events.append(f"{record.name} restarted ({record.last_exit}; restart {record.restarts}, "
+                              f"pid {record.pid})")
+            self.state.save()
+        return events
+
+    def _exit_status(self, record: ProcessRecord) -> str:
+        return _exit_status(record.pid, self._children.get(record.name))
+
+    def _backoff_over(self, record: ProcessRecord, now: float) -> bool:
+        """Bounded exponential backoff between restarts of one process: the first at once, then
+        `first_backoff_s` doubling up to `max_backoff_s`; a process that stayed up `stable_after_s`
+        since its last restart starts over at once."""
+        policy = self.config.restart
+        tries, last = self._restart_tries.get(record.name, (0, 0.0))
+        if now - last >= policy.stable_after_s:
+            tries = 0
+        delay = 0.0 if tries == 0 else min(policy.max_backoff_s, policy.first_backoff_s * 2 ** (tries - 1))
+        if now - last < delay:
+            return False
+        self._restart_tries[record.name] = (tries + 1, now)
+        return True
+
+    def _failed(self, record: ProcessRecord, why: str) -> str:
+        tries, _ = self._restart_tries.get(record.name, (0, 0.0))
+        return f"{record.name} did not come back ({why}); try {tries}, trying again with backoff"
+
+    def _respawn(self, record: ProcessRecord) -> ChildProcess:
+        """The recorded command line again, in a new session, its output appended to the same log."""
+        child = spawn(record.cmdline, Path(record.log), record.name, env=service_env())
+        record.pid, record.start_ticks = child.pid, start_ticks(child.pid) or 0
+        ready = _ready_file(record)
+        if ready is not None:
+            ready.unlink(missing_ok=True)
+        self._children[record.name] = child
+        return child
+
+    def _wait_restarted(self, record: ProcessRecord, child: ChildProcess) -> None:
+        timeout = self.config.start_timeout_s
+        try:
+            if record.kind in ("nats", "redis"):
+                wait_until(lambda: port_open(_port_of(record.address)), timeout, record.name, child)
+                return
+            ready = _ready_file(record)
+            info = child.wait_for_file(ready, timeout) if ready is not None else {}
+        except StartupError:
+            if child.returncode is None:
+                child.kill()
+            raise
+        address = info.get("grpc_address") or (f"127.0.0.1:{info['port']}" if "port" in info else "")
+        if address and address != record.address:  # the port was taken meanwhile: its peers would not find it
+            child.kill()
+            raise StartupError(f"came back on {address}, not on its recorded {record.address}")
+
+
+def _port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _config_file(record: ProcessRecord) -> Path | None:
+    argv = record.cmdline
+    return Path(argv[argv.index("--config") + 1]) if "--config" in argv else None
+
+
+def _ready_file(record: ProcessRecord) -> Path | None:
+    config_file = _config_file(record)
+    if config_file is None or not config_file.exists():
+        return None
+    ready = json.loads(config_file.read_text()).get("ready_file")
+    return Path(ready) if ready else None
+
+
+def _pin_ports(record: ProcessRecord, ports: dict[str, Any]) -> None:
+    """Writes the ports the process bound into its own config file, so a restart binds them again."""
+    config_file = _config_file(record)
+    if config_file is None:
+        return
+    config = json.loads(config_file.read_text())
+    for key, value in ports.items():
+        if isinstance(value, dict):
+            config.setdefault(key, {}).update(value)
+        else:
+            config[key] = value
+    write_json_atomic(config_file, config)
+
+
+def _exit_status(pid: int, child: ChildProcess | None) -> str:
+    """How our child `pid` ended (reaping it), or "unknown" when it was not our child."""
+    if child is not None and child.process is not None and child.pid == pid:
+        code = child.returncode
+        if code is None:
+            return "unknown"
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+    try:
+        waited, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return "unknown"
+    if waited == 0:
+        return "unknown"
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.WEXITSTATUS(status)}"
 
 
 def service_env() -> dict[str, str]:

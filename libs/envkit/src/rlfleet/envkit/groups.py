@@ -42,10 +42,17 @@ class GroupResult:
     skipped: int = 0  # samples an earlier delivery had published already
     unfinished: list[str] = field(default_factory=list)  # "s<i>: why" for samples not published
     superseded: bool = False  # a newer delivery took the group over
+    platform_failures: int = 0  # unfinished samples a service outage stopped (not the task)
 
     @property
     def complete(self) -> bool:
         return not self.unfinished and not self.superseded
+
+    @property
+    def platform_outage(self) -> bool:
+        """Unfinished only because services were down or full: running it again later is no
+        judgement on the task, so it must not use up the task's deliveries."""
+        return bool(self.unfinished) and self.platform_failures == len(self.unfinished)
 
 
 class GroupRunner:
@@ -77,6 +84,7 @@ class GroupRunner:
             result.episodes.append(summary)
             if summary.status not in PUBLISHED:
                 result.unfinished.append(f"s{summary.sample_index}: {summary.error or summary.end}")
+                result.platform_failures += summary.platform_failure
         return result
 
     async def _plan(self, group_id: str, index: int, delivery: int) -> str | None:

@@ -7,6 +7,8 @@
         run it in the background: a group of G episodes, heartbeating the delivery
             all G published      -> ack
             a sample unfinished  -> redeliver later (dead-letter after max_deliver)
+            a service outage     -> hold the delivery until the services answer, then redeliver at
+                                    once (one delivery per outage, not one per retry into it)
             undecodable/unknown  -> dead-letter at once, counted by reason
     on stop: let running groups finish for drain_timeout_s, abort the rest (their tasks are redelivered)
 
@@ -25,13 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.grpc_server import check_health
 from rlfleet.common.queue_metrics import QueueDepthPoller
 from rlfleet.common.streams import connect_nats, ensure_streams
 from rlfleet.envkit.groups import GroupResult, GroupRunner, group_id_of
 from rlfleet.envkit.sdk.clients import Clients
 from rlfleet.envkit.sdk.environment import Environment, known_suites
 from rlfleet.envkit.sdk.environment import environments as environments_for_runtime
-from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeHooks
+from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeHooks, is_platform_failure
 from rlfleet.envkit.sdk.errors import RpcError
 from rlfleet.envkit.sdk.retry import Backoff
 from rlfleet.envkit.sdk.summary import EpisodeSummary
@@ -142,10 +145,30 @@ class RolloutWorker:
             raise
         except RpcError as exc:  # a peer failed before the episodes could run (the session server is down)
             log.warning("group of task #%d could not run: %s", delivery.sequence, exc)
-            result = GroupResult(group_id_of(task.task_id, delivery.sequence), unfinished=[f"group: {exc}"])
+            result = GroupResult(group_id_of(task.task_id, delivery.sequence), unfinished=[f"group: {exc}"],
+                                 platform_failures=int(is_platform_failure(exc)))
         finally:
             self._add_pending(-unfinished)
+        if result.platform_outage and not delivery.last_chance:
+            async with delivery.heartbeat(self.config.heartbeat_s):
+                await self.wait_for_platform()
         await self.settle(delivery, result)
+
+    async def wait_for_platform(self) -> bool:
+        """Until every service an episode needs answers its health check again (a restarting peer),
+        with backoff bounded to `platform_backoff_max_s`, for at most `platform_wait_s`."""
+        config = self.config
+        addresses = [a for a in (config.session_address, config.sandbox_address, config.verifier_address) if a]
+        deadline = time.monotonic() + config.platform_wait_s
+        for delay in Backoff(0.2, config.platform_backoff_max_s).delays():
+            answers = await asyncio.gather(*(check_health(a, timeout_s=2.0) for a in addresses))
+            if all(answers):
+                return True
+            if time.monotonic() + delay > deadline:
+                log.warning("services still down after %.0f s: redelivering anyway", config.platform_wait_s)
+                return False
+            await asyncio.sleep(delay)
+        return False
 
     async def settle(self, delivery: Delivery, result: GroupResult) -> None:
         if result.superseded:
@@ -155,6 +178,10 @@ class RolloutWorker:
             outcome = "acked"
             await delivery.ack()
             self.stats.tasks_acked += 1
+        elif result.platform_outage and not delivery.last_chance:
+            outcome = "retried_outage"  # the services are back (or the wait ran out): redeliver now
+            await delivery.retry_later(0)
+            self.stats.tasks_retried += 1
         elif delivery.last_chance:
             outcome = "dead_lettered"
             await delivery.dead_letter(f"group {result.group_id} unfinished after {delivery.number} deliveries: "
