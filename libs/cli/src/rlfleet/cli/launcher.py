@@ -289,6 +289,14 @@ class Platform:
         self._restart_tries: dict[str, tuple[int, float]] = {}  # name -> (restarts since it was last stable, last)
         self._children: dict[str, ChildProcess] = {}  # what this launcher started, to learn how it exited
 
+    @classmethod
+    def attach(cls, run_dir: str | Path) -> Platform:
+        """The platform launched in `run_dir` (by this process or another), to supervise or stop."""
+        state = PlatformState.load(run_dir)
+        platform = cls(PlatformConfig(**state.config))
+        platform.state = state
+        return platform
+
     def up(self) -> PlatformState:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_second_launch()

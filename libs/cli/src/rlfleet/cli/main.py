@@ -57,11 +57,12 @@ def cmd_up(argv: list[str]) -> int:
         if detach:
             print(f"\nrunning detached; stop with: rlfleet down --run-dir {platform.run_dir}")
             return 0
-        print("\nall healthy. Ctrl-C stops everything.", flush=True)
+        print("\nall healthy. Ctrl-C stops everything; a process that dies is started again.", flush=True)
         # Wake up now and then rather than block once: a test run under load saw a SIGINT that
         # never ended an unbounded wait, while the same signal later ended it at once.
         while not stop.wait(0.5):
-            pass
+            for event in platform.restart_dead():
+                print(event, flush=True)
     except BaseException:
         platform.down()
         raise

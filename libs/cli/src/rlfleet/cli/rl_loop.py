@@ -170,7 +170,7 @@ class RLRun:
             changes = config_changes(previous.config, self.config.model_dump(mode="json"))
             if changes:
                 raise StartupError("the config differs from the run being resumed in what it trains "
-                                   f"(only budget and eval.concurrency may change): {'; '.join(changes)}")
+                                   f"(only budget, eval.concurrency and restart may change): {'; '.join(changes)}")
             self._restore(previous)
             return
         if previous is not None and previous.status != "finished" and not self.options.fresh:
@@ -220,7 +220,7 @@ class RLRun:
         c = self.config
         sections = {name: section.model_copy(deep=True) for name, section in c.sections().items()}
         return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=2, canary_engines=1,
-                              model_path=str(base), log_format="json", **sections)
+                              model_path=str(base), log_format="json", restart=c.restart.model_copy(), **sections)
 
     def _platform(self, base: Path):
         """The platform of this run directory: attached to when it is up, else started (returns it and

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.cli.gate import GateConfig
-from rlfleet.cli.platform_config import ServiceSections
+from rlfleet.cli.platform_config import RestartPolicy, ServiceSections
 from rlfleet.cli.warm_start import ModelSpec, WarmStartConfig
 from rlfleet.common.config import StrictModel, merge, propagate
 
@@ -73,6 +73,8 @@ class RunConfig(ServiceSections):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy,
+                                   description="a platform process that dies is started again and the run goes on")
     model_cache_dir: str = Field("", description="base policies are cached here; empty = runs/.cache")
 
     @model_validator(mode="before")
