@@ -113,30 +113,37 @@ def _kill(run_dir: Path, name: str) -> None:
     os.killpg(record.pid, signal.SIGKILL)  # the launch's own process group, by its recorded PID
 
 
-async def _train_trajectories(nats_url: str) -> list:
+async def _stream(nats_url: str, stream: str, message) -> list:
+    """(publish time, message) of every message of the run on `stream`."""
     import nats
     from nats.js.api import DeliverPolicy
 
-    from rlfleet.api.common.v1 import common_pb2
     from rlfleet.common.streams import subject
 
     nc = await nats.connect(nats_url)
     found = []
     try:
-        sub = await nc.jetstream().subscribe(subject("TRAJECTORIES", RUN_ID), ordered_consumer=True,
+        sub = await nc.jetstream().subscribe(subject(stream, RUN_ID), ordered_consumer=True,
                                              deliver_policy=DeliverPolicy.ALL)
         while True:
             try:
                 msg = await sub.next_msg(timeout=3)
             except nats.errors.TimeoutError:
                 break
-            traj = common_pb2.Trajectory.FromString(msg.data)
-            if (traj.split or "train") == "train":
-                found.append((msg.metadata.timestamp.timestamp(), traj))
+            found.append((msg.metadata.timestamp.timestamp(), message.FromString(msg.data)))
         await sub.unsubscribe()
     finally:
         await nc.close()
     return found
+
+
+def _first_version_after(kill_at: float, ledger, announced: dict[int, float], published: dict[str, float]):
+    """The first version trained only on trajectories published after `kill_at`, and when it was
+    announced: the loop's whole path (rollouts, publishing, training, announcing) worked again."""
+    for version, ids in ledger:
+        if announced.get(version, 0) > kill_at and ids and min(published.get(i, 0) for i in ids) > kill_at:
+            return version, announced[version]
+    return None, None
 
 
 def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing(tmp_path):
@@ -162,6 +169,7 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
             time.sleep(1)
 
         recovery: dict[str, float] = {}
+        kill_times: dict[str, float] = {}
         last_recovered = 0.0
         for name in order:
             time.sleep(rng.uniform(0, 3))
@@ -175,6 +183,7 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
                                                          + driver.output()
                 time.sleep(0.2)
             recovery[name] = time.monotonic() - killed
+            kill_times[name] = time.time() - recovery[name]
             last_recovered = time.time()
             print(f"  {name:16s} killed at v{before}: next trained version after {recovery[name]:5.1f} s",
                   flush=True)
@@ -197,7 +206,10 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
 
         # 0 lost: every learnable group (all G samples finished, rewards not all equal) published
         # before the last kill had recovered was trained; the run went on for many steps after it.
-        published = asyncio.run(_train_trajectories(_record(run_dir, "nats")["url"]))
+        nats_url = _record(run_dir, "nats")["url"]
+        published = [(at, t) for at, t in asyncio.run(_stream(nats_url, "TRAJECTORIES", common_pb2.Trajectory))
+                     if (t.split or "train") == "train"]
+        announced = {v.version: at for at, v in asyncio.run(_stream(nats_url, "POLICY", common_pb2.PolicyVersion))}
         by_id = {t.trajectory_id: t for _, t in published}
         samples = [(by_id[i].group_id, by_id[i].sample_index) for i in trained if i in by_id]
         assert len(samples) == len(set(samples)), "one sample of a group was trained twice"
@@ -216,8 +228,17 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
         lost = owed - set(trained)
         assert not lost, f"{len(lost)} of {len(owed)} learnable trajectories were never trained"
         print(f"chaos: {len(VICTIMS)} kills, run finished at v{summary['final_version']}, "
-              f"{len(trained)} trajectories trained once each, 0 of {len(owed)} owed lost; recovery "
-              + ", ".join(f"{n} {s:.1f} s" for n, s in recovery.items()), flush=True)
+              f"{len(trained)} trajectories trained once each, 0 of {len(owed)} owed lost", flush=True)
+        # The next version can be one whose data was in the trainer already; the loop has recovered
+        # when a version is trained only on what was published after the kill.
+        times = {t.trajectory_id: at for at, t in published}
+        print(f"  {'killed':16s} {'next version':>12s} {'first version of post-kill data':>32s}")
+        for name in order:
+            version, at = _first_version_after(kill_times[name], ledger, announced, times)
+            fresh = f"v{version} after {at - kill_times[name]:5.1f} s" if version else "none"
+            print(f"  {name:16s} {recovery[name]:10.1f} s {fresh:>32s}", flush=True)
+        print("\n".join(line for line in driver.lines if "restarted" in line or "did not come back" in line
+                        or "failed" in line), flush=True)
     finally:
         if driver.proc.poll() is None:
             driver.proc.kill()

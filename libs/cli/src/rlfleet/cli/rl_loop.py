@@ -215,11 +215,13 @@ class RLRun:
         return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt, say)
 
     def platform_config(self, base: Path) -> PlatformConfig:
-        """The launch of this run: two engines (canary: rollouts and candidates; fleet: the accepted
-        version) serving the base policy, and the run's service sections as resolved."""
+        """The launch of this run: the engine pools (canary: rollouts and candidates; fleet: the
+        accepted version, `engines.canary` and `engines.fleet` engines each) serving the base
+        policy, and the run's service sections as resolved."""
         c = self.config
         sections = {name: section.model_copy(deep=True) for name, section in c.sections().items()}
-        return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=2, canary_engines=1,
+        return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=c.engines.canary + c.engines.fleet,
+                              canary_engines=c.engines.canary,
                               model_path=str(base), log_format="json", restart=c.restart.model_copy(), **sections)
 
     def _platform(self, base: Path):
