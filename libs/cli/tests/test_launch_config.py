@@ -134,3 +134,17 @@ def test_restart_policy_reaches_the_launch_and_may_change_on_resume(tmp_path):
     assert not platform.restart.enabled and platform.restart.max_backoff_s == 3
     before = run_config(tmp_path, f'run_dir = "{tmp_path}"\n').model_dump(mode="json")
     assert config_changes(before, config.model_dump(mode="json")) == []
+
+
+def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_once_stable(tmp_path):
+    from rlfleet.cli.launcher import Platform
+
+    platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=[], engines=0,
+                                       restart={"first_backoff_s": 1.0, "max_backoff_s": 4.0, "stable_after_s": 30.0}))
+    record = ProcessRecord("trainer", 0, 0, [], "")
+    points = (0.0, 0.5, 1.0, 2.5, 3.0, 5.0, 6.9, 7.0, 10.0, 11.0)
+    tries = [t for t in points if platform._backoff_over(record, 1000 + t)]
+    # At once, then 1 s, 2 s, 4 s, 4 s (the bound) after the previous try.
+    assert tries == [0.0, 1.0, 3.0, 7.0, 11.0]
+    assert platform._backoff_over(record, 1000 + 11.0 + 30.0), "up 30 s: the next restart is at once"
+    assert not platform._backoff_over(record, 1000 + 41.5)

@@ -463,11 +463,11 @@ class Platform:
 
     def _respawn(self, record: ProcessRecord) -> ChildProcess:
         """The recorded command line again, in a new session, its output appended to the same log."""
-        child = spawn(record.cmdline, Path(record.log), record.name, env=service_env())
-        record.pid, record.start_ticks = child.pid, start_ticks(child.pid) or 0
         ready = _ready_file(record)
         if ready is not None:
-            ready.unlink(missing_ok=True)
+            ready.unlink(missing_ok=True)  # the one the dead process wrote
+        child = spawn(record.cmdline, Path(record.log), record.name, env=service_env())
+        record.pid, record.start_ticks = child.pid, start_ticks(child.pid) or 0
         self._children[record.name] = child
         return child
 

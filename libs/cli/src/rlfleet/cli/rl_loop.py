@@ -286,7 +286,11 @@ class RLRun:
         c = self.config
         train, heldout, regression = self._tasks(peers)
         if self.accepted_eval is None:  # a new run, or one interrupted before its baseline was done
-            await self._baseline(peers, heldout, regression)
+            try:
+                await self._baseline(peers, heldout, regression)
+            except Stopped:
+                say("baseline: abandoned (stopping)")
+                return
             self.record.started_unix = time.time()
         # Loop time (the budget, every figure's time axis) starts after the baseline evaluation.
         self.clock = Clock(self.state.loop_s)
@@ -348,9 +352,11 @@ class RLRun:
         self.record.accepted_version = self.last_gated = version
         say(f"baseline: evaluating version {version} on {len(heldout)} held-out and {len(regression)} "
             f"regression tasks ...")
-        self.accepted_eval = await self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet")
-        self.accepted_regression = await self._evaluate(peers, regression, version, "regression", "baseline", "fleet") \
-            if regression else None
+        # A stop during the baseline abandons it (Stopped): a resumed run evaluates it again.
+        baseline = await self._unless_stopped(self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet"))
+        self.accepted_regression = await self._unless_stopped(
+            self._evaluate(peers, regression, version, "regression", "baseline", "fleet")) if regression else None
+        self.accepted_eval = baseline
         say(f"baseline: held-out success {self.accepted_eval.success:.3f}")
         for result in (self.accepted_eval, self.accepted_regression):
             if result is not None:
