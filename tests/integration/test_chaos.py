@@ -1,6 +1,6 @@
 """Chaos: one `rlfleet run`, every platform process SIGKILLed once at a random moment, nobody touching it.
 
-The gateway, session server, sandbox manager, verifier, broker, the canary engine, trainer, NATS and
+The gateway, session server, sandbox manager, verifier, broker, a canary engine (of two), trainer, NATS and
 Redis are each killed once (their whole process group, by the PID platform.json records), in a
 random order, a random 0-3 s after the previous one recovered. The launcher's supervision starts
 each again on its own ports and the run goes on: it must end on its budget with exit 0, and from
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# A cold warm start (the SFT base policy) alone takes minutes on a busy machine.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 RLFLEET = str(Path(sys.executable).parent / "rlfleet")
 RUN_ID = "chaos"
@@ -53,6 +54,9 @@ heldout = 8
 regression = 0
 [gate]
 every_versions = 4
+# Two canary engines: rollouts of the one killed are carried on by the other while it restarts.
+[engines]
+canary = 2
 [budget]
 max_steps = {steps}
 max_minutes = 15
@@ -241,6 +245,10 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
                         or "failed" in line), flush=True)
     finally:
         if driver.proc.poll() is None:
-            driver.proc.kill()
-            driver.wait(60)
+            driver.proc.send_signal(signal.SIGINT)  # its orderly stop ends what it started (a model build too)
+            try:
+                driver.wait(120)
+            except subprocess.TimeoutExpired:
+                driver.proc.kill()
+                driver.wait(60)
         subprocess.run([RLFLEET, "down", "--run-dir", str(run_dir)], capture_output=True, timeout=120)

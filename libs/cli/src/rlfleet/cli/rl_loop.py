@@ -32,7 +32,7 @@ import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import uvloop
@@ -94,6 +94,20 @@ class RunOptions:
     keep_up: bool = False   # leave the platform running at the end
     up_only: bool = False   # bring the platform up for this run and return
     config_path: str = ""   # for the hints printed
+
+
+@dataclass
+class Peers:
+    """What the driver talks to: the launch record, NATS (JetStream), the SDK's clients of the
+    session server, sandbox manager and verifier, and stubs of the gateway, trainer and broker."""
+
+    state: PlatformState
+    nc: Any
+    js: Any
+    clients: Clients
+    gateway: gateway_pb2_grpc.GatewayServiceStub
+    trainer: trainer_pb2_grpc.TrainerServiceStub
+    broker: broker_pb2_grpc.BrokerServiceStub
 
 
 class RLRun:
@@ -260,7 +274,7 @@ class RLRun:
     # -- connections ----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _connections(self, state):
+    async def _connections(self, state: PlatformState):
         """NATS, the SDK's clients and stubs of the gateway, trainer and broker, closed on the way out."""
 
         channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker")]
@@ -268,10 +282,10 @@ class RLRun:
         clients = Clients.connect(session=state.by_name("session-server").address,
                                   sandbox=state.by_name("sandbox-manager").address,
                                   verifier=state.by_name("verifier").address)
-        peers = SimpleNamespace(state=state, nc=nc, js=nc.jetstream(), clients=clients,
-                                gateway=gateway_pb2_grpc.GatewayServiceStub(channels[0]),
-                                trainer=trainer_pb2_grpc.TrainerServiceStub(channels[1]),
-                                broker=broker_pb2_grpc.BrokerServiceStub(channels[2]))
+        peers = Peers(state=state, nc=nc, js=nc.jetstream(), clients=clients,
+                      gateway=gateway_pb2_grpc.GatewayServiceStub(channels[0]),
+                      trainer=trainer_pb2_grpc.TrainerServiceStub(channels[1]),
+                      broker=broker_pb2_grpc.BrokerServiceStub(channels[2]))
         try:
             yield peers
         finally:
