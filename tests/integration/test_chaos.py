@@ -174,6 +174,7 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
 
         recovery: dict[str, float] = {}
         kill_times: dict[str, float] = {}
+        back: dict[str, float] = {}
         last_recovered = 0.0
         for name in order:
             time.sleep(rng.uniform(0, 3))
@@ -188,9 +189,14 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
                 time.sleep(0.2)
             recovery[name] = time.monotonic() - killed
             kill_times[name] = time.time() - recovery[name]
+            while _record(run_dir, name).get("ready_unix", 0) < kill_times[name]:  # back, serving
+                assert driver.proc.poll() is None, f"the run stopped after {name} was killed:\n" + driver.output()
+                assert time.monotonic() - killed < 300, f"{name} not back 300 s after its kill:\n" + driver.output()
+                time.sleep(0.2)
+            back[name] = _record(run_dir, name)["ready_unix"] - kill_times[name]
             last_recovered = time.time()
-            print(f"  {name:16s} killed at v{before}: next trained version after {recovery[name]:5.1f} s",
-                  flush=True)
+            print(f"  {name:16s} killed at v{before}: next trained version after {recovery[name]:5.1f} s, "
+                  f"serving again after {back[name]:5.1f} s", flush=True)
 
         assert driver.wait(900) == 0, driver.output()
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -236,11 +242,12 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
         # The next version can be one whose data was in the trainer already; the loop has recovered
         # when a version is trained only on what was published after the kill.
         times = {t.trajectory_id: at for at, t in published}
-        print(f"  {'killed':16s} {'next version':>12s} {'first version of post-kill data':>32s}")
+        print("  | killed | next trained version | serving again | first version of post-kill data |\n"
+              "  | --- | --- | --- | --- |")
         for name in order:
             version, at = _first_version_after(kill_times[name], ledger, announced, times)
-            fresh = f"v{version} after {at - kill_times[name]:5.1f} s" if version else "none"
-            print(f"  {name:16s} {recovery[name]:10.1f} s {fresh:>32s}", flush=True)
+            fresh = f"v{version} after {at - kill_times[name]:.1f} s" if version else "none"
+            print(f"  | {name} | {recovery[name]:.1f} s | {back[name]:.1f} s | {fresh} |", flush=True)
         print("\n".join(line for line in driver.lines if "restarted" in line or "did not come back" in line
                         or "failed" in line), flush=True)
     finally:

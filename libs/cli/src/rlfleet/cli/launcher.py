@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from rlfleet.common.processes import (
 )
 
 STATE_FILE = "platform.json"
+INFRASTRUCTURE = ("nats", "redis")  # what every service reconnects to: restarted first
 
 
 @dataclass
@@ -56,6 +58,7 @@ class ProcessRecord:
     restarts: int = 0       # times the launcher started it again after it died
     last_exit: str = ""     # how it last died: "exit 1", "signal SIGKILL", "unknown"
     last_restart_unix: float = 0.0
+    ready_unix: float = 0.0  # when it last came up serving after a restart
 
 
 @dataclass
@@ -288,6 +291,9 @@ class Platform:
         self.model: Path | None = None
         self._restart_tries: dict[str, tuple[int, float]] = {}  # name -> (restarts since it was last stable, last)
         self._children: dict[str, ChildProcess] = {}  # what this launcher started, to learn how it exited
+        self._lock = threading.Lock()  # restarts finish on threads of their own
+        self._restarting: set[str] = set()
+        self._events: list[str] = []
 
     @classmethod
     def attach(cls, run_dir: str | Path) -> Platform:
@@ -406,39 +412,71 @@ class Platform:
 
     # -- supervision -------------------------------------------------------------------------------
 
-    def restart_dead(self, now: float | None = None) -> list[str]:
+    def restart_dead(self, now: float | None = None, wait: bool = True) -> list[str]:
         """Starts again every recorded process that is no longer running and whose backoff has run
-        out: NATS and Redis first (everyone else reconnects to them), then the rest, all of one kind
-        at once. Returns one line per restart or failed restart, for the caller to show."""
+        out: NATS and Redis first (everyone else reconnects to them), then the rest. Each restart
+        waits for its process to serve on a thread of its own, so one slow start (a trainer loading
+        its model) never holds up another. With `wait` it returns once the restarts it began are
+        done; without, at once (call it again to collect the outcome). Returns one line per restart
+        or failed restart finished since the last call, for the caller to show."""
         if not self.config.restart.enabled:
             return []
         now = time.time() if now is None else now
-        events: list[str] = []
-        dead = [r for r in self.state.processes if not is_ours(r) and self._backoff_over(r, now)]
-        for wave in ([r for r in dead if r.kind in ("nats", "redis")], [r for r in dead if r.kind not in ("nats", "redis")]):
-            started = []
-            for record in wave:
+        waves = ((INFRASTRUCTURE,), (INFRASTRUCTURE, None)) if wait else ((INFRASTRUCTURE, None),)
+        for kinds in waves:
+            threads = self._start_dead(now, services=None in kinds)
+            if wait:
+                for thread in threads:
+                    thread.join()
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _start_dead(self, now: float, services: bool) -> list[threading.Thread]:
+        with self._lock:
+            dead = [r for r in self.state.processes if r.name not in self._restarting and not is_ours(r)]
+            infrastructure_down = any(r.kind in INFRASTRUCTURE for r in dead) or any(
+                self.state.by_name(name).kind in INFRASTRUCTURE for name in self._restarting)
+            threads = []
+            for record in dead:
+                if record.kind not in INFRASTRUCTURE and (not services or infrastructure_down):
+                    continue  # it would only fail to reach NATS or Redis: after them
+                if not self._backoff_over(record, now):
+                    continue
                 exit_status = self._exit_status(record)
                 try:
                     child = self._respawn(record)
                 except (OSError, StartupError) as exc:
-                    events.append(self._failed(record, f"could not start: {exc}"))
+                    self._events.append(self._failed(record, f"could not start: {exc}"))
                     continue
                 record.restarts += 1
                 record.last_exit = exit_status
                 record.last_restart_unix = now
-                started.append((record, child))
+                self._restarting.add(record.name)
+                thread = threading.Thread(target=self._finish_restart, args=(record, child),
+                                          name=f"restart-{record.name}", daemon=True)
+                threads.append(thread)
             self.state.save()
-            for record, child in started:
-                try:
-                    self._wait_restarted(record, child)
-                except StartupError as exc:
-                    events.append(self._failed(record, str(exc)))
-                    continue
-                events.append(f"{record.name} restarted ({record.last_exit}; restart {record.restarts}, "
-                              f"pid {record.pid})")
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def _finish_restart(self, record: ProcessRecord, child: ChildProcess) -> None:
+        try:
+            self._wait_restarted(record, child)
+            event = f"{record.name} restarted ({record.last_exit}; restart {record.restarts}, pid {record.pid})"
+            record.ready_unix = time.time()
+        except StartupError as exc:
+            event = self._failed(record, str(exc))
+        with self._lock:
+            self._events.append(event)
+            self._restarting.discard(record.name)
             self.state.save()
-        return events
+
+    def restarting(self) -> bool:
+        """Whether a restart is under way (its process started, not serving yet)."""
+        with self._lock:
+            return bool(self._restarting)
 
     def _exit_status(self, record: ProcessRecord) -> str:
         return _exit_status(record.pid, self._children.get(record.name))

@@ -61,7 +61,7 @@ def cmd_up(argv: list[str]) -> int:
         # Wake up now and then rather than block once: a test run under load saw a SIGINT that
         # never ended an unbounded wait, while the same signal later ended it at once.
         while not stop.wait(0.5):
-            for event in platform.restart_dead():
+            for event in platform.restart_dead(wait=False):
                 print(event, flush=True)
     except BaseException:
         platform.down()

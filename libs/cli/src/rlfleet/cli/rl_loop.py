@@ -637,8 +637,8 @@ class RLRun:
                     f"{self.run_dir / 'logs'})")
                 self.stop.set()
                 return
-            if gone:
-                for event in await asyncio.to_thread(platform.restart_dead):
+            if gone or platform.restarting():
+                for event in await asyncio.to_thread(platform.restart_dead, wait=False):
                     say(f"[{self.clock.elapsed():5.0f}s] {event}")
                     self.record.notes.append(event)
             with contextlib.suppress(TimeoutError):
