@@ -12,8 +12,13 @@
 `mode = "sync"` runs the same system in lock-step: one step's tasks, wait for the new version to be
 served, repeat.
 
-The run directory holds everything needed to go on after an interruption (Ctrl-C, a service that
-died, the driver killed): `rlfleet run CONFIG --resume` restarts the platform on its durable state
+From the baseline to the final evaluation a platform process that dies is started again on its own
+ports (the launcher's restart policy, `restart.*`) and the run goes on; every background part of
+the loop is supervised (a failure is said and the part started again), every call to a service has
+a deadline, and a stop abandons a gate evaluation at once.
+
+The run directory holds everything needed to go on after an interruption (Ctrl-C, the driver
+killed, a death with `restart.enabled = false`): `rlfleet run CONFIG --resume` restarts the platform on its durable state
 (or attaches to it when it is still up) and continues from the trainer's last checkpoint, with the
 tasks, trajectories and budget where they were (see run_state.py). A platform left running
 (`--keep-up`, `--up-only`) is attached to by the next `rlfleet run` of the same run directory.

@@ -2,7 +2,7 @@
 
 Each refresh asks every source once, with short deadlines, and shows what answered:
 
-    services   gRPC health / PING of every process the launch started
+    services   gRPC health / PING of every process the launch started, and its restarts (platform.json)
     engines    the gateway's registry (pool, state, policy version, in-flight requests)
     versions   the broker (latest, canary, accepted) and the trainer (its version, step, idle fraction)
     queues     JetStream consumers of the run's TASKS and TRAJECTORIES (pending, ack pending)
