@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -561,8 +562,9 @@ def _pin_ports(record: ProcessRecord, ports: dict[str, Any]) -> None:
 def _exit_status(pid: int, child: ChildProcess | None) -> str:
     """How our child `pid` ended (reaping it), or "unknown" when it was not our child."""
     if child is not None and child.process is not None and child.pid == pid:
-        code = child.returncode
-        if code is None:
+        try:  # a process with many threads is not reapable until the last of them is gone
+            code = child.process.wait(2.0)
+        except subprocess.TimeoutExpired:
             return "unknown"
         return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
     try:
