@@ -148,3 +148,13 @@ def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_once_stabl
     assert tries == [0.0, 1.0, 3.0, 7.0, 11.0]
     assert platform._backoff_over(record, 1000 + 11.0 + 30.0), "up 30 s: the next restart is at once"
     assert not platform._backoff_over(record, 1000 + 41.5)
+
+
+def test_nothing_is_restarted_while_rlfleet_down_stops_the_platform(tmp_path):
+    from rlfleet.cli.launcher import Platform, mark_stopping
+
+    platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=[], engines=0))
+    platform.state.processes = [ProcessRecord("trainer", 0, 0, ["/bin/true"], str(tmp_path / "t.log"))]  # not running
+    mark_stopping(tmp_path)
+    assert platform.stopping()
+    assert platform.restart_dead() == [] and platform.state.processes[0].restarts == 0

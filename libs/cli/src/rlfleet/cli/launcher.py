@@ -42,6 +42,7 @@ from rlfleet.common.processes import (
 )
 
 STATE_FILE = "platform.json"
+STOPPING_FILE = "platform.stopping"  # `rlfleet down` under way: a supervisor must not restart what it stops
 INFRASTRUCTURE = ("nats", "redis")  # what every service reconnects to: restarted first
 
 
@@ -129,6 +130,12 @@ def stop_processes(records: list[ProcessRecord], timeout_s: float) -> list[str]:
     for wave in waves:
         killed += _stop_wave([r for r in reversed(wave) if is_ours(r)], timeout_s)
     return killed
+
+
+def mark_stopping(run_dir: str | Path) -> None:
+    """Tells a supervisor of this run directory (another shell's `rlfleet run`) that the platform
+    is being stopped on purpose, so it does not start again what is stopped."""
+    Path(run_dir, STOPPING_FILE).touch()
 
 
 def _stop_wave(alive: list[ProcessRecord], timeout_s: float) -> list[str]:
@@ -307,6 +314,7 @@ class Platform:
     def up(self) -> PlatformState:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_second_launch()
+        (self.run_dir / STOPPING_FILE).unlink(missing_ok=True)
         try:
             self._start_nats()
             self._start_redis()
@@ -321,6 +329,7 @@ class Platform:
         return self.state
 
     def down(self) -> list[str]:
+        mark_stopping(self.run_dir)
         killed = stop_processes(self.state.processes, self.config.stop_timeout_s)
         self.state.processes = []
         self.state.save()
@@ -420,7 +429,7 @@ class Platform:
         its model) never holds up another. With `wait` it returns once the restarts it began are
         done; without, at once (call it again to collect the outcome). Returns one line per restart
         or failed restart finished since the last call, for the caller to show."""
-        if not self.config.restart.enabled:
+        if not self.config.restart.enabled or self.stopping():
             return []
         now = time.time() if now is None else now
         waves = ((INFRASTRUCTURE,), (INFRASTRUCTURE, None)) if wait else ((INFRASTRUCTURE, None),)
@@ -473,6 +482,10 @@ class Platform:
             self._events.append(event)
             self._restarting.discard(record.name)
             self.state.save()
+
+    def stopping(self) -> bool:
+        """Whether `rlfleet down` (or this launcher's own `down`) is stopping the platform."""
+        return (self.run_dir / STOPPING_FILE).exists()
 
     def restarting(self) -> bool:
         """Whether a restart is under way (its process started, not serving yet)."""

@@ -78,9 +78,10 @@ def cmd_run(argv: list[str]) -> int:
 
 
 def cmd_down(argv: list[str]) -> int:
-    from rlfleet.cli.launcher import PlatformState, stop_processes
+    from rlfleet.cli.launcher import PlatformState, mark_stopping, stop_processes
 
     state = PlatformState.load(_run_dir_arg(argv, "rlfleet down"))
+    mark_stopping(state.run_dir)  # a running `rlfleet run` stops its run rather than restart these
     names = [p.name for p in state.processes]
     killed = stop_processes(state.processes, 10.0)
     state.processes = []

@@ -636,8 +636,9 @@ class RLRun:
 
         while not done.is_set():
             gone = [p.name for p in platform.state.processes if not is_ours(p)]
-            if gone and not platform.config.restart.enabled:
-                self.interrupted = f"{', '.join(gone)} stopped running"
+            if gone and (not platform.config.restart.enabled or platform.stopping()):
+                self.interrupted = f"{', '.join(gone)} stopped running" + (
+                    " (`rlfleet down`)" if platform.stopping() else "")
                 say(f"[{self.clock.elapsed():5.0f}s] {self.interrupted}; stopping the run (see "
                     f"{self.run_dir / 'logs'})")
                 self.stop.set()
