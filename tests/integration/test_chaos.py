@@ -248,8 +248,8 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
             version, at = _first_version_after(kill_times[name], ledger, announced, times)
             fresh = f"v{version} after {at - kill_times[name]:.1f} s" if version else "none"
             print(f"  | {name} | {recovery[name]:.1f} s | {back[name]:.1f} s | {fresh} |", flush=True)
-        print("\n".join(line for line in driver.lines if "restarted" in line or "did not come back" in line
-                        or "failed" in line), flush=True)
+        print("\n".join(line for line in driver.lines if line.startswith("[") and (
+            "restarted" in line or "did not come back" in line or "failed" in line)), flush=True)
     finally:
         if driver.proc.poll() is None:
             driver.proc.send_signal(signal.SIGINT)  # its orderly stop ends what it started (a model build too)
