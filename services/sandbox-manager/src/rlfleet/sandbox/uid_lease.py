@@ -38,7 +38,7 @@ _REGISTRY_LOCK = ".lock"
 _SUFFIX = ".lease"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)  # ordered by first uid: picking sorts the leases held
 class UidRange:
     first: int
     count: int
