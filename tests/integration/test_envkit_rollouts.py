@@ -371,3 +371,51 @@ def test_the_node_client_runs_a_multi_turn_calc_episode_from_the_protos_alone(ri
     kinds = [s.kind for s in published.spans]
     assert kinds == [common_pb2.SPAN_KIND_PROMPT, common_pb2.SPAN_KIND_GENERATED, common_pb2.SPAN_KIND_OBSERVATION,
                      common_pb2.SPAN_KIND_GENERATED]
+
+
+async def test_a_group_stopped_by_a_gateway_outage_runs_again_in_the_same_delivery(rig):
+    """The gateway SIGKILLed while every sample of a group is generating: a platform failure, not the
+    task's. The worker holds the delivery, waits for the restarted gateway (the launcher's
+    supervision, on its recorded port) and runs the samples again as outage attempts: the task is
+    acked on its first delivery, each sample published once."""
+    import os
+    import signal
+
+    from rlfleet.cli.launcher import Platform, is_ours
+    from rlfleet.common.processes import eventually
+
+    task = calc.generate_tasks("train", 1, seed=404)[0]
+    write_for_verifier([task], rig.info.suites_dir)
+    await set_engine_delay(rig.engine_url, 2.0)
+    worker = RolloutWorker(worker_config(rig.info))  # 4 episodes at once: the whole group runs
+    running = asyncio.create_task(worker.run_until(1))
+    try:
+        await publish_tasks([task], rig.info.run_id, rig.info.nats_url, group_size=3, epoch=404)
+        group_id = f"{task.task_id}-{await last_task_sequence(rig.info)}"
+        async with clients(rig.info) as services:
+            for _ in range(150):
+                sessions = [await services.session.get(f"{group_id}-s{i}") for i in range(3)]
+                if all(s is not None and s.state == session_pb2.SESSION_STATE_OPEN for s in sessions):
+                    break
+                await asyncio.sleep(0.1)
+        platform = Platform.attach(rig.info.path)
+        gateway = platform.state.by_name("rollout-gateway")
+        os.killpg(gateway.pid, signal.SIGKILL)
+        await eventually(lambda: not is_ours(gateway), 10, message="the gateway is gone")
+        await set_engine_delay(rig.engine_url, 0.0)
+        await asyncio.sleep(1.0)  # the samples fail on the missing gateway meanwhile
+        events = await asyncio.to_thread(platform.restart_dead)
+        assert [e.split()[:2] for e in events] == [["rollout-gateway", "restarted"]], events
+        stats = await asyncio.wait_for(running, 60)
+    finally:
+        await set_engine_delay(rig.engine_url, 0.0)
+        if not running.done():
+            running.cancel()
+    assert stats.tasks_acked == 1 and stats.tasks_retried == 0 and stats.tasks_dead_lettered == 0
+    assert stats.outage_reruns >= 1
+    published = await trajectories(rig.info, lambda t: t.group_id == group_id)
+    kept = [t for t in published if t.status == common_pb2.TRAJECTORY_STATUS_COMPLETED]
+    assert sorted(t.sample_index for t in kept) == [0, 1, 2], "each sample published once"
+    assert all("-r" not in t.session_id.removeprefix(group_id) for t in kept), "no second delivery"
+    assert any("-o" in t.session_id for t in kept), [t.session_id for t in kept]
+    assert await queue_is_empty(rig.info)

@@ -138,3 +138,68 @@ def test_bad_launcher_config_is_a_one_line_error(tmp_path):
     assert result.stderr.strip() == "rlfleet up: unknown key 'servces'"
     assert json.loads(json.dumps(result.stderr))  # one line, no traceback
     assert "Traceback" not in result.stderr
+
+
+async def test_killed_nats_and_redis_come_back_on_their_ports_with_their_data(tmp_path):
+    """The launcher's supervision: NATS and Redis SIGKILLed are started again by `restart_dead` on
+    the ports their clients know, with JetStream's and Redis's durable state; the exit is recorded."""
+    import os
+    import signal
+
+    from rlfleet.cli.launcher import Platform
+    from rlfleet.cli.platform_config import PlatformConfig
+
+    platform = Platform(PlatformConfig(run_id="sup", run_dir=str(tmp_path / "run"), services=[], engines=0))
+    platform.up()
+    try:
+        state = platform.state
+        nats_url, redis_url = state.by_name("nats").url, state.by_name("redis").url
+        nc = await connect_nats(NatsConfig(url=nats_url), "itest")
+        js = nc.jetstream()
+        from rlfleet.common.streams import ensure_streams
+
+        await ensure_streams(js, ("POLICY",))
+        await publish(js, "POLICY", "sup", b"kept", msg_type="PolicyVersion", msg_id="sup-1")
+        redis = await connect_redis(RedisConfig(url=redis_url))
+        await redis.set(key("sup", "kept"), "yes")
+        for name in ("nats", "redis"):
+            os.killpg(state.by_name(name).pid, signal.SIGKILL)
+        for name in ("nats", "redis"):
+            await asyncio.to_thread(_wait_gone, state.by_name(name))
+        events = await asyncio.to_thread(platform.restart_dead)
+        assert sorted(e.split()[:2] for e in events) == [["nats", "restarted"], ["redis", "restarted"]], events
+        saved = PlatformState.load(tmp_path / "run")
+        for name in ("nats", "redis"):
+            record = saved.by_name(name)
+            assert is_ours(record) and record.restarts == 1 and record.last_exit == "signal SIGKILL"
+        assert (saved.by_name("nats").url, saved.by_name("redis").url) == (nats_url, redis_url)
+        assert all(row.healthy for row in await probe(saved))
+        assert await redis.get(key("sup", "kept")) in ("yes", b"yes")  # the client reconnected by itself
+        last = await _eventually_last(js)
+        assert last == b"kept", "JetStream kept the message and the client reconnected"
+        assert platform.restart_dead() == [], "nothing else is down"
+        await nc.close()
+        await redis.aclose()
+    finally:
+        platform.down()
+
+
+def _wait_gone(record, timeout_s=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while is_ours(record) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+async def _eventually_last(js, within_s=20.0):
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return (await js.get_last_msg("POLICY", "rlfleet.sup.policy")).data
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)

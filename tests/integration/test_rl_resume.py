@@ -174,8 +174,9 @@ def test_an_interrupted_run_resumes_from_its_run_directory(tmp_path):
     refused = subprocess.run([RLFLEET, "run", str(config), *common], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "--resume" in refused.stderr + refused.stdout
 
-    # 2. Resume; then the trainer dies mid-run (SIGKILL): the driver notices and stops as interrupted.
-    second = Driver(str(config), *common, "--resume")
+    # 2. Resume with restarts off; then the trainer dies mid-run (SIGKILL): the driver notices and
+    # stops as interrupted (with restarts on, the default, it would start the trainer again: test_chaos.py).
+    second = Driver(str(config), *common, "--resume", "--restart.enabled", "false")
     _wait_for_steps(second, run_dir, _steps(run_dir) + 2)
     trainer = next(p for p in json.loads((run_dir / "platform.json").read_text())["processes"] if p["name"] == "trainer")
     os.kill(trainer["pid"], signal.SIGKILL)

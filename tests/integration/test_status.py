@@ -123,3 +123,30 @@ def test_a_service_that_is_down_is_shown_down_and_the_view_goes_on(launched):
     assert "broker   latest v0" in result.stdout, "what still answers is still shown"
     snapshot = json.loads(status(launched.run_dir, "--once", "--json").stdout)
     assert snapshot["healthy"] is False and snapshot["engines"] == [] and snapshot["trainer"] == {}
+
+
+def test_a_killed_process_comes_back_on_its_own_ports_and_status_counts_the_restart(launched):
+    """After the test above: the launcher's supervision starts the gateway and the trainer again
+    with their recorded command lines, on the addresses their peers know; status shows the restarts."""
+    from rlfleet.cli.launcher import Platform
+
+    platform = Platform.attach(launched.run_dir)
+    before = {name: platform.state.by_name(name).address for name in ("rollout-gateway", "trainer")}
+    events = platform.restart_dead()
+    assert [e.split()[:2] for e in events] == [["rollout-gateway", "restarted"], ["trainer", "restarted"]], events
+    state = PlatformState.load(launched.run_dir)
+    for name, address in before.items():
+        record = state.by_name(name)
+        assert is_ours(record) and record.address == address
+        assert record.restarts == 1 and record.last_exit and record.last_restart_unix > 0
+    assert platform.restart_dead() == [], "nothing else is down"
+    wait_for_trainer(launched.run_dir)
+    result = status(launched.run_dir, "--once")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    for name in before:
+        assert any(line.split()[:1] == [name] and "healthy" in line and " 1 (last: " in line for line in lines), \
+            result.stdout
+    assert any(line.split()[:4] == ["e0", "fleet", "healthy", "0"] for line in lines), "the gateway is back"
+    snapshot = json.loads(status(launched.run_dir, "--once", "--json").stdout)
+    assert {s["name"]: s["restarts"] for s in snapshot["services"]}["trainer"] == 1

@@ -105,3 +105,57 @@ def test_every_toml_the_repo_ships_loads():
                             and ".venv" not in p.parts and "runs" not in p.parts}
     for path, model in shipped.items():
         load_config(model, ["--config", str(path)], prog=path.name, environ={})
+
+
+def test_engine_pools_of_several_engines_by_config(tmp_path):
+    from rlfleet.cli.rl_loop import RLRun
+
+    config = run_config(tmp_path, f'run_dir = "{tmp_path}"\n[engines]\ncanary = 2\nfleet = 3\n')
+    platform = RLRun(config).platform_config(tmp_path / "model")
+    assert (platform.engines, platform.canary_engines) == (5, 2)
+    state = PlatformState("r1", str(tmp_path), 1)
+    state.processes = [ProcessRecord("nats", 0, 0, [], "", url="nats://127.0.0.1:1", kind="nats"),
+                       ProcessRecord("redis", 0, 0, [], "", url="redis://127.0.0.1:2/0", kind="redis")]
+    state.processes += [ProcessRecord(f"engine-{i}", 0, 0, [], "", url=f"http://127.0.0.1:{10 + i}", kind="engine")
+                        for i in range(5)]
+    gateway = process_config("rollout-gateway", platform, state, tmp_path, tmp_path / "g.json", tmp_path)
+    assert [(e.engine_id, e.pool) for e in gateway.engines] == [
+        ("engine-0", "canary"), ("engine-1", "canary"), ("engine-2", "fleet"), ("engine-3", "fleet"),
+        ("engine-4", "fleet")]
+    default = RLRun(run_config(tmp_path, f'run_dir = "{tmp_path}"\n')).platform_config(tmp_path / "model")
+    assert (default.engines, default.canary_engines) == (2, 1)
+
+
+def test_restart_policy_reaches_the_launch_and_may_change_on_resume(tmp_path):
+    from rlfleet.cli.rl_loop import RLRun
+    from rlfleet.cli.run_state import config_changes
+
+    config = run_config(tmp_path, f'run_dir = "{tmp_path}"\n[restart]\nenabled = false\nmax_backoff_s = 3\n')
+    platform = RLRun(config).platform_config(tmp_path / "model")
+    assert not platform.restart.enabled and platform.restart.max_backoff_s == 3
+    before = run_config(tmp_path, f'run_dir = "{tmp_path}"\n').model_dump(mode="json")
+    assert config_changes(before, config.model_dump(mode="json")) == []
+
+
+def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_once_stable(tmp_path):
+    from rlfleet.cli.launcher import Platform
+
+    platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=[], engines=0,
+                                       restart={"first_backoff_s": 1.0, "max_backoff_s": 4.0, "stable_after_s": 30.0}))
+    record = ProcessRecord("trainer", 0, 0, [], "")
+    points = (0.0, 0.5, 1.0, 2.5, 3.0, 5.0, 6.9, 7.0, 10.0, 11.0)
+    tries = [t for t in points if platform._backoff_over(record, 1000 + t)]
+    # At once, then 1 s, 2 s, 4 s, 4 s (the bound) after the previous try.
+    assert tries == [0.0, 1.0, 3.0, 7.0, 11.0]
+    assert platform._backoff_over(record, 1000 + 11.0 + 30.0), "up 30 s: the next restart is at once"
+    assert not platform._backoff_over(record, 1000 + 41.5)
+
+
+def test_nothing_is_restarted_while_rlfleet_down_stops_the_platform(tmp_path):
+    from rlfleet.cli.launcher import Platform, mark_stopping
+
+    platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=[], engines=0))
+    platform.state.processes = [ProcessRecord("trainer", 0, 0, ["/bin/true"], str(tmp_path / "t.log"))]  # not running
+    mark_stopping(tmp_path)
+    assert platform.stopping()
+    assert platform.restart_dead() == [] and platform.state.processes[0].restarts == 0

@@ -173,3 +173,30 @@ def test_sync_mode_hands_out_more_groups_when_the_trainer_dropped_some(tmp_path)
 
     asyncio.run(asyncio.wait_for(go(), 10))
     assert published == [2, 2]
+
+
+def test_a_background_part_that_fails_is_said_and_started_again_and_a_stop_abandons_a_wait(tmp_path, capsys):
+    from rlfleet.cli.rl_loop import Stopped
+
+    run = RLRun(RunConfig(run_dir=str(tmp_path)))
+    calls = []
+
+    async def flaky() -> None:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise ConnectionError("broker went away")
+
+    async def scenario() -> None:
+        await asyncio.wait_for(run._supervised("the promotion gate", flaky), 10)
+        assert calls == [0, 1], "started again after its failure, then it ended normally"
+        assert any("the promotion gate failed (ConnectionError: broker went away)" in n for n in run.record.notes)
+        never = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(run._unless_stopped(never))
+        await asyncio.sleep(0.1)
+        run.stop.set()
+        with pytest.raises(Stopped):
+            await asyncio.wait_for(waiting, 10)
+        assert never.cancelled(), "the abandoned work is cancelled, not left running"
+
+    asyncio.run(scenario())
+    assert "the promotion gate failed" in capsys.readouterr().out

@@ -50,6 +50,9 @@ def test_group_and_session_ids_are_a_function_of_the_stream_sequence_and_the_del
     assert group_id_of("calc-1-ab", 17) == "calc-1-ab-17"
     assert session_id_of("calc-1-ab-17", 2) == "calc-1-ab-17-s2"
     assert session_id_of("calc-1-ab-17", 2, delivery=3) == "calc-1-ab-17-s2-r3"
+    # A re-run inside the same delivery after a service outage gets an ID no other attempt used.
+    assert session_id_of("calc-1-ab-17", 2, outage=1) == "calc-1-ab-17-s2-o1"
+    assert session_id_of("calc-1-ab-17", 2, delivery=3, outage=2) == "calc-1-ab-17-s2-r3-o2"
 
 
 def test_each_sample_of_a_group_gets_its_own_seed_and_unset_sampling_comes_from_the_worker():

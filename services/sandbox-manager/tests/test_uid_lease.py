@@ -126,3 +126,12 @@ def test_no_free_range_is_a_clear_error(tmp_path, window):
         lease(tmp_path, 64, small)
     assert refused.value.reason == "no_free_uid_range"
     held.release()
+
+
+def test_a_third_lease_is_picked_beside_two_held_ones(tmp_path, window):
+    """Two live leases on the host: picking orders them (on a shared host this is the usual case)."""
+    held = [lease(tmp_path, 64, window) for _ in range(2)]
+    third = lease(tmp_path, 64, window)
+    assert third.uids == UidRange(window["search_from"] + 128, 64)
+    for one in (*held, third):
+        one.release()

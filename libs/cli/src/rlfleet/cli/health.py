@@ -17,6 +17,9 @@ class Health:
     running: bool
     healthy: bool
     detail: str = ""
+    restarts: int = 0        # times the launcher started it again (platform.json)
+    last_exit: str = ""      # how it died the last time
+    last_restart_unix: float = 0.0
 
 
 async def _ping_line(address: str, expect: bytes, timeout_s: float, greeting: bool) -> bool:
@@ -57,6 +60,13 @@ async def _http_ok(address: str, path: str, timeout_s: float) -> bool:
 
 
 async def probe_one(record: ProcessRecord, timeout_s: float = 2.0) -> Health:
+    health = await _probe_one(record, timeout_s)
+    health.restarts, health.last_exit = record.restarts, record.last_exit
+    health.last_restart_unix = record.last_restart_unix
+    return health
+
+
+async def _probe_one(record: ProcessRecord, timeout_s: float) -> Health:
     running = is_ours(record)
     if not running:
         return Health(record.name, record.pid, record.address, False, False, "not running")

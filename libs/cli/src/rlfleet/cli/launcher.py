@@ -3,6 +3,13 @@
 Everything a launch starts is recorded in `<run_dir>/platform.json` (PID, command line, log file,
 address), so `rlfleet down` and `rlfleet status` work from another shell, and stopping never
 touches a process that is not ours: a PID is only signalled while its start time still matches the one recorded.
+
+Supervision (`Platform.restart_dead`, what compose's restart policy and Kubernetes do for their
+deployments): once a process serves, its ports are written into its own config file (gRPC and
+metrics port of a service, an engine's port, NATS's `listen`; Redis has `--port` on its command
+line), so a process that died is started again with its recorded command line and comes back on
+the same addresses its peers already know. Restarts back off exponentially up to a bound, are
+counted in platform.json (count, last exit, time) and shown by `rlfleet status`.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,11 +35,15 @@ from rlfleet.common.processes import (
     RedisServer,
     find_binary,
     last_log_line,
+    port_open,
     start_redis,
+    wait_until,
     write_json_atomic,
 )
 
 STATE_FILE = "platform.json"
+STOPPING_FILE = "platform.stopping"  # `rlfleet down` under way: a supervisor must not restart what it stops
+INFRASTRUCTURE = ("nats", "redis")  # what every service reconnects to: restarted first
 
 
 @dataclass
@@ -44,6 +57,10 @@ class ProcessRecord:
     url: str = ""           # nats://, redis://, http://
     metrics_port: int = 0
     kind: str = "service"   # service | nats | redis | engine | worker
+    restarts: int = 0       # times the launcher started it again after it died
+    last_exit: str = ""     # how it last died: "exit 1", "signal SIGKILL", "unknown"
+    last_restart_unix: float = 0.0
+    ready_unix: float = 0.0  # when it last came up serving after a restart
 
 
 @dataclass
@@ -113,6 +130,12 @@ def stop_processes(records: list[ProcessRecord], timeout_s: float) -> list[str]:
     for wave in waves:
         killed += _stop_wave([r for r in reversed(wave) if is_ours(r)], timeout_s)
     return killed
+
+
+def mark_stopping(run_dir: str | Path) -> None:
+    """Tells a supervisor of this run directory (another shell's `rlfleet run`) that the platform
+    is being stopped on purpose, so it does not start again what is stopped."""
+    Path(run_dir, STOPPING_FILE).touch()
 
 
 def _stop_wave(alive: list[ProcessRecord], timeout_s: float) -> list[str]:
@@ -274,10 +297,24 @@ class Platform:
         self.state = PlatformState(config.run_id, str(self.run_dir), os.getpid(),
                                    config=config.model_dump(mode="json"))
         self.model: Path | None = None
+        self._restart_tries: dict[str, tuple[int, float]] = {}  # name -> (restarts since it was last stable, last)
+        self._children: dict[str, ChildProcess] = {}  # what this launcher started, to learn how it exited
+        self._lock = threading.Lock()  # restarts finish on threads of their own
+        self._restarting: set[str] = set()
+        self._events: list[str] = []
+
+    @classmethod
+    def attach(cls, run_dir: str | Path) -> Platform:
+        """The platform launched in `run_dir` (by this process or another), to supervise or stop."""
+        state = PlatformState.load(run_dir)
+        platform = cls(PlatformConfig(**state.config))
+        platform.state = state
+        return platform
 
     def up(self) -> PlatformState:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_second_launch()
+        (self.run_dir / STOPPING_FILE).unlink(missing_ok=True)
         try:
             self._start_nats()
             self._start_redis()
@@ -292,6 +329,7 @@ class Platform:
         return self.state
 
     def down(self) -> list[str]:
+        mark_stopping(self.run_dir)
         killed = stop_processes(self.state.processes, self.config.stop_timeout_s)
         self.state.processes = []
         self.state.save()
@@ -316,16 +354,19 @@ class Platform:
         server = NatsServer(self.run_dir / "nats", nats.max_payload_bytes, nats.binary,
                             log_path=self.logs / "nats.log", name="nats", new_session=True,
                             log_lines=1).spawn()
+        self._children[server.name] = server
         self._record(record_of(server, kind="nats"))
         url = server.wait_url(self.config.start_timeout_s)
         record = self.state.by_name(server.name)
         record.url, record.address = url, url.removeprefix("nats://")
+        server.write_conf(_port_of(record.address))  # a restart listens where the clients reconnect to
         self.state.save()
 
     def _start_redis(self) -> None:
         def record(server: RedisServer) -> None:
             # A retry on another port replaces its predecessor's record.
             self.state.processes = [p for p in self.state.processes if p.kind != "redis"]
+            self._children[server.name] = server
             self._record(record_of(server, kind="redis", address=f"127.0.0.1:{server.port}", url=server.url))
 
         start_redis(self.run_dir / "redis", timeout_s=min(10.0, self.config.start_timeout_s),
@@ -344,6 +385,7 @@ class Platform:
             info = child.wait_for_file(ready, self.config.start_timeout_s)
             record = self.state.by_name(child.name)
             record.url, record.address = info["url"], f"127.0.0.1:{info['port']}"
+            _pin_ports(record, {"port": info["port"]})
             self.state.save()
 
     def _start_services(self, names: list[str]) -> None:
@@ -355,6 +397,10 @@ class Platform:
             info = child.wait_for_file(ready, self.config.start_timeout_s)
             record = self.state.by_name(child.name)
             record.address, record.metrics_port = info["grpc_address"], info.get("metrics_port", 0)
+            pinned = {"grpc": {"port": _port_of(record.address)}}
+            if record.metrics_port:
+                pinned["metrics"] = {"port": record.metrics_port}
+            _pin_ports(record, pinned)
             self.state.save()
 
     def _process_config(self, process: str, name: str) -> ProcessConfig:
@@ -369,8 +415,180 @@ class Platform:
         config_file = write_process_config(self.run_dir, name, config)
         child = spawn([find_binary(script), "--config", str(config_file)], self.logs / f"{name}.log", name,
                       env=service_env())
+        self._children[name] = child
         self._record(record_of(child, kind=kind))
         return child, Path(config.ready_file)
+
+
+    # -- supervision -------------------------------------------------------------------------------
+
+    def restart_dead(self, now: float | None = None, wait: bool = True) -> list[str]:
+        """Starts again every recorded process that is no longer running and whose backoff has run
+        out: NATS and Redis first (everyone else reconnects to them), then the rest. Each restart
+        waits for its process to serve on a thread of its own, so one slow start (a trainer loading
+        its model) never holds up another. With `wait` it returns once the restarts it began are
+        done; without, at once (call it again to collect the outcome). Returns one line per restart
+        or failed restart finished since the last call, for the caller to show."""
+        if not self.config.restart.enabled or self.stopping():
+            return []
+        now = time.time() if now is None else now
+        waves = ((INFRASTRUCTURE,), (INFRASTRUCTURE, None)) if wait else ((INFRASTRUCTURE, None),)
+        for kinds in waves:
+            threads = self._start_dead(now, services=None in kinds)
+            if wait:
+                for thread in threads:
+                    thread.join()
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _start_dead(self, now: float, services: bool) -> list[threading.Thread]:
+        with self._lock:
+            dead = [r for r in self.state.processes if r.name not in self._restarting and not is_ours(r)]
+            infrastructure_down = any(r.kind in INFRASTRUCTURE for r in dead) or any(
+                self.state.by_name(name).kind in INFRASTRUCTURE for name in self._restarting)
+            threads = []
+            for record in dead:
+                if record.kind not in INFRASTRUCTURE and (not services or infrastructure_down):
+                    continue  # it would only fail to reach NATS or Redis: after them
+                if not self._backoff_over(record, now):
+                    continue
+                exit_status = self._exit_status(record)
+                try:
+                    child = self._respawn(record)
+                except (OSError, StartupError) as exc:
+                    self._events.append(self._failed(record, f"could not start: {exc}"))
+                    continue
+                record.restarts += 1
+                record.last_exit = exit_status
+                record.last_restart_unix = now
+                self._restarting.add(record.name)
+                thread = threading.Thread(target=self._finish_restart, args=(record, child),
+                                          name=f"restart-{record.name}", daemon=True)
+                threads.append(thread)
+            self.state.save()
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def _finish_restart(self, record: ProcessRecord, child: ChildProcess) -> None:
+        try:
+            self._wait_restarted(record, child)
+            event = f"{record.name} restarted ({record.last_exit}; restart {record.restarts}, pid {record.pid})"
+            record.ready_unix = time.time()
+        except StartupError as exc:
+            event = self._failed(record, str(exc))
+        with self._lock:
+            self._events.append(event)
+            self._restarting.discard(record.name)
+            self.state.save()
+
+    def stopping(self) -> bool:
+        """Whether `rlfleet down` (or this launcher's own `down`) is stopping the platform."""
+        return (self.run_dir / STOPPING_FILE).exists()
+
+    def restarting(self) -> bool:
+        """Whether a restart is under way (its process started, not serving yet)."""
+        with self._lock:
+            return bool(self._restarting)
+
+    def _exit_status(self, record: ProcessRecord) -> str:
+        return _exit_status(record.pid, self._children.get(record.name))
+
+    def _backoff_over(self, record: ProcessRecord, now: float) -> bool:
+        """Bounded exponential backoff between restarts of one process: the first at once, then
+        `first_backoff_s` doubling up to `max_backoff_s`; a process that stayed up `stable_after_s`
+        since its last restart starts over at once."""
+        policy = self.config.restart
+        tries, last = self._restart_tries.get(record.name, (0, 0.0))
+        if now - last >= policy.stable_after_s:
+            tries = 0
+        delay = 0.0 if tries == 0 else min(policy.max_backoff_s, policy.first_backoff_s * 2 ** (tries - 1))
+        if now - last < delay:
+            return False
+        self._restart_tries[record.name] = (tries + 1, now)
+        return True
+
+    def _failed(self, record: ProcessRecord, why: str) -> str:
+        tries, _ = self._restart_tries.get(record.name, (0, 0.0))
+        return f"{record.name} did not come back ({why}); try {tries}, trying again with backoff"
+
+    def _respawn(self, record: ProcessRecord) -> ChildProcess:
+        """The recorded command line again, in a new session, its output appended to the same log."""
+        ready = _ready_file(record)
+        if ready is not None:
+            ready.unlink(missing_ok=True)  # the one the dead process wrote
+        child = spawn(record.cmdline, Path(record.log), record.name, env=service_env())
+        record.pid, record.start_ticks = child.pid, start_ticks(child.pid) or 0
+        self._children[record.name] = child
+        return child
+
+    def _wait_restarted(self, record: ProcessRecord, child: ChildProcess) -> None:
+        timeout = self.config.start_timeout_s
+        try:
+            if record.kind in ("nats", "redis"):
+                wait_until(lambda: port_open(_port_of(record.address)), timeout, record.name, child)
+                return
+            ready = _ready_file(record)
+            info = child.wait_for_file(ready, timeout) if ready is not None else {}
+        except StartupError:
+            if child.returncode is None:
+                child.kill()
+            raise
+        address = info.get("grpc_address") or (f"127.0.0.1:{info['port']}" if "port" in info else "")
+        if address and address != record.address:  # the port was taken meanwhile: its peers would not find it
+            child.kill()
+            raise StartupError(f"came back on {address}, not on its recorded {record.address}")
+
+
+def _port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _config_file(record: ProcessRecord) -> Path | None:
+    argv = record.cmdline
+    return Path(argv[argv.index("--config") + 1]) if "--config" in argv else None
+
+
+def _ready_file(record: ProcessRecord) -> Path | None:
+    config_file = _config_file(record)
+    if config_file is None or not config_file.exists():
+        return None
+    ready = json.loads(config_file.read_text()).get("ready_file")
+    return Path(ready) if ready else None
+
+
+def _pin_ports(record: ProcessRecord, ports: dict[str, Any]) -> None:
+    """Writes the ports the process bound into its own config file, so a restart binds them again."""
+    config_file = _config_file(record)
+    if config_file is None:
+        return
+    config = json.loads(config_file.read_text())
+    for key, value in ports.items():
+        if isinstance(value, dict):
+            config.setdefault(key, {}).update(value)
+        else:
+            config[key] = value
+    write_json_atomic(config_file, config)
+
+
+def _exit_status(pid: int, child: ChildProcess | None) -> str:
+    """How our child `pid` ended (reaping it), or "unknown" when it was not our child."""
+    if child is not None and child.process is not None and child.pid == pid:
+        try:  # a process with many threads is not reapable until the last of them is gone
+            code = child.process.wait(2.0)
+        except subprocess.TimeoutExpired:
+            return "unknown"
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+    try:
+        waited, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return "unknown"
+    if waited == 0:
+        return "unknown"
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.WEXITSTATUS(status)}"
 
 
 def service_env() -> dict[str, str]:

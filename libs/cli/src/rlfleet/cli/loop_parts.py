@@ -23,6 +23,7 @@ from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
 from rlfleet.envkit.tasks import task_message
 
 log = logging.getLogger(__name__)
+PLATFORM_RETRIES = 5  # runs of one evaluation episode that a service outage may stop before it counts
 
 
 class Clock:
@@ -156,10 +157,18 @@ async def evaluate(clients, tasks: list[common_pb2.Task], *, version: int, split
     slots = asyncio.Semaphore(concurrency)
 
     async def one(i: int, task: common_pb2.Task):
-        async with slots:
-            spec = EpisodeSpec(task=task, session_id=f"eval-{tag}-{i}", group_id=f"eval-{tag}-{i}",
-                               metadata={"engine_pool": pool, "eval": label})
-            return await loop.run(spec)
+        # An episode a service outage stopped (a peer restarting) says nothing about the policy: it
+        # runs again under a new session ID rather than count as a failure in the gate's figures.
+        for attempt in range(PLATFORM_RETRIES + 1):
+            session_id = f"eval-{tag}-{i}" + (f"-p{attempt}" if attempt else "")
+            async with slots:
+                spec = EpisodeSpec(task=task, session_id=session_id, group_id=session_id,
+                                   metadata={"engine_pool": pool, "eval": label})
+                summary = await loop.run(spec)
+            if not summary.platform_failure:
+                break
+            await asyncio.sleep(min(2.0, 0.5 * 2 ** attempt))
+        return summary
 
     summaries = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
     n = len(summaries) or 1

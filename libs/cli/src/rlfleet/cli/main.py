@@ -57,11 +57,12 @@ def cmd_up(argv: list[str]) -> int:
         if detach:
             print(f"\nrunning detached; stop with: rlfleet down --run-dir {platform.run_dir}")
             return 0
-        print("\nall healthy. Ctrl-C stops everything.", flush=True)
+        print("\nall healthy. Ctrl-C stops everything; a process that dies is started again.", flush=True)
         # Wake up now and then rather than block once: a test run under load saw a SIGINT that
         # never ended an unbounded wait, while the same signal later ended it at once.
         while not stop.wait(0.5):
-            pass
+            for event in platform.restart_dead(wait=False):
+                print(event, flush=True)
     except BaseException:
         platform.down()
         raise
@@ -77,9 +78,10 @@ def cmd_run(argv: list[str]) -> int:
 
 
 def cmd_down(argv: list[str]) -> int:
-    from rlfleet.cli.launcher import PlatformState, stop_processes
+    from rlfleet.cli.launcher import PlatformState, mark_stopping, stop_processes
 
     state = PlatformState.load(_run_dir_arg(argv, "rlfleet down"))
+    mark_stopping(state.run_dir)  # a running `rlfleet run` stops its run rather than restart these
     names = [p.name for p in state.processes]
     killed = stop_processes(state.processes, 10.0)
     state.processes = []

@@ -41,6 +41,15 @@ class RedisServerConfig(StrictModel):
     binary: str = Field("redis-server", description="redis-server executable")
 
 
+class RestartPolicy(StrictModel):
+    """What the launcher does when a process it started dies: start it again on its own ports."""
+
+    enabled: bool = Field(True, description="restart a process that died (the run goes on)")
+    first_backoff_s: float = Field(0.5, ge=0, description="wait before a second try when a restart failed")
+    max_backoff_s: float = Field(8.0, gt=0, description="longest wait between tries (doubling up to it)")
+    stable_after_s: float = Field(30.0, gt=0, description="a process up this long starts its backoff over")
+
+
 class ServiceSections(StrictModel):
     """The config of every process a launch starts, as the process itself takes it."""
 
@@ -73,6 +82,7 @@ class PlatformConfig(ServiceSections):
                             description="log format of every process (a section's log.format wins)")
     nats: NatsServerConfig = Field(default_factory=NatsServerConfig)
     redis: RedisServerConfig = Field(default_factory=RedisServerConfig)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
     engines: int = Field(1, ge=0, le=16, description="CPU engines started before the gateway (0 = none: bring "
                          "your own fleet with gateway.engines)")
     model_path: str = Field("", description="HF model directory the engines serve and the session server "

@@ -12,8 +12,13 @@
 `mode = "sync"` runs the same system in lock-step: one step's tasks, wait for the new version to be
 served, repeat.
 
-The run directory holds everything needed to go on after an interruption (Ctrl-C, a service that
-died, the driver killed): `rlfleet run CONFIG --resume` restarts the platform on its durable state
+From the baseline to the final evaluation a platform process that dies is started again on its own
+ports (the launcher's restart policy, `restart.*`) and the run goes on; every background part of
+the loop is supervised (a failure is said and the part started again), every call to a service has
+a deadline, and a stop abandons a gate evaluation at once.
+
+The run directory holds everything needed to go on after an interruption (Ctrl-C, the driver
+killed, a death with `restart.enabled = false`): `rlfleet run CONFIG --resume` restarts the platform on its durable state
 (or attaches to it when it is still up) and continues from the trainer's last checkpoint, with the
 tasks, trajectories and budget where they were (see run_state.py). A platform left running
 (`--keep-up`, `--up-only`) is attached to by the next `rlfleet run` of the same run directory.
@@ -32,7 +37,7 @@ import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import uvloop
@@ -77,6 +82,10 @@ from rlfleet.envkit.worker_config import WorkerConfig
 log = logging.getLogger(__name__)
 
 
+class Stopped(Exception):
+    """The run's stop was set while waiting for something that no longer matters."""
+
+
 def say(text: str) -> None:
     print(text, flush=True)
 
@@ -90,6 +99,20 @@ class RunOptions:
     keep_up: bool = False   # leave the platform running at the end
     up_only: bool = False   # bring the platform up for this run and return
     config_path: str = ""   # for the hints printed
+
+
+@dataclass
+class Peers:
+    """What the driver talks to: the launch record, NATS (JetStream), the SDK's clients of the
+    session server, sandbox manager and verifier, and stubs of the gateway, trainer and broker."""
+
+    state: PlatformState
+    nc: Any
+    js: Any
+    clients: Clients
+    gateway: gateway_pb2_grpc.GatewayServiceStub
+    trainer: trainer_pb2_grpc.TrainerServiceStub
+    broker: broker_pb2_grpc.BrokerServiceStub
 
 
 class RLRun:
@@ -106,6 +129,7 @@ class RLRun:
         self.accepted_regression = None
         self.last_gated = 0
         self.feeder = None
+        self.platform: Platform | None = None
         self.resuming = False
         self._trainer_mark: tuple[float, float] | None = None  # (data-wait counter, loop time) last read
         self.loop_started = False  # before it, no loop time is spent (warm start, platform, baseline)
@@ -117,10 +141,13 @@ class RLRun:
         self._take_over_run_dir()
         base = await asyncio.to_thread(self._base_policy)
         platform, owned = await asyncio.to_thread(self._platform, base)
+        self.platform = platform
         if self.options.up_only:
             say(f"platform: up for run {self.config.run_id}; `rlfleet run {self._config_arg()}` attaches to it, "
                 f"`rlfleet down --run-dir {self.run_dir}` stops it")
             return {}
+        done = asyncio.Event()
+        watching = asyncio.create_task(self._watch_processes(platform, done))
         try:
             async with self._connections(platform.state) as peers:
                 await self._loop(peers)
@@ -128,6 +155,8 @@ class RLRun:
             self.interrupted = self.interrupted or f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            done.set()
+            await _stopped(watching, "the process watch")
             self.record.wall_s = self.record.wall_s or (self.clock.elapsed() if self.loop_started else 0.0)
             self.record.status = "interrupted" if self.interrupted else "finished"
             self._save_state()
@@ -160,7 +189,7 @@ class RLRun:
             changes = config_changes(previous.config, self.config.model_dump(mode="json"))
             if changes:
                 raise StartupError("the config differs from the run being resumed in what it trains "
-                                   f"(only budget and eval.concurrency may change): {'; '.join(changes)}")
+                                   f"(only budget, eval.concurrency and restart may change): {'; '.join(changes)}")
             self._restore(previous)
             return
         if previous is not None and previous.status != "finished" and not self.options.fresh:
@@ -205,12 +234,14 @@ class RLRun:
         return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt, say)
 
     def platform_config(self, base: Path) -> PlatformConfig:
-        """The launch of this run: two engines (canary: rollouts and candidates; fleet: the accepted
-        version) serving the base policy, and the run's service sections as resolved."""
+        """The launch of this run: the engine pools (canary: rollouts and candidates; fleet: the
+        accepted version, `engines.canary` and `engines.fleet` engines each) serving the base
+        policy, and the run's service sections as resolved."""
         c = self.config
         sections = {name: section.model_copy(deep=True) for name, section in c.sections().items()}
-        return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=2, canary_engines=1,
-                              model_path=str(base), log_format="json", **sections)
+        return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=c.engines.canary + c.engines.fleet,
+                              canary_engines=c.engines.canary,
+                              model_path=str(base), log_format="json", restart=c.restart.model_copy(), **sections)
 
     def _platform(self, base: Path):
         """The platform of this run directory: attached to when it is up, else started (returns it and
@@ -248,7 +279,7 @@ class RLRun:
     # -- connections ----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _connections(self, state):
+    async def _connections(self, state: PlatformState):
         """NATS, the SDK's clients and stubs of the gateway, trainer and broker, closed on the way out."""
 
         channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker")]
@@ -256,10 +287,10 @@ class RLRun:
         clients = Clients.connect(session=state.by_name("session-server").address,
                                   sandbox=state.by_name("sandbox-manager").address,
                                   verifier=state.by_name("verifier").address)
-        peers = SimpleNamespace(state=state, nc=nc, js=nc.jetstream(), clients=clients,
-                                gateway=gateway_pb2_grpc.GatewayServiceStub(channels[0]),
-                                trainer=trainer_pb2_grpc.TrainerServiceStub(channels[1]),
-                                broker=broker_pb2_grpc.BrokerServiceStub(channels[2]))
+        peers = Peers(state=state, nc=nc, js=nc.jetstream(), clients=clients,
+                      gateway=gateway_pb2_grpc.GatewayServiceStub(channels[0]),
+                      trainer=trainer_pb2_grpc.TrainerServiceStub(channels[1]),
+                      broker=broker_pb2_grpc.BrokerServiceStub(channels[2]))
         try:
             yield peers
         finally:
@@ -274,13 +305,16 @@ class RLRun:
         c = self.config
         train, heldout, regression = self._tasks(peers)
         if self.accepted_eval is None:  # a new run, or one interrupted before its baseline was done
-            await self._baseline(peers, heldout, regression)
+            try:
+                await self._baseline(peers, heldout, regression)
+            except Stopped:
+                say("baseline: abandoned (stopping)")
+                return
             self.record.started_unix = time.time()
         # Loop time (the budget, every figure's time axis) starts after the baseline evaluation.
         self.clock = Clock(self.state.loop_s)
         self.loop_started = True
         observer = Observer(peers.js, c.run_id, self.record, self.clock)
-        observer.version_listeners.append(lambda v: asyncio.ensure_future(self._admit_up_to(peers, v.version)))
         observer.version_listeners.append(self._note_step)
         await observer.start()
         await self._admit_up_to(peers, observer.latest_version)
@@ -297,26 +331,27 @@ class RLRun:
             + (f" ({done} steps and {self.clock.elapsed():.0f} s done)" if self.resuming else ""))
         self._trainer_mark = None
         await self._measure_trainer_idle(peers)
-        background = [asyncio.create_task(worker.run(self.stop)),
-                      asyncio.create_task(CpuSampler([p.pid for p in peers.state.processes], self.record,
-                                                     self.clock).run(self.stop)),
-                      asyncio.create_task(self._watch_pauses(peers)),
-                      asyncio.create_task(self._watch_processes(peers.state)),
-                      asyncio.create_task(self._keep_state_saved()),
-                      asyncio.create_task(self._progress(peers, observer))]
+        sampler = CpuSampler([p.pid for p in peers.state.processes], self.record, self.clock)
+        parts = {"the rollout worker": lambda: worker.run(self.stop), "the CPU sampler": lambda: sampler.run(self.stop),
+                 "the pause watch": lambda: self._watch_pauses(peers), "the state saver": self._keep_state_saved,
+                 "the progress line": lambda: self._progress(peers, observer),
+                 "the admission policy": lambda: self._follow_versions(peers, observer)}
+        if c.mode == "async":
+            in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
+            parts["the feeder"] = lambda: self.feeder.keep_topped_up(lambda: observer.groups_done, in_flight, self.stop)
+            parts["the promotion gate"] = lambda: self._gate_loop(peers, heldout, regression)
+        background = {name: asyncio.create_task(self._supervised(name, part)) for name, part in parts.items()}
         try:
             if c.mode == "async":
-                in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
-                background.append(asyncio.create_task(
-                    self.feeder.keep_topped_up(lambda: observer.groups_done, in_flight, self.stop)))
-                background.append(asyncio.create_task(self._gate_loop(peers, heldout, regression)))
                 await self._until_budget(observer)
             else:
                 await self._sync_steps(peers, observer, heldout, regression)
         finally:
             self.record.wall_s = self.clock.elapsed()
             self.stop.set()
-            await asyncio.gather(*background, return_exceptions=True)
+            for name, task in background.items():
+                # The worker lets running groups finish (its drain_timeout_s, 30 s) before it returns.
+                await _stopped(task, name, timeout_s=60.0 if task is background["the rollout worker"] else 15.0)
             await observer.stop()
         await self._measure_trainer_idle(peers)
         if self.interrupted:
@@ -328,17 +363,19 @@ class RLRun:
         """The version the fleet serves before RL: 0 on a new platform, the accepted one on a platform
         attached to after earlier runs."""
 
-        status = await peers.broker.GetStatus(broker_pb2.GetStatusRequest())
+        status = await _rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
         fleet = [e.policy_version for e in status.engines if e.pool == "fleet"]
         version = min(fleet) if fleet else 0
-        trainer = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=30)
+        trainer = await _rpc(peers.trainer.GetStatus, trainer_pb2.GetStatusRequest(), timeout_s=30)
         self.state.start_version = max(0, trainer.policy_version)
         self.record.accepted_version = self.last_gated = version
         say(f"baseline: evaluating version {version} on {len(heldout)} held-out and {len(regression)} "
             f"regression tasks ...")
-        self.accepted_eval = await self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet")
-        self.accepted_regression = await self._evaluate(peers, regression, version, "regression", "baseline", "fleet") \
-            if regression else None
+        # A stop during the baseline abandons it (Stopped): a resumed run evaluates it again.
+        baseline = await self._unless_stopped(self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet"))
+        self.accepted_regression = await self._unless_stopped(
+            self._evaluate(peers, regression, version, "regression", "baseline", "fleet")) if regression else None
+        self.accepted_eval = baseline
         say(f"baseline: held-out success {self.accepted_eval.success:.3f}")
         for result in (self.accepted_eval, self.accepted_regression):
             if result is not None:
@@ -393,9 +430,20 @@ class RLRun:
         return result
 
     async def _admit_up_to(self, peers, trainer_version: int) -> None:
-        await peers.gateway.SetAdmissionPolicy(gateway_pb2.AdmissionPolicy(
+        await _rpc(peers.gateway.SetAdmissionPolicy, gateway_pb2.AdmissionPolicy(
             max_inflight_sessions=self.config.rollout.max_inflight_sessions, trainer_version=trainer_version,
             max_staleness=self.config.rollout.max_staleness))
+
+    async def _follow_versions(self, peers, observer) -> None:
+        """Moves the gateway's admission (staleness bound) along with each new trainer version."""
+        admitted = observer.latest_version
+        while not self.stop.is_set():
+            if observer.latest_version > admitted:
+                version = observer.latest_version
+                await self._admit_up_to(peers, version)
+                admitted = version
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 0.2)
 
     def _budget_spent(self, observer) -> bool:
         budget = self.config.budget
@@ -440,7 +488,7 @@ class RLRun:
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not (until_stopped and self.stop.is_set()):
-            status = await peers.broker.GetStatus(broker_pb2.GetStatusRequest())
+            status = await _rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
             engines = [e for e in status.engines if e.pool == pool]
             if engines and all(e.policy_version >= version for e in engines):
                 return True
@@ -453,7 +501,7 @@ class RLRun:
         if not self.config.gate.enabled:
             return
         while not self.stop.is_set():
-            status = await peers.broker.GetStatus(broker_pb2.GetStatusRequest())
+            status = await _rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
             canary = [e.policy_version for e in status.engines if e.pool == "canary"]
             version = min(canary) if canary else 0
             if version >= self.last_gated + self.config.gate.every_versions:
@@ -461,19 +509,42 @@ class RLRun:
             await asyncio.sleep(1.0)
 
     async def _gate(self, peers, version: int, heldout, regression) -> None:
-        self.last_gated = version
-        candidate = await self._evaluate(peers, heldout, version, "heldout", "candidate", "canary")
-        cand_reg = await self._evaluate(peers, regression, version, "regression", "candidate", "canary") \
-            if regression else None
+        previous, self.last_gated = self.last_gated, version
+        try:
+            candidate = await self._unless_stopped(
+                self._evaluate(peers, heldout, version, "heldout", "candidate", "canary"))
+            cand_reg = await self._unless_stopped(
+                self._evaluate(peers, regression, version, "regression", "candidate", "canary")) \
+                if regression else None
+        except Stopped:
+            self.last_gated = previous  # not decided: a resumed run gates this version again
+            say(f"gate: evaluation of version {version} abandoned (stopping)")
+            return
         decision = decide(self.config.gate, candidate, self.accepted_eval, cand_reg, self.accepted_regression)
         self.record.gate.append(GateDecision(version, decision.accepted, decision.reasons, self.clock.elapsed()))
         verdict = "accepted" if decision.accepted else "refused"
         say(f"gate: version {version} {verdict}: {'; '.join(decision.reasons)}")
         if decision.accepted:
-            await peers.broker.Promote(broker_pb2.PromoteRequest(version=version, reason="; ".join(decision.reasons)))
+            await _rpc(peers.broker.Promote, broker_pb2.PromoteRequest(version=version, reason="; ".join(decision.reasons)))
             self.accepted_eval, self.accepted_regression = candidate, cand_reg
             self.record.accepted_version = version
         self._save_state()
+
+    async def _unless_stopped(self, work):
+        """`await work`, abandoned (cancelled, `Stopped` raised) as soon as the stop is set: an
+        orderly stop never waits for an evaluation to run out its retries."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, 30.0)  # its episodes abort their sessions, each bounded
+        raise Stopped
 
     # -- watching and printing -------------------------------------------------------------------
 
@@ -481,7 +552,7 @@ class RLRun:
         updates: dict[str, int] = {}
         while not self.stop.is_set():
             try:
-                status = await peers.broker.GetStatus(broker_pb2.GetStatusRequest())
+                status = await _rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
             except Exception:  # the broker restarting: try again next round
                 await asyncio.sleep(1.0)
                 continue
@@ -559,18 +630,46 @@ class RLRun:
             self.record.notes.append(f"no checkpoint at the interruption ({exc.code().name}): the trainer "
                                      "resumes from its last one")
 
-    async def _watch_processes(self, state) -> None:
-        """A platform process that dies stops the run as interrupted; the run directory can resume it."""
+    async def _watch_processes(self, platform: Platform, done: asyncio.Event) -> None:
+        """From the baseline to the final evaluation: a platform process that dies is started again
+        on its own ports (the launcher's restart policy) and the run goes on; with restarts turned
+        off, a death stops the run as interrupted (the run directory can resume it)."""
 
-        while not self.stop.is_set():
-            gone = [p.name for p in state.processes if not is_ours(p)]
-            if gone:
-                self.interrupted = f"{', '.join(gone)} stopped running"
+        while not done.is_set():
+            gone = [p.name for p in platform.state.processes if not is_ours(p)]
+            if gone and (not platform.config.restart.enabled or platform.stopping()):
+                self.interrupted = f"{', '.join(gone)} stopped running" + (
+                    " (`rlfleet down`)" if platform.stopping() else "")
                 say(f"[{self.clock.elapsed():5.0f}s] {self.interrupted}; stopping the run (see "
                     f"{self.run_dir / 'logs'})")
                 self.stop.set()
                 return
-            await asyncio.sleep(1.0)
+            if gone or platform.restarting():
+                for event in await asyncio.to_thread(platform.restart_dead, wait=False):
+                    say(f"[{self.clock.elapsed():5.0f}s] {event}")
+                    self.record.notes.append(event)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.5)
+
+    async def _supervised(self, name: str, part) -> None:
+        """Runs one background part of the loop until the stop. A part that fails is said loudly
+        (on screen, in the log and in the report's notes) and started again with bounded backoff:
+        it is never left dead in silence."""
+        delay = 0.5
+        while not self.stop.is_set():
+            try:
+                await part()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                line = f"{name} failed ({type(exc).__name__}: {exc}); starting it again in {delay:.1f} s"
+                say(f"[{self.clock.elapsed():5.0f}s] {line}")
+                log.error("%s failed", name, exc_info=exc)
+                self.record.notes.append(line)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), delay)
+            delay = min(delay * 2, 10.0)
 
     async def _keep_state_saved(self, every_s: float = 10.0) -> None:
         while not self.stop.is_set():
@@ -589,6 +688,45 @@ class RLRun:
                 f"{row['invalid_tool_calls_per_episode']:.3f}  time {row['time_to_completion_s']:.2f} s  "
                 f"turns {row['interactions_per_episode']:.2f}  safety {row['safety_violations_per_episode']:.3f}")
         say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
+
+
+async def _stopped(task: asyncio.Task, what: str, timeout_s: float = 90.0) -> None:
+    """Waits for a background task that was told to stop; one that failed says so (never silently),
+    one that does not stop in time is cancelled."""
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout_s)
+    except TimeoutError:
+        task.cancel()
+        say(f"{what} did not stop within {timeout_s:.0f} s; cancelled it")
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    except asyncio.CancelledError:
+        if not task.done():
+            task.cancel()
+        raise
+    except Exception as exc:  # reported, not swallowed
+        say(f"{what} failed: {type(exc).__name__}: {exc}")
+        log.error("%s failed", what, exc_info=exc)
+
+
+RPC_TIMEOUT_S = 10.0
+PLATFORM_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def _rpc(method, request, *, timeout_s: float = RPC_TIMEOUT_S, within_s: float = 120.0):
+    """One call to a platform service, with a deadline. A peer that is down or restarting
+    (UNAVAILABLE, DEADLINE_EXCEEDED) is called again with backoff bounded to 2 s, for `within_s` at
+    most (the supervisor brings it back meanwhile); any other status is raised at once."""
+    deadline = time.monotonic() + within_s
+    delay = 0.25
+    while True:
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in PLATFORM_CODES or time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
 
 
 def _platform_differences(running: dict, wanted: dict) -> list[str]:

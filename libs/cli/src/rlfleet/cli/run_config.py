@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.cli.gate import GateConfig
-from rlfleet.cli.platform_config import ServiceSections
+from rlfleet.cli.platform_config import RestartPolicy, ServiceSections
 from rlfleet.cli.warm_start import ModelSpec, WarmStartConfig
 from rlfleet.common.config import StrictModel, merge, propagate
 
@@ -57,6 +57,15 @@ class EvalConfig(StrictModel):
     concurrency: int = Field(64, ge=1, description="evaluation episodes at once")
 
 
+class EnginePools(StrictModel):
+    """CPU engines of the run: the canary pool serves rollouts and candidate versions, the fleet the
+    accepted one. Two or more in a pool: an engine that dies has its requests carried on by another
+    of its pool at the same version while it restarts."""
+
+    canary: int = Field(1, ge=1, le=8, description="engines of the canary pool (rollouts and the gate's candidates)")
+    fleet: int = Field(1, ge=1, le=8, description="engines of the fleet pool (the accepted version)")
+
+
 class BudgetConfig(StrictModel):
     max_steps: int = Field(40, ge=1, description="stop after this many trainer steps")
     max_minutes: float = Field(10.0, gt=0, description="stop the loop after this long (warm start not counted)")
@@ -79,6 +88,9 @@ class RunConfig(ServiceSections):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    engines: EnginePools = Field(default_factory=EnginePools)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy,
+                                   description="a platform process that dies is started again and the run goes on")
     model_cache_dir: str = Field("", description="base policies are cached here; empty = runs/.cache")
 
     @model_validator(mode="before")

@@ -29,11 +29,12 @@ STATE_FILE = "run_state.json"
 
 # Everything a run writes into its directory; a fresh run removes exactly these and nothing else.
 RUN_OUTPUTS = ("nats", "redis", "weights", "checkpoints", "logs", "ready", "suites", "report", "platform.json",
+               "platform.stopping",
                "summary.json", "report.html", STATE_FILE)
 
-# Keys a resumed run may change: how long it goes on, and how it is watched. Everything else
-# shapes what is trained and must stay as it was.
-RESUMABLE_CHANGES = ("budget", "eval.concurrency")
+# Keys a resumed run may change: how long it goes on, how it is watched and how its processes are
+# supervised. Everything else shapes what is trained and must stay as it was.
+RESUMABLE_CHANGES = ("budget", "eval.concurrency", "restart")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Each refresh asks every source once, with short deadlines, and shows what answered:
 
-    services   gRPC health / PING of every process the launch started
+    services   gRPC health / PING of every process the launch started, and its restarts (platform.json)
     engines    the gateway's registry (pool, state, policy version, in-flight requests)
     versions   the broker (latest, canary, accepted) and the trainer (its version, step, idle fraction)
     queues     JetStream consumers of the run's TASKS and TRAJECTORIES (pending, ack pending)
@@ -186,10 +186,10 @@ def render(snapshot: Snapshot, previous: Snapshot | None, state: PlatformState, 
         return f"\x1b[{32 if ok else 31}m{text}\x1b[0m" if color else text
 
     lines = [f"rlfleet {state.run_id}  ({state.run_dir})  {time.strftime('%H:%M:%S')}", "", "services"]
-    lines += _table(("process", "pid", "address", "state"), [
+    lines += _table(("process", "pid", "address", "state", "restarts"), [
         (s.name, str(s.pid), s.address or "-",
-         paint("healthy" if s.healthy else ("down" if not s.running else f"unhealthy ({s.detail})"), s.healthy))
-        for s in snapshot.services])
+         paint("healthy" if s.healthy else ("down" if not s.running else f"unhealthy ({s.detail})"), s.healthy),
+         _restarts(s)) for s in snapshot.services])
     lines += ["", "engines"]
     if snapshot.engines:
         lines += _table(("engine", "pool", "state", "version", "in flight", "sessions"), [
@@ -220,6 +220,14 @@ def render(snapshot: Snapshot, previous: Snapshot | None, state: PlatformState, 
               f"throughput {_fmt(flow['trajectories_per_s'])} trajectories/s  {_fmt(flow['steps_per_s'], '.3f')} "
               f"steps/s  ({_fmt(snapshot.trajectories, 'd')} trajectories published)"]
     return "\n".join(lines)
+
+
+def _restarts(health: Health) -> str:
+    """"0", or "2 (last: signal SIGKILL at 12:03:04)": how often the launcher restarted it."""
+    if not health.restarts:
+        return "0"
+    when = time.strftime("%H:%M:%S", time.localtime(health.last_restart_unix))
+    return f"{health.restarts} (last: {health.last_exit or 'unknown'} at {when})"
 
 
 def _why(snapshot: Snapshot, source: str) -> str:

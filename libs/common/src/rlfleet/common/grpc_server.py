@@ -112,6 +112,13 @@ class GrpcServer:
         await self.server.stop(self.config.grace_seconds)
 
 
+# gRPC's default reconnect backoff grows to 120 s: a peer that restarted in two seconds would stay
+# unreachable to its clients for up to two minutes. Bounded to a few seconds, calls find it again
+# about as soon as it serves.
+RECONNECT_BACKOFF = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 2_000)]
+
+
 def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Iterable[Any] = (),
             balance: bool = True) -> grpc.aio.Channel:
     """A client channel with raised limits, retries, keepalive and, when tracing is on, trace
@@ -121,7 +128,8 @@ def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Itera
     (`dns:///session-server:50051`), so scaled replicas share the load; turn it off for a peer whose
     state lives on one replica (a sandbox exists only on the manager that created it)."""
 
-    options = [*message_options(max_message_bytes), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000)]
+    options = [*message_options(max_message_bytes), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000),
+               *RECONNECT_BACKOFF]
     if balance:
         options.append(("grpc.lb_policy_name", "round_robin"))
     raw = grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)

@@ -288,11 +288,13 @@ class ServiceProcess(ChildProcess):
 
 class NatsServer(ChildProcess):
     """`nats-server` with JetStream in `directory`, on a port it picks itself (`wait_url` reads it
-    back from the ports file it writes, so there is no race for a port)."""
+    back from the ports file it writes, so there is no race for a port), or on `port` (a restart
+    comes back where its clients reconnect to)."""
 
     def __init__(self, directory: Path, max_payload_bytes: int = 8 << 20, binary: str = "",
-                 **kwargs: Any) -> None:
+                 port: int = -1, **kwargs: Any) -> None:
         self.directory = Path(directory)
+        self.port = port
         self.ports_dir = self.directory / "ports"
         self.conf = self.directory / "nats.conf"
         self.max_payload_bytes = max_payload_bytes
@@ -303,12 +305,16 @@ class NatsServer(ChildProcess):
 
     def spawn(self) -> NatsServer:
         self.ports_dir.mkdir(parents=True, exist_ok=True)
-        self.conf.write_text("listen: 127.0.0.1:-1\n"
+        self.write_conf(self.port)
+        super().spawn()
+        return self
+
+    def write_conf(self, port: int) -> None:
+        """The server's config file; -1 lets it pick a free port."""
+        self.conf.write_text(f"listen: 127.0.0.1:{port}\n"
                              f"max_payload: {self.max_payload_bytes}\n"
                              f"ports_file_dir: {json.dumps(str(self.ports_dir))}\n"
                              f"jetstream {{ store_dir: {json.dumps(str(self.directory / 'jetstream'))} }}\n")
-        super().spawn()
-        return self
 
     def wait_url(self, timeout_s: float = 15.0) -> str:
         ports_file = self.ports_dir / f"{Path(self.argv[0]).name}_{self.pid}.ports"

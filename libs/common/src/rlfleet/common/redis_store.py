@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlfleet.common.config import RedisConfig, require
 from rlfleet.common.errors import StartupError
@@ -12,8 +16,13 @@ from rlfleet.common.errors import StartupError
 async def connect_redis(config: RedisConfig) -> aioredis.Redis:
     """Connects and pings, so an unreachable Redis is a one-line start-up error, not a later hang."""
     url = require(config.url, "redis.url")
+    # A Redis that restarted (the launcher's supervision, a pod rescheduled) closes every pooled
+    # connection: each command retries on a new one with backoff bounded to 2 s, for ~10 s in all,
+    # rather than fail once per stale connection.
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=8)
     client = aioredis.Redis.from_url(url, socket_connect_timeout=config.connect_timeout_s,
-                                     socket_timeout=max(config.connect_timeout_s, 10.0), decode_responses=False)
+                                     socket_timeout=max(config.connect_timeout_s, 10.0), decode_responses=False,
+                                     retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError])
     try:
         await client.ping()
     except (RedisError, OSError) as exc:

@@ -5,6 +5,11 @@ sample i's session is `f"{group_id}-s{i}"`. On a redelivery (delivery d > 1) eac
 up first: a sample whose session (under any earlier ID) is CLOSED is already published and skipped;
 one still OPEN belonged to a worker that is gone and is aborted; the sample then runs again as
 `f"{group_id}-s{i}-r{d}"`, an ID no earlier delivery used, so two deliveries never drive one session.
+
+A sample a service outage stopped (a peer down or restarting: nothing about the task) runs again
+inside the same delivery once the services answer, as outage attempt k: `f"...-o{k}"` (at most
+`MAX_OUTAGE_ATTEMPTS`), so an outage does not use up the task's deliveries; a later delivery looks
+those IDs up too.
 """
 
 from __future__ import annotations
@@ -30,9 +35,13 @@ def group_id_of(task_id: str, sequence: int) -> str:
     return f"{task_id}-{sequence}"
 
 
-def session_id_of(group_id: str, sample_index: int, delivery: int = 1) -> str:
+MAX_OUTAGE_ATTEMPTS = 16  # re-runs of one sample inside one delivery after service outages
+
+
+def session_id_of(group_id: str, sample_index: int, delivery: int = 1, outage: int = 0) -> str:
     base = f"{group_id}-s{sample_index}"
-    return base if delivery <= 1 else f"{base}-r{delivery}"
+    base = base if delivery <= 1 else f"{base}-r{delivery}"
+    return f"{base}-o{outage}" if outage else base
 
 
 @dataclass
@@ -42,10 +51,17 @@ class GroupResult:
     skipped: int = 0  # samples an earlier delivery had published already
     unfinished: list[str] = field(default_factory=list)  # "s<i>: why" for samples not published
     superseded: bool = False  # a newer delivery took the group over
+    platform_failures: int = 0  # unfinished samples a service outage stopped (not the task)
 
     @property
     def complete(self) -> bool:
         return not self.unfinished and not self.superseded
+
+    @property
+    def platform_outage(self) -> bool:
+        """Unfinished only because services were down or full: running it again later is no
+        judgement on the task, so it must not use up the task's deliveries."""
+        return bool(self.unfinished) and self.platform_failures == len(self.unfinished)
 
 
 class GroupRunner:
@@ -58,12 +74,14 @@ class GroupRunner:
         self.max_total_tokens = max_total_tokens
 
     async def run(self, task: common_pb2.Task, sequence: int, delivery: int,
-                  on_episode: Callable[[EpisodeSummary], None] = lambda summary: None) -> GroupResult:
+                  on_episode: Callable[[EpisodeSummary], None] = lambda summary: None,
+                  outage: int = 0) -> GroupResult:
         """Runs the samples not published yet, concurrently (bounded by the shared slots);
-        `on_episode` sees each summary as soon as its episode ends."""
+        `on_episode` sees each summary as soon as its episode ends. `outage` > 0 is a re-run inside
+        the same delivery after a service outage stopped some samples."""
         result = GroupResult(group_id_of(task.task_id, sequence))
         size = task.group_size
-        plans = await asyncio.gather(*(self._plan(result.group_id, i, delivery) for i in range(size)))
+        plans = await asyncio.gather(*(self._plan(result.group_id, i, delivery, outage) for i in range(size)))
         result.skipped = sum(1 for session_id in plans if session_id is None)
         try:
             async with asyncio.TaskGroup() as samples:
@@ -77,14 +95,17 @@ class GroupRunner:
             result.episodes.append(summary)
             if summary.status not in PUBLISHED:
                 result.unfinished.append(f"s{summary.sample_index}: {summary.error or summary.end}")
+                result.platform_failures += summary.platform_failure
         return result
 
-    async def _plan(self, group_id: str, index: int, delivery: int) -> str | None:
-        """The session ID sample `index` runs under in this delivery, or None when it is published."""
-        if delivery <= 1:
+    async def _plan(self, group_id: str, index: int, delivery: int, outage: int = 0) -> str | None:
+        """The session ID sample `index` runs under in this attempt, or None when it is published."""
+        if delivery <= 1 and outage == 0:
             return session_id_of(group_id, index)
-        for earlier in range(1, delivery):
-            session_id = session_id_of(group_id, index, earlier)
+        earlier = [(d, k) for d in range(1, delivery) for k in range(MAX_OUTAGE_ATTEMPTS + 1)]
+        earlier += [(delivery, k) for k in range(outage)]
+        for d, k in earlier:
+            session_id = session_id_of(group_id, index, d, k)
             session = await self.sessions.get(session_id)
             if session is None:
                 continue
@@ -92,8 +113,9 @@ class GroupRunner:
                 await self.sessions.close(session_id)  # idempotent: publishes it if the first close could not
                 return None
             if session.state == session_pb2.SESSION_STATE_OPEN:
-                await self.sessions.abort(session_id, f"task redelivered (delivery {delivery}); its worker is gone")
-        return session_id_of(group_id, index, delivery)
+                await self.sessions.abort(session_id, f"task redelivered (delivery {delivery}, attempt {outage}); "
+                                                      "its worker is gone")
+        return session_id_of(group_id, index, delivery, outage)
 
     async def _sample(self, task: common_pb2.Task, group_id: str, index: int, session_id: str,
                       on_episode: Callable[[EpisodeSummary], None]) -> EpisodeSummary:

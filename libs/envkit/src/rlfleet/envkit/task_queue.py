@@ -134,6 +134,10 @@ class TaskQueue:
             (msg,) = await self._sub.fetch(1, timeout=timeout_s)
         except (NatsTimeoutError, TimeoutError):
             return None
+        except NatsError as exc:  # NATS restarting: the client reconnects by itself; ask again shortly
+            log.warning("fetching a task failed (%s); trying again", exc or type(exc).__name__)
+            await asyncio.sleep(min(timeout_s, 0.5))
+            return None
         return Delivery(msg, self)
 
     async def publish_dead(self, data: bytes, reason: str, sequence: int, deliveries: int) -> None:

@@ -7,6 +7,8 @@
         run it in the background: a group of G episodes, heartbeating the delivery
             all G published      -> ack
             a sample unfinished  -> redeliver later (dead-letter after max_deliver)
+            a service outage     -> hold the delivery (heartbeats), wait for the services to answer,
+                                    run the stopped samples again in it: no delivery is used up
             undecodable/unknown  -> dead-letter at once, counted by reason
     on stop: let running groups finish for drain_timeout_s, abort the rest (their tasks are redelivered)
 
@@ -25,13 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.grpc_server import check_health
 from rlfleet.common.queue_metrics import QueueDepthPoller
 from rlfleet.common.streams import connect_nats, ensure_streams
-from rlfleet.envkit.groups import GroupResult, GroupRunner, group_id_of
+from rlfleet.envkit.groups import MAX_OUTAGE_ATTEMPTS, GroupResult, GroupRunner, group_id_of
 from rlfleet.envkit.sdk.clients import Clients
 from rlfleet.envkit.sdk.environment import Environment, known_suites
 from rlfleet.envkit.sdk.environment import environments as environments_for_runtime
-from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeHooks
+from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeHooks, is_platform_failure
 from rlfleet.envkit.sdk.errors import RpcError
 from rlfleet.envkit.sdk.framing import framing_for
 from rlfleet.envkit.sdk.retry import Backoff
@@ -51,6 +54,7 @@ class WorkerStats:
     tasks_dead_lettered: int = 0
     tasks_retried: int = 0
     tasks_superseded: int = 0
+    outage_reruns: int = 0  # groups run again inside their delivery after a service outage
     bad_tasks: Counter = field(default_factory=Counter)  # by reason
     episodes: Counter = field(default_factory=Counter)  # by outcome
     recent: deque = field(default_factory=lambda: deque(maxlen=10_000))  # EpisodeSummary, newest last
@@ -136,17 +140,54 @@ class RolloutWorker:
 
         try:
             async with delivery.heartbeat(self.config.heartbeat_s):
-                result = await self.runner.run(task, delivery.sequence, delivery.number, episode_done)
+                outage = 0
+                while True:
+                    try:
+                        result = await self.runner.run(task, delivery.sequence, delivery.number, episode_done,
+                                                       outage)
+                    except RpcError as exc:  # a peer failed before the episodes could run (the session server is down)
+                        log.warning("group of task #%d could not run: %s", delivery.sequence, exc)
+                        result = GroupResult(group_id_of(task.task_id, delivery.sequence),
+                                             unfinished=[f"group: {exc}"],
+                                             platform_failures=int(is_platform_failure(exc)))
+                    if not result.platform_outage or outage >= MAX_OUTAGE_ATTEMPTS:
+                        break
+                    # A peer down or restarting stopped some samples: not the task's fault, so no
+                    # delivery is spent on it. Wait for the services, then run those samples again.
+                    outage += 1
+                    self.stats.outage_reruns += 1
+                    log.info("group of task #%d stopped by a service outage (%s); running it again (attempt %d)",
+                             delivery.sequence, "; ".join(result.unfinished)[:300], outage)
+                    await self.wait_for_platform(outage)
+                    again = len(result.unfinished) if result.episodes else 0  # their episodes ended
+                    unfinished += again
+                    self._add_pending(again)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.shield(delivery.retry_later(0))  # stopping: let another worker have it now
             raise
-        except RpcError as exc:  # a peer failed before the episodes could run (the session server is down)
-            log.warning("group of task #%d could not run: %s", delivery.sequence, exc)
-            result = GroupResult(group_id_of(task.task_id, delivery.sequence), unfinished=[f"group: {exc}"])
         finally:
             self._add_pending(-unfinished)
         await self.settle(delivery, result)
+
+    async def wait_for_platform(self, attempt: int) -> bool:
+        """Waits out a service outage: a pause that doubles with each attempt up to
+        `platform_backoff_max_s` (what is behind the session server, the gateway and its engines, is
+        not probed from here), then until every service an episode calls answers its health check,
+        for at most `platform_wait_s`."""
+        config = self.config
+        await asyncio.sleep(min(config.platform_backoff_max_s, 0.25 * 2 ** attempt))
+        addresses = [a for a in (config.session_address, config.sandbox_address, config.verifier_address) if a]
+        deadline = time.monotonic() + config.platform_wait_s
+        for delay in Backoff(0.2, config.platform_backoff_max_s).delays():
+            answers = await asyncio.gather(*(check_health(a, timeout_s=2.0) for a in addresses))
+            if all(answers):
+                return True
+            if time.monotonic() + delay > deadline:
+                log.warning("services still down after %.0f s: running the samples anyway", config.platform_wait_s)
+                return False
+            await asyncio.sleep(delay)
+        return False
 
     async def settle(self, delivery: Delivery, result: GroupResult) -> None:
         if result.superseded:

@@ -59,6 +59,9 @@ class WorkerConfig(StrictModel):
                               "(running groups send heartbeats); 0 = episode_timeout_s + 30")
     max_deliver: int = Field(5, ge=1, description="deliveries of a task before it is dead-lettered")
     nak_delay_s: float = Field(2.0, ge=0, description="wait before redelivering a group that could not finish")
+    platform_wait_s: float = Field(300.0, gt=0, description="a group stopped by a service outage holds its "
+                                   "delivery this long at most, waiting for the services to answer again")
+    platform_backoff_max_s: float = Field(2.0, gt=0, description="longest wait between health checks then")
     drain_timeout_s: float = Field(30.0, ge=0, description="on stop, time in-flight groups get to finish")
     log: LogConfig = Field(default_factory=LogConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

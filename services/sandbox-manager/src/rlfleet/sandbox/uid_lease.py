@@ -38,7 +38,7 @@ _REGISTRY_LOCK = ".lock"
 _SUFFIX = ".lease"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)  # ordered by first uid: picking sorts the leases held
 class UidRange:
     first: int
     count: int
@@ -127,7 +127,7 @@ def lease_uid_range(
 def _pick(
     held: list[tuple[UidRange, dict]], count: int, search_from: int, search_to: int, preferred: int | None
 ) -> UidRange:
-    taken = sorted((r for r, _ in held), key=lambda r: r.first)
+    taken = sorted(r for r, _ in held)
     if preferred is not None:
         candidate = UidRange(preferred, count)
         if search_from <= preferred and candidate.end <= search_to and not any(r.overlaps(candidate) for r in taken):

@@ -153,7 +153,10 @@ class Intake:
         for tid in trajectory_ids:
             d = self.held.pop(tid, None)
             if d is not None:
-                await d.ack()
+                try:
+                    await d.ack()
+                except NatsError as exc:  # NATS away: the redelivery finds it in the durable ledger
+                    log.warning("ack of trained trajectory %s lost: %s", tid, exc)
 
     # ------------------------------------------------------------ pause, keep-alive, release
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 FORMATS = {"full": common_pb2.WEIGHT_FORMAT_FULL, "delta": common_pb2.WEIGHT_FORMAT_DELTA}
 SERVED_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-ANNOUNCE_ATTEMPTS = 5
+ANNOUNCE_BACKOFF_MAX_S = 2.0  # NATS back from a restart is found within this
 
 
 class VersionPublisher:
@@ -53,16 +53,20 @@ class VersionPublisher:
     async def announce(self, manifest: dict[str, Any], parent: int, step: int,
                        metrics: dict[str, float]) -> common_pb2.PolicyVersion:
         msg = self.policy_version(manifest, parent, step, metrics)
-        for attempt in range(1, ANNOUNCE_ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 await publish(self.js, "POLICY", self.run_id, msg.SerializeToString(), msg_type="PolicyVersion",
                               msg_id=f"{self.run_id}-v{msg.version}")
                 break
-            except (NatsError, TimeoutError) as exc:  # NATS reconnecting: retry; the message ID dedups
-                if attempt == ANNOUNCE_ATTEMPTS:
-                    raise
-                log.warning("announcing version %d failed (%s); retrying", msg.version, exc)
-                await asyncio.sleep(attempt)
+            except (NatsError, TimeoutError) as exc:
+                # NATS down or restarting: wait for it (the client reconnects by itself) rather than
+                # exit; the message ID dedups a publish that did land. The stop cancels the wait.
+                delay = min(ANNOUNCE_BACKOFF_MAX_S, 0.25 * 2 ** min(attempt, 8))
+                log.warning("announcing version %d failed (%s); retrying in %.1f s (attempt %d)", msg.version,
+                            exc or type(exc).__name__, delay, attempt)
+                await asyncio.sleep(delay)
         log.info("published policy version %d (parent %d, %s, %d bytes)", msg.version, parent, manifest["kind"],
                  manifest["bytes"], extra={"version": msg.version, "parent_version": parent})
         return msg

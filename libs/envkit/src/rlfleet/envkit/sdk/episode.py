@@ -44,6 +44,7 @@ from rlfleet.envkit.sdk.environment import (
     needs_sandbox,
 )
 from rlfleet.envkit.sdk.errors import (
+    Backpressure,
     EpisodeError,
     PeerUnavailable,
     RequestRejected,
@@ -329,6 +330,7 @@ class _Episode:
         environment lacks) closes the session FAILED: published, never trained on, not run again. A
         passing one (a peer down or full) aborts it, so that a redelivery of the task runs it again."""
         self.summary.end, self.summary.error = END_ERROR, _describe(exc)
+        self.summary.platform_failure = is_platform_failure(exc)
         log.warning("episode %s failed: %s", self.spec.session_id, self.summary.error)
         if self.opened and not is_transient(exc):
             try:
@@ -380,6 +382,12 @@ async def _shielded(step) -> None:
         raise
     except Exception as exc:
         log.warning("cleanup step failed: %s", _describe(exc))
+
+
+def is_platform_failure(exc: BaseException) -> bool:
+    """Whether a service being down, restarting or full caused it (UNAVAILABLE, DEADLINE_EXCEEDED,
+    RESOURCE_EXHAUSTED, a lost connection): nothing about the task, so it must not count against it."""
+    return isinstance(exc, PeerUnavailable | Backpressure | ConnectionError | TimeoutError)
 
 
 def is_transient(exc: BaseException) -> bool:

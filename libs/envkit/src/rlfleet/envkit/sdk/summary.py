@@ -41,6 +41,7 @@ class EpisodeSummary:
     trajectory_id: str = ""
     sandbox_id: str = ""
     error: str = ""
+    platform_failure: bool = False  # it failed because a service was down or full, not because of the task
 
     @property
     def status_name(self) -> str:
