@@ -44,13 +44,6 @@ def test_two_leases_get_disjoint_ranges_and_a_released_range_is_reused(tmp_path,
     assert live_leases(tmp_path) == []
 
 
-def test_a_third_lease_picks_past_two_live_ones(tmp_path, window):
-    held = [lease(tmp_path, 64, window) for _ in range(3)]
-    assert [h.uids.first for h in held] == [window["search_from"] + 64 * i for i in range(3)]
-    for h in held:
-        h.release()
-
-
 def test_a_pinned_range_overlapping_a_live_lease_is_refused_naming_the_holder(tmp_path, window):
     first = window["search_from"]
     held = lease(tmp_path, 64, window, pinned=first)
