@@ -6,13 +6,18 @@ CONFIG ?= examples/calc.toml
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test install proto proto-check lint up down status clean sglang-contract
+.PHONY: run test chaos install proto proto-check lint up down status clean sglang-contract
 
 run: install
 	$(VENV)/bin/rlfleet run $(CONFIG) $(RUN_ARGS)
 
 test: install
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu and not chaos" $(PYTEST_ARGS)
+
+# Every service, NATS and Redis SIGKILLed once in one run; prints the recovery table (CHAOS_SEED=random
+# draws the kill order and moments).
+chaos: install
+	CHAOS_SEED=$${CHAOS_SEED:-7} $(PY) -m pytest -m chaos -s tests/integration/test_chaos.py $(PYTEST_ARGS)
 
 install:
 	@bash scripts/install.sh

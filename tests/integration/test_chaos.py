@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 # A cold warm start (the SFT base policy) alone takes minutes on a busy machine.
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(2400)]
 
 RLFLEET = str(Path(sys.executable).parent / "rlfleet")
 RUN_ID = "chaos"
