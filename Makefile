@@ -6,7 +6,7 @@ CONFIG ?= examples/calc.toml
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test chaos install proto proto-check lint up down status clean sglang-contract
+.PHONY: run test chaos install proto proto-check lint up down status clean sglang-contract image compose-up compose-down
 
 run: install
 	$(VENV)/bin/rlfleet run $(CONFIG) $(RUN_ARGS)
@@ -48,3 +48,21 @@ status:
 
 clean:
 	rm -rf runs .pytest_cache
+
+# docker compose (deploy/compose): one image built with no registry, the config `rlfleet up` would
+# write, generated into $(COMPOSE_DIR) with free loopback ports; see the README's "Docker compose".
+COMPOSE_DIR ?= runs/compose
+COMPOSE_ARGS ?=
+COMPOSE := docker-compose --env-file $(COMPOSE_DIR)/compose.env -f deploy/compose/compose.yaml
+
+image: install
+	bash deploy/docker/build.sh
+
+compose-up: image
+	$(VENV)/bin/rlfleet compose-config --config deploy/compose/rlfleet.toml --out $(COMPOSE_DIR) $(COMPOSE_ARGS)
+	$(COMPOSE) up -d
+	$(COMPOSE) ps
+
+compose-down:
+	@if [ -f $(COMPOSE_DIR)/compose.env ]; then $(COMPOSE) down --volumes --remove-orphans; \
+	else docker-compose -f deploy/compose/compose.yaml down --volumes --remove-orphans; fi

@@ -1,14 +1,31 @@
 #!/usr/bin/env bash
 # Installs everything rlfleet needs on a fresh Debian machine, as root. Idempotent: when nothing it
 # depends on changed since the last run, it only checks and returns.
+#
+#   scripts/install.sh                 system packages, dockerd, then the venv (what `make test` runs)
+#   scripts/install.sh --no-system     the venv only (inside an image: deploy/docker/Dockerfile)
+#   scripts/install.sh --deps-only     third-party packages only, not the repository's (an image's
+#                                      cached layer); implies nothing about the stamp
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+system=1
+deps_only=0
+for arg in "$@"; do
+  case "$arg" in
+    --no-system) system=0 ;;
+    --deps-only) deps_only=1 ;;
+    *) echo "install: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
 
 VENV=${VENV:-.venv}
 STAMP="$VENV/.install-stamp"
 
-# System packages: Redis for hot state, bubblewrap for sandboxes, tini as a sandbox's pid 1; and the
-# validators the deploy tests run: docker-compose (`config`) and promtool (from Debian's prometheus).
+# System packages: Redis for hot state, bubblewrap for sandboxes, tini as a sandbox's pid 1; the
+# validators the deploy tests run: docker-compose and promtool (from Debian's prometheus); and what
+# the compose test builds and runs the image with: Docker's engine and debootstrap (the base image).
+install_system() {
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
@@ -17,6 +34,8 @@ command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 # Mooncake's TransferEngine (peer-to-peer weight transfer) links libibverbs even when it speaks tcp.
 ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
+command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "install: apt-get install ${missing[*]}"
   # Packages with a daemon (prometheus, redis-server) start it from their postinst unless
@@ -32,6 +51,25 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "install: warning: a prometheus server is running (not started by rlfleet); rlfleet needs only promtool" >&2
   fi
 fi
+start_dockerd
+}
+
+# A Docker engine for the compose test, when none answers and there is no systemd to start one.
+# Not fatal: the test says why it skips when the engine cannot start here (e.g. no root).
+start_dockerd() {
+  command -v dockerd >/dev/null 2>&1 || return 0
+  docker info >/dev/null 2>&1 && return 0
+  if [ -e /run/systemd/system ]; then
+    systemctl start docker >/dev/null 2>&1 || true
+  elif [ "$(id -u)" = 0 ] && ! pgrep -x dockerd >/dev/null 2>&1; then
+    echo "install: starting dockerd (log: /var/log/rlfleet-dockerd.log)"
+    setsid dockerd >/var/log/rlfleet-dockerd.log 2>&1 < /dev/null &
+  fi
+  for _ in $(seq 1 40); do docker info >/dev/null 2>&1 && return 0; sleep 0.5; done
+  echo "install: warning: no Docker engine answers (see /var/log/rlfleet-dockerd.log); the compose test will skip" >&2
+}
+
+[ "$system" = 1 ] && install_system
 
 # The real interpreter, not a pyenv shim: sandboxes and child processes exec it directly.
 python=$(command -v python3.11 || command -v python3)
@@ -47,8 +85,12 @@ if command -v npm >/dev/null 2>&1 && ! cmp -s "$node_env/package-lock.json" "$no
 fi
 
 packages=(libs/common libs/weights libs/envkit libs/cli services/*/)
+if [ "$deps_only" = 1 ]; then
+  want=none
+else
 want=$(cat requirements/lock.txt scripts/install.sh scripts/megatron_bridge_wheel.py "${packages[@]/%//pyproject.toml}" \
   | sha256sum | cut -c1-16)
+fi
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
@@ -70,6 +112,11 @@ bridge_wheel=$("$VENV/bin/python" scripts/megatron_bridge_wheel.py "$bridge_dir"
   "$bridge_dir/out")
 "${pip[@]}" --no-deps "$bridge_wheel"
 rm -rf "$bridge_dir"
+if [ "$deps_only" = 1 ]; then
+  "$VENV/bin/python" -m pip check --disable-pip-version-check
+  echo "install: third-party packages done"
+  exit 0
+fi
 editable=()
 for pkg in "${packages[@]}"; do editable+=(-e "${pkg%/}"); done
 # Editable, so the checkout is what runs; setuptools' warnings about this mode go to a log.

@@ -6,6 +6,7 @@
     rlfleet status [--run-dir DIR] [--once|--watch] [--json]
                                                            live view: services, engines, queues, staleness
     rlfleet down [--run-dir DIR]                           stop exactly what a launch started
+    rlfleet compose-config [--out DIR] [--config FILE]     config files of the docker compose stack
 
 Each command imports what it needs when it runs (a thin entry point): `rlfleet down` and `rlfleet
 status` load neither the services' config models nor the loop's plotting.
@@ -22,7 +23,7 @@ import threading
 from rlfleet.common.config import ConfigError, load_config
 from rlfleet.common.errors import StartupError
 
-COMMANDS = ("run", "up", "down", "status")
+COMMANDS = ("run", "up", "down", "status", "compose-config")
 
 
 def _run_dir_arg(argv: list[str], prog: str) -> str:
@@ -113,12 +114,19 @@ def cmd_status(argv: list[str]) -> int:
     return show(state, once=once, as_json=args.json, interval_s=args.interval)
 
 
+def cmd_compose_config(argv: list[str]) -> int:
+    from rlfleet.cli.compose_config import main as compose_main
+
+    return compose_main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         raise SystemExit(0 if not argv or argv[0] in ("-h", "--help") else 2)
-    command = {"run": cmd_run, "up": cmd_up, "down": cmd_down, "status": cmd_status}[argv[0]]
+    command = {"run": cmd_run, "up": cmd_up, "down": cmd_down, "status": cmd_status,
+               "compose-config": cmd_compose_config}[argv[0]]
     try:
         raise SystemExit(command(argv[1:]))
     except (ConfigError, StartupError) as exc:

@@ -1,0 +1,170 @@
+"""`rlfleet compose-config`: the config files of a docker compose stack, written as `rlfleet up` writes
+them (deploy/compose/compose.yaml mounts them).
+
+    rlfleet compose-config --out runs/compose [--config deploy/compose/rlfleet.toml] [--port-base N]
+                           [--tasks N] [KEY OVERRIDES as for rlfleet up]
+
+The launch config is `rlfleet up`'s (`PlatformConfig`, the same TOML and flags). Each process's file
+`<out>/config/<process>.json` is made by the launcher's own `process_config`, from a launch state in
+which every process listens on 127.0.0.1 at a port chosen here: the containers use host networking,
+bound to loopback, so nothing leaves 127.0.0.0/8 and peers are addressed as under `rlfleet up`.
+Paths are the containers' (`/var/lib/rlfleet/run` is the run directory, `/models/policy` the model),
+backed by compose volumes. `<out>/compose.env` holds the ports and the run's few other values for
+compose's variable substitution (`docker-compose --env-file`).
+
+Ports are free ones (`free_port`) unless `--port-base N` asks for N, N+1, ... (fixed, e.g. to reach
+the stack's Prometheus metrics from elsewhere); either way none is NATS's 4222 or Redis's 6379.
+
+    python -m rlfleet.cli.compose_config build-model OUT SEED
+
+builds the default model into OUT (the stack's model-init job) as the launcher does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, write_process_config
+from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
+from rlfleet.common.config import load_config
+from rlfleet.common.errors import StartupError
+from rlfleet.common.processes import free_port, write_json_atomic
+from rlfleet.envkit.worker_config import WorkerConfig
+
+RUN_DIR = Path("/var/lib/rlfleet/run")   # the run directory inside every container
+MODEL = Path("/models/policy")           # the model volume's policy
+ENGINE = "engine-0"
+# Every port the stack listens on; `<name>` gRPC (or client) port, `<name>-metrics` Prometheus.
+PORTS = ("nats", "nats-monitor", "redis", ENGINE, f"{ENGINE}-metrics",
+         *ALL_SERVICES, *(f"{s}-metrics" for s in ALL_SERVICES), "worker-metrics")
+RESERVED = {4222, 6379, 8222}  # the host's own NATS/Redis (and NATS monitoring) defaults
+
+
+def choose_ports(port_base: int | None) -> dict[str, int]:
+    if port_base is not None:
+        ports = {name: port_base + i for i, name in enumerate(PORTS)}
+        clash = RESERVED & set(ports.values())
+        if clash:
+            raise StartupError(f"--port-base {port_base} would use {sorted(clash)} (the host's NATS/Redis)")
+        return ports
+    ports: dict[str, int] = {}
+    while len(ports) < len(PORTS):
+        port = free_port()
+        if port not in RESERVED and port not in ports.values():
+            ports[PORTS[len(ports)]] = port
+    return ports
+
+
+def launch_state(config: PlatformConfig, ports: dict[str, int]) -> PlatformState:
+    """What `rlfleet up` would have recorded had it started everything on these ports."""
+    def record(name: str, kind: str, **fields: str) -> ProcessRecord:
+        return ProcessRecord(name, 0, 0, [], "", kind=kind, **fields)
+
+    processes = [
+        record("nats", "nats", address=f"127.0.0.1:{ports['nats']}", url=f"nats://127.0.0.1:{ports['nats']}"),
+        record("redis", "redis", address=f"127.0.0.1:{ports['redis']}",
+               url=f"redis://127.0.0.1:{ports['redis']}/0"),
+        record(ENGINE, "engine", address=f"127.0.0.1:{ports[ENGINE]}", url=f"http://127.0.0.1:{ports[ENGINE]}"),
+        *(record(name, "service", address=f"127.0.0.1:{ports[name]}") for name in config.services),
+    ]
+    return PlatformState(config.run_id, str(RUN_DIR), 0, processes)
+
+
+def prometheus_config(ports: dict[str, int]) -> str:
+    """Prometheus's scrape config: one job per process with metrics, its loopback port."""
+    jobs: list[tuple[str, str]] = []
+    lines = ["# Written by `rlfleet compose-config`: every metrics endpoint of the compose stack (loopback).",
+             "global:", "  scrape_interval: 15s", "  evaluation_interval: 15s", "scrape_configs:"]
+    for name in (*ALL_SERVICES, "worker"):
+        jobs.append((name, str(ports[f"{name}-metrics"])))
+    for job, port in jobs:
+        lines += [f"  - job_name: {job}", "    static_configs:", f"      - targets: [\"127.0.0.1:{port}\"]"]
+    return "\n".join(lines) + "\n"
+
+
+def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks: int,
+                project: str = "rlfleet") -> dict[str, str]:
+    """Writes every process's config, prometheus.yml and compose.env; returns compose.env's values."""
+    if sorted(config.services) != sorted(ALL_SERVICES):
+        raise StartupError(f"the compose stack runs every service ({', '.join(ALL_SERVICES)}); "
+                           f"this config lists {config.services}")
+    if config.engines != 1:
+        raise StartupError("the compose stack runs one CPU engine (engines = 1)")
+    if config.model_path:
+        raise StartupError("the compose stack serves the default model (model_path must be empty)")
+    state = launch_state(config, ports)
+    for name in (ENGINE, *ALL_SERVICES):
+        process = "cpu-engine" if name == ENGINE else name
+        section = process_config(process, config, state, RUN_DIR, Path(f"/tmp/ready-{name}.json"), MODEL)
+        section.metrics.host, section.metrics.port = "127.0.0.1", ports[f"{name}-metrics"]
+        if process == "cpu-engine":
+            section.host, section.port, section.engine_id = "127.0.0.1", ports[name], name
+        else:
+            section.grpc.host, section.grpc.port = "127.0.0.1", ports[name]
+        write_process_config(out, name, section)
+    worker = WorkerConfig(run_id=config.run_id, nats={"url": state.by_name("nats").url},
+                          session_address=state.by_name("session-server").address,
+                          sandbox_address=state.by_name("sandbox-manager").address,
+                          verifier_address=state.by_name("verifier").address,
+                          default_group_size=config.trainer.group_size,
+                          metrics={"host": "127.0.0.1", "port": ports["worker-metrics"]},
+                          log={"format": config.log_format})
+    write_process_config(out, "worker", worker)
+    (out / "prometheus.yml").write_text(prometheus_config(ports))
+    env = {"COMPOSE_PROJECT_NAME": project, "RLFLEET_IMAGE": os.environ.get("RLFLEET_IMAGE", "rlfleet:dev"),
+           "RLFLEET_PROMETHEUS_CONFIG": str((out / "prometheus.yml").resolve()),
+           "PROMETHEUS_PORT": os.environ.get("PROMETHEUS_PORT", "9090"),
+           "GRAFANA_PORT": os.environ.get("GRAFANA_PORT", "3000"),
+           "RLFLEET_RUN_ID": config.run_id, "RLFLEET_CONFIG_DIR": str((out / "config").resolve()),
+           "RLFLEET_MODEL_SEED": str(config.model_seed), "RLFLEET_GROUP_SIZE": str(config.trainer.group_size),
+           "RLFLEET_TASKS": str(tasks), "RLFLEET_NATS_MAX_PAYLOAD": str(config.nats.max_payload_bytes),
+           **{f"RLFLEET_PORT_{name.upper().replace('-', '_')}": str(port) for name, port in ports.items()}}
+    write_json_atomic(out / "ports.json", ports)
+    (out / "compose.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    return env
+
+
+def build_model(out: Path, seed: int) -> int:
+    """The default model into `out` once (the model-init job), through a temporary directory renamed
+    into place, as the launcher builds it."""
+    from rlfleet.cli.warm_start import build_model_command
+
+    if (out / "model.safetensors").exists():
+        print(f"model present in {out}")
+        return 0
+    building = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(building, ignore_errors=True)
+    code = subprocess.run(build_model_command(building, seed)).returncode
+    if code != 0:
+        shutil.rmtree(building, ignore_errors=True)
+        return code
+    building.rename(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["build-model"]:
+        return build_model(Path(argv[1]), int(argv[2]))
+    parser = argparse.ArgumentParser(prog="rlfleet compose-config", add_help=False)
+    parser.add_argument("--out", default="runs/compose", help="where config/, compose.env go (default runs/compose)")
+    parser.add_argument("--port-base", type=int, help="consecutive ports from here (default: free ones)")
+    parser.add_argument("--project", default="rlfleet", help="compose project name (default rlfleet)")
+    parser.add_argument("--tasks", type=int, default=200, help="calc tasks the submit job publishes (default 200)")
+    known, rest = parser.parse_known_args(argv)
+    config = load_config(PlatformConfig, rest, prog="rlfleet compose-config",
+                         description="Config files of the docker compose stack, as `rlfleet up` writes them. "
+                         "Also: --out DIR, --port-base N, --tasks N.")
+    out = Path(known.out)
+    env = write_stack(config, out, choose_ports(known.port_base), known.tasks, known.project)
+    print(f"wrote {out / 'config'} and {out / 'compose.env'} (run {env['RLFLEET_RUN_ID']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
