@@ -34,12 +34,9 @@ ENGINE_PORT = 30000
 
 # Every deployable: service directories plus the rollout workers, which live in libs/envkit.
 SERVICE_DIRS = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "pyproject.toml").exists())
-IMAGES = {name: ROOT / "services" / name / "Dockerfile" for name in SERVICE_DIRS}
-IMAGES["worker"] = ROOT / "libs" / "envkit" / "Dockerfile"
-
-# Images without torch (STYLE.md: light services do not import it) and the two that need it.
-HEAVY = {"trainer", "cpu-engine"}
-LIGHT = sorted(set(IMAGES) - HEAVY)
+# One image for every process (deploy/docker/Dockerfile); what a container runs is its command.
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+IMAGE_NAME = "rlfleet"
 # The CPU engine serves SGLang's HTTP API only: no gRPC, no Prometheus endpoint.
 NO_METRICS = {"cpu-engine": "serves SGLang's HTTP API only, no /metrics endpoint"}
 GRPC_SERVICES = sorted(set(SERVICE_DIRS) - {"cpu-engine"})
@@ -146,27 +143,6 @@ def exec_form(instruction: Instruction) -> list[str]:
     value = json.loads(text)
     assert isinstance(value, list), f"line {instruction.line}: not exec form: {instruction.args}"
     return value
-
-
-def install_dirs(stages: list[Stage], phase: str) -> list[str]:
-    """Package directories given to `install.py <phase>` in the build stage."""
-    for stage in stages:
-        for run in stage.all("RUN"):
-            match = re.search(rf"install\.py {phase}\b(.*?)(?:&&|$)", run.args)
-            if match:
-                words = match.group(1).split()
-                dirs, skip = [], False
-                for word in words:
-                    if skip:
-                        skip = False
-                        continue
-                    if word in ("--constraint", "--forbid", "--extra"):
-                        skip = True
-                        continue
-                    if not word.startswith("-"):
-                        dirs.append(word)
-                return dirs
-    raise AssertionError(f"no `install.py {phase}` step")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,76 +1,196 @@
-"""deploy/compose/compose.yaml: valid for docker compose, complete, scalable, and configured with
-keys the services actually accept."""
+"""deploy/compose/compose.yaml: checked as a file, then built and brought up for real.
+
+The static tests need no Docker engine. `test_the_stack_trains_and_compose_restarts_a_killed_container`
+builds the one image (deploy/docker/build.sh), generates the config as `make compose-up` does (free
+ports), brings the stack up with this machine's docker-compose, sees versions advance and trajectories
+trained, kills a container's process and sees compose restart it and the loop go on, then brings it
+down and checks that nothing of its own is left (the cached base and deps images excepted). It skips,
+saying why, only when no Docker engine answers (scripts/install.sh starts dockerd where it can).
+"""
 
 from __future__ import annotations
 
-import importlib
+import json
+import os
 import re
+import signal
 import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
 
 import deploy_helpers as h
 import pytest
 import yaml
 
-from rlfleet.common.config import ConfigError, env_overrides, resolve
+from rlfleet.cli.compose_config import RESERVED, write_stack
+from rlfleet.cli.compose_config import choose_ports as compose_ports
+from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
+from rlfleet.common.config import read_toml
 
-# Compose services that run an rlfleet image with its default ENTRYPOINT (init jobs excluded).
-INIT_JOBS = {"model-init", "suites-init"}
-SCALABLE = {"session-server", "rollout-gateway", "sandbox-manager", "verifier", "worker"}
-
-
-def image_of(service: dict) -> str | None:
-    match = re.fullmatch(r"rlfleet/([\w-]+):.*", service.get("image", ""))
-    return match.group(1) if match else None
-
-
-def rlfleet_services(compose: dict) -> dict[str, dict]:
-    return {name: s for name, s in compose["services"].items() if image_of(s) and name not in INIT_JOBS}
+STACK_TOML = h.COMPOSE_FILE.parent / "rlfleet.toml"
+JOBS = {"model-init", "submit"}
+UPSTREAM = {"prometheus", "grafana"}   # the observability profile: upstream images, not ours
+CONFIG_MOUNT = "/var/lib/rlfleet/run/config"
 
 
-def compose_env(service: dict) -> dict[str, str]:
-    env = service.get("environment", {})
-    assert isinstance(env, dict), "use the mapping form of environment"
-    return {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
+def stack_config() -> PlatformConfig:
+    return PlatformConfig(**read_toml(str(STACK_TOML)))
 
 
-def test_docker_compose_accepts_the_file():
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> tuple[Path, dict[str, str], dict[str, int]]:
+    out = tmp_path_factory.mktemp("compose")
+    ports = compose_ports(None)
+    env = write_stack(stack_config(), out, ports, tasks=50)
+    return out, env, ports
+
+
+def ours(compose: dict) -> dict[str, dict]:
+    return {name: s for name, s in compose["services"].items() if name not in UPSTREAM}
+
+
+def interpolated(compose_env: dict[str, str]) -> dict:
+    """compose.yaml as docker-compose reads it with this env file (`config` output)."""
+    docker_compose = h.tool("docker-compose")
+    if docker_compose is None:
+        pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose)")
+    env_file = Path(compose_env["RLFLEET_CONFIG_DIR"]).parent / "compose.env"
+    result = subprocess.run([docker_compose, "--env-file", str(env_file), "-f", str(h.COMPOSE_FILE), "config"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+# -- the file -----------------------------------------------------------------------------------
+
+
+def test_docker_compose_accepts_the_file_with_its_defaults_and_with_a_generated_env(generated):
     docker_compose = h.tool("docker-compose")
     if docker_compose is None:
         pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose)")
     result = subprocess.run([docker_compose, "-f", str(h.COMPOSE_FILE), "config", "--quiet"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+    interpolated(generated[1])
 
 
-def test_the_env_file_names_the_project_and_defaults_every_variable(compose):
+def test_every_variable_has_a_default_or_is_generated(compose, generated):
+    used = set(re.findall(r"\$\{(\w+)(:-[^}]*)?\}", h.COMPOSE_FILE.read_text()))
     env = dict(line.split("=", 1) for line in (h.COMPOSE_FILE.parent / ".env").read_text().splitlines()
                if line and not line.startswith("#"))
     assert env["COMPOSE_PROJECT_NAME"] == "rlfleet"
-    used = set(re.findall(r"\$\{(\w+)(:-[^}]*)?\}", h.COMPOSE_FILE.read_text()))
     for name, default in used:
         assert default or name in env, f"${{{name}}} has neither a default nor a value in .env"
+        if name.startswith("RLFLEET_PORT_") or name in ("RLFLEET_CONFIG_DIR", "RLFLEET_RUN_ID"):
+            assert name in generated[1], f"compose-config does not write {name}"
 
 
-def test_every_image_has_a_compose_service_built_from_its_dockerfile(compose):
-    built = {}
-    for service in compose["services"].values():
-        if "build" in service:
-            assert service["build"]["context"] == "../.."
-            built[image_of(service)] = h.ROOT / service["build"]["dockerfile"]
-    assert built == h.IMAGES
-    names = set(compose["services"])
-    assert set(h.SERVICE_DIRS) | {"worker"} <= names, f"missing: {set(h.SERVICE_DIRS) - names}"
+def test_one_image_host_networking_restart_policies_and_health_checks(compose):
+    for name, service in ours(compose).items():
+        assert service["image"] == "${RLFLEET_IMAGE:-rlfleet:dev}", name
+        assert service["network_mode"] == "host", name
+        assert "ports" not in service, f"{name}: host networking publishes nothing"
+        if name in JOBS:
+            assert service["restart"] in ("no", "on-failure"), name
+            continue
+        assert service["restart"] == "unless-stopped", name
+        assert service["healthcheck"]["test"][:2] == ["CMD", "rlfleet-healthcheck"] or name == "redis", name
 
 
-def test_infrastructure_nats_with_jetstream_and_8mb_payloads_and_redis(compose):
-    nats = compose["services"]["nats"]
-    assert "-js" in nats["command"]
-    assert any(v.startswith("nats-data:") for v in nats["volumes"])
-    conf = (h.COMPOSE_FILE.parent / "nats.conf").read_text()
-    assert re.search(r"^max_payload:\s*8MB", conf, re.M)
-    assert "store_dir: /data" in conf
-    assert compose["services"]["redis"]["healthcheck"]["test"][-1] == "ping"
-    assert "prometheus" in compose["services"] and compose["services"]["grafana"]["profiles"] == ["observability"]
+def test_each_process_runs_with_the_config_file_rlfleet_up_would_write(compose, generated):
+    out, _, _ = generated
+    written = {p.stem for p in (out / "config").glob("*.json")}
+    assert written == {"engine-0", *ALL_SERVICES, "worker"}
+    run_by_config = {}
+    for name, service in ours(compose).items():
+        command = service["command"]
+        if "--config" in command:
+            path = command[command.index("--config") + 1]
+            assert path == f"{CONFIG_MOUNT}/{name}.json", name
+            assert any(str(v).endswith(f":{CONFIG_MOUNT}:ro") for v in service["volumes"]), name
+            run_by_config[name] = command[0]
+    assert set(run_by_config) == written
+    scripts = h.console_scripts()
+    assert all(program in scripts for program in run_by_config.values()), run_by_config
+
+
+def test_generated_configs_bind_loopback_on_distinct_ports_and_name_their_peers(generated):
+    from rlfleet.cli.launcher import SCRIPTS  # noqa: F401  (the launcher's own names)
+    from rlfleet.common.config import resolve
+
+    out, _, ports = generated
+    assert len(set(ports.values())) == len(ports) and not RESERVED & set(ports.values())
+    models = dict(h.CONFIG_MODELS)
+    models["engine-0"] = ("rlfleet.engine.config", "EngineConfig")
+    import importlib
+
+    for name, (module, attribute) in models.items():
+        data = json.loads((out / "config" / f"{name}.json").read_text())
+        config = resolve(getattr(importlib.import_module(module), attribute), data, {}, {})
+        assert config.metrics.host == "127.0.0.1" and config.metrics.port == ports[f"{name}-metrics"], name
+        if name == "engine-0":
+            assert (config.host, config.port, config.engine_id) == ("127.0.0.1", ports[name], name)
+            continue
+        if name != "worker":
+            assert (config.grpc.host, config.grpc.port) == ("127.0.0.1", ports[name]), name
+        assert config.run_id == "compose", name
+        for key, value in data.items():
+            if key.endswith("_address") and value:
+                peer = key.removesuffix("_address").replace("_", "-")
+                peer = {"session": "session-server", "sandbox": "sandbox-manager", "gateway": "rollout-gateway"}.get(peer, peer)
+                assert value == f"127.0.0.1:{ports[peer]}", f"{name}.{key}"
+    gateway = json.loads((out / "config" / "rollout-gateway.json").read_text())
+    assert [e["url"] for e in gateway["engines"]] == [f"http://127.0.0.1:{ports['engine-0']}"]
+    trainer = json.loads((out / "config" / "trainer.json").read_text())
+    assert trainer["nats"]["url"] == f"nats://127.0.0.1:{ports['nats']}"
+    assert trainer["weight_store"] == "/var/lib/rlfleet/run/weights" and trainer["model_path"] == "/models/policy"
+
+
+def test_volumes_for_nats_redis_the_weight_store_and_checkpoints(compose):
+    def mounts(name):
+        return {v.split(":")[1]: v.split(":")[0] for v in compose["services"][name].get("volumes", []) if ":" in v}
+
+    assert mounts("nats")["/data"] == "nats-data" and "-sd" in compose["services"]["nats"]["command"]
+    assert mounts("redis")["/data"] == "redis-data" and "--appendonly" in compose["services"]["redis"]["command"]
+    for name in ("trainer", "weight-broker", "engine-0"):
+        assert mounts(name)["/var/lib/rlfleet/run/weights"] == "weights", name
+    assert mounts("trainer")["/var/lib/rlfleet/run/checkpoints"] == "checkpoints"
+    for name in ("trainer", "session-server", "engine-0", "model-init"):
+        assert mounts(name)["/models"] == "models", name
+    assert mounts("verifier")["/var/lib/rlfleet/run/suites"] == "suites"
+    assert mounts("submit")["/var/lib/rlfleet/run/suites"] == "suites"
+    assert set(compose["volumes"]) >= {"nats-data", "redis-data", "weights", "models", "suites", "checkpoints"}
+
+
+def test_infrastructure_binds_loopback_on_generated_ports(compose):
+    nats = compose["services"]["nats"]["command"]
+    assert nats[nats.index("-a") + 1] == "127.0.0.1" and "-js" in nats
+    assert re.search(r"^max_payload:\s*8MB", (h.COMPOSE_FILE.parent / "nats.conf").read_text(), re.M)
+    redis = compose["services"]["redis"]["command"]
+    assert redis[redis.index("--bind") + 1] == "127.0.0.1"
+
+
+def test_dependencies_wait_for_health_or_completion(compose):
+    services = compose["services"]
+    for name, service in ours(compose).items():
+        for target, condition in service.get("depends_on", {}).items():
+            wanted = condition["condition"]
+            if target in JOBS:
+                assert wanted == "service_completed_successfully", f"{name} -> {target}"
+            else:
+                assert wanted == "service_healthy", f"{name} -> {target}"
+                assert "healthcheck" in services[target], f"{name} waits for {target}, which has no healthcheck"
+
+
+def test_the_sandbox_manager_gets_what_bubblewrap_needs_and_a_root_per_replica(compose):
+    service = compose["services"]["sandbox-manager"]
+    assert service["user"] == "0:0" and service["cap_add"] == ["SYS_ADMIN"]
+    assert set(service["security_opt"]) == {"seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"}
+    assert "/var/lib/rlfleet/run/sandboxes" in service["volumes"], "anonymous volume: one per replica"
+    # The host-wide uid leases: the same host directory in every manager (default driver.uid_lease_dir).
+    assert "/run/rlfleet/sandbox-uids:/run/rlfleet/sandbox-uids" in service["volumes"]
 
 
 def test_nats_server_accepts_the_config():
@@ -83,99 +203,124 @@ def test_nats_server_accepts_the_config():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_scalable_services_publish_no_host_port_and_have_no_fixed_name(compose):
-    for name in SCALABLE | set(h.GRPC_SERVICES):
-        service = compose["services"][name]
-        assert "ports" not in service, f"{name} publishes a host port: --scale would collide"
-        assert "container_name" not in service, name
+def test_port_base_gives_consecutive_ports_and_refuses_the_hosts_nats_and_redis():
+    ports = compose_ports(20000)
+    assert sorted(ports.values()) == list(range(20000, 20000 + len(ports)))
+    with pytest.raises(Exception, match="4222"):
+        compose_ports(4210)
 
 
-def test_grpc_services_listen_on_fixed_ports_on_all_interfaces_and_check_grpc_health(compose):
-    for name in h.GRPC_SERVICES:
-        service = compose["services"][name]
-        env = compose_env(service)
-        assert env["RLFLEET__GRPC__HOST"] == "0.0.0.0" and env["RLFLEET__METRICS__HOST"] == "0.0.0.0"
-        assert env["RLFLEET__GRPC__PORT"] == str(h.GRPC_PORT)
-        assert env["RLFLEET__METRICS__PORT"] == str(h.METRICS_PORT)
-        assert service["healthcheck"]["test"] == ["CMD", "rlfleet-healthcheck"], name
+# -- the stack, for real ------------------------------------------------------------------------
 
 
-def test_dependencies_wait_for_health_or_completion(compose):
-    services = compose["services"]
-    for name, service in services.items():
-        depends = service.get("depends_on", {})
-        if name == "grafana":
-            continue
-        assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
-        for target, condition in depends.items():
-            assert target in services, f"{name} depends on unknown {target}"
-            wanted = condition["condition"]
-            if target in INIT_JOBS:
-                assert wanted == "service_completed_successfully", f"{name} -> {target}"
-            else:
-                assert wanted == "service_healthy", f"{name} -> {target}"
-                assert "healthcheck" in services[target], f"{name} waits for {target}, which has no healthcheck"
+def docker_ready() -> str:
+    """'' when a Docker engine answers, else why not."""
+    if h.tool("docker") is None or h.tool("docker-compose") is None:
+        return "docker / docker-compose are not installed (scripts/install.sh installs docker.io and docker-compose)"
+    result = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
+                            timeout=30)
+    if result.returncode != 0:
+        return f"no Docker engine answers (scripts/install.sh starts dockerd as root): {result.stderr.strip()[-300:]}"
+    return ""
 
 
-def test_peers_are_reached_by_service_name_with_grpc_dns_resolution(compose):
-    for name, service in rlfleet_services(compose).items():
-        for key, value in compose_env(service).items():
-            if key.endswith("_ADDRESS"):
-                match = re.fullmatch(r"dns:///([\w-]+):(\d+)", value)
-                assert match, f"{name}: {key}={value} is not dns:///SERVICE:PORT"
-                assert match.group(1) in compose["services"] and int(match.group(2)) == h.GRPC_PORT
+def run(*cmd: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
 
 
-def test_shared_volumes_weight_store_models_and_suites(compose):
-    def mounts(name):
-        return {v.split(":")[0]: v.split(":")[1] for v in compose["services"][name].get("volumes", [])
-                if ":" in v}
-
-    for name in ("trainer", "weight-broker", "cpu-engine"):
-        assert mounts(name).get("weights") == "/var/lib/rlfleet/weights", name
-    assert not mounts("cpu-engine")["weights"].endswith(":rw")
-    for name in ("trainer", "session-server", "cpu-engine", "model-init"):
-        assert mounts(name).get("models") == "/models", name
-    assert mounts("verifier").get("suites") == "/var/lib/rlfleet/suites"
-    assert "rlfleet-build-model --out /models/policy" in " ".join(compose["services"]["model-init"]["command"])
-    assert set(compose["volumes"]) >= {"nats-data", "weights", "models", "suites", "checkpoints"}
-
-
-def test_the_sandbox_manager_gets_what_bubblewrap_needs_and_a_root_per_replica(compose):
-    service = compose["services"]["sandbox-manager"]
-    assert service["cap_add"] == ["SYS_ADMIN"]
-    assert set(service["security_opt"]) == {"seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"}
-    assert "/var/lib/rlfleet/sandboxes" in service["volumes"], "anonymous volume: one per replica"
-    # The host-wide uid leases: the same host directory in every manager (default driver.uid_lease_dir).
-    assert "/run/rlfleet/sandbox-uids:/run/rlfleet/sandbox-uids" in service["volumes"]
-
-
-def test_gateway_knows_the_cpu_engine(compose):
-    engines = yaml.safe_load(compose_env(compose["services"]["rollout-gateway"])["RLFLEET__ENGINES"])
-    assert engines == [{"engine_id": "cpu-engine-0", "url": f"http://cpu-engine:{h.ENGINE_PORT}",
-                        "pool": "fleet", "kind": "cpu"}]
-    assert "cpu-engine-0" in compose["services"]["cpu-engine"]["command"]
-
-
-def config_model(service: str):
-    module_name, attribute = h.CONFIG_MODELS[service]
-    return getattr(importlib.import_module(module_name), attribute)
-
-
-@pytest.mark.parametrize("service", [*h.GRPC_SERVICES, "worker"])
-def test_service_environment_is_valid_config_for_that_service(compose, service):
-    env = compose_env(compose["services"][service])
-    model = config_model(service)
+def metric(port: int, name: str) -> float:
+    """The sum of a metric's samples on a metrics endpoint (0 when absent or unreachable)."""
     try:
-        config = resolve(model, {}, env_overrides(env), {})
-    except ConfigError as exc:
-        pytest.fail(f"{service}: its compose environment is not a valid config: {exc}")
-    assert config.run_id == "compose"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3).read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
 
-def test_cpu_engine_command_is_valid_engine_config(compose):
-    from rlfleet.engine.main import config_from_args
+def engine_version(port: int) -> int:
+    try:
+        reply = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/get_weight_version", timeout=3).read())
+    except (OSError, ValueError):
+        return -1
+    value = reply.get("weight_version", reply) if isinstance(reply, dict) else reply
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
 
-    command = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", c) for c in compose["services"]["cpu-engine"]["command"]]
-    config = config_from_args(command)
-    assert (config.host, config.port, str(config.model_path)) == ("0.0.0.0", h.ENGINE_PORT, "/models/policy")
+
+def wait_for(what: str, predicate, timeout_s: float, logs) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(2)
+    pytest.fail(f"{what}: not within {timeout_s:.0f} s\n{logs()}")
+
+
+@pytest.mark.timeout(1800)
+def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
+    why = docker_ready()
+    if why:
+        pytest.skip(why)
+    started = time.monotonic()
+    tag = f"rlfleet:compose-test-{uuid.uuid4().hex[:8]}"
+    project = f"rlfleet-test-{uuid.uuid4().hex[:8]}"
+    ports = compose_ports(None)
+    env = write_stack(stack_config(), tmp_path, ports, tasks=400, project=project)
+    env_file = tmp_path / "compose.env"
+    env_file.write_text(env_file.read_text().replace("RLFLEET_IMAGE=rlfleet:dev", f"RLFLEET_IMAGE={tag}"))
+    compose = ["docker-compose", "--env-file", str(env_file), "-f", str(h.COMPOSE_FILE), "-p", project]
+    labels = f"label=com.docker.compose.project={project}"
+
+    def logs() -> str:
+        result = run(*compose, "logs", "--no-color", "--tail", "15", check=False, timeout=120)
+        ps = run(*compose, "ps", check=False, timeout=60)
+        return ps.stdout + result.stdout[-12000:]
+
+    try:
+        build = time.monotonic()
+        run("bash", str(h.DEPLOY / "docker" / "build.sh"), tag, timeout=3600)
+        build_s = time.monotonic() - build
+        up = time.monotonic()
+        run(*compose, "up", "-d", timeout=900)
+        up_s = time.monotonic() - up
+
+        trainer = ports["trainer-metrics"]
+        wait_for("the trainer publishes version 2 after training trajectories",
+                 lambda: metric(trainer, "rlfleet_trainer_policy_version_number") >= 2
+                 and metric(trainer, "rlfleet_trainer_trained_trajectories_total") > 0, 600, logs)
+        wait_for("the engine serves a trained version", lambda: engine_version(ports["engine-0"]) >= 1, 300, logs)
+
+        # A crash, as the kernel delivers it: SIGKILL to the container's main process (not `docker
+        # stop`, after which compose would rightly leave it stopped).
+        victim = run("docker", "ps", "-q", "--filter", labels, "--filter",
+                     "label=com.docker.compose.service=worker").stdout.split()
+        assert len(victim) == 1, victim
+        pid = int(run("docker", "inspect", "-f", "{{.State.Pid}}", victim[0]).stdout)
+        version_at_kill = metric(trainer, "rlfleet_trainer_policy_version_number")
+        trained_at_kill = metric(trainer, "rlfleet_trainer_trained_trajectories_total")
+        os.kill(pid, signal.SIGKILL)
+
+        def restarted_and_healthy() -> bool:
+            state = json.loads(run("docker", "inspect", victim[0]).stdout)[0]
+            return state["RestartCount"] >= 1 and state["State"].get("Health", {}).get("Status") == "healthy"
+
+        wait_for("compose restarts the killed worker and it is healthy again", restarted_and_healthy, 180, logs)
+        wait_for("the loop goes on: more trajectories trained, a newer version",
+                 lambda: metric(trainer, "rlfleet_trainer_trained_trajectories_total") > trained_at_kill
+                 and metric(trainer, "rlfleet_trainer_policy_version_number") > version_at_kill, 600, logs)
+        print(f"\ncompose test: build {build_s:.0f} s, up {up_s:.0f} s, total {time.monotonic() - started:.0f} s; "
+              f"trainer at version {metric(trainer, 'rlfleet_trainer_policy_version_number'):.0f}")
+    finally:
+        run(*compose, "down", "--volumes", "--remove-orphans", "--timeout", "20", check=False, timeout=600)
+        run("docker", "rmi", "-f", tag, check=False, timeout=300)
+    left = {kind: run("docker", *cmd, check=False).stdout.split() for kind, cmd in {
+        "containers": ("ps", "-aq", "--filter", labels),
+        "volumes": ("volume", "ls", "-q", "--filter", labels),
+        "networks": ("network", "ls", "-q", "--filter", labels),
+        "images": ("images", "-q", tag)}.items()}
+    assert not any(left.values()), f"left behind: {left}"
