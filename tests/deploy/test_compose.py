@@ -117,7 +117,6 @@ def test_each_process_runs_with_the_config_file_rlfleet_up_would_write(compose, 
 
 
 def test_generated_configs_bind_loopback_on_distinct_ports_and_name_their_peers(generated):
-    from rlfleet.cli.launcher import SCRIPTS  # noqa: F401  (the launcher's own names)
     from rlfleet.common.config import resolve
 
     out, _, ports = generated
@@ -270,7 +269,7 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
     tag = f"rlfleet:compose-test-{uuid.uuid4().hex[:8]}"
     project = f"rlfleet-test-{uuid.uuid4().hex[:8]}"
     ports = compose_ports(None)
-    env = write_stack(stack_config(), tmp_path, ports, tasks=400, project=project)
+    write_stack(stack_config(), tmp_path, ports, tasks=400, project=project)
     env_file = tmp_path / "compose.env"
     env_file.write_text(env_file.read_text().replace("RLFLEET_IMAGE=rlfleet:dev", f"RLFLEET_IMAGE={tag}"))
     compose = ["docker-compose", "--env-file", str(env_file), "-f", str(h.COMPOSE_FILE), "-p", project]

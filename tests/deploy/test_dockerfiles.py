@@ -19,7 +19,7 @@ BUILD = h.DEPLOY / "docker" / "build.sh"
 
 def stage() -> h.Stage:
     """Both stages as one: `deps` (third-party packages, a cache of its own) and the image on it."""
-    global_args, stages = h.parse_dockerfile(h.DOCKERFILE)
+    _, stages = h.parse_dockerfile(h.DOCKERFILE)
     assert [(s.base, s.name) for s in stages] == [("${BASE_IMAGE}", "deps"), ("deps", None)], \
         "the image is the deps stage plus the repository's packages (the venv is built where it runs)"
     return h.Stage(stages[0].base, None, [*stages[0].instructions, *stages[1].instructions])

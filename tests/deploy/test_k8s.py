@@ -254,7 +254,7 @@ def test_sglang_engines_run_on_gpus_and_register_with_the_gateway(rendered):
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     register = next(c for c in spec["containers"] if c["name"] == "register")
     assert register["command"] == ["rlfleet-register-engine"]
-    assert h.split_image(register["image"])[0] == "rlfleet/rollout-gateway"  # the image that carries it
+    assert h.split_image(register["image"])[0] == h.IMAGE_NAME  # the one image carries it
     env = h.resolve_env(register, objects)
     assert env["ENGINE_URL"] == f"http://$(POD_IP):{h.ENGINE_PORT}" and env["ENGINE_KIND"] == "sglang"
     assert env["GATEWAY_ADDRESS"] == f"dns:///rollout-gateway:{h.GRPC_PORT}"
@@ -280,13 +280,64 @@ def test_only_the_sandbox_manager_runs_privileged_and_as_root(overlay, rendered)
             assert spec["securityContext"].get("runAsNonRoot") or context.get("runAsNonRoot"), name
 
 
+# What a container of the one image may run: a console script of the repository, under tini or not,
+# or one of these (a shell for the init waits, torchrun for the trainer, the image's helper scripts).
+IMAGE_PROGRAMS = {"sh", "torchrun", "rlfleet-register-engine", "rlfleet-healthcheck"}
+
+
 @pytest.mark.parametrize("overlay", h.OVERLAYS)
-def test_rlfleet_images_are_the_ones_the_dockerfiles_build_with_a_tag(overlay, rendered):
+def test_every_rlfleet_container_runs_the_one_image_and_says_what_it_runs(overlay, rendered):
+    scripts = h.console_scripts()
+    seen = 0
+    for container in h.all_containers(rendered[overlay]):
+        name, _ = h.split_image(container["image"])
+        assert not name.startswith("rlfleet/"), f"{container['name']}: {container['image']}: one image, `rlfleet`"
+        if name != h.IMAGE_NAME:
+            continue
+        seen += 1
+        command = container.get("command")
+        assert command, f"{overlay}: {container['name']} runs the rlfleet image without a command"
+        program = next(w for w in command if w not in ("/usr/bin/tini", "--"))
+        assert program in scripts or program in IMAGE_PROGRAMS, f"{overlay}: {container['name']} runs {program}"
+    assert seen >= 10
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_every_image_has_a_pinned_tag(overlay, rendered):
     for container in h.all_containers(rendered[overlay]):
         name, tag = h.split_image(container["image"])
-        if name.startswith("rlfleet/"):
-            assert name.removeprefix("rlfleet/") in h.IMAGES, container["image"]
-            assert tag, f"{container['image']} has no tag"
+        assert tag, f"{overlay}: {container['name']}: {container['image']} has no tag"
+        assert tag not in ("latest", "dev", "main", "nightly"), f"{overlay}: {container['image']} is a moving tag"
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_the_stateful_parts_have_disruption_budgets_that_select_their_pods(overlay, rendered):
+    objects = rendered[overlay]
+    budgets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "PodDisruptionBudget"}
+    assert set(budgets) == {"nats", "redis", "trainer"}
+    for name, budget in budgets.items():
+        spec = budget["spec"]
+        assert ("maxUnavailable" in spec) != ("minAvailable" in spec), name
+        selected = [o for o in workloads(objects)
+                    if all(o["spec"]["template"]["metadata"]["labels"].get(k) == v
+                           for k, v in spec["selector"]["matchLabels"].items())]
+        assert [o["kind"] for o in selected] == ["StatefulSet"], f"{overlay}: PDB {name} selects {selected}"
+    # NATS tolerates one node down only where it has a quorum to lose one from.
+    nats = h.by_kind_name(objects)[("StatefulSet", "nats")]
+    assert budgets["nats"]["spec"]["maxUnavailable"] == 1 and nats["spec"]["replicas"] in (1, 3)
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_every_container_has_resource_requests_and_limits(overlay, rendered):
+    jobs = [o for o in rendered[overlay] if o["kind"] == "Job"]
+    assert jobs, "the init jobs are checked too"
+    for obj in [*workloads(rendered[overlay]), *jobs]:
+        spec = h.pod_spec(obj)
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            resources = container.get("resources", {})
+            where = f"{overlay}: {obj['metadata']['name']}/{container['name']}"
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})), f"{where}: requests"
+            assert "memory" in resources.get("limits", {}), f"{where}: memory limit"
 
 
 def test_nats_is_jetstream_with_8mb_payloads_and_a_three_node_cluster_on_gpus(rendered):
