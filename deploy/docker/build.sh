@@ -7,8 +7,10 @@
 # 2. torch's CPU wheel into .docker/wheels/ (build context): the one pip is configured to find on
 #    this machine (find-links) when there is one, else downloaded from PyTorch's CPU index; so pip
 #    inside the build never takes PyPI's multi-GB CUDA build;
-# 3. `docker build --network host` (pip and apt inside reach the registries through the host).
-# Layers are cached: a rebuild after a source edit redoes only the last, small layers.
+# 3. `docker build --network host --target deps` tagged rlfleet-deps:<hash of what it installs>:
+#    the third-party packages, kept as a cache (like the base) when an image built on it is removed;
+# 4. the image itself on it: the repository's packages (pip and apt reach the registries through
+#    the host network). A rebuild after a source edit redoes only these last, small layers.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -44,7 +46,12 @@ cert=$("$PY" -m pip config get global.cert 2>/dev/null || true)
 cert=${PIP_CERT:-${cert:-/etc/ssl/certs/ca-certificates.crt}}
 if [ -f "$cert" ]; then cp "$cert" .docker/ca-certificates.crt; else : > .docker/ca-certificates.crt; fi
 
+key=$(cat requirements/lock.txt scripts/install.sh scripts/megatron_bridge_wheel.py \
+  <(docker image inspect -f '{{.Id}}' "$BASE") <(sed '/^FROM deps/,$d' deploy/docker/Dockerfile) | sha256sum | cut -c1-12)
+DEPS=${RLFLEET_DEPS_IMAGE:-rlfleet-deps:$key}
 start=$(date +%s)
-docker build --network host --build-arg BASE_IMAGE="$BASE" -f deploy/docker/Dockerfile -t "$TAG" .
+docker build --network host --force-rm --build-arg BASE_IMAGE="$BASE" --target deps \
+  -f deploy/docker/Dockerfile -t "$DEPS" .
+docker build --network host --force-rm --build-arg BASE_IMAGE="$BASE" -f deploy/docker/Dockerfile -t "$TAG" .
 size=$(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}')
 echo "build: $TAG in $(( $(date +%s) - start )) s, $size"

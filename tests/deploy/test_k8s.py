@@ -305,7 +305,7 @@ def test_every_rlfleet_container_runs_the_one_image_and_says_what_it_runs(overla
 @pytest.mark.parametrize("overlay", h.OVERLAYS)
 def test_every_image_has_a_pinned_tag(overlay, rendered):
     for container in h.all_containers(rendered[overlay]):
-        name, tag = h.split_image(container["image"])
+        _, tag = h.split_image(container["image"])
         assert tag, f"{overlay}: {container['name']}: {container['image']} has no tag"
         assert tag not in ("latest", "dev", "main", "nightly"), f"{overlay}: {container['image']} is a moving tag"
 
