@@ -15,26 +15,33 @@ def scrape_configs(name: str) -> list[dict]:
     return yaml.safe_load((PROMETHEUS / name).read_text())["scrape_configs"]
 
 
-def test_compose_prometheus_scrapes_every_service_with_metrics_on_every_replica(compose):
-    jobs = {job["job_name"]: job for job in scrape_configs("prometheus.yml")}
+def generated_prometheus(tmp_path) -> tuple[dict, dict[str, int]]:
+    from rlfleet.cli.compose_config import choose_ports, write_stack
+    from rlfleet.cli.platform_config import PlatformConfig
+    from rlfleet.common.config import read_toml
+
+    ports = choose_ports(None)
+    write_stack(PlatformConfig(**read_toml(str(h.COMPOSE_FILE.parent / "rlfleet.toml"))), tmp_path, ports, 10)
+    return yaml.safe_load((tmp_path / "prometheus.yml").read_text()), ports
+
+
+def test_compose_prometheus_scrapes_every_process_with_metrics_on_its_loopback_port(compose, tmp_path):
+    config, ports = generated_prometheus(tmp_path)
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     expected = (set(h.SERVICE_DIRS) - set(h.NO_METRICS)) | {"worker"}
-    assert expected <= set(jobs), f"not scraped: {sorted(expected - set(jobs))}"
+    assert set(jobs) == expected, f"scraped: {sorted(jobs)}"
     for name in expected:
-        # DNS service discovery: one target per replica, so `--scale` is scraped whole.
-        (sd,) = jobs[name]["dns_sd_configs"]
-        assert sd == {"names": [name], "type": "A", "port": h.METRICS_PORT, "refresh_interval": "15s"}
-        env = compose["services"][name]["environment"]
-        assert env["RLFLEET__METRICS__PORT"] == str(h.METRICS_PORT) and env["RLFLEET__METRICS__HOST"] == "0.0.0.0"
+        assert jobs[name]["static_configs"] == [{"targets": [f"127.0.0.1:{ports[name + '-metrics']}"]}]
     mount = compose["services"]["prometheus"]["volumes"][0]
-    assert mount.startswith("../prometheus/prometheus.yml:")
+    assert mount.startswith("${RLFLEET_PROMETHEUS_CONFIG:-../../runs/compose/prometheus.yml}:")
 
 
-@pytest.mark.parametrize("name", ["prometheus.yml"])
-def test_promtool_accepts_the_config(name):
+def test_promtool_accepts_the_generated_compose_config(tmp_path):
     promtool = h.tool("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian: apt-get install --no-install-recommends prometheus)")
-    result = subprocess.run([promtool, "check", "config", str(PROMETHEUS / name)],
+    generated_prometheus(tmp_path)
+    result = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
 
