@@ -185,8 +185,9 @@ def test_dependencies_wait_for_health_or_completion(compose):
 
 def test_the_sandbox_manager_gets_what_bubblewrap_needs_and_a_root_per_replica(compose):
     service = compose["services"]["sandbox-manager"]
-    assert service["user"] == "0:0" and service["privileged"] is True
-    others = {name for name, s in compose["services"].items() if s.get("privileged") or s.get("user") == "0:0"}
+    assert service["user"] == "0:0" and service["cap_add"] == ["SYS_ADMIN", "NET_ADMIN"]
+    assert set(service["security_opt"]) == {"seccomp=unconfined", "apparmor=unconfined"}
+    others = {name for name, s in compose["services"].items() if s.get("cap_add") or s.get("user") == "0:0"}
     assert others == {"sandbox-manager"}, "only the sandbox manager runs as root"
     assert "/var/lib/rlfleet/run/sandboxes" in service["volumes"], "anonymous volume: one per replica"
     # The host-wide uid leases: the same host directory in every manager (default driver.uid_lease_dir).
