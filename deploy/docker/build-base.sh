@@ -2,17 +2,21 @@
 # Builds rlfleet's base image from Debian packages alone, when it is not there yet: no image
 # registry is needed (none is reachable from every machine rlfleet is built on).
 #
-#   deploy/docker/build-base.sh            # makes $RLFLEET_BASE_IMAGE (default rlfleet-base:bookworm)
+#   deploy/docker/build-base.sh            # makes $RLFLEET_BASE_IMAGE (default rlfleet-base:bookworm-<hash>)
+#   deploy/docker/build-base.sh --name     # prints that name only
 #
 # `debootstrap --variant=minbase bookworm` into a temporary folder, then `docker import`. The base
 # carries what every rlfleet container runs beside the venv: Python 3.11 (bookworm's python3),
-# bubblewrap and tini (sandboxes), redis-server (the stack's Redis runs from the same image) and
+# bubblewrap and tini (sandboxes), redis-server (the stack's Redis runs from the same image),
+# libibverbs1 (Mooncake's TransferEngine links it, even over tcp) and
 # CA certificates (pip inside `docker build`). Quick when the image exists: it only checks.
 set -euo pipefail
 
-IMAGE=${RLFLEET_BASE_IMAGE:-rlfleet-base:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-PACKAGES=python3,python3-venv,ca-certificates,bubblewrap,tini,redis-server,procps
+PACKAGES=python3,python3-venv,ca-certificates,bubblewrap,tini,redis-server,procps,libibverbs1
+# The tag names what is in it, so a change of PACKAGES makes a new base rather than reuse the old.
+IMAGE=${RLFLEET_BASE_IMAGE:-rlfleet-base:bookworm-$(echo "$PACKAGES" | sha256sum | cut -c1-8)}
+if [ "${1:-}" = "--name" ]; then echo "$IMAGE"; exit 0; fi
 
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
   echo "build-base: $IMAGE is present"

@@ -15,11 +15,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 TAG=${1:-${RLFLEET_IMAGE:-rlfleet:dev}}
-BASE=${RLFLEET_BASE_IMAGE:-rlfleet-base:bookworm}
+BASE=$(bash deploy/docker/build-base.sh --name)
 TORCH=torch==2.13.0
 PY=${PYTHON:-python3}
 
-RLFLEET_BASE_IMAGE=$BASE bash deploy/docker/build-base.sh
+bash deploy/docker/build-base.sh
 
 wheels=.docker/wheels
 mkdir -p "$wheels"

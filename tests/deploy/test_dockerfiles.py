@@ -33,7 +33,9 @@ def test_there_is_one_dockerfile():
 
 def test_the_base_is_made_from_debian_packages_when_missing():
     global_args, stages = h.parse_dockerfile(h.DOCKERFILE)
-    assert stages[0].base == "${BASE_IMAGE}" and global_args["BASE_IMAGE"] == "rlfleet-base:bookworm"
+    assert stages[0].base == "${BASE_IMAGE}" and global_args["BASE_IMAGE"].startswith("rlfleet-base:bookworm")
+    assert 'BASE=$(bash deploy/docker/build-base.sh --name)' in BUILD.read_text()
+    assert '--build-arg BASE_IMAGE="$BASE"' in BUILD.read_text()
     script = BUILD_BASE.read_text()
     assert "debootstrap --variant=minbase" in script and "bookworm" in script
     assert "docker import" in script
@@ -66,7 +68,7 @@ def test_install_sh_installs_torch_pinned_before_the_lock_and_takes_the_image_fl
 
 
 def test_build_sh_puts_the_cpu_torch_wheel_in_the_context_and_builds_on_the_host_network():
-    script = BUILD.read_text()
+    script = BUILD.read_text().replace("\\\n", " ")
     assert "torch-2.13.0+cpu" in script and "download.pytorch.org/whl/cpu" in script
     assert "build-base.sh" in script
     assert re.search(r"docker build --network host .*--target deps .*-t \"\$DEPS\"", script)
