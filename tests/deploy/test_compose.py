@@ -242,14 +242,11 @@ def metric(port: int, name: str) -> float:
 
 
 def engine_version(port: int) -> int:
+    """The weight version the engine serves (SGLang 0.5.23's dialect: `/model_info`), -1 if unknown."""
     try:
-        reply = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/get_weight_version", timeout=3).read())
-    except (OSError, ValueError):
-        return -1
-    value = reply.get("weight_version", reply) if isinstance(reply, dict) else reply
-    try:
-        return int(value)
-    except (TypeError, ValueError):
+        reply = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/model_info", timeout=3).read())
+        return int(reply["weight_version"])
+    except (OSError, ValueError, KeyError, TypeError):
         return -1
 
 
