@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RLFLEET = str(Path(sys.executable).parent / "rlfleet")
 sys.path.insert(0, str(ROOT / "bench" / "vs_trl"))
-from common import to_toml  # noqa: E402  (one TOML writer for the benches' generated configs)
+from common import run_rlfleet, to_toml  # noqa: E402,F401  (to_toml: the tests write the per-mode configs with it)
 
 
 def mode_config(base: dict, mode: str, args, out_dir: Path) -> dict:
@@ -79,18 +77,6 @@ def figures(summary: dict, target: float) -> dict:
     }
 
 
-def run_mode(config: dict, mode: str, out_dir: Path) -> dict:
-    path = out_dir / f"{mode}.toml"
-    path.write_text(to_toml(config))
-    log = out_dir / f"{mode}.log"
-    print(f"== {mode}: rlfleet run {path} (log {log})", flush=True)
-    with open(log, "w") as out:
-        code = subprocess.run([RLFLEET, "run", str(path), "--fresh"], stdout=out, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        sys.exit(f"{mode} run failed (exit {code}); see {log}:\n" + "\n".join(log.read_text().splitlines()[-20:]))
-    return json.loads((Path(config["run_dir"]) / "summary.json").read_text())
-
-
 def fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -120,7 +106,7 @@ def main() -> None:
         "distribution": "lognormal", "median_s": args.median_s, "sigma": args.sigma, "max_s": args.max_s},
         "heldout": args.heldout, "target_success": args.target}, "modes": {}}
     for mode in args.modes.split(","):
-        summary = run_mode(mode_config(base, mode, args, out_dir), mode, out_dir)
+        summary = run_rlfleet(mode_config(base, mode, args, out_dir), mode, out_dir)
         results["modes"][mode] = figures(summary, args.target)
 
     modes = results["modes"]

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RLFLEET = str(Path(sys.executable).parent / "rlfleet")
 sys.path.insert(0, str(ROOT / "bench" / "vs_trl"))
-from common import to_toml  # noqa: E402  (one TOML writer for the benches' generated configs)
+from common import run_rlfleet  # noqa: E402  (one runner for the benches' generated configs)
 
 CONFIGS = {"grpo": "calc.toml", "gspo": "calc-gspo.toml", "ppo": "calc-ppo.toml"}
 
@@ -37,18 +35,6 @@ def loss_config(name: str, args, out_dir: Path) -> dict:
     config["gate"] = {"enabled": False}  # the last version is evaluated, whatever it scores
     config["budget"] = {"max_steps": args.steps, "max_minutes": args.max_minutes}
     return config
-
-
-def run(config: dict, name: str, out_dir: Path) -> dict:
-    path = out_dir / f"{name}.toml"
-    path.write_text(to_toml(config))
-    log = out_dir / f"{name}.log"
-    print(f"== {name}: rlfleet run {path} (log {log})", flush=True)
-    with open(log, "w") as out:
-        code = subprocess.run([RLFLEET, "run", str(path), "--fresh"], stdout=out, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        sys.exit(f"{name} run failed (exit {code}); see {log}:\n" + "\n".join(log.read_text().splitlines()[-20:]))
-    return json.loads((Path(config["run_dir"]) / "summary.json").read_text())
 
 
 def figures(summary: dict) -> dict:
@@ -74,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {name: figures(run(loss_config(name, args, out_dir), name, out_dir)) for name in args.losses.split(",")}
+    results = {name: figures(run_rlfleet(loss_config(name, args, out_dir), name, out_dir)) for name in args.losses.split(",")}
     (out_dir / "results.json").write_text(json.dumps({"steps": args.steps, "heldout": args.heldout,
                                                       "losses": results}, indent=2))
     print(f"\ncalc, {args.steps} trainer steps each, {args.heldout} held-out tasks, gate off (last version evaluated)")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -340,3 +342,18 @@ def plot(results: list[SystemResult], target: float, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def run_rlfleet(config: dict[str, Any], name: str, out_dir: Path) -> dict:
+    """`rlfleet run --fresh` on ``config`` (written to out_dir/NAME.toml, output to NAME.log); exits
+    with the log's tail when the run fails, else returns its summary.json."""
+    path = out_dir / f"{name}.toml"
+    path.write_text(to_toml(config))
+    log = out_dir / f"{name}.log"
+    print(f"== {name}: rlfleet run {path} (log {log})", flush=True)
+    rlfleet = str(Path(sys.executable).parent / "rlfleet")
+    with open(log, "w") as out:
+        code = subprocess.run([rlfleet, "run", str(path), "--fresh"], stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        sys.exit(f"{name} run failed (exit {code}); see {log}:\n" + "\n".join(log.read_text().splitlines()[-20:]))
+    return json.loads((Path(config["run_dir"]) / "summary.json").read_text())

@@ -17,11 +17,12 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from rlfleet.common.testing import BackgroundRun
 
 # A cold warm start (the SFT base policy) alone takes minutes on a busy machine.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(2400)]
@@ -66,27 +67,9 @@ ack_wait_s = 6
 """
 
 
-class Driver:
-    """`rlfleet run` in the background, its output collected line by line (and echoed with -s)."""
-
-    def __init__(self, *args: str) -> None:
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen([RLFLEET, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    def output(self, last: int = 4000) -> str:
-        return "\n".join(self.lines)[-last:]
-
-    def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout)
-        self._reader.join(5)
-        return code
+def Driver(*args: str) -> BackgroundRun:
+    """`rlfleet run` in the background."""
+    return BackgroundRun([RLFLEET, "run", *args])
 
 
 def _checkpointed(run_dir: Path):
@@ -171,8 +154,8 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
     try:
         deadline = time.monotonic() + 900
         while _version(run_dir) < 2:
-            assert driver.proc.poll() is None, driver.output()
-            assert time.monotonic() < deadline, "no 2 steps in 900 s:\n" + driver.output()
+            assert driver.proc.poll() is None, driver.output(4000)
+            assert time.monotonic() < deadline, "no 2 steps in 900 s:\n" + driver.output(4000)
             time.sleep(1)
 
         recovery: dict[str, float] = {}
@@ -186,22 +169,22 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
             _kill(run_dir, name)
             killed = time.monotonic()
             while _version(run_dir) <= before:
-                assert driver.proc.poll() is None, f"the run stopped after {name} was killed:\n" + driver.output()
+                assert driver.proc.poll() is None, f"the run stopped after {name} was killed:\n" + driver.output(4000)
                 assert time.monotonic() - killed < 300, f"no version trained 300 s after {name} was killed:\n" \
-                                                         + driver.output()
+                                                         + driver.output(4000)
                 time.sleep(0.2)
             recovery[name] = time.monotonic() - killed
             kill_times[name] = time.time() - recovery[name]
             while _record(run_dir, name).get("ready_unix", 0) < kill_times[name]:  # back, serving
-                assert driver.proc.poll() is None, f"the run stopped after {name} was killed:\n" + driver.output()
-                assert time.monotonic() - killed < 300, f"{name} not back 300 s after its kill:\n" + driver.output()
+                assert driver.proc.poll() is None, f"the run stopped after {name} was killed:\n" + driver.output(4000)
+                assert time.monotonic() - killed < 300, f"{name} not back 300 s after its kill:\n" + driver.output(4000)
                 time.sleep(0.2)
             back[name] = _record(run_dir, name)["ready_unix"] - kill_times[name]
             last_recovered = time.time()
             print(f"  {name:16s} killed at v{before}: next trained version after {recovery[name]:5.1f} s, "
                   f"serving again after {back[name]:5.1f} s", flush=True)
 
-        assert driver.wait(900) == 0, driver.output()
+        assert driver.wait(900) == 0, driver.output(4000)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["final_version"] >= steps
         state = json.loads((run_dir / "platform.json").read_text())

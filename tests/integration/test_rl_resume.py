@@ -12,11 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from rlfleet.common.testing import BackgroundRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -57,27 +58,9 @@ ack_wait_s = 6
 """
 
 
-class Driver:
-    """`rlfleet run` in the background, its output collected line by line."""
-
-    def __init__(self, *args: str) -> None:
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen([RLFLEET, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait(self, timeout: float = 600) -> int:
-        code = self.proc.wait(timeout)
-        self._reader.join(5)
-        return code
+def Driver(*args: str) -> BackgroundRun:
+    """`rlfleet run` in the background."""
+    return BackgroundRun([RLFLEET, "run", *args])
 
 
 def _steps(run_dir: Path) -> int:
