@@ -67,6 +67,9 @@ STRUCTS = [
     "GetLoadReqOutput",
     "GetLoadsReqInput",
     "GetLoadsReqOutput",
+    "LoadLoRAAdapterReqInput",
+    "UnloadLoRAAdapterReqInput",
+    "LoRAUpdateOutput",
 ]
 
 

@@ -121,10 +121,13 @@ class EngineClient:
         *,
         return_logprob: bool = True,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
+        """`lora_path`: the `lora_name` of a loaded adapter to generate with (None: the base model)."""
         # A list is sent as is (it is serialized right here); any other sequence is copied into one.
         body = wire.generate(input_ids if type(input_ids) is list else list(input_ids),
-                             dict(sampling_params or {}), return_logprob=return_logprob, rid=rid)
+                             dict(sampling_params or {}), return_logprob=return_logprob, rid=rid,
+                             lora_path=lora_path)
         started = time.monotonic()
         # A client span per engine call: the engine's own spans (SGLang's tracing) join the episode's
         # trace through the traceparent header `_request` sends.
@@ -143,8 +146,11 @@ class EngineClient:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         *,
         return_logprob: bool = True,
+        lora_path: str | list[str | None] | None = None,
     ) -> list[GenerateResult]:
-        body = wire.generate([list(ids) for ids in batch], sampling_params or {}, return_logprob=return_logprob)
+        """`lora_path`: one adapter name for every prompt, or one per prompt (None: the base model)."""
+        body = wire.generate([list(ids) for ids in batch], sampling_params or {}, return_logprob=return_logprob,
+                             lora_path=lora_path)
         started = time.monotonic()
         replies = await self._call("generate", body, self.timeouts.generate_s)
         return [_generate_result(reply, time.monotonic() - started) for reply in replies]
@@ -247,6 +253,26 @@ class EngineClient:
         return (await self._weights("destroy_weights_update_group",
                                     wire.destroy_weights_update_group(group_name)))["message"]
 
+    # --- LoRA adapters (SGLang's dynamic LoRA routes; each returns the loaded adapters) -----------
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict[str, str]:
+        """Loads a peft adapter directory beside the base model as `lora_name`; returns {name: path} of
+        every loaded adapter. A refusal (unknown directory, DoRA, a name already loaded, ...) raises
+        EngineRejected with the engine's reason. (SGLang needs `--enable-lora` and, for adapters
+        loaded later, `--max-lora-rank` and `--lora-target-modules` covering them.)"""
+        return await self._lora("load_lora_adapter", wire.load_lora_adapter(lora_name, str(lora_path), pinned=pinned))
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Unloads `lora_name` (requests already running with it finish with it); returns the loaded adapters."""
+        return await self._lora("unload_lora_adapter", wire.unload_lora_adapter(lora_name))
+
+    async def _lora(self, route: str, body: dict[str, Any]) -> dict[str, str]:
+        reply = await self._call(route, body, self.timeouts.weights_s)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineRejected(str(reply.get("error_message") or f"{route} failed"),
+                                 url=self.base_url + wire.ROUTES[route][1], status=200)
+        adapters = reply.get("loaded_adapters") if isinstance(reply, dict) else None
+        return {str(name): str(path) for name, path in (adapters or {}).items()}
+
     # --- transport ------------------------------------------------------------------------------
     async def _weights(self, route: str, body: dict[str, Any], path: str | None = None) -> dict[str, Any]:
         """The engine's reply (message first) to a weight route; `success: false` raises EngineRejected."""
@@ -294,7 +320,8 @@ class EngineClient:
 
 
 def _message(text: str) -> str:
-    """The error message in SGLang's shapes: {"error": {"message"}}, {"message"}, {"detail"} or plain text."""
+    """The error message in SGLang's shapes: {"error": {"message"}}, {"message"}, {"error_message"} (the LoRA
+    routes), {"detail"} or plain text."""
     try:
         body = json.loads(text)
     except ValueError:
@@ -303,7 +330,7 @@ def _message(text: str) -> str:
         error = body.get("error")
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])
-        for key in ("message", "detail", "error"):
+        for key in ("message", "error_message", "detail", "error"):
             if key in body:
                 return str(body[key])
     return text.strip()

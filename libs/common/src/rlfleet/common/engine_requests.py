@@ -42,6 +42,8 @@ ROUTES: dict[str, tuple[str, str, str | None]] = {
     "destroy_weights_update_group": (
         "POST", "/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput"),
     "get_weights_by_name": ("POST", "/get_weights_by_name", "GetWeightsByNameReqInput"),
+    "load_lora_adapter": ("POST", "/load_lora_adapter", "LoadLoRAAdapterReqInput"),
+    "unload_lora_adapter": ("POST", "/unload_lora_adapter", "UnloadLoRAAdapterReqInput"),
 }
 # rlfleet-only routes of the CPU engine (SGLang has none of them; never sent to an SGLang engine).
 RLFLEET_ROUTES: dict[str, tuple[str, str, str | None]] = {
@@ -60,12 +62,26 @@ META_INFO_KEYS = ("id", "finish_reason", "prompt_tokens", "cached_tokens", "e2e_
 
 
 def generate(input_ids: list[int] | list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-             *, return_logprob: bool, rid: str | None = None) -> dict[str, Any]:
+             *, return_logprob: bool, rid: str | None = None,
+             lora_path: str | list[str | None] | None = None) -> dict[str, Any]:
+    """`lora_path` names a loaded adapter (its `lora_name`, not a directory), one per prompt in a batch;
+    None or absent: the base model."""
     body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
                             "return_logprob": return_logprob}
     if rid is not None:
         body["rid"] = rid
+    if lora_path is not None:
+        body["lora_path"] = lora_path
     return body
+
+
+def load_lora_adapter(lora_name: str, lora_path: str, *, pinned: bool = False) -> dict[str, Any]:
+    """A peft adapter directory (adapter_config.json + adapter_model.safetensors) served as `lora_name`."""
+    return {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+
+
+def unload_lora_adapter(lora_name: str) -> dict[str, Any]:
+    return {"lora_name": lora_name}
 
 
 def abort(rid: str | None, abort_all: bool) -> dict[str, Any]:
@@ -133,5 +149,10 @@ def sample_bodies() -> list[tuple[str, str, dict[str, Any]]]:
             abort_all_requests=False)),
         ("destroy_weights_update_group", destroy_weights_update_group()),
         ("get_weights_by_name", get_weights_by_name("model.embed_tokens.weight", 4)),
+        ("generate", generate([1, 2, 3], params, return_logprob=True, lora_path="7")),
+        ("generate", generate([[1, 2], [3], [4]], [params, params, params], return_logprob=True,
+                              lora_path=["7", None, "8"])),
+        ("load_lora_adapter", load_lora_adapter("7", "/weights/run/v7-lora", pinned=False)),
+        ("unload_lora_adapter", unload_lora_adapter("7")),
     ]
     return [(ROUTES[name][1], ROUTES[name][2], body) for name, body in samples]

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rlfleet.engine.kv_cache import PaddedKVCache
+from rlfleet.engine.lora import Adapter, LoRALayers
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +55,17 @@ class ModelRunner:
         # remove_duplicate=False lists tied weights under both names (embed_tokens and lm_head).
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self.weight_epoch = 0  # bumped by every weight change (`weights_changed`)
+        self.lora = LoRALayers(self.model)  # adapters served over these weights (never copies of them)
 
     # --- forward passes -------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(
-        self, token_ids: list[int], all_logits: bool = False, cached: PaddedKVCache | None = None
+        self, token_ids: list[int], all_logits: bool = False, cached: PaddedKVCache | None = None,
+        adapter: Adapter | None = None,
     ) -> tuple[torch.Tensor, PaddedKVCache]:
-        """Runs one sequence and returns logits and its cache. With `cached`, a one-row cache holding
-        the KV of the first `cached.length` tokens, only the rest is fed (and gets logits): `[fed,
-        vocab]` with `all_logits`, else `[1, vocab]`."""
+        """Runs one sequence (with `adapter`, or the base model) and returns logits and its cache. With
+        `cached`, a one-row cache holding the KV of the first `cached.length` tokens, only the rest is
+        fed (and gets logits): `[fed, vocab]` with `all_logits`, else `[1, vocab]`."""
         start = 0 if cached is None else cached.length
         cache = PaddedKVCache(self.num_layers, rows=1) if cached is None else cached
         fed = token_ids[start:]
@@ -73,14 +76,15 @@ class ModelRunner:
             # SDPA's is_causal mask is top-left aligned, wrong once there are past keys (and HF would
             # even crop the keys to the query length): spell the causal mask out.
             mask = _causal_mask(start, len(fed), torch.float32)
-        output = self.model(
-            input_ids=torch.tensor([fed]),
-            attention_mask=self._mask(mask),
-            position_ids=torch.arange(start, len(token_ids))[None, :],
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
-        )
+        with self.lora.batch([adapter]):
+            output = self.model(
+                input_ids=torch.tensor([fed]),
+                attention_mask=self._mask(mask),
+                position_ids=torch.arange(start, len(token_ids))[None, :],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=0 if all_logits else 1,
+            )
         cache.advance(len(fed))
         return output.logits[0].float(), cache
 
@@ -91,6 +95,7 @@ class ModelRunner:
         prefixes: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None],
         kept: list[int],
         fed: int,
+        adapters: list[Adapter | None] | None = None,
     ) -> tuple[torch.Tensor, PaddedKVCache]:
         """Prefills several sequences in one pass; returns next-token logits `[rows, vocab]` and a
         cache with one row per sequence (ready to join the running batch).
@@ -98,7 +103,8 @@ class ModelRunner:
         Row i reuses the first `kept[i]` columns of its cached prefix `prefixes[i]` (per layer keys and
         values `[1, kv_heads, >= kept, head_dim]`) and feeds the rest of its tokens, which must number
         at most `fed`; a row with fewer is left-padded to `fed`. Every row's last token sits in the
-        last column, so `logits_to_keep=1` gives each row's next-token logits."""
+        last column, so `logits_to_keep=1` gives each row's next-token logits. Row i runs with
+        `adapters[i]` (None or no list: the base model)."""
         rows = len(sequences)
         start = max(kept)
         cache = PaddedKVCache(self.num_layers, rows=rows)
@@ -131,28 +137,32 @@ class ModelRunner:
         query = (start + torch.arange(fed))[None, :, None]
         allowed = (columns >= pad[:, None, None]) & (columns <= query) | (columns == query)
         mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=self._mask(mask[:, None]),
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self.lora.batch(adapters or [None] * rows):
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=self._mask(mask[:, None]),
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache.advance(fed)
         return output.logits[:, -1].float(), cache
 
     @torch.inference_mode()
-    def decode(self, cache: PaddedKVCache, last_tokens: list[int]) -> torch.Tensor:
-        """Feeds one token per row of the running batch; returns next-token logits `[rows, vocab]`."""
+    def decode(self, cache: PaddedKVCache, last_tokens: list[int],
+               adapters: list[Adapter | None] | None = None) -> torch.Tensor:
+        """Feeds one token per row of the running batch (row i with `adapters[i]`; None: the base
+        model); returns next-token logits `[rows, vocab]`."""
         mask, positions = cache.decode_inputs(torch.float32)
-        output = self.model(
-            input_ids=torch.tensor(last_tokens)[:, None],
-            attention_mask=self._mask(mask),
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-        )
+        with self.lora.batch(adapters or [None] * len(last_tokens)):
+            output = self.model(
+                input_ids=torch.tensor(last_tokens)[:, None],
+                attention_mask=self._mask(mask),
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            )
         cache.advance(1)
         return output.logits[:, -1].float()
 

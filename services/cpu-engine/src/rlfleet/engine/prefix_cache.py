@@ -20,6 +20,11 @@ refreshes its entry. Storing a sequence already held (equal to, or a prefix of, 
 refreshes that entry, and entries the new sequence extends (the previous turn of the same episode)
 are dropped, since it covers them. KV depends on the weights: the owner clears the cache whenever
 they change. Only the scheduler thread touches it, so there is no locking.
+
+KV also depends on the LoRA adapter that computed it (its layers change every key and value after
+the first layer): each entry belongs to a namespace -- the adapter's load id, None for the base
+model -- which seeds its block hashes and is checked beside its tokens, so a prefix cached under one
+adapter is never reused for another, nor for the base model.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class _Entry:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     blocks: list[int]  # its chained block hashes; the index may point some of them elsewhere
+    namespace: str | None = None  # the LoRA adapter (load id) whose KV this is; None: the base model
 
 
 class PrefixCache:
@@ -68,18 +74,19 @@ class PrefixCache:
     def entries(self) -> int:
         return len(self._lru)
 
-    def lookup(self, tokens: Sequence[int]) -> PrefixHit | None:
-        """The longest cached prefix of `tokens` that leaves at least one token to prefill, or None."""
+    def lookup(self, tokens: Sequence[int], namespace: str | None = None) -> PrefixHit | None:
+        """The longest prefix of `tokens` cached in `namespace` that leaves at least one token to
+        prefill, or None."""
         if not self.enabled:
             return None
         self.lookups += 1
         tokens = tuple(tokens)
         limit = len(tokens) - 1
-        hashes = self._block_hashes(tokens, limit // self.block_size)
+        hashes = self._block_hashes(tokens, limit // self.block_size, namespace)
         for blocks in range(len(hashes), 0, -1):
             entry = self._index.get(hashes[blocks - 1])
             length = blocks * self.block_size
-            if entry is None or entry.tokens[:length] != tokens[:length]:
+            if entry is None or entry.namespace != namespace or entry.tokens[:length] != tokens[:length]:
                 continue
             end = min(limit, len(entry.tokens))
             while length < end and entry.tokens[length] == tokens[length]:
@@ -98,9 +105,10 @@ class PrefixCache:
             )
         return None
 
-    def insert(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+    def insert(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+               namespace: str | None = None) -> bool:
         """Stores a copy of the KV of `tokens` (per layer `[1, kv_heads, len(tokens), head_dim]`, any
-        strides); returns whether a new entry was made."""
+        strides) computed in `namespace`; returns whether a new entry was made."""
         tokens = tuple(tokens)
         n = len(tokens)
         # Shorter than a block: no lookup could ever find it.
@@ -108,14 +116,14 @@ class PrefixCache:
             return False
         if keys[0].shape[2] != n:
             raise ValueError(f"{n} tokens but KV of {keys[0].shape[2]}")
-        hashes = self._block_hashes(tokens, n // self.block_size)
+        hashes = self._block_hashes(tokens, n // self.block_size, namespace)
         holder = self._index.get(hashes[-1])
-        if holder is not None and holder.tokens[:n] == tokens:
+        if holder is not None and holder.namespace == namespace and holder.tokens[:n] == tokens:
             self._lru.move_to_end(holder)
             return False
         for key in hashes:
             old = self._index.get(key)
-            if old is not None and tokens[: len(old.tokens)] == old.tokens:
+            if old is not None and old.namespace == namespace and tokens[: len(old.tokens)] == old.tokens:
                 self._remove(old)
         while self._lru and self.tokens + n > self.max_tokens:
             self._remove(next(iter(self._lru)))
@@ -124,6 +132,7 @@ class PrefixCache:
             [k.clone(memory_format=torch.contiguous_format) for k in keys],
             [v.clone(memory_format=torch.contiguous_format) for v in values],
             hashes,
+            namespace,
         )
         for key in hashes:
             self._index[key] = entry
@@ -138,6 +147,13 @@ class PrefixCache:
         self._index.clear()
         self.tokens = 0
 
+    def drop(self, namespace: str) -> int:
+        """Drops the entries of one namespace (an unloaded adapter's); returns how many."""
+        gone = [entry for entry in self._lru if entry.namespace == namespace]
+        for entry in gone:
+            self._remove(entry)
+        return len(gone)
+
     def _remove(self, entry: _Entry) -> None:
         del self._lru[entry]
         self.tokens -= len(entry.tokens)
@@ -145,9 +161,10 @@ class PrefixCache:
             if self._index.get(key) is entry:
                 del self._index[key]
 
-    def _block_hashes(self, tokens: tuple[int, ...], blocks: int) -> list[int]:
-        """hash(tokens[:k]) for k = block_size, 2 * block_size, ...: each chained on the one before."""
-        hashes, previous, size = [], 0, self.block_size
+    def _block_hashes(self, tokens: tuple[int, ...], blocks: int, namespace: str | None = None) -> list[int]:
+        """hash(tokens[:k]) for k = block_size, 2 * block_size, ...: each chained on the one before,
+        the first on the namespace."""
+        hashes, previous, size = [], 0 if namespace is None else hash(namespace), self.block_size
         for block in range(blocks):
             previous = hash((previous, tokens[block * size : (block + 1) * size]))
             hashes.append(previous)

@@ -27,6 +27,12 @@ by a prefill over prompt + output so far after `continue`, so their output is wh
 been), `in_place` freezes the batch with its KV. Every output token records the weight version
 that produced it; a reply reports the version at its end and the spans.
 
+LoRA (`lora.py`): a request may name a loaded adapter; it keeps that adapter from admission to the
+end (an unload only stops new requests from using it), every forward pass applies each row's own
+adapter, so a batch mixes adapters and the base model, and its tokens' versions are the adapter's
+name. Its prefix-cache entries are its adapter's (looked up and stored under the adapter's load id).
+Loading and unloading are scheduler commands too: a dict update between two steps.
+
 Other threads talk to the scheduler only through `submit` and `call`; torch releases the GIL in
 the forward passes, so the HTTP event loop stays responsive while the loop runs.
 """
@@ -45,6 +51,7 @@ from typing import Any, Literal
 import torch
 
 from rlfleet.engine.kv_cache import PaddedKVCache
+from rlfleet.engine.lora import Adapter
 from rlfleet.engine.model_runner import ModelRunner, WeightLoadError
 from rlfleet.engine.prefix_cache import PrefixCache
 from rlfleet.engine.protocol import GenerateItem
@@ -77,10 +84,12 @@ class Request:
     """A generate request's state in the scheduler; everything below is touched by its thread only."""
 
     def __init__(
-        self, item: GenerateItem, eos_token_ids: frozenset[int], on_done: Callable[[RequestOutput], None]
+        self, item: GenerateItem, eos_token_ids: frozenset[int], on_done: Callable[[RequestOutput], None],
+        adapter: Adapter | None = None,
     ):
         spec = item.sampling
         self.item = item
+        self.adapter = adapter  # the LoRA adapter it runs with, held until it finishes; None: the base model
         self.rid = item.rid
         self.prompt_ids = list(item.input_ids)
         self.spec = spec
@@ -223,10 +232,10 @@ class Scheduler:
         # the next token exactly as the interrupted decode step would have.
         tokens = request.prompt_ids + request.output_ids
         want_input = _wants_input_logprobs(request)
-        cached = None if want_input else self._cached_prefix(tokens, request.reserved_tokens)
+        cached = None if want_input else self._cached_prefix(tokens, request.reserved_tokens, request.adapter)
         if request.retractions == 0:
             request.cached_tokens = 0 if cached is None else cached.length
-        logits, cache = self.runner.prefill(tokens, all_logits=want_input, cached=cached)
+        logits, cache = self.runner.prefill(tokens, all_logits=want_input, cached=cached, adapter=request.adapter)
         self.prefill_passes += 1
         request.kv_epoch = self.runner.weight_epoch
         if want_input:
@@ -257,7 +266,7 @@ class Scheduler:
         plans = []
         for request in requests:
             tokens = request.prompt_ids + request.output_ids
-            hit = self._prefix_hit(tokens)
+            hit = self._prefix_hit(tokens, request.adapter)
             plans.append((request, tokens, 0 if hit is None else hit.length, hit))
         fed = max(len(tokens) - reused for _, tokens, reused, _ in plans)
         kept = [max(0, len(tokens) - fed) for _, tokens, _, _ in plans]  # cached columns each row keeps
@@ -266,6 +275,7 @@ class Scheduler:
             [None if keep == 0 else (hit.keys, hit.values) for (_, _, _, hit), keep in zip(plans, kept, strict=True)],
             kept,
             fed,
+            [request.adapter for request, _, _, _ in plans],
         )
         self.prefill_passes += 1
         tokens_out, logprobs = sample(logits, [request.sampler for request, _, _, _ in plans])
@@ -286,7 +296,8 @@ class Scheduler:
             self.running.extend(staying)
 
     def _decode(self) -> None:
-        logits = self.runner.decode(self.cache, [r.output_ids[-1] for r in self.running])
+        logits = self.runner.decode(self.cache, [r.output_ids[-1] for r in self.running],
+                                    [r.adapter for r in self.running])
         tokens, logprobs = sample(logits, [r.sampler for r in self.running])
         self.decode_steps += 1
         keep, done = [], []
@@ -305,7 +316,7 @@ class Scheduler:
         """Records a sampled token; returns whether the request is now finished."""
         request.output_ids.append(token)
         request.output_logprobs.append(logprob)
-        request.versions.append(self.weight_version)
+        request.versions.append(self.weight_version if request.adapter is None else request.adapter.name)
         self.generated_tokens += 1
         if token in request.stop_ids:
             request.finish_reason = {"type": "stop", "matched": token}
@@ -385,6 +396,18 @@ class Scheduler:
             self.weight_version = weight_version
         return True, f"Succeeded to update model weights ({count} tensors, version {self.weight_version})."
 
+    def install_adapter(self, adapter: Adapter) -> dict[str, str]:
+        """Serves a LoRA adapter read beforehand (off this thread); returns the loaded adapters."""
+        self.runner.lora.install(adapter)
+        return self.runner.lora.loaded()
+
+    def remove_adapter(self, name: str) -> dict[str, str]:
+        """Unloads an adapter: new requests can no longer name it, running ones finish with it; its
+        prefix-cache entries go (no later lookup could match them)."""
+        adapter = self.runner.lora.remove(name)
+        self.prefix_cache.drop(adapter.lora_id)
+        return self.runner.lora.loaded()
+
     def set_weight_version(self, version: str, abort_all: bool = False) -> None:
         if abort_all:
             self.abort(abort_all=True, message="aborted by update_weight_version")
@@ -407,13 +430,13 @@ class Scheduler:
         }
 
     # --- internals ------------------------------------------------------------------------------
-    def _prefix_hit(self, tokens: list[int]):
+    def _prefix_hit(self, tokens: list[int], adapter: Adapter | None):
         self._drop_stale_prefixes()
-        return self.prefix_cache.lookup(tokens)
+        return self.prefix_cache.lookup(tokens, _namespace(adapter))
 
-    def _cached_prefix(self, tokens: list[int], reserved: int) -> PaddedKVCache | None:
-        """A one-row cache holding the longest cached prefix of `tokens`, or None."""
-        hit = self._prefix_hit(tokens)
+    def _cached_prefix(self, tokens: list[int], reserved: int, adapter: Adapter | None) -> PaddedKVCache | None:
+        """A one-row cache holding the longest prefix of `tokens` cached under `adapter`, or None."""
+        hit = self._prefix_hit(tokens, adapter)
         if hit is None:
             return None
         # Room for the whole sequence up to max_new_tokens (bounded), so decoding it alone does not
@@ -433,7 +456,7 @@ class Scheduler:
                 "KV of %s covers %d tokens, not %d; not cached", request.rid, keys[0].shape[2], len(tokens)
             )
             return
-        self.prefix_cache.insert(tokens, keys, values)
+        self.prefix_cache.insert(tokens, keys, values, _namespace(request.adapter))
 
     def _drop_stale_prefixes(self) -> None:
         if self._prefix_epoch != self.runner.weight_epoch:
@@ -486,6 +509,11 @@ class Scheduler:
             cached_tokens=request.cached_tokens,
             queue_wait_s=None if request.admitted is None else request.admitted - request.created,
         )
+
+
+def _namespace(adapter: Adapter | None) -> str | None:
+    """The prefix cache's namespace of KV computed with `adapter`: its load id (None: the base model)."""
+    return None if adapter is None else adapter.lora_id
 
 
 def _wants_input_logprobs(request: Request) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from rlfleet.common.adapter_routes import AdapterRoutes
 from rlfleet.common.engine_client import EngineTimeouts
 from rlfleet.common.grpc_server import GrpcServer
 from rlfleet.common.peers import PeersApp
@@ -48,8 +49,8 @@ class RolloutGatewayApp(PeersApp):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.health.check_all(), timeout=config.connect_timeout_s + 1.0)
         self.health.start()
-        servicer = GatewayServicer(config.run_id, self.registry, router, Dispatcher(self.registry, router, metrics),
-                                   self.health, admission, metrics)
+        dispatcher = Dispatcher(self.registry, router, metrics, AdapterRoutes(self.redis, config.run_id))
+        servicer = GatewayServicer(config.run_id, self.registry, router, dispatcher, self.health, admission, metrics)
         server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer, SERVICE_NAME)
 
     async def stop(self) -> None:

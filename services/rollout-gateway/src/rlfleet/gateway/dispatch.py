@@ -3,15 +3,21 @@
 A failure is reported, never hidden: the engine is marked UNHEALTHY with the error, the reply says
 `rerouted=true` with the reason, and the reroute is counted. An engine that rejects the request
 (4xx) is not failing; its message goes back to the caller as INVALID_ARGUMENT.
+
+LoRA: when the broker gave the request's role an adapter (rlfleet.common.adapter_routes), the
+request is sent with `lora_path` = that adapter, to any engine, and its reply's versions are the
+adapter's policy version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 from rlfleet.api.gateway.v1 import gateway_pb2
-from rlfleet.common.engine_client import EngineRejected, EngineUnavailable, GenerateResult
+from rlfleet.common.adapter_routes import AdapterRoute, AdapterRoutes
+from rlfleet.common.engine_client import EngineRejected, EngineUnavailable, GenerateResult, VersionRange
 from rlfleet.gateway.engine_io import generate_response, sampling_params, validate_input_ids
 from rlfleet.gateway.errors import EngineRejectedRequest, NoEngineAvailable
 from rlfleet.gateway.health import parse_version
@@ -23,10 +29,12 @@ log = logging.getLogger(__name__)
 
 
 class Dispatcher:
-    def __init__(self, registry: EngineRegistry, router: Router, metrics: GatewayMetrics) -> None:
+    def __init__(self, registry: EngineRegistry, router: Router, metrics: GatewayMetrics,
+                 adapters: AdapterRoutes | None = None) -> None:
         self.registry = registry
         self.router = router
         self.metrics = metrics
+        self.adapters = adapters  # None: no LoRA routing (every request on the base model)
         self._labels: dict[str, dict[str, str]] = {}  # engine_id -> its metric attributes, built once
 
     def _engine_labels(self, engine_id: str) -> dict[str, str]:
@@ -41,38 +49,48 @@ class Dispatcher:
         params = sampling_params(request.sampling)
         input_ids = list(request.input_ids)  # one copy out of the proto, checked and sent as is
         validate_input_ids(input_ids)
-        route = await self.router.route(request.session_id, request.engine_pool)
+        # Read per request, not cached: after a promotion or rollback no new request may still name
+        # the adapter the broker is about to unload.
+        adapter = None if self.adapters is None else await self.adapters.get(self.router.role(request.engine_pool))
+        any_pool = adapter is not None
+        route = await self.router.route(request.session_id, request.engine_pool, any_pool=any_pool)
         if route.rerouted:
             self._count_reroute(route, "unhealthy")
         try:
-            result, latency = await self._forward(route.engine, input_ids, params, request)
+            result, latency = await self._forward(route.engine, input_ids, params, request, adapter)
         except EngineUnavailable as first:
             await self._engine_failed(route.engine, first)
             reason = f"engine {route.engine.engine_id} failed: {first.message}"
             try:
-                route = await self.router.reroute(request.session_id, route.engine, reason, request.engine_pool)
+                route = await self.router.reroute(request.session_id, route.engine, reason, request.engine_pool,
+                                                  any_pool=any_pool)
             except NoEngineAvailable as none:
                 raise NoEngineAvailable(f"{reason}; {none.message}", tried=(route.engine.engine_id,)) from None
             self._count_reroute(route, "failed")
             try:
-                result, latency = await self._forward(route.engine, input_ids, params, request)
+                result, latency = await self._forward(route.engine, input_ids, params, request, adapter)
             except EngineUnavailable as second:
                 await self._engine_failed(route.engine, second)
                 raise NoEngineAvailable(
                     f"{reason}; the retry on engine {route.engine.engine_id} failed too: {second.message}",
                     tried=(route.engine.engine_id,)) from None
         await self.router.touch(request.session_id, route.engine.engine_id)
-        self._observe(route.engine, result)
+        if adapter is None:
+            self._observe(route.engine, result)  # the engine's version is its base model's
+        else:
+            result = served_by_adapter(result, adapter)
         return generate_response(result, route.engine.engine_id, latency, route.rerouted, route.reason)
 
     async def _forward(self, engine: EngineRecord, input_ids: list[int], params: dict,
-                       request: gateway_pb2.GenerateRequest) -> tuple[GenerateResult, float]:
+                       request: gateway_pb2.GenerateRequest,
+                       adapter: AdapterRoute | None) -> tuple[GenerateResult, float]:
         client = self.registry.client(engine)
         self.registry.begin_request(engine.engine_id)
         started = time.monotonic()
         try:
             result = await client.generate(input_ids, params, return_logprob=request.return_logprob,
-                                           rid=request.request_id or None)
+                                           rid=request.request_id or None,
+                                           lora_path=None if adapter is None else adapter.lora_name)
         except EngineRejected as exc:
             raise EngineRejectedRequest(f"engine {engine.engine_id} rejected the request: {exc.message}",
                                         engine_id=engine.engine_id, status=exc.status) from None
@@ -97,3 +115,13 @@ class Dispatcher:
         version = parse_version(result.weight_version)
         if version >= 0:
             engine.policy_version = version
+
+
+def served_by_adapter(result: GenerateResult, adapter: AdapterRoute) -> GenerateResult:
+    """The reply with the adapter's policy version on every token: a request keeps its adapter from
+    start to end (SGLang and the CPU engine both hold it until the request finishes), and SGLang's
+    own `weight_version` names the base model, not the adapter."""
+    version = str(adapter.version)
+    ranges = [VersionRange(version, r.start, r.end) for r in result.weight_versions] or [
+        VersionRange(version, 0, len(result.output_ids))]
+    return dataclasses.replace(result, weight_version=version, weight_versions=ranges)

@@ -8,7 +8,8 @@ Redis layout (namespaced by run), so every gateway replica routes a session the 
 
 An engine's load is the number of sessions that used it within the affinity TTL plus this replica's
 requests in flight on it. Pools: the broker decides what runs where; a new session goes to an engine
-of its pinned pool, or else of the configured `route_pools`, and never to a DRAINING one.
+of its pinned pool, or else of the configured `route_pools`, and never to a DRAINING one. A session
+whose role (`role()`) the broker gave a LoRA adapter goes to any engine (all of them hold it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from rlfleet.api.gateway.v1 import gateway_pb2
 from rlfleet.common.redis_store import key
 from rlfleet.gateway.errors import NoEngineAvailable
 from rlfleet.gateway.registry import EngineRecord, EngineRegistry
@@ -62,9 +64,19 @@ class Router:
     def pools_for(self, pinned: int) -> frozenset[int] | None:
         return frozenset({pinned}) if pinned else self.route_pools
 
-    async def route(self, session_id: str, pool: int = 0) -> Route:
-        """The session's engine while it can serve, otherwise a new one (rerouted, with the reason)."""
-        pools = self.pools_for(pool)
+    def role(self, pinned: int) -> str:
+        """The adapter role (rlfleet.common.adapter_routes) of a request pinned to `pinned` (0: none):
+        the candidate's (`canary`) for canary-pinned requests, and for unpinned ones when rollouts go
+        to the canary pool only; else the accepted policy's (`fleet`)."""
+        canary = gateway_pb2.ENGINE_POOL_CANARY
+        if pinned:
+            return "canary" if pinned == canary else "fleet"
+        return "canary" if self.route_pools == frozenset({canary}) else "fleet"
+
+    async def route(self, session_id: str, pool: int = 0, *, any_pool: bool = False) -> Route:
+        """The session's engine while it can serve, otherwise a new one (rerouted, with the reason).
+        `any_pool`: every engine may serve it (its role has an adapter, which every engine holds)."""
+        pools = None if any_pool else self.pools_for(pool)
         if not session_id:
             return Route(await self.pick(exclude=(), pools=pools))
         raw = await self.redis.getex(self._affinity_key(session_id), ex=self.ttl_s)
@@ -81,9 +93,10 @@ class Router:
                   else f"engine {engine_id} is unhealthy: {engine.last_error or 'failed its health check'}")
         return await self._assign(session_id, previous=engine_id, reason=reason, pools=pools)
 
-    async def reroute(self, session_id: str, failed: EngineRecord, reason: str, pool: int = 0) -> Route:
+    async def reroute(self, session_id: str, failed: EngineRecord, reason: str, pool: int = 0, *,
+                      any_pool: bool = False) -> Route:
         """After `failed` failed this session's request: another engine, recorded as its new affinity."""
-        pools = self.pools_for(pool)
+        pools = None if any_pool else self.pools_for(pool)
         if not session_id:
             return Route(await self.pick(exclude=(failed.engine_id,), pools=pools), rerouted=True, reason=reason)
         return await self._assign(session_id, previous=failed.engine_id, reason=reason, pools=pools)
