@@ -94,6 +94,13 @@ def test_reply_keys_read_are_ones_sglang_writes(snapshot):
     assert {"num_running_reqs", "num_waiting_reqs", "dp_rank"} <= load_fields
 
 
+def test_lora_reply_keys_read_are_sglangs_lora_update_output(snapshot):
+    assert set(wire.LORA_REPLY_KEYS) <= set(snapshot["structs"]["LoRAUpdateOutput"])
+    # lora_path per request names a loaded adapter; a batch may give one per prompt (None: the base model).
+    assert "lora_path" in snapshot["structs"]["GenerateReqInput"]
+    assert "List[Optional[str]]" in snapshot["structs"]["GenerateReqInput"]["lora_path"]["type"]
+
+
 def test_admin_routes_match_sglangs_auth_levels(snapshot):
     """The admin key goes exactly where SGLang's `--admin-api-key` guards a route."""
     for name, (_, path, _) in wire.ROUTES.items():

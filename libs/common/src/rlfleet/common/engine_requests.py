@@ -56,6 +56,8 @@ ADMIN_ROUTES = frozenset(
     name for name in ROUTES if name not in ("generate", "health", "health_generate", "model_info", "server_info",
                                             "loads")
 )
+# The keys of a /load_lora_adapter or /unload_lora_adapter reply (SGLang's LoRAUpdateOutput) rlfleet reads.
+LORA_REPLY_KEYS = ("success", "error_message", "loaded_adapters")
 # The `meta_info` keys of a /generate reply rlfleet reads.
 META_INFO_KEYS = ("id", "finish_reason", "prompt_tokens", "cached_tokens", "e2e_latency", "weight_version",
                   "weight_versions", "output_token_logprobs")

@@ -56,6 +56,7 @@ class GenerateItem:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     return_logprob: bool = False
     logprob_start_len: int = -1
+    lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field); None: the base model
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,6 @@ _UNSUPPORTED_TOP_LEVEL = (
     "image_data",
     "video_data",
     "audio_data",
-    "lora_path",
     "session_params",
     "custom_logit_processor",
     "return_hidden_states",
@@ -141,6 +141,7 @@ def parse_generate(
     return_logprob = _per_item(body.get("return_logprob"), count, "return_logprob", bool)
     start_len = _per_item(body.get("logprob_start_len"), count, "logprob_start_len", int)
     rids = _rids(body.get("rid"), count, is_batch)
+    loras = _per_item(body.get("lora_path"), count, "lora_path", str)
     items = []
     for i, ids in enumerate(prompts):
         where = f"input_ids[{i}]" if is_batch else "input_ids"
@@ -155,7 +156,9 @@ def parse_generate(
         start = -1 if start_len[i] is None else start_len[i]
         if start < -1 or start >= len(ids):
             raise BadRequest(f"logprob_start_len must be -1 or in [0, {len(ids)}) for {where}; got {start}")
-        items.append(GenerateItem(rids[i], ids, spec, bool(return_logprob[i]), start))
+        if loras[i] == "":
+            raise BadRequest(f"lora_path for {where} is empty; name a loaded adapter or leave it out")
+        items.append(GenerateItem(rids[i], ids, spec, bool(return_logprob[i]), start, loras[i]))
     return items, is_batch
 
 

@@ -2,7 +2,8 @@
 
 Route names, request fields, reply keys and error behaviour are SGLang's for everything rlfleet uses
 (tests/contract checks them against the snapshot taken from SGLang's package): `/model_info`,
-`/server_info`, `/v1/loads`, per-token `meta_info.weight_versions`, `update_weights_from_disk` with
+`/server_info`, `/v1/loads`, per-token `meta_info.weight_versions`, LoRA adapters (`/load_lora_adapter`,
+`/unload_lora_adapter`, `lora_path` per request: `lora.py`), `update_weights_from_disk` with
 SGLang's load formats only (an unknown one is an error, never a silent success), `--api-key` /
 `--admin-api-key` as `Authorization: Bearer`. What SGLang has no route for lives under `/rlfleet/`
 (`/rlfleet/update_weights_from_store`: weight-store deltas and exact full loads).
@@ -41,6 +42,7 @@ from rlfleet.common.engine_requests import RLFLEET_ROUTES, SGLANG_VERSION, STORE
 from rlfleet.common.service import stop_on_signals, write_ready_file
 from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
 from rlfleet.engine.config import EngineConfig
+from rlfleet.engine.lora import Adapter, LoRALoadError, read_adapter
 from rlfleet.engine.model_runner import LOAD_FORMATS, ModelRunner, WeightLoadError, read_checkpoint
 from rlfleet.engine.protocol import (
     BadRequest,
@@ -73,6 +75,8 @@ TRACED_ROUTES = frozenset(
         "/init_weights_update_group",
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
         STORE_ROUTE,
     }
 )
@@ -90,6 +94,8 @@ ADMIN_ROUTES = frozenset(
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
         "/get_weights_by_name",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
         STORE_ROUTE,
     }
 )
@@ -118,6 +124,11 @@ class EngineServer:
         self.store = StoreWeights(runner, config.weight_store_root, config.weight_store_workers)
         # One weight update at a time: a store load prepares against the version held at its start.
         self._weights_lock = asyncio.Lock()
+        # One adapter load or unload at a time. Every name ever loaded, with its path and pinning:
+        # SGLang's tokenizer manager keeps the same (`lora_ref_cache`) and reloads an unloaded
+        # adapter when a request names it again.
+        self._lora_lock = asyncio.Lock()
+        self._lora_refs: dict[str, tuple[str, bool]] = {}
 
     def app(self) -> web.Application:
         middlewares = [self._authorized, *([self._traced] if self.traced else [])]
@@ -142,6 +153,8 @@ class EngineServer:
         app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         app.router.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
         app.router.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
+        app.router.add_post("/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     # --- auth ------------------------------------------------------------------------------------
@@ -204,26 +217,28 @@ class EngineServer:
             # Tokenizing (and checking every id) happens in a worker thread, so a long prompt never
             # holds up /health or other requests (the tokenizer releases the GIL: ModelRunner.encode).
             items, is_batch = await asyncio.to_thread(parse_generate, body, self.limits, self.runner.encode)
+            adapters = await self._adapters_for(items)
         except BadRequest as exc:
             return _error(str(exc), status=exc.status, **exc.details)
-        outputs = await self._run(items)
+        outputs = await self._run(items, adapters)
         _describe_generation(trace.get_current_span(), items, outputs)
         if any(out.finish_reason.get("status_code") == 500 for out in outputs):
             return _error(outputs[0].finish_reason.get("message", "engine error"), status=500)
         results = [_result(item, out) for item, out in zip(items, outputs, strict=True)]
         return web.json_response(results if is_batch else results[0])
 
-    async def _run(self, items: list[GenerateItem]) -> list[RequestOutput]:
+    async def _run(self, items: list[GenerateItem], adapters: list[Adapter | None] | None = None) -> list[RequestOutput]:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
+        adapters = adapters or [None] * len(items)
 
         def deliver(future: asyncio.Future, output: RequestOutput) -> None:
             if not future.done():
                 future.set_result(output)
 
-        for item, future in zip(items, futures, strict=True):
+        for item, future, adapter in zip(items, futures, adapters, strict=True):
             callback = lambda out, f=future: loop.call_soon_threadsafe(deliver, f, out)  # noqa: E731
-            self.scheduler.submit(Request(item, self.runner.eos_token_ids, callback))
+            self.scheduler.submit(Request(item, self.runner.eos_token_ids, callback, adapter))
         try:
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:
@@ -233,6 +248,30 @@ class EngineServer:
                     lambda rid=item.rid: self.scheduler.abort(rid=rid, message="client disconnected")
                 )
             raise
+
+    async def _adapters_for(self, items: list[GenerateItem]) -> list[Adapter | None]:
+        """Each item's adapter, as SGLang's tokenizer manager resolves `lora_path`: a loaded name, or
+        one loaded before and unloaded since (loaded again from its path); any other name is refused."""
+        resolved: dict[str, Adapter] = {}
+        for name in {item.lora_path for item in items if item.lora_path is not None}:
+            adapter = self.runner.lora.adapters.get(name)
+            if adapter is None and name not in self._lora_refs:
+                raise BadRequest(f"Got LoRA adapter that has never been loaded: {name}\n"
+                                 f"All loaded adapters: {sorted(self.runner.lora.adapters)}.", field="lora_path")
+            resolved[name] = adapter or await self._reload(name)
+        return [None if item.lora_path is None else resolved[item.lora_path] for item in items]
+
+    async def _reload(self, name: str) -> Adapter:
+        """An adapter unloaded since, loaded again from its path (unless a concurrent request did)."""
+        path, pinned = self._lora_refs[name]
+        async with self._lora_lock:
+            adapter = self.runner.lora.adapters.get(name)
+            if adapter is not None:
+                return adapter
+            try:
+                return (await self._load_adapter(name, path, pinned))[0]
+            except LoRALoadError as exc:
+                raise BadRequest(f"Failed to implicitly load LoRA adapter {name}: {exc}", field="lora_path") from None
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -507,6 +546,51 @@ class EngineServer:
         except KeyError:
             return _error(f"unknown parameter {name!r}")
 
+    # --- LoRA adapters --------------------------------------------------------------------------
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's LoadLoRAAdapterReqInput: the file reading and checks run in a worker thread; the
+        scheduler pauses only for the install (a dict update: `pause_s` in the reply)."""
+        body = await _body(request)
+        name, path, pinned = body.get("lora_name"), body.get("lora_path"), body.get("pinned", False)
+        if not (isinstance(name, str) and name and isinstance(path, str) and path and isinstance(pinned, bool)):
+            return _lora_reply(False, "load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty strings) "
+                                      "and optionally 'pinned' (true or false)")
+        async with self._lora_lock:
+            try:
+                adapter, pause_s = await self._load_adapter(name, path, pinned)
+            except LoRALoadError as exc:
+                return _lora_reply(False, str(exc))
+        trace.get_current_span().set_attributes({"rlfleet.lora_name": name, "rlfleet.lora_rank": adapter.rank})
+        return _lora_reply(True, None, self.runner.lora.loaded(), pause_s=pause_s, adapter_bytes=adapter.nbytes)
+
+    async def _load_adapter(self, name: str, path: str, pinned: bool) -> tuple[Adapter, float]:
+        """Reads, checks and installs an adapter (caller holds the LoRA lock); (adapter, pause seconds)."""
+        if name in self.runner.lora.adapters:  # before reading anything: SGLang's message
+            raise LoRALoadError(f"Failed to load LoRA adapter {name} because it is already loaded")
+        adapter = await asyncio.to_thread(read_adapter, path, name, self.runner.lora.linears, self.runner.vocab_size,
+                                          pinned)
+
+        def install() -> float:
+            started = time.perf_counter()
+            self.scheduler.install_adapter(adapter)
+            return time.perf_counter() - started
+
+        pause_s = await self._call(install)
+        self._lora_refs[name] = (path, pinned)
+        return adapter, pause_s
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        name = (await _body(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _lora_reply(False, "unload_lora_adapter needs 'lora_name' (a non-empty string)")
+        async with self._lora_lock:
+            try:
+                loaded = await self._call(lambda: self.scheduler.remove_adapter(name))
+            except LoRALoadError as exc:
+                return _lora_reply(False, str(exc))
+        trace.get_current_span().set_attribute("rlfleet.lora_name", name)
+        return _lora_reply(True, None, loaded)
+
     async def _swap(self, named, version: str | None, abort_all: bool) -> web.Response:
         paused = await self._call(
             lambda: len(self.scheduler.running) + len(self.scheduler.waiting) if self.scheduler.paused else 0
@@ -628,6 +712,16 @@ def _optional_str(body: dict, key: str) -> str | None:
 
 def _error(message: str, status: int = 400, **details: Any) -> web.Response:
     return web.json_response({"error": {"message": message, **details}}, status=status)
+
+
+def _lora_reply(success: bool, error_message: str | None, loaded: dict[str, str] | None = None,
+                **extra) -> web.Response:
+    """SGLang's LoRAUpdateOutput (success, error_message, loaded_adapters): 200, or 400 on failure."""
+    span = trace.get_current_span()
+    if not success and span.is_recording():
+        span.set_status(Status(StatusCode.ERROR, error_message or "LoRA update failed"))
+    body = {"success": success, "error_message": error_message, "loaded_adapters": loaded, **extra}
+    return web.json_response(body, status=200 if success else 400)
 
 
 def _weight_reply(success: bool, message: str, **extra) -> web.Response:
