@@ -31,6 +31,20 @@ def store(cache: PrefixCache, tokens: list[int]) -> bool:
 A = list(range(100, 140))  # 40 tokens: two whole blocks of 16 and 8 more
 
 
+def test_entries_belong_to_their_namespace_the_lora_adapter_that_computed_them():
+    cache = PrefixCache(1000, block_size=16)
+    assert cache.insert(A, *kv(A), namespace="lora-a")
+    assert cache.lookup([*A, 1]) is None and cache.lookup([*A, 1], "lora-b") is None
+    assert cache.lookup([*A, 1], "lora-a").length == 40
+    # The same tokens under the base model are a separate entry, and extending one namespace's
+    # sequence never drops another namespace's entry.
+    assert store(cache, A)
+    assert cache.insert([*A, 1, 2], *kv([*A, 1, 2]), namespace="lora-a")
+    assert cache.entries == 2 and cache.lookup([*A, 9]).length == 40
+    assert cache.drop("lora-a") == 1 and cache.lookup([*A, 1, 2, 3], "lora-a") is None
+    assert cache.lookup([*A, 9]).length == 40
+
+
 def test_a_lookup_reuses_the_longest_match_including_a_partial_last_block():
     cache = PrefixCache(1000, block_size=16)
     assert store(cache, A)

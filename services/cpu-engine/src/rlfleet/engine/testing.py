@@ -94,6 +94,51 @@ def tiny_model(root: Path, seed: int = 0) -> Path:
     return _built_models[key]
 
 
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alpha: float = 8.0,
+                      target_modules=ALL_PROJECTIONS, scale: float = 0.1, **config) -> Path:
+    """A peft LoRA adapter directory over `model_path` (peft's own `save_pretrained`), with nonzero A
+    and B drawn from `seed` (peft initialises B to zero, which would make every adapter the base
+    model); `config` goes to peft's LoraConfig (e.g. use_dora=True)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules), **config)
+    peft_model = get_peft_model(model, lora)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    peft_model.save_pretrained(str(out))
+    return Path(out)
+
+
+def merged_lora_model(model_path: Path, adapter_path: Path):
+    """The base model with the adapter merged into its weights by peft (`merge_and_unload`), in fp32:
+    the reference an engine serving the adapter must match."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    return PeftModel.from_pretrained(model, str(adapter_path)).merge_and_unload().eval()
+
+
+def token_logprobs(model, tokens: list[int]) -> list[float]:
+    """log p(tokens[i] | tokens[:i]) for i >= 1 under an HF causal LM (teacher-forced, fp32)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    return logprobs.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+
+
 async def http_call(url: str, path: str, body=None, method: str = "POST", within_s: float = 60.0):
     """(status, JSON or text) of one request; a fresh session each time keeps tests independent."""
     async with aiohttp.ClientSession() as session:
