@@ -15,7 +15,10 @@ from aiohttp import web
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.gateway.v1 import gateway_pb2 as pb
+from rlfleet.common.adapter_routes import AdapterRoute, AdapterRoutes
+from rlfleet.common.engine_client import EngineClient
 from rlfleet.common.redis_store import key
+from rlfleet.engine.testing import make_lora_adapter
 
 from .conftest import running_gateway
 
@@ -270,3 +273,75 @@ async def test_an_engine_whose_load_cannot_be_read_is_unhealthy_not_stale(redis_
     finally:
         await runner.cleanup()
     assert listed.state == pb.ENGINE_STATE_UNHEALTHY and "/v1/loads" in listed.last_error
+
+
+# --- LoRA: canary and accepted adapters on the same engine ----------------------------------------
+async def test_rollouts_and_candidate_evaluation_get_the_candidate_adapter_the_rest_the_accepted_one(
+        redis_url, engine_url, model_dir, tmp_path):
+    """One engine, in the fleet pool, serving two adapters; the gateway routes rollouts (route_pools
+    canary) to the candidate without any canary engine."""
+    accepted = make_lora_adapter(model_dir, tmp_path / "v4", seed=4)
+    candidate = make_lora_adapter(model_dir, tmp_path / "v5", seed=5)
+    params = {"max_new_tokens": 6, "sampling_seed": 1, "ignore_eos": True}
+    async with EngineClient(engine_url) as engine:
+        await engine.load_lora_adapter("v4", str(accepted))
+        await engine.load_lora_adapter("v5", str(candidate))
+        try:
+            direct = {name: tuple((await engine.generate(PROMPT, params, lora_path=name)).output_ids)
+                      for name in ("v4", "v5", None)}
+            assert len(set(direct.values())) == 3  # three models, three answers
+            async with running_gateway(redis_url, {"e0": engine_url}, route_pools=["canary"]) as gateway:
+                routes = AdapterRoutes(gateway.redis, gateway.run_id)
+                # No routes: by pool, as before -- and there is no canary engine for rollouts.
+                unavailable = (None, grpc.StatusCode.UNAVAILABLE)
+                assert await _served(gateway) == {"rollout": unavailable, "candidate": unavailable,
+                                                  "accepted": (direct[None], 3)}
+                await routes.set(fleet=AdapterRoute("v4", 4), canary=AdapterRoute("v5", 5))
+                served = await _served(gateway)
+                assert served == {"rollout": (direct["v5"], 5), "candidate": (direct["v5"], 5),
+                                  "accepted": (direct["v4"], 4)}
+                await routes.set(canary=None)  # rollback: the canary role falls back to the accepted adapter
+                assert set((await _served(gateway)).values()) == {(direct["v4"], 4)}
+                await routes.set(fleet=AdapterRoute("v5", 5))  # promotion of 5: one switch, no weight copy
+                assert set((await _served(gateway)).values()) == {(direct["v5"], 5)}
+                await routes.set(fleet=None)  # no routes: the base model by pool, as before
+                accepted_eval = await gateway.stub.Generate(_pinned(pb.ENGINE_POOL_FLEET))
+                assert (tuple(accepted_eval.output_ids), accepted_eval.policy_version) == (direct[None], 3)
+        finally:
+            await engine.unload_lora_adapter("v4")
+            await engine.unload_lora_adapter("v5")
+
+
+def _pinned(pool: int, session_id: str = "") -> pb.GenerateRequest:
+    request = generate(session_id, max_new_tokens=6, ignore_eos=True)
+    request.engine_pool = pool
+    return request
+
+
+async def _served(gateway) -> dict[str, tuple]:
+    """(output ids, policy version) of a rollout, a candidate evaluation and an accepted evaluation;
+    (None, code) for one the gateway could not route."""
+    requests = {"rollout": _pinned(0, "roll"), "candidate": _pinned(pb.ENGINE_POOL_CANARY, "cand"),
+                "accepted": _pinned(pb.ENGINE_POOL_FLEET, "acc")}
+    served = {}
+    for name, request in requests.items():
+        try:
+            reply = await gateway.stub.Generate(request)
+        except grpc.aio.AioRpcError as exc:
+            served[name] = (None, exc.code())
+            continue
+        assert {(r.policy_version, r.start, r.end) for r in reply.version_ranges} == {
+            (reply.policy_version, 0, len(reply.output_ids))}
+        served[name] = (tuple(reply.output_ids), reply.policy_version)
+    return served
+
+
+async def test_admission_staleness_counts_the_adapters_version_not_the_base_models(redis_url, engine_url):
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:  # the engine's base model is version 3
+        await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=AdapterRoute("v9", 9))
+        status = await gateway.stub.SetAdmissionPolicy(pb.AdmissionPolicy(trainer_version=10, max_staleness=2))
+        assert status.fleet_min_version == 9
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="s"))).admitted
+        await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=None)
+        refused = await gateway.stub.Admit(pb.AdmitRequest(session_id="t"))
+        assert not refused.admitted and refused.reason == "stale"

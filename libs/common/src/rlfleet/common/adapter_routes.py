@@ -10,9 +10,10 @@ The gateway decides which by the request's role:
   unpinned session when the gateway routes to the fleet pool).
 
 A role with a route is served on any engine the gateway knows (every engine holds the adapters:
-the broker loads an adapter on all of them before it names it here); a role without one is routed
-by engine pool as before, on the base model. Promotion and rollback are one `set` call (no weight
-copy); the broker unloads the adapter no role names only after the switch.
+the broker loads an adapter on all of them before it names it here). `canary` without a route of
+its own gets `fleet`'s (no candidate: rollouts run the accepted policy). A role with no route at all
+is routed by engine pool as before, on the base model. Promotion and rollback are one `set` call
+(no weight copy); the broker unloads the adapter no role names only after the switch.
 
 Redis layout (namespaced by run):
 

@@ -51,7 +51,7 @@ class Dispatcher:
         validate_input_ids(input_ids)
         # Read per request, not cached: after a promotion or rollback no new request may still name
         # the adapter the broker is about to unload.
-        adapter = None if self.adapters is None else await self.adapters.get(self.router.role(request.engine_pool))
+        adapter = await self.adapter_for(self.router.role(request.engine_pool))
         any_pool = adapter is not None
         route = await self.router.route(request.session_id, request.engine_pool, any_pool=any_pool)
         if route.rerouted:
@@ -80,6 +80,14 @@ class Dispatcher:
         else:
             result = served_by_adapter(result, adapter)
         return generate_response(result, route.engine.engine_id, latency, route.rerouted, route.reason)
+
+    async def adapter_for(self, role: str) -> AdapterRoute | None:
+        """The role's adapter; the canary role without a candidate of its own gets the accepted one
+        (so a rollback is just clearing `canary`)."""
+        if self.adapters is None:
+            return None
+        routes = await self.adapters.all()
+        return routes.get(role) or (routes.get("fleet") if role == "canary" else None)
 
     async def _forward(self, engine: EngineRecord, input_ids: list[int], params: dict,
                        request: gateway_pb2.GenerateRequest,

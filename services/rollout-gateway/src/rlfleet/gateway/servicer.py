@@ -98,7 +98,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.run_id and request.run_id != self.run_id:
             raise InvalidGatewayRequest(f"this gateway serves run {self.run_id!r}, not {request.run_id!r}",
                                         field="run_id")
-        decision = await self.admission.admit(request.session_id, self.registry.fleet_min_version(self.router.route_pools))
+        decision = await self.admission.admit(request.session_id, await self._fleet_version())
         self.metrics.admissions.add(1, {"outcome": "admitted" if decision.admitted else decision.reason})
         return gateway_pb2.AdmitResponse(admitted=decision.admitted, reason=decision.reason,
                                          retry_after_ms=decision.retry_after_ms)
@@ -112,12 +112,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def SetAdmissionPolicy(self, request: gateway_pb2.AdmissionPolicy, context):
         await self.admission.set_policy(request)
-        return await self.admission.status(self.registry.fleet_min_version(self.router.route_pools))
+        return await self.admission.status(await self._fleet_version())
 
     async def GetAdmissionStatus(self, request: gateway_pb2.GetAdmissionStatusRequest, context):
-        return await self.admission.status(self.registry.fleet_min_version(self.router.route_pools))
+        return await self.admission.status(await self._fleet_version())
 
     # --- helpers --------------------------------------------------------------------------------
+    async def _fleet_version(self) -> int | None:
+        """The policy version new sessions are served: the adapter's when the broker routes their role
+        to one (the engines' own version is then the base model's), else the oldest engine's."""
+        adapter = await self.dispatcher.adapter_for(self.router.role(0))
+        if adapter is not None:
+            return adapter.version
+        return self.registry.fleet_min_version(self.router.route_pools)
+
     async def _engine_proto(self, engine_id: str) -> gateway_pb2.Engine:
         counts = await self.router.session_counts([engine_id])
         return self.registry.get(engine_id).to_proto(counts[engine_id])
