@@ -12,6 +12,11 @@ under new names and unloads the one before, as a promotion does. Per swap it rec
   load    the `/load_lora_adapter` call's wall time (what the broker waits for);
   unload  the `/unload_lora_adapter` call's wall time.
 
+The same swaps again in this process, on a scheduler thread of its own, with every decode step
+timed: the gap between two decode steps while a swap runs (file reading in another thread included,
+as the server does it) against the gaps of the same batch with no swap going on -- the pause as
+generation sees it.
+
 Then decode throughput with every row on the base model, every row on one adapter, and rows split
 over two adapters and the base (tokens/s over the same requests, greedy).
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import tempfile
 import time
@@ -77,6 +83,53 @@ async def swaps(client, url: str, adapters: list[Path], streams: int) -> list[tu
     return rows
 
 
+def step_gaps(model: Path, adapters: list[Path], rows: int = 4) -> tuple[list[float], list[float]]:
+    """(decode-step gaps with no swap running, gaps that overlapped a swap), in seconds."""
+    from rlfleet.engine.lora import read_adapter
+    from rlfleet.engine.model_runner import ModelRunner
+    from rlfleet.engine.protocol import GenerateItem, SamplingSpec
+    from rlfleet.engine.scheduler import Request, Scheduler
+
+    runner = ModelRunner(model)
+    scheduler = Scheduler(runner, max_prefix_cache_tokens=0)
+    stamps: list[float] = []
+    decode = runner.decode
+
+    def timed(*args, **kwargs):
+        logits = decode(*args, **kwargs)
+        stamps.append(time.perf_counter())
+        return logits
+
+    runner.decode = timed
+
+    def load(path: Path, name: str):
+        adapter = read_adapter(path, name, runner.lora.linears, runner.vocab_size)  # off the scheduler thread
+        scheduler.call(lambda: scheduler.install_adapter(adapter)).result()
+        return adapter
+
+    first = read_adapter(adapters[0], "v0", runner.lora.linears, runner.vocab_size)
+    scheduler.install_adapter(first)  # before the scheduler thread starts
+    spec = SamplingSpec(max_new_tokens=900, temperature=0.0, ignore_eos=True)
+    scheduler.start()
+    for i in range(rows):
+        scheduler.submit(Request(GenerateItem(f"r{i}", PROMPT, spec), runner.eos_token_ids, lambda out: None, first))
+    time.sleep(1.0)
+    windows = []
+    for version, path in enumerate(adapters[1:], start=1):
+        time.sleep(0.1)
+        started = time.perf_counter()
+        load(path, f"v{version}")
+        scheduler.call(lambda v=version: scheduler.remove_adapter(f"v{v - 1}")).result()
+        windows.append((started, time.perf_counter()))
+    time.sleep(0.5)
+    scheduler.stop()
+    quiet, swapping = [], []
+    for before, after in itertools.pairwise(stamps):
+        overlaps = any(before < end and after > start for start, end in windows)
+        (swapping if overlaps else quiet).append(after - before)
+    return quiet, swapping
+
+
 async def throughput(client, lora_paths, rounds: int = 3) -> float:
     """Output tokens/s of one batch of len(lora_paths) requests decoding together."""
     params = {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}
@@ -102,6 +155,7 @@ async def main_async(args) -> None:
         adapters = [await asyncio.to_thread(make_lora_adapter, model, work / f"v{i}", i, 8, 16.0, ALL_PROJECTIONS)
                     for i in range(args.swaps + 1)]
         params = sum(t.numel() for t in load_file(str(model / "model.safetensors")).values())
+        quiet, swapping = await asyncio.to_thread(step_gaps, model, adapters)
         engine = await asyncio.to_thread(EngineProcess(model, work / "engine", max_prefix_cache_tokens=0).start)
         try:
             async with EngineClient(engine.url) as client:
@@ -128,6 +182,10 @@ async def main_async(args) -> None:
               f"{'met' if max(pauses) <= 10 else 'NOT met'}")
         print(f"load call median {statistics.median(r[1] for r in rows) * 1e3:.1f} ms (read + check in a "
               f"worker thread, while serving)")
+        print(f"decode-step gap, 4 rows, in process: median {statistics.median(quiet) * 1e3:.2f} ms and max "
+              f"{max(quiet) * 1e3:.2f} ms with no swap running ({len(quiet)} steps); during the {len(rows)} swaps "
+              f"median {statistics.median(swapping) * 1e3:.2f} ms, max {max(swapping) * 1e3:.2f} ms "
+              f"({len(swapping)} steps)")
         for name, rate in rates.items():
             print(f"decode, 6 rows, {name}: {rate:.0f} tokens/s")
 

@@ -90,6 +90,18 @@ def test_an_adapter_gives_the_log_probs_of_the_peft_merged_model(fresh_runner, a
     assert max_gap(base, token_logprobs(references[None], PROMPT)) <= 1e-4
 
 
+def test_target_modules_as_a_regex_and_excluded_modules_read_as_peft_reads_them(fresh_runner, model_dir, tmp_path):
+    runner = fresh_runner
+    path = make_lora_adapter(model_dir, tmp_path / "c", seed=6, target_modules=r".*\.(q_proj|up_proj)",
+                             exclude_modules=["layers.0.mlp.up_proj"])
+    adapter = load(runner, path, "c")
+    assert sorted(adapter.weights) == ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj",
+                                       "model.layers.1.self_attn.q_proj"]
+    logits, _ = runner.prefill(PROMPT, all_logits=True, adapter=adapter)
+    got = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0].tolist()
+    assert max_gap(got, token_logprobs(merged_lora_model(model_dir, path), PROMPT)) <= 1e-4
+
+
 def test_two_adapters_and_the_base_model_in_one_batch_each_get_their_own_outputs(fresh_runner, adapters,
                                                                                  references):
     runner = fresh_runner

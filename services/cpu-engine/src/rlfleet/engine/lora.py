@@ -126,29 +126,34 @@ def _added_tokens(directory: Path, vocab_size: int) -> bool:
 
 
 def _target_modules(config: dict, linears: dict[str, torch.nn.Linear], name: str) -> set[str]:
-    """The base model's linear layers the config targets (peft's rule: a list names module suffixes,
-    a string is a regex over full module names); refused when a target matches no linear layer."""
-    import re
-
+    """The base model's linear layers the config targets, less those it excludes (peft's rule: a
+    list names module suffixes, a string is a regex over full module names); refused when a target
+    matches no linear layer."""
     targets = config.get("target_modules")
     if isinstance(targets, str):
-        matched = {module for module in linears if re.fullmatch(targets, module)}
+        matched = _matching(targets, linears)
         if not matched:
             raise LoRALoadError(f"Failed to load LoRA adapter {name}: target_modules {targets!r} matches no "
                                 "linear layer of the base model")
-        return matched
-    if not isinstance(targets, list) or not targets:
+    elif isinstance(targets, list) and targets:
+        missing = sorted(target for target in targets if not _matching([target], linears))
+        if missing:
+            raise LoRALoadError(f"Failed to load LoRA adapter {name}: target modules {missing} are not "
+                                "linear layers of the base model")
+        matched = _matching(targets, linears)
+    else:
         raise LoRALoadError(f"Failed to load LoRA adapter {name}: {ADAPTER_CONFIG} has no target_modules")
-    matched, missing = set(), []
-    for target in targets:
-        found = {module for module in linears if module == target or module.endswith("." + target)}
-        if not found:
-            missing.append(target)
-        matched |= found
-    if missing:
-        raise LoRALoadError(f"Failed to load LoRA adapter {name}: target modules {sorted(missing)} are not "
-                            "linear layers of the base model")
-    return matched
+    excluded = config.get("exclude_modules")
+    return matched - _matching(excluded, linears) if excluded else matched
+
+
+def _matching(spec: str | list[str], modules) -> set[str]:
+    """Module names a peft module spec selects: a regex (full match) or a list of name suffixes."""
+    import re
+
+    if isinstance(spec, str):
+        return {module for module in modules if re.fullmatch(spec, module)}
+    return {module for module in modules for target in spec if module == target or module.endswith("." + target)}
 
 
 def _pairs(tensors: dict[str, torch.Tensor], linears: dict[str, torch.nn.Linear], targets: set[str], rank: int,

@@ -107,7 +107,8 @@ def make_lora_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alp
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules), **config)
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)  # a str is a regex
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
     peft_model = get_peft_model(model, lora)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
