@@ -46,7 +46,7 @@ class TensorEntry:
 class VersionIndex:
     run_id: str
     version: int
-    kind: str  # "full" | "delta"
+    kind: str  # "full" | "delta" | "adapter" (a LoRA adapter on the full `base_version`: adapter.py)
     served_dtype: str
     checksum: str  # algorithm of the per-tensor checksums
     tensors: list[TensorEntry]
@@ -61,6 +61,7 @@ class VersionIndex:
     full_bytes: int = 0  # bytes of all tensors in the served dtype
     changed_values: int | None = None
     total_values: int = 0
+    adapter_config_checksum: str | None = None  # adapter: sha256 of adapter_config.json
     created_at: float = 0.0
     schema_version: int = SCHEMA_VERSION
 
@@ -78,10 +79,10 @@ class VersionIndex:
             index = cls(tensors=tensors, **data)
         except (TypeError, KeyError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"malformed index: {e}") from None
-        if index.kind not in ("full", "delta"):
+        if index.kind not in ("full", "delta", "adapter"):
             raise ValueError(f"unknown kind {index.kind!r}")
-        if index.kind == "delta" and index.base_version is None:
-            raise ValueError("delta index without base_version")
+        if index.kind in ("delta", "adapter") and index.base_version is None:
+            raise ValueError(f"{index.kind} index without base_version")
         return index
 
     def entries(self) -> dict[str, TensorEntry]:

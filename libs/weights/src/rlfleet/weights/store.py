@@ -4,6 +4,9 @@ Layout, one directory per run and one per version::
 
     <root>/<run_id>/v000012/   full:  model.safetensors, config/tokenizer files, rlfleet_index.json
     <root>/<run_id>/v000013/   delta: delta.safetensors (zstd frames as U8 tensors), rlfleet_index.json
+    <root>/<run_id>/v000014/   adapter: adapter_config.json, adapter_model.safetensors (peft's LoRA
+                               directory), rlfleet_index.json; applies to a full base_version (adapter.py)
+    <root>/<run_id>/merged/v000014/   an adapter version merged into its base, written on request
     <root>/<run_id>/.tmp-*     a version being written; never read
 
 A version becomes visible by one rename of a complete, fsynced directory, so
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import logging
 import re
 import shutil
@@ -27,6 +31,7 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from rlfleet.weights import adapter as lora
 from rlfleet.weights import writer
 from rlfleet.weights.codec import (
     DecodedTensor,
@@ -287,6 +292,8 @@ class DirectoryWeightStore:
             raise ValueError(f"kind must be 'full', 'delta' or None, not {kind!r}")
         if parent is None:
             return "no parent version"
+        if parent.index.kind == "adapter":
+            return "the parent is an adapter version"
         if parent.tensors.layout() != served.layout():
             return "tensor names, shapes or dtypes changed"
         if kind is None and self._deltas_since_full(parent.index) + 1 >= self.config.full_every:
@@ -464,7 +471,10 @@ class DirectoryWeightStore:
     def load_version(self, version: int) -> ServedTensors:
         """Rebuild any version: the nearest full checkpoint, then each delta in
         order; every tensor is checked against ``version``'s checksums at the end
-        (zstd frame checksums guard the steps in between)."""
+        (zstd frame checksums guard the steps in between). An adapter version
+        comes back merged into its base (both verified)."""
+        if self.index(version).kind == "adapter":
+            return self.load_merged(version)
         chain = self.chain(version)
         tensors = self.load_full(chain[0], verify=len(chain) == 1)
         for prev, v in itertools.pairwise(chain):
@@ -497,6 +507,123 @@ class DirectoryWeightStore:
             return Recovered(v, version, tensors, errors)
         # Nothing rebuilds exactly: surface why the requested version failed.
         raise errors[0]
+
+    # ---------------------------------------------------------------- adapters
+
+    def write_adapter(
+        self,
+        version: int,
+        tensors: Mapping[str, Any],
+        config: Mapping[str, Any],
+        base_version: int,
+        parent_version: int | None = None,
+    ) -> dict[str, Any]:
+        """Publish a LoRA adapter (peft's tensor names, its adapter_config.json as a dict) as
+        ``version``, applying to the full version ``base_version``; returns its manifest.
+        ``BadAdapter`` when it does not fit the base (names, shapes, DoRA/rsLoRA). ``parent_version``
+        is the trainer's lineage (announced on POLICY), not a storage dependency: an adapter is whole."""
+        latest = self.latest_version()
+        if self.path(version).exists():
+            raise VersionExists(version)
+        if latest is not None and version <= latest:
+            raise ValueError(f"version {version} is not newer than the latest, {latest}")
+        base_index = self.index(base_version)
+        if base_index.kind != "full":
+            raise lora.BadAdapter(f"base version {base_version} is a {base_index.kind}, not a full version")
+        served = to_served(tensors, self.config.served_dtype)
+        config = dict(config)
+        lora.check_against_base(served, config, {e.name: (e.dtype, tuple(e.shape)) for e in base_index.tensors})
+        raw_config = lora.config_bytes(config)
+        with self._staged(version) as tmp:
+            names = list(served)
+            sums = parallel_map(lambda n: checksum(served[n], self.config.checksum), names, self.config.workers)
+            size = writer.write_safetensors(
+                tmp / lora.ADAPTER_FILE, ((n, served.dtypes[n], served[n]) for n in names), metadata={"format": "pt"}
+            )
+            write_file(tmp / lora.ADAPTER_CONFIG_FILE, raw_config)
+            entries = [TensorEntry(name=n, dtype=served.dtypes[n], shape=list(served[n].shape), checksum=c)
+                       for n, c in zip(names, sums, strict=True)]  # fmt: skip
+            index = self._new_index(
+                version, "adapter", served, entries, size + len(raw_config), base_version=base_version,
+                full_version=base_version, payload=lora.ADAPTER_FILE,
+                adapter_config_checksum=lora.config_checksum(raw_config),
+            )  # fmt: skip
+            write_file(tmp / INDEX_FILE, index.to_json())
+        log.info("weights v%d: LoRA adapter on v%d (%d bytes)", version, base_version, index.total_bytes)
+        self._last = None  # the next full version is written whole (write_version's parent rule)
+        return self.manifest(version)
+
+    def load_adapter(self, version: int, verify: bool = True) -> tuple[ServedTensors, dict[str, Any]]:
+        """An adapter version's tensors and adapter_config.json, checked against the index
+        (``CorruptAdapter`` on any difference)."""
+        index = self.index(version)
+        if index.kind != "adapter":
+            raise VersionNotFound(version, f"no adapter at this version (it is a {index.kind})")
+        try:
+            raw_config = self._file(version, lora.ADAPTER_CONFIG_FILE).read_bytes()
+            with SafetensorsFile(self._file(version, lora.ADAPTER_FILE)) as f:
+                for e in index.tensors:
+                    got = f.entries.get(e.name)
+                    if got is None or got.dtype != e.dtype or list(got.shape) != e.shape:
+                        raise lora.CorruptAdapter(version, f"{lora.ADAPTER_FILE} does not match the index",
+                                                  tensor=e.name)  # fmt: skip
+                if set(f.entries) != {e.name for e in index.tensors}:
+                    raise lora.CorruptAdapter(version, f"{lora.ADAPTER_FILE} holds tensors the index does not name")
+                arrays = {e.name: f.read(e.name) for e in index.tensors}
+        except FileNotFoundError as e:
+            raise lora.CorruptAdapter(version, f"{Path(e.filename or '?').name} missing") from None
+        except SafetensorsFormatError as e:
+            raise lora.CorruptAdapter(version, str(e)) from None
+        if verify and lora.config_checksum(raw_config) != index.adapter_config_checksum:
+            raise lora.CorruptAdapter(version, f"{lora.ADAPTER_CONFIG_FILE} differs from its checksum")
+        tensors = ServedTensors(arrays, {e.name: e.dtype for e in index.tensors})
+        if verify:
+            self._verify(version, index, tensors, lora.CorruptAdapter)
+        try:
+            config = json.loads(raw_config)
+        except ValueError as e:
+            raise lora.CorruptAdapter(version, f"{lora.ADAPTER_CONFIG_FILE}: {e}") from None
+        return tensors, config
+
+    def fetch_adapter(self, version: int) -> Path:
+        """The verified adapter directory of ``version``, for an engine's ``/load_lora_adapter``
+        (``lora_path``): every file is checked against the index first."""
+        self.load_adapter(version, verify=True)
+        return self.path(version)
+
+    def load_merged(self, version: int) -> ServedTensors:
+        """An adapter version merged into its (verified) base: a plain model in the served dtype."""
+        tensors, config = self.load_adapter(version)
+        base = self.load_version(self.index(version).base_version)  # type: ignore[arg-type]
+        return lora.merge(base, tensors, config)
+
+    def merged_path(self, version: int) -> Path:
+        return self.run_dir / "merged" / f"v{int(version):06d}"
+
+    def write_merged(self, version: int) -> Path:
+        """The merged model of an adapter version as an HF directory (model.safetensors, the base's
+        config and tokenizer files, an index of kind full), for consumers that load plain models;
+        written once, atomically, under ``<run>/merged/``."""
+        final = self.merged_path(version)
+        if (final / INDEX_FILE).is_file():
+            return final
+        index = self.index(version)
+        if index.kind != "adapter":
+            raise VersionNotFound(version, f"no adapter at this version (it is a {index.kind})")
+        merged = self.load_merged(version)
+        base_dir = self.path(index.base_version)  # type: ignore[arg-type]
+        final.parent.mkdir(parents=True, exist_ok=True)
+        cfg = self.config.model_copy(update={"base_dir": None})
+        try:
+            with staged_dir(final) as tmp:
+                entries, size = writer.write_full(tmp, merged, cfg)
+                size += writer.copy_base_files(base_dir, tmp, self.config.served_dtype)
+                merged_index = self._new_index(version, "full", merged, entries, size, full_version=version,
+                                               payload=MODEL_FILE)  # fmt: skip
+                write_file(tmp / INDEX_FILE, merged_index.to_json())
+        except FileExistsError:
+            pass  # another writer got there first: the same bytes
+        return final
 
     # ---------------------------------------------------------------- housekeeping
 

@@ -111,6 +111,30 @@ class MegatronConfig(StrictModel):
         "state sharded over data-parallel ranks); cpu: not available, torch AdamW on each rank's shard")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(StrictModel):
+    """A LoRA adapter trained in place of the policy's weights (peft): the base model stays frozen
+    and bit-identical, the optimizer holds the adapter's parameters only, checkpoints hold the
+    adapter and its optimizer state, and each published version is an adapter on the base version."""
+
+    enabled: bool = Field(False, description="train a LoRA adapter instead of the full model (torch backend only)")
+    rank: int = Field(8, ge=1, description="LoRA rank r")
+    alpha: float = Field(16.0, gt=0.0, description="lora_alpha: the update is scaled by alpha / rank (SGLang "
+                         "ignores rsLoRA, so rsLoRA is not offered)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="lora_dropout on the adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="names of the Linear modules that get an adapter (default: all seven attention and MLP "
+        "projections of Qwen2/Llama)")
+
+    def peft_config(self) -> dict[str, Any]:
+        """The keyword arguments of peft's LoraConfig (also what adapter_config.json records)."""
+        return {"r": self.rank, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
+                "target_modules": list(self.target_modules), "bias": "none", "task_type": "CAUSAL_LM"}
+
+
 class BackendOptions(StrictModel):
     """How a backend runs its model, whatever the model is (the service's `backend` section)."""
 
@@ -130,6 +154,7 @@ class TorchBackendConfig(BackendOptions):
         None, description="build a model from this config (`model_type` defaults to qwen2; random init with "
         "`seed`) instead of loading model_dir.")
     value_head: bool = Field(False, description="add a scalar value head on the final hidden state (PPO).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="train a LoRA adapter on the frozen model")
     values_only: bool = Field(False, description="a critic: only the value head's output is computed (no "
                               "LM head, no log-probs); needs value_head")
     optim: OptimConfig = OptimConfig()

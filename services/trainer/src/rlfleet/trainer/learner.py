@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rlfleet.trainer.config import LoraConfig
 from rlfleet.trainer.service_config import TrainerConfig
 
 T = TypeVar("T")
@@ -51,7 +52,8 @@ def model_limits(model_path: str) -> tuple[int, int]:
 class LearnerCore:
     """What every rank runs: the backend(s) and the collective operations, called by name."""
 
-    COMMANDS = ("train", "save_checkpoint", "load_checkpoint", "export", "noop", "close")
+    COMMANDS = ("train", "save_checkpoint", "load_checkpoint", "export", "export_base", "export_adapter", "noop",
+                "close")
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
@@ -76,7 +78,8 @@ class LearnerCore:
         self.backend = self._build(cfg)
         if self.config.loss.kl_coef > 0:
             # The frozen starting policy, for the KL penalty; never stepped.
-            self.reference = self._build(cfg.model_copy(update={"value_head": False}), trainable=False)
+            self.reference = self._build(cfg.model_copy(update={"value_head": False, "lora": LoraConfig()}),
+                                         trainable=False)
         if self.config.uses_value_model:
             from rlfleet.trainer.value_model import TorchValueModel
 
@@ -119,6 +122,14 @@ class LearnerCore:
     def export(self) -> dict[str, Any]:
         """The policy's HF-named fp32 state dict (full on rank 0, empty elsewhere)."""
         return self.backend.state_dict_for_export()
+
+    def export_base(self) -> dict[str, Any]:
+        """LoRA: the frozen base model's HF-named state dict (what every adapter version applies to)."""
+        return self.backend.base_state_for_export()
+
+    def export_adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """LoRA: the adapter's tensors (peft's names) and its adapter_config.json."""
+        return self.backend.adapter_for_export()
 
     def noop(self) -> None:
         """Keeps the followers' wait for the next command under the process group's timeout."""
@@ -191,6 +202,14 @@ class Learner:
     def export(self) -> dict[str, Any]:
         """On the worker thread: the policy's HF-named fp32 state dict."""
         return self.run("export")
+
+    def export_base(self) -> dict[str, Any]:
+        """On the worker thread (LoRA): the frozen base model's HF-named state dict."""
+        return self.run("export_base")
+
+    def export_adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """On the worker thread (LoRA): the adapter's tensors and adapter_config.json."""
+        return self.run("export_adapter")
 
     async def keep_alive(self) -> None:
         while True:

@@ -61,6 +61,7 @@ class TrainerLoop:
         self.version = 0
         self.parent_version = -1
         self.next_version = 1
+        self.lora_base: int | None = None  # LoRA: the full version every adapter version applies to
         self.state = "starting"
         self.state_message = "loading the model"
         self.last_metrics: dict[str, float] = {}
@@ -113,10 +114,11 @@ class TrainerLoop:
 
     async def _sync_versions(self) -> None:
         latest = self.store.latest_version()
+        if self.config.lora.enabled:
+            self.lora_base = await self.worker.call(self._find_lora_base, latest)
         if latest is None or latest < self.version:
             # First start (version 0, the starting model), or a checkpoint whose version never reached the store.
-            await self.publisher.publish(self.version, -1 if latest is None else self.parent_version,
-                                         self.learner.export, self.learner.step, {})
+            await self._publish_version(-1 if latest is None else self.parent_version, {})
         elif latest == self.version:
             announced = await self.publisher.last_announced()
             if announced is None or announced < latest:
@@ -164,9 +166,34 @@ class TrainerLoop:
 
     async def publish(self, metrics: dict[str, float]) -> None:
         start = time.monotonic()
-        await self.publisher.publish(self.version, self.parent_version, self.learner.export, self.learner.step,
-                                     self.last_metrics)
+        await self._publish_version(self.parent_version, self.last_metrics)
         self.metrics.publish_time.record(time.monotonic() - start)
+
+    async def _publish_version(self, parent: int, metrics: dict[str, float]) -> None:
+        """The current version to the store and POLICY: the full policy, or with LoRA the adapter on the
+        base version (the base itself, in full, when the store has none yet)."""
+        if not self.config.lora.enabled:
+            await self.publisher.publish(self.version, parent, self.learner.export, self.learner.step, metrics)
+        elif self.lora_base is None:
+            await self.publisher.publish(self.version, parent, self.learner.export_base, self.learner.step, metrics)
+            self.lora_base = self.version
+        else:
+            await self.publisher.publish_adapter(self.version, parent, self.lora_base, self.learner.export_adapter,
+                                                 self.learner.step, metrics)
+
+    def _find_lora_base(self, latest: int | None) -> int | None:
+        """LoRA: the base version of this run's adapters (the newest full version up to the trainer's),
+        or None when the store has none yet. A trained adapter with no base in the store cannot be
+        published on anything: that is refused rather than guessed."""
+        for version in reversed(self.store.list_versions()):
+            if version > self.version:
+                continue
+            index = self.store.index(version)
+            return version if index.kind == "full" else index.base_version
+        if self.version > 0:
+            raise RuntimeError(f"the checkpoint is at version {self.version} but the weight store has no base "
+                               "version for its LoRA adapter: restore the store, or start the run afresh")
+        return None
 
     # ------------------------------------------------------------ control (gRPC)
 

@@ -6,6 +6,10 @@ and tokenizer files so that engines and transformers load them as they are. The 
 `Nats-Msg-Id` is `<run>-v<version>`, so a retried publish inside JetStream's duplicate window is
 dropped by the server.
 
+With LoRA (`[trainer.lora]`), the first version is the frozen base model in full and every later
+one an adapter version on it (`WEIGHT_FORMAT_ADAPTER`, `base_version` = the base): peft's
+directory, a few percent of the model, which engines load beside the base by name.
+
 Version numbers are never reused: a version announced after the last checkpoint and then lost in
 a crash stays in the store (an engine may serve it), and the restarted trainer continues from the
 checkpoint's weights under the next free number, with `parent_version` naming the checkpoint's.
@@ -28,7 +32,8 @@ from rlfleet.trainer.learner import Worker
 
 log = logging.getLogger(__name__)
 
-FORMATS = {"full": common_pb2.WEIGHT_FORMAT_FULL, "delta": common_pb2.WEIGHT_FORMAT_DELTA}
+FORMATS = {"full": common_pb2.WEIGHT_FORMAT_FULL, "delta": common_pb2.WEIGHT_FORMAT_DELTA,
+           "adapter": common_pb2.WEIGHT_FORMAT_ADAPTER}
 SERVED_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 ANNOUNCE_BACKOFF_MAX_S = 2.0  # NATS back from a restart is found within this
 
@@ -46,6 +51,18 @@ class VersionPublisher:
 
         def write() -> dict[str, Any]:
             return self.store.write_version(version, export(), parent_version=parent if parent >= 0 else None)
+
+        manifest = await self.worker.call(write)
+        return await self.announce(manifest, parent, step, metrics)
+
+    async def publish_adapter(self, version: int, parent: int, base_version: int, export: Callable[[], tuple],
+                              step: int, metrics: dict[str, float]) -> common_pb2.PolicyVersion:
+        """LoRA: writes the adapter `export()` returns as `version` on the full `base_version`, and announces it."""
+
+        def write() -> dict[str, Any]:
+            tensors, config = export()
+            return self.store.write_adapter(version, tensors, config, base_version=base_version,
+                                            parent_version=parent if parent >= 0 else None)
 
         manifest = await self.worker.call(write)
         return await self.announce(manifest, parent, step, metrics)
@@ -73,7 +90,7 @@ class VersionPublisher:
 
     def policy_version(self, manifest: dict[str, Any], parent: int, step: int,
                        metrics: dict[str, float]) -> common_pb2.PolicyVersion:
-        delta = manifest["kind"] == "delta"
+        delta = manifest["kind"] in ("delta", "adapter")  # both name the version they apply to
         return common_pb2.PolicyVersion(
             schema_version=common_pb2.SCHEMA_VERSION_1, run_id=self.run_id, version=manifest["version"],
             parent_version=parent, format=FORMATS[manifest["kind"]],

@@ -15,6 +15,7 @@ from rlfleet.common.config import NatsConfig, ServiceConfig, StrictModel
 from rlfleet.trainer.config import (
     BackendOptions,
     BatchConfig,
+    LoraConfig,
     LossConfig,
     MegatronConfig,
     OptimConfig,
@@ -118,6 +119,8 @@ class TrainerConfig(ServiceConfig):
     backend: TrainerBackendOptions = Field(default_factory=TrainerBackendOptions)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     value_model: ValueModelConfig = Field(default_factory=ValueModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="train a LoRA adapter instead of the full "
+                             "policy (torch backend only); each version is then an adapter on the base version")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     weights: WeightStoreConfig = Field(default_factory=WeightStoreConfig,
                                        description="how each policy version is written to the weight store")
@@ -141,6 +144,13 @@ class TrainerConfig(ServiceConfig):
                              "[trainer.loss] critic = \"shared\"")
         return self
 
+    @model_validator(mode="after")
+    def _lora_needs_the_torch_backend(self) -> TrainerConfig:
+        if self.lora.enabled and self.backend.name == "megatron":
+            raise ValueError("[trainer.lora] enabled = true needs backend.name = \"torch\": the Megatron backend "
+                             "does not train LoRA adapters")
+        return self
+
     @property
     def uses_value_model(self) -> bool:
         """PPO with a separate critic."""
@@ -157,7 +167,8 @@ class TrainerConfig(ServiceConfig):
         """The learning core's config of the policy: this service's sections as they are."""
         options = self.backend.model_dump(include=set(BackendOptions.model_fields))
         return TorchBackendConfig(**options, model_dir=self.model_path, optim=self.optim, batch=self.batch,
-                                  value_head=self.loss.algorithm == "ppo" and self.loss.critic == "shared")
+                                  value_head=self.loss.algorithm == "ppo" and self.loss.critic == "shared",
+                                  lora=self.lora)
 
     def value_model_config(self) -> TorchBackendConfig:
         """The separate critic's config: its own model and optimizer, the backend's numerics and batch layout."""

@@ -9,6 +9,7 @@ FSDP averages gradients over ranks, so one step at any world size is the same st
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlfleet.trainer import checkpoint
+from rlfleet.trainer import checkpoint, lora
 from rlfleet.trainer.backend import LossFn, MetricReducer, ModelOutputs, TrainingBackend
 from rlfleet.trainer.batching import TrainBatch, shard_rows
 from rlfleet.trainer.config import OptimConfig, TorchBackendConfig
@@ -118,6 +119,10 @@ class TorchBackend(TrainingBackend):
             torch.cuda.set_device(self.device)  # before NCCL init, so that each rank owns its GPU
         self.rank, self.world_size, self._owns_group = _init_distributed(self.device_type)
         lm = build_lm(cfg)
+        self.lora = cfg.lora if cfg.lora.enabled else None
+        if self.lora is not None:
+            # Base frozen, adapter (lora_B = 0) trainable: the optimizer below holds the adapter only.
+            lm = lora.wrap(lm, self.lora, cfg.model_dir or "")
         # Seeded after the LM so that the value head is identical on every rank and every run.
         torch.manual_seed(cfg.seed)
         self.model = PolicyModel(lm, cfg.value_head, cfg.values_only).to(self.device)
@@ -125,6 +130,7 @@ class TorchBackend(TrainingBackend):
             self._shard()
         o = self.optim_cfg = cfg.optim
         trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self._trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.optim_cfg))
         self._step = 0
@@ -143,8 +149,13 @@ class TorchBackend(TrainingBackend):
         return self._step
 
     @property
+    def hf_model(self) -> nn.Module:
+        """The transformers model itself (under peft: the wrapped one, adapters injected)."""
+        return self.model.lm.get_base_model() if self.lora is not None else self.model.lm
+
+    @property
     def lm_config(self):
-        return self.model.lm.config
+        return self.hf_model.config
 
     # ------------------------------------------------------------ forward
 
@@ -287,12 +298,24 @@ class TorchBackend(TrainingBackend):
         """Stateful (collective): the full model and optimizer state (on rank 0; empty elsewhere),
         the step and the LR schedule."""
         model, optimizer = get_state_dict(self.model, self.optimizer, options=_full_options())
-        return {"model": model, "optimizer": optimizer,
-                "trainer": {"step": self._step, "scheduler": self.scheduler.state_dict()}}
+        trainer = {"step": self._step, "scheduler": self.scheduler.state_dict()}
+        if self.lora is not None:
+            # The base is frozen and comes from model_dir: a checkpoint holds what trains (the adapter,
+            # a value head) and the LoRA shape it was trained with.
+            model = {k: v for k, v in model.items() if k in self._trainable_names}
+            trainer["lora"] = self.lora.model_dump()
+        return {"model": model, "optimizer": optimizer, "trainer": trainer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Stateful (collective): rank 0's model and optimizer state, broadcast to the other ranks."""
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
+        saved_lora = state["trainer"].get("lora")
+        mine = self.lora.model_dump() if self.lora is not None else None
+        if saved_lora != mine:
+            raise ValueError(f"the checkpoint was trained with lora = {saved_lora}, this trainer has lora = {mine}: "
+                             "a LoRA checkpoint holds the adapter only and resumes only with the same [trainer.lora]")
+        # A LoRA checkpoint holds the trainable parameters only; the frozen base stays as loaded.
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1,
+                                   strict=self.lora is None)
         # Two calls, not set_state_dict: that one treats an empty model dict (every rank but 0 when
         # broadcasting) as "optimizer only" and the ranks' collectives stop matching (torch 2.13).
         set_model_state_dict(self.model, state["model"], options=options)
@@ -305,12 +328,47 @@ class TorchBackend(TrainingBackend):
         full = get_model_state_dict(self.model, options=_full_options())
         if self.rank != 0:
             return {}
-        out = {k[len(LM_PREFIX):]: v.detach().to("cpu").contiguous().clone()
-               for k, v in full.items() if k.startswith(LM_PREFIX)}
+        if self.lora is not None:
+            out = lora.merged_tensors(full, LM_PREFIX, self.lora)
+        else:
+            out = {k[len(LM_PREFIX):]: v.detach().to("cpu").contiguous().clone()
+                   for k, v in full.items() if k.startswith(LM_PREFIX)}
         if getattr(self.lm_config, "tie_word_embeddings", False):
             # Tied heads are stored once, as HF does; transformers re-ties on load.
             out.pop("lm_head.weight", None)
         return out
+
+    def base_state_for_export(self) -> dict[str, torch.Tensor]:
+        """LoRA: the frozen base weights, HF-named (what every adapter version applies to); rank 0 only."""
+        full = get_model_state_dict(self.model, options=_full_options())
+        if self.rank != 0:
+            return {}
+        out = lora.base_tensors(full, LM_PREFIX) if self.lora is not None else \
+            {k[len(LM_PREFIX):]: v.detach().to("cpu").contiguous().clone() for k, v in full.items()
+             if k.startswith(LM_PREFIX)}
+        if getattr(self.lm_config, "tie_word_embeddings", False):
+            out.pop("lm_head.weight", None)
+        return out
+
+    def adapter_for_export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """LoRA: the adapter's tensors under peft's file names and its adapter_config.json (rank 0;
+        empty elsewhere)."""
+        if self.lora is None:
+            raise ValueError("this backend trains no LoRA adapter ([trainer.lora] enabled = false)")
+        full = get_model_state_dict(self.model, options=_full_options())
+        if self.rank != 0:
+            return {}, {}
+        return lora.adapter_tensors(full, LM_PREFIX), lora.adapter_config(self.model.lm)
+
+    def save_adapter(self, out_dir: str | Path) -> None:
+        """LoRA: peft's adapter directory (adapter_config.json + adapter_model.safetensors)."""
+        tensors, config = self.adapter_for_export()
+        if self.rank == 0:
+            out_dir = Path(out_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+        self.barrier()
 
     def save_hf(self, out_dir: str | Path) -> None:
         out_dir = Path(out_dir)
@@ -321,7 +379,7 @@ class TorchBackend(TrainingBackend):
             if not getattr(config, "architectures", None):
                 # Engines (SGLang, vLLM) pick the model class from `architectures`; a model built from a
                 # config has none until transformers' own save_pretrained would fill it in.
-                config.architectures = [type(self.model.lm).__name__]
+                config.architectures = [type(self.hf_model).__name__]
             config.dtype = "float32"
             config.save_pretrained(out_dir)
             save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -54,6 +54,7 @@ class WeightFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_FORMAT_UNSPECIFIED: _ClassVar[WeightFormat]
     WEIGHT_FORMAT_FULL: _ClassVar[WeightFormat]
     WEIGHT_FORMAT_DELTA: _ClassVar[WeightFormat]
+    WEIGHT_FORMAT_ADAPTER: _ClassVar[WeightFormat]
 SCHEMA_VERSION_UNSPECIFIED: SchemaVersion
 SCHEMA_VERSION_1: SchemaVersion
 SPAN_KIND_UNSPECIFIED: SpanKind
@@ -84,6 +85,7 @@ TRAJECTORY_STATUS_FAILED: TrajectoryStatus
 WEIGHT_FORMAT_UNSPECIFIED: WeightFormat
 WEIGHT_FORMAT_FULL: WeightFormat
 WEIGHT_FORMAT_DELTA: WeightFormat
+WEIGHT_FORMAT_ADAPTER: WeightFormat
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
