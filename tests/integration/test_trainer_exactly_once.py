@@ -1,6 +1,7 @@
 """Kill -9 the trainer at random moments; every published trajectory is trained exactly once.
 "torch-ppo": PPO with a separate critic, whose own checkpoint (inside the trainer's) must then hold
-exactly one critic step per trained step too."""
+exactly one critic step per trained step too. "torch-lora": a LoRA adapter, whose checkpoints hold the
+adapter only and whose versions after the base are adapter versions."""
 
 import asyncio
 import random
@@ -8,6 +9,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlfleet.common.testing import unique_run_id
 from rlfleet.trainer.checkpointer import Checkpointer
@@ -17,6 +19,7 @@ from rlfleet.trainer.testing import (
     trajectory_protos,
     write_tiny_model,
 )
+from rlfleet.weights import DirectoryWeightStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,9 +27,11 @@ G, GROUPS, PER_STEP = 4, 12, 2
 STEPS = GROUPS // PER_STEP
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch-ppo", pytest.param("megatron", marks=pytest.mark.timeout(900))])
+@pytest.mark.parametrize("backend", ["torch", "torch-ppo", "torch-lora", pytest.param("megatron", marks=pytest.mark.timeout(900))])
 def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once(tmp_path, nats_url, backend):
-    backend, _, loss = backend.partition("-")
+    backend, _, variant = backend.partition("-")
+    lora = variant == "lora"
+    loss = "" if lora else variant
     seed = time.time_ns() % 10**6
     rng = random.Random(seed)
     run = unique_run_id("tk")
@@ -37,7 +42,7 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
 
     args = ("--group-size", str(G), "--groups-per-step", str(PER_STEP), "--max-staleness", "1000",
             "--consumer.ack-wait-s", "2", "--checkpoint.every", "1", "--optim.lr", "1e-3",
-            "--backend.name", backend, "--loss.algorithm", loss or "grpo")
+            "--backend.name", backend, "--loss.algorithm", loss or "grpo", *(("--lora.enabled", "true") if lora else ()))
     kills = []
     for attempt in range(3):
         trainer = TrainerProcess(tmp_path, nats_url, run, model, *args).start(timeout_s=300)
@@ -71,3 +76,10 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
     if loss == "ppo":
         critic = torch.load(restored.path / "value_model" / "trainer_state.pt", weights_only=False)
         assert critic["step"] == STEPS, context
+    if lora:
+        saved = load_file(restored.path / "model.safetensors")
+        assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), context
+        store = DirectoryWeightStore(tmp_path / "weights", run)
+        kinds = {v: store.index(v).kind for v in store.list_versions()}
+        assert kinds[0] == "full" and all(kinds[v] == "adapter" for v in kinds if v), (kinds, context)
+        assert all(store.index(v).base_version == 0 for v in kinds if v), context

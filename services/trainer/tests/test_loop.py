@@ -167,3 +167,29 @@ async def test_a_redelivery_of_a_held_message_is_trained_once_and_its_newest_del
     assert redelivered.acked and not original.acked  # acking the newest delivery acks the message
     assert loop.learner.step == 1 and loop.ledger.trained_count == 2
     await loop.shutdown(task)
+
+
+async def test_a_lora_loop_publishes_the_base_then_adapters_and_a_restart_trains_nothing_twice(tmp_path, model_dir):
+    consumer, js = FakeConsumer(), FakeJetStream()
+    protos = trajectory_protos(3, 2, "r")
+    lora = {"enabled": True, "rank": 4}
+    first = make_loop(tmp_path, model_dir, consumer, js, lora=lora)
+    for t in protos[:4]:
+        consumer.put(t.SerializeToString())
+    task = asyncio.create_task(first.run())
+    await until(lambda: first.learner.step >= 2 and len(js.announced) >= 3)
+    await first.shutdown(task)
+    formats = [(m.version, m.format, m.base_version) for _, m in js.announced]
+    assert formats == [(0, common_pb2.WEIGHT_FORMAT_FULL, -1), (1, common_pb2.WEIGHT_FORMAT_ADAPTER, 0),
+                       (2, common_pb2.WEIGHT_FORMAT_ADAPTER, 0)]
+    assert js.announced[1][1].num_bytes < js.announced[0][1].num_bytes / 5
+
+    second = make_loop(tmp_path, model_dir, consumer, js, lora=lora)
+    redelivered = [consumer.put(t.SerializeToString()) for t in protos]  # groups 1-2 again, then group 3
+    task = asyncio.create_task(second.run())
+    await until(lambda: all(d.acked for d in redelivered) and len(js.announced) >= 4)
+    assert second.learner.step == 3 and second.intake.dropped_by_reason["duplicate"] == 4
+    assert (js.announced[-1][1].version, js.announced[-1][1].base_version) == (3, 0)
+    tensors, config = second.store.load_adapter(3)
+    assert config["r"] == 4 and all(".lora_" in name for name in tensors)
+    await second.shutdown(task)

@@ -8,6 +8,11 @@ engine serve its pool's target.
     Rollback()   -> both targets = the newest ACCEPTED version older than the current one;
                     newer accepted versions ROLLED_BACK, newer canary versions REJECTED
 
+Adapter versions (LoRA, see adapters.py): a target that is an adapter version brings engines to
+its full base version, then the round loads the candidate and the accepted adapter side by side on
+every engine and points the gateway's adapter routes at them: promotion and rollback of adapters
+are route switches, with no weight copy and no pause.
+
 Targets are level-triggered: a change only updates the registry and wakes the loop, so an engine
 that was down, a new engine, or a restarted broker converge the same way. An engine the broker is
 updating is `busy` and skipped by other rounds. A version no engine can load in full (the store
@@ -26,6 +31,7 @@ from pathlib import Path
 
 from rlfleet.api.broker.v1 import broker_pb2
 from rlfleet.api.common.v1 import common_pb2
+from rlfleet.broker.adapters import AdapterRound, AdapterSync
 from rlfleet.broker.config import WeightBrokerConfig
 from rlfleet.broker.errors import BadAnnouncement, NothingToRollBackTo, NotPromotable, UnknownVersion
 from rlfleet.broker.metrics import BrokerMetrics
@@ -34,6 +40,7 @@ from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
 from rlfleet.broker.registry import State, Targets, VersionRegistry, now_ms, state_name
 from rlfleet.broker.rollout import Rollout, SyncResult
 from rlfleet.broker.transports import BroadcastPlan, Distributed, UpdateOutcome, VersionInfo
+from rlfleet.common.adapter_routes import AdapterRoutes
 from rlfleet.common.engine_client import EngineError
 from rlfleet.weights import DirectoryWeightStore, PathOutsideStore, VersionNotFound, WeightStoreError
 from rlfleet.weights.local_copy import LocalCopies
@@ -75,6 +82,7 @@ class Broker:
         self.policy = SyncPolicy(config.sync)
         copies = LocalCopies(store, config.local_copies or Path(store.root) / ".local-copies")
         self.rollout = Rollout(store, pools, gateway, metrics, config.sync, copies)
+        self.adapters = AdapterSync(store, pools, AdapterRoutes(registry.redis, config.run_id))
         self._lock = asyncio.Lock()  # targets and version states
         self._busy: set[str] = set()  # engines being updated
         self._refused: dict[str, tuple[int, float]] = {}  # engine -> (version it refused, retry after)
@@ -350,6 +358,7 @@ class Broker:
 
     # --- reconcile ------------------------------------------------------------------------------
     async def _reconcile_loop(self) -> None:
+        await self.adapters.load_routes()
         while True:
             self._wake.clear()
             try:
@@ -374,18 +383,50 @@ class Broker:
         self._claim(e.engine_id for e in todo)
         try:
             await asyncio.gather(*(
-                self._converge(e, targets.for_pool(e.pool), e.engine_id not in known, e.engine_id in drained)
+                self._converge(e, self.adapters.base_of(targets.for_pool(e.pool)), e.engine_id not in known,
+                               e.engine_id in drained)
                 for e in todo
             ))  # fmt: skip
+            if self.adapters.wanted(targets) or self.adapters.routed:
+                await self._adapter_round(todo, targets)
         finally:
             self._release(e.engine_id for e in todo)
         await self._advance()
+
+    async def _adapter_round(self, engines: list[EngineRef], targets: Targets) -> None:
+        """Adapters onto the engines that serve their base, routes switched, old adapters unloaded;
+        each engine's record then names the adapter version its pool's target is."""
+        records = await self.registry.engines()
+        bases = {self.adapters.base_of(v) for v in self.adapters.wanted(targets).values()}
+        ready = [e for e in engines if e.engine_id in records and records[e.engine_id].state == "serving"
+                 and records[e.engine_id].policy_version in bases]  # fmt: skip
+        result = await self.adapters.reconcile(ready, targets)
+        for version, reason in result.refused.items():
+            if all(version not in held for held in result.held.values()):
+                await self._reject(version, reason)
+        await self._record_adapters(ready, targets, records, result)
+
+    async def _record_adapters(self, engines: list[EngineRef], targets: Targets, records: dict,
+                               result: AdapterRound) -> None:
+        for engine in engines:
+            target = targets.for_pool(engine.pool)
+            if not self.adapters.is_adapter(target):
+                continue
+            record = broker_pb2.EngineVersion()
+            record.CopyFrom(records[engine.engine_id])
+            record.target_version = target  # type: ignore[assignment]
+            serving = target in result.held.get(engine.engine_id, set()) and target in result.routes.values()
+            record.state = "serving" if serving else "behind"
+            if serving:
+                record.policy_version = target  # type: ignore[assignment]
+            await self.registry.put_engine(record)
 
     async def _converge(self, engine: EngineRef, target: int | None, new: bool, drained: bool) -> None:
         """Brings one engine to `target` (or just records what it serves when there is none)."""
         try:
             current_text = await self.pools.client(engine).weight_version()
         except EngineError as exc:
+            self.adapters.forget(engine.engine_id)
             await self._record_engine(engine, SyncResult(engine.engine_id, target or -1), target, down=str(exc))
             return
         current = parse_version(current_text)
@@ -407,6 +448,7 @@ class Broker:
         await self._record_engine(engine, SyncResult(engine.engine_id, target, serving=current), target,
                                   syncing=True)  # fmt: skip
         result = await self.rollout.sync(engine, current, target)
+        self.adapters.forget(engine.engine_id)  # new base weights: adapters are loaded again
         await self._record_engine(engine, result, target)
         if result.ok:
             self._refused.pop(engine.engine_id, None)
@@ -457,13 +499,15 @@ class Broker:
             log.error("engine %s cannot load version %d that %d engines serve: %s",
                       engine.engine_id, version, len(serving), outcome.message)  # fmt: skip
             return
+        await self._reject(version, f"engine {engine.engine_id} cannot load it: {outcome.message}")
+
+    async def _reject(self, version: int, reason: str) -> None:
+        """The version cannot be served as the trainer wrote it: REJECTED, and its pools fall back."""
         async with self._lock:
             record = await self.registry.get(version)
             if record is None or record.state in (State.VERSION_STATE_REJECTED, State.VERSION_STATE_ROLLED_BACK):
                 return
-            await self.registry.set_state(
-                record, State.VERSION_STATE_REJECTED, f"engine {engine.engine_id} cannot load it: {outcome.message}"
-            )
+            await self.registry.set_state(record, State.VERSION_STATE_REJECTED, reason)
             targets = await self.registry.targets()
             changes: dict[str, int | None] = {}
             if targets.fleet == version:
@@ -473,7 +517,7 @@ class Broker:
                 fleet = changes.get("fleet", targets.fleet)
                 changes["canary"] = max((v for v in (fallback, fleet) if v is not None), default=None)
             await self.registry.set_targets(**changes)
-            log.error("version %d rejected (%s); targets now %s", version, outcome.message, changes)
+            log.error("version %d rejected (%s); targets now %s", version, reason, changes)
         self.wake()
 
     async def _record_engine(
@@ -516,9 +560,11 @@ class Broker:
             promoted = None
             if targets.canary is not None:
                 record = await self.registry.get(targets.canary)
-                if record is not None and record.state == State.VERSION_STATE_ANNOUNCED and any(
-                    r.policy_version == targets.canary for r in by_pool["canary"]
-                ):
+                # An adapter candidate is served beside the accepted one on every engine: it is the
+                # canary once the gateway routes the canary role to it.
+                canary_served = any(r.policy_version == targets.canary for r in by_pool["canary"]) or \
+                    self.adapters.routed.get("canary") == targets.canary
+                if record is not None and record.state == State.VERSION_STATE_ANNOUNCED and canary_served:
                     await self.registry.set_state(record, State.VERSION_STATE_CANARY, "served by the canary pool")
                     if self.config.auto_promote:
                         await self._accept(targets.canary, "auto_promote")
