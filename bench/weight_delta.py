@@ -12,6 +12,12 @@ encoding wins per tensor by change density.
 
     .venv/bin/python bench/weight_delta.py            # small model x 5 steps, 100M x 2 steps (~3-4 min)
     .venv/bin/python bench/weight_delta.py --quick    # small model x 2 steps (~20 s)
+    .venv/bin/python bench/weight_delta.py --lora     # LoRA adapter vs bf16 delta, default model (~1 min)
+
+`--lora`: the trainer's own torch backend on the default CPU-engine model (ModelSpec's sizes), GRPO
+steps on the same random groups, once fully fine-tuned and once as a rank-8 LoRA on all seven
+projections; after every step the full run writes a bf16 delta and the LoRA run an adapter version
+to a DirectoryWeightStore. Per step: the bytes each update ships (the store's manifest `bytes`).
 
 The full reload reads the just-written file from the page cache straight into
 an engine's buffers, unverified: the best case for a full reload, so the
@@ -253,15 +259,65 @@ def print_crossover(density_log: list) -> None:
         )
 
 
+# The default CPU-engine model (rlfleet.engine.build_model.ModelSpec), as the trainer builds it.
+DEFAULT_MODEL = dict(model_type="qwen2", vocab_size=768, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LORA_LRS = ((5e-5, 5e-4), (1e-6, 1e-5))  # (full, LoRA): calc.toml vs calc-lora.toml; a 50x smaller step
+
+
+def run_lora(steps: int, workdir: Path) -> None:
+    from rlfleet.trainer.config import BatchConfig, LossConfig, TorchBackendConfig
+    from rlfleet.trainer.objectives import rl_step
+    from rlfleet.trainer.testing import make_samples
+    from rlfleet.trainer.torch_backend import TorchBackend
+    from rlfleet.weights import DirectoryWeightStore
+
+    print(f"{'full lr':>8} {'lora lr':>8} {'st':>2} {'model MB':>8} {'delta KB':>9} {'chg%':>6} {'adapter KB':>10} "
+          f"{'adapter/delta':>13}")
+    step_cfg = (LossConfig(), BatchConfig(pack_length=256, micro_batch_rows=4))
+    for full_lr, lora_lr in LORA_LRS:
+        runs = {}
+        for name, lr, lora in (("full", full_lr, {}), ("lora", lora_lr, {"enabled": True, "rank": 8, "alpha": 16.0})):
+            backend = TorchBackend(TorchBackendConfig(model_config_dict=DEFAULT_MODEL, seed=0, lora=lora,
+                                                      optim={"lr": lr}, batch={"pack_length": 256}))
+            store = DirectoryWeightStore(workdir / f"{name}-{full_lr:g}-{lora_lr:g}", "bench", full_every=1000,
+                                         max_delta_fraction=10.0)
+            base = backend.base_state_for_export() if lora else backend.state_dict_for_export()
+            store.write_version(0, base)
+            runs[name] = (backend, store)
+        for step in range(1, steps + 1):
+            samples = make_samples(4, 8, lengths=(64, 128), vocab_size=DEFAULT_MODEL["vocab_size"], seed=step)
+            manifests = {}
+            for name, (backend, store) in runs.items():
+                rl_step(backend, samples, *step_cfg)
+                if name == "full":
+                    manifests[name] = store.write_version(step, backend.state_dict_for_export())
+                else:
+                    tensors, config = backend.adapter_for_export()
+                    manifests[name] = store.write_adapter(step, tensors, config, base_version=0)
+            delta, adapter = manifests["full"], manifests["lora"]
+            changed = 100 * delta["changed_values"] / delta["total_values"]
+            print(f"{full_lr:>8.0e} {lora_lr:>8.0e} {step:>2} {delta['full_bytes'] / 1e6:>8.2f} "
+                  f"{delta['bytes'] / 1e3:>9.1f} {changed:>5.1f}% {adapter['bytes'] / 1e3:>10.1f} "
+                  f"{adapter['bytes'] / delta['bytes']:>12.1%}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small model only, 2 steps per learning rate")
     ap.add_argument("--json", type=Path, help="also write the rows to this file")
+    ap.add_argument("--lora", action="store_true", help="only the LoRA adapter vs bf16 delta rows")
+    ap.add_argument("--lora-steps", type=int, default=3)
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(1)  # the bench machine's cores are shared
+    if args.lora:
+        with tempfile.TemporaryDirectory(prefix="weight-delta-bench-") as tmp:
+            run_lora(args.lora_steps, Path(tmp))
+        return
     plan = [("small", 2)] if args.quick else [("small", 5), ("100M", 2)]
     rows: list[Row] = []
     density_log: list = []

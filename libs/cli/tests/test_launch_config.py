@@ -99,6 +99,7 @@ def test_every_toml_the_repo_ships_loads():
                ROOT / "examples" / "calc-megatron.toml": RunConfig,
                ROOT / "examples" / "calc-gspo.toml": RunConfig,
                ROOT / "examples" / "calc-ppo.toml": RunConfig,
+               ROOT / "examples" / "calc-lora.toml": RunConfig,
                ROOT / "examples" / "llama.toml": RunConfig,
                ROOT / "services" / "weight-broker" / "examples" / "broker.toml": WeightBrokerConfig,
                ROOT / "deploy" / "compose" / "rlfleet.toml": PlatformConfig}
