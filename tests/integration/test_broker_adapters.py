@@ -1,0 +1,140 @@
+"""LoRA end to end below the RL loop: the trainer's torch backend trains an adapter, the weight store
+holds it as an adapter version on the base, and the broker ships it to real CPU engine processes,
+where it is served beside the accepted adapter; promotion and rollback switch the gateway's adapter
+routes and never reload the base weights."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from rlfleet.broker.broker import Broker
+from rlfleet.broker.config import WeightBrokerConfig
+from rlfleet.broker.metrics import BrokerMetrics
+from rlfleet.broker.pools import Pools
+from rlfleet.broker.registry import VersionRegistry
+from rlfleet.broker.testing import policy_version
+from rlfleet.common.adapter_routes import AdapterRoutes
+from rlfleet.common.engine_client import EngineClient, EngineTimeouts
+from rlfleet.common.testing import unique_run_id
+from rlfleet.engine.testing import EngineProcess, build_tiny_model, merged_lora_model, token_logprobs
+from rlfleet.trainer.config import BatchConfig, LossConfig, TorchBackendConfig
+from rlfleet.trainer.objectives import rl_step
+from rlfleet.trainer.testing import make_samples
+from rlfleet.trainer.torch_backend import TorchBackend
+from rlfleet.weights import DirectoryWeightStore
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=1)
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir, store_root, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("engines")
+    procs = {name: EngineProcess(model_dir, workdir / name, weight_store_root=store_root, engine_id=name)
+             for name in ("c0", "f0")}  # fmt: skip
+    threads = [threading.Thread(target=p.start) for p in procs.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert all(p.url for p in procs.values()), "an engine did not start"
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+class LoraTrainer:
+    """The trainer's own backend with [trainer.lora], publishing as the service does (loop.py)."""
+
+    def __init__(self, model_dir, store: DirectoryWeightStore) -> None:
+        self.backend = TorchBackend(TorchBackendConfig(model_dir=str(model_dir), seed=0,
+                                                       lora={"enabled": True, "rank": 4, "alpha": 8.0},
+                                                       optim={"lr": 2e-2}, batch={"pack_length": 64}))
+        self.store = store
+        self.version = 0
+        store.write_version(0, self.backend.base_state_for_export())
+
+    def step_and_publish(self) -> int:
+        rl_step(self.backend, make_samples(2, 4, vocab_size=self.backend.lm_config.vocab_size, seed=self.version),
+                LossConfig(), BatchConfig(pack_length=64))
+        self.version += 1
+        tensors, config = self.backend.adapter_for_export()
+        self.store.write_adapter(self.version, tensors, config, base_version=0)
+        return self.version
+
+
+async def test_trained_adapters_are_served_beside_each_other_and_switched_without_a_weight_copy(
+        model_dir, store_root, engines, redis_url):
+    run = unique_run_id("la")
+    store = DirectoryWeightStore(store_root, run, base_dir=str(model_dir))
+    trainer = LoraTrainer(model_dir, store)
+    config = WeightBrokerConfig(run_id=run, weight_store=str(store_root), consume_policy_stream=False,
+                                engines=[{"engine_id": e, "url": p.url, "pool": "canary" if e == "c0" else "fleet",
+                                          "kind": "cpu"} for e, p in engines.items()])
+    redis = aioredis.from_url(redis_url)
+    pools = Pools(config.engines, None, EngineTimeouts(weights_s=60))
+    broker = Broker(config, VersionRegistry(redis, run), store, pools, None, BrokerMetrics())
+    routes = AdapterRoutes(redis, run)
+    clients = {e: EngineClient(p.url) for e, p in engines.items()}
+
+    async def publish(version: int) -> None:
+        await broker.announce(policy_version(store.manifest(version)))
+        await broker.reconcile_once()
+
+    async def updates() -> dict[str, int]:
+        return {e.engine_id: e.updates for e in (await broker.status()).engines}
+
+    try:
+        await publish(0)  # the base, loaded in full from the store
+        await broker.promote(0, "base")
+        await broker.reconcile_once()
+        assert {e: await c.weight_version() for e, c in clients.items()} == {"c0": "0", "f0": "0"}
+        base_loads = await updates()
+
+        await publish(trainer.step_and_publish())
+        await broker.promote(1, "gate passed")
+        await publish(trainer.step_and_publish())
+        assert {r: x.version for r, x in (await routes.all()).items()} == {"canary": 2, "fleet": 1}
+        # Both adapters on both engines at once; each gives the log-probs of its peft-merged model.
+        for client in clients.values():
+            for version in (1, 2):
+                out = await client.generate(PROMPT, GREEDY, lora_path=f"v{version}")
+                reference = merged_lora_model(store.path(0), store.path(version))
+                want = token_logprobs(reference, PROMPT + out.output_ids)[-len(out.output_ids):]
+                assert max(abs(a - b) for a, b in zip(out.output_logprobs, want, strict=True)) <= 1e-4
+        candidate = (await clients["f0"].generate(PROMPT, GREEDY, lora_path="v2")).output_logprobs
+        accepted = (await clients["f0"].generate(PROMPT, GREEDY, lora_path="v1")).output_logprobs
+        assert candidate != accepted
+
+        assert await broker.rollback(0, "regression set failed") == 1
+        await broker.reconcile_once()
+        assert {r: x.version for r, x in (await routes.all()).items()} == {"canary": 1, "fleet": 1}
+        status = await broker.status()
+        assert {(e.engine_id, e.policy_version) for e in status.engines} == {("c0", 1), ("f0", 1)}
+        # No base reload, on any engine, since version 0: adapters were loaded, switched and unloaded only.
+        assert await updates() == base_loads
+        assert {e: await c.weight_version() for e, c in clients.items()} == {"c0": "0", "f0": "0"}
+    finally:
+        for client in clients.values():
+            await client.close()
+        await pools.close()
+        await redis.aclose()
