@@ -58,3 +58,19 @@ def test_ppo_runs_through_the_loop_with_a_separate_critic(tmp_path, cache):
     # The critic starts at V = 0 and learns: its predictions move off zero.
     assert steps[0]["value_mean"] == pytest.approx(0.0, abs=1e-6)
     assert any(abs(m["value_mean"]) > 1e-4 for m in steps[1:])
+
+
+def test_lora_runs_through_the_loop_as_adapter_versions_on_the_base(tmp_path, cache):
+    """examples/calc-lora.toml: the trainer steps an adapter, the store holds adapter versions on
+    version 0, the broker loads them on the engines and routes the canary role to the candidate."""
+    from rlfleet.weights import DirectoryWeightStore
+
+    steps = run("calc-lora.toml", tmp_path, cache)
+    assert all(m["loss"] == m["loss"] for m in steps)
+    store = DirectoryWeightStore(tmp_path / "run" / "weights", "calc-lora")
+    versions = store.list_versions()
+    assert store.index(0).kind == "full" and len(versions) >= 3
+    assert all(store.index(v).kind == "adapter" and store.index(v).base_version == 0 for v in versions[1:])
+    assert all(store.index(v).total_bytes < store.index(0).total_bytes / 5 for v in versions[1:])
+    broker_log = (tmp_path / "run" / "logs" / "weight-broker.log").read_text()
+    assert "loaded adapter v" in broker_log and "adapter routes: {'canary'" in broker_log

@@ -101,3 +101,19 @@ def test_the_built_in_chatml_template_keeps_the_built_in_rendering(model_dir):
     from rlfleet.trainer.sft import model_template_renderer
 
     assert model_template_renderer(model_dir) is None
+
+
+def test_sft_with_lora_trains_an_adapter_and_saves_it_beside_the_merged_model(model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": conversation(a, b)}) for a in range(3) for b in range(3)) + "\n")
+    metrics = run_sft(str(model_dir), str(data), str(tmp_path / "out"), epochs=3, lr=1e-2, batch_size=3, seed=0,
+                      lora={"rank": 4, "alpha": 8.0})
+    assert metrics["eval_loss_after"] < metrics["eval_loss_before"], metrics
+    adapter = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    merged, base = load_file(tmp_path / "out" / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], base[q])  # the adapter merged in
+    assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not a target

@@ -109,8 +109,11 @@ def _eval_nll(backend, samples, pack_length: int | None) -> float:
 
 
 def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: float = 1e-5, batch_size: int = 8,
-            seed: int = 0, pack_length: int | None = None, micro_batch_rows: int = 4) -> dict[str, Any]:
-    """Trains on the demonstrations, saves an HF checkpoint to out_dir and returns the run's metrics."""
+            seed: int = 0, pack_length: int | None = None, micro_batch_rows: int = 4,
+            lora: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Trains on the demonstrations, saves an HF checkpoint to out_dir and returns the run's metrics.
+    With `lora` (a [trainer.lora] table) only a LoRA adapter trains: out_dir gets the merged model,
+    and out_dir/adapter peft's adapter directory."""
     from tokenizers import Tokenizer
 
     from rlfleet.trainer.batching import pack_batch
@@ -125,7 +128,8 @@ def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: f
     backend = TorchBackend(TorchBackendConfig(
         model_dir=model_dir, seed=seed,
         optim={"lr": lr, "total_steps": max(epochs * steps_per_epoch, 1)},
-        batch={"pack_length": pack_length, "micro_batch_rows": micro_batch_rows}))
+        batch={"pack_length": pack_length, "micro_batch_rows": micro_batch_rows},
+        lora={"enabled": True, **lora} if lora else {}))
     objective = SFTObjective()
     start = time.perf_counter()
     eval_before = _eval_nll(backend, samples, pack_length)
@@ -142,6 +146,8 @@ def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: f
         epoch_losses.append(sum(losses) / len(losses))
     eval_after = _eval_nll(backend, samples, pack_length)
     backend.save_hf(out_dir)
+    if backend.lora is not None:
+        backend.save_adapter(Path(out_dir) / "adapter")
     wall = time.perf_counter() - start
     backend.close()
     return {"samples": len(samples), "steps": backend.step, "epochs": epochs, "epoch_losses": epoch_losses,
@@ -161,9 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pack-length", type=int, default=None,
                         help="tokens per packed row (default: the longest demonstration of each batch)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train a LoRA adapter of this rank (alpha = 2 x rank) instead of the whole model")
     args = parser.parse_args(argv)
+    lora = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank} if args.lora_rank else None
     metrics = run_sft(args.model_dir, args.data, args.out, args.epochs, args.lr, args.batch_size, args.seed,
-                      args.pack_length)
+                      args.pack_length, lora=lora)
     print(json.dumps(metrics))
 
 
