@@ -60,6 +60,7 @@ def test_ppo_runs_through_the_loop_with_a_separate_critic(tmp_path, cache):
     assert any(abs(m["value_mean"]) > 1e-4 for m in steps[1:])
 
 
+@pytest.mark.timeout(900)
 def test_lora_runs_through_the_loop_as_adapter_versions_on_the_base(tmp_path, cache):
     """examples/calc-lora.toml: the trainer steps an adapter, the store holds adapter versions on
     version 0, the broker loads them on the engines and routes the canary role to the candidate."""
