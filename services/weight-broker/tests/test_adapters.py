@@ -221,3 +221,15 @@ async def test_a_restarted_broker_takes_already_loaded_adapters_as_held(setup):
     await fresh.reconcile_once()
     assert await routed(routes) == {"canary": 1}
     assert all(set(e.loaded) == {"v1"} and ("unload", "v1") not in e.calls for e in engines.values())
+
+
+async def test_a_rollback_to_the_full_base_clears_the_routes_and_unloads_every_adapter(setup):
+    broker, store, routes, engines = setup
+    await announce(broker, store, 0)
+    await broker.promote(0, "base")
+    await announce(broker, store, 1)
+    assert await routed(routes) == {"canary": 1}
+    assert await broker.rollback(0, "candidate refused") == 0
+    await broker.reconcile_once()
+    assert await routes.all() == {}  # every role on the base model again
+    assert all(e.loaded == {} and e.routes_at_unload == [{}] for e in engines.values())

@@ -398,8 +398,9 @@ class Broker:
         each engine's record then names the adapter version its pool's target is."""
         records = await self.registry.engines()
         bases = {self.adapters.base_of(v) for v in self.adapters.wanted(targets).values()}
+        # With no adapter wanted (a rollback to a full version), every serving engine sheds its adapters.
         ready = [e for e in engines if e.engine_id in records and records[e.engine_id].state == "serving"
-                 and records[e.engine_id].policy_version in bases]  # fmt: skip
+                 and (not bases or records[e.engine_id].policy_version in bases)]  # fmt: skip
         result = await self.adapters.reconcile(ready, targets)
         for version, reason in result.refused.items():
             if all(version not in held for held in result.held.values()):
