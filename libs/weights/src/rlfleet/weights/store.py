@@ -115,6 +115,17 @@ class WeightStore(Protocol):
     def recover(self, version: int, allow_older: bool = True) -> Recovered:
         """Exactly-the-trainer's weights after a failed swap."""
 
+    def write_adapter(
+        self, version: int, tensors: Mapping[str, Any], config: Mapping[str, Any], base_version: int,
+        parent_version: int | None = None,
+    ) -> dict[str, Any]:
+        """Publish a LoRA adapter version on the full ``base_version`` (adapter.py)."""
+
+    def load_adapter(self, version: int, verify: bool = True) -> tuple[ServedTensors, dict[str, Any]]: ...
+
+    def fetch_adapter(self, version: int) -> Path:
+        """The verified peft directory of an adapter version, for an engine's ``/load_lora_adapter``."""
+
 
 @dataclass
 class _Served:
