@@ -11,6 +11,10 @@ from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.processes import ServiceProcess
 
 
+FORMATS = {"full": common_pb2.WEIGHT_FORMAT_FULL, "delta": common_pb2.WEIGHT_FORMAT_DELTA,
+           "adapter": common_pb2.WEIGHT_FORMAT_ADAPTER}
+
+
 class BrokerProcess(ServiceProcess):
     """`rlfleet-weight-broker` with `settings` as its config (keys may be dotted), reconciling every
     half second."""
@@ -32,7 +36,7 @@ def policy_version(manifest: dict[str, Any], **extra: Any) -> common_pb2.PolicyV
         run_id=manifest["run_id"],
         version=manifest["version"],
         parent_version=extra.pop("parent_version", manifest["version"] - 1),
-        format=common_pb2.WEIGHT_FORMAT_FULL if manifest["kind"] == "full" else common_pb2.WEIGHT_FORMAT_DELTA,
+        format=FORMATS[manifest["kind"]],
         base_version=manifest["base_version"] if manifest["base_version"] is not None else -1,
         uri=manifest["uri"],
         full_uri=Path(manifest["path"]).with_name(f"v{full:06d}").as_uri() if full is not None else "",
