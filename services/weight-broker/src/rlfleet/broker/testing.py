@@ -10,7 +10,6 @@ from typing import Any
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.processes import ServiceProcess
 
-
 FORMATS = {"full": common_pb2.WEIGHT_FORMAT_FULL, "delta": common_pb2.WEIGHT_FORMAT_DELTA,
            "adapter": common_pb2.WEIGHT_FORMAT_ADAPTER}
 
