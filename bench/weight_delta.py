@@ -266,20 +266,22 @@ DEFAULT_MODEL = dict(model_type="qwen2", vocab_size=768, hidden_size=256, interm
 LORA_LRS = ((5e-5, 5e-4), (1e-6, 1e-5))  # (full, LoRA): calc.toml vs calc-lora.toml; a 50x smaller step
 
 
-def run_lora(steps: int, workdir: Path) -> None:
+def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS) -> None:
     from rlfleet.trainer.config import BatchConfig, LossConfig, TorchBackendConfig
     from rlfleet.trainer.objectives import rl_step
     from rlfleet.trainer.testing import make_samples
     from rlfleet.trainer.torch_backend import TorchBackend
     from rlfleet.weights import DirectoryWeightStore
 
+    spec = DEFAULT_MODEL if model == "default" else {**DEFAULT_MODEL, **MODELS[model], "max_position_embeddings": 256}
+    print(f"model {model}")
     print(f"{'full lr':>8} {'lora lr':>8} {'st':>2} {'model MB':>8} {'delta KB':>9} {'chg%':>6} {'adapter KB':>10} "
           f"{'adapter/delta':>13}")
     step_cfg = (LossConfig(), BatchConfig(pack_length=256, micro_batch_rows=4))
-    for full_lr, lora_lr in LORA_LRS:
+    for full_lr, lora_lr in lrs:
         runs = {}
         for name, lr, lora in (("full", full_lr, {}), ("lora", lora_lr, {"enabled": True, "rank": 8, "alpha": 16.0})):
-            backend = TorchBackend(TorchBackendConfig(model_config_dict=DEFAULT_MODEL, seed=0, lora=lora,
+            backend = TorchBackend(TorchBackendConfig(model_config_dict=spec, seed=0, lora=lora,
                                                       optim={"lr": lr}, batch={"pack_length": 256}))
             store = DirectoryWeightStore(workdir / f"{name}-{full_lr:g}-{lora_lr:g}", "bench", full_every=1000,
                                          max_delta_fraction=10.0)
@@ -287,7 +289,7 @@ def run_lora(steps: int, workdir: Path) -> None:
             store.write_version(0, base)
             runs[name] = (backend, store)
         for step in range(1, steps + 1):
-            samples = make_samples(4, 8, lengths=(64, 128), vocab_size=DEFAULT_MODEL["vocab_size"], seed=step)
+            samples = make_samples(4, 8, lengths=(64, 128), vocab_size=spec["vocab_size"], seed=step)
             manifests = {}
             for name, (backend, store) in runs.items():
                 rl_step(backend, samples, *step_cfg)
@@ -309,6 +311,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the rows to this file")
     ap.add_argument("--lora", action="store_true", help="only the LoRA adapter vs bf16 delta rows")
     ap.add_argument("--lora-steps", type=int, default=3)
+    ap.add_argument("--lora-model", choices=["default", *MODELS], default="default",
+                    help="--lora: the default CPU-engine model, or one of this bench's (100M: calc.toml's lrs only)")
     args = ap.parse_args()
 
     import torch
@@ -316,7 +320,8 @@ def main() -> None:
     torch.set_num_threads(1)  # the bench machine's cores are shared
     if args.lora:
         with tempfile.TemporaryDirectory(prefix="weight-delta-bench-") as tmp:
-            run_lora(args.lora_steps, Path(tmp))
+            run_lora(args.lora_steps, Path(tmp), args.lora_model,
+                     LORA_LRS if args.lora_model == "default" else LORA_LRS[:1])
         return
     plan = [("small", 2)] if args.quick else [("small", 5), ("100M", 2)]
     rows: list[Row] = []
