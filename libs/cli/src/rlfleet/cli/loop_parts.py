@@ -7,6 +7,7 @@ and POLICY on JetStream, and the services' gRPC APIs.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import random
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlfleet.api.common.v1 import common_pb2
-from rlfleet.cli.report import EvalResult, RunRecord, TrajectoryRecord
+from rlfleet.cli.report import EvalResult, RunRecord, TaskOutcome, TrajectoryRecord
 from rlfleet.cli.run_config import ToolLatencyConfig
 from rlfleet.common.streams import publish, subject
 from rlfleet.envkit.sdk.environment import environment_for
@@ -149,30 +150,51 @@ class Observer:
 # Evaluation
 
 
+def eval_sampling(task: common_pb2.Task, seed: int | None) -> common_pb2.SamplingParams | None:
+    """The task's sampling with a seed of its own, the same for every version evaluated on it (None:
+    unseeded, the engine draws fresh randomness). Paired evaluations then differ in the weights only:
+    the CPU engine's tokens depend on seed, prompt and parameters alone, SGLang's with
+    `--enable-deterministic-inference`."""
+    if seed is None:
+        return None
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(task.sampling)
+    digest = hashlib.sha256(f"eval:{seed}:{task.task_id}".encode()).digest()
+    sampling.seed = int.from_bytes(digest[:8], "big") % 2**63
+    return sampling
+
+
 async def evaluate(clients, tasks: list[common_pb2.Task], *, version: int, split: str, label: str, pool: str,
-                   concurrency: int, clock: Clock, tag: str, environments=None) -> EvalResult:
-    """Runs each task once through the platform, pinned to an engine pool, scored by the verifier."""
+                   concurrency: int, clock: Clock, tag: str, environments=None, seed: int | None = None) -> EvalResult:
+    """Runs each task once through the platform, pinned to an engine pool, scored by the verifier;
+    with `seed`, each task samples with its own fixed seed (`eval_sampling`)."""
 
     loop = AgentLoop(clients, environments=environments or environment_for)
     slots = asyncio.Semaphore(concurrency)
+    retried = 0
 
     async def one(i: int, task: common_pb2.Task):
+        nonlocal retried
         # An episode a service outage stopped (a peer restarting) says nothing about the policy: it
         # runs again under a new session ID rather than count as a failure in the gate's figures.
         for attempt in range(PLATFORM_RETRIES + 1):
             session_id = f"eval-{tag}-{i}" + (f"-p{attempt}" if attempt else "")
             async with slots:
                 spec = EpisodeSpec(task=task, session_id=session_id, group_id=session_id,
-                                   metadata={"engine_pool": pool, "eval": label})
+                                   sampling=eval_sampling(task, seed), metadata={"engine_pool": pool, "eval": label})
                 summary = await loop.run(spec)
             if not summary.platform_failure:
                 break
+            retried += 1
             await asyncio.sleep(min(2.0, 0.5 * 2 ** attempt))
         return summary
 
     summaries = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
     n = len(summaries) or 1
-    return EvalResult(version=version, split=split, episodes=len(summaries),
+    outcomes = [TaskOutcome(task_id=t.task_id, passed=bool(s.passed), invalid_tool_calls=int(s.invalid_calls),
+                            safety_violations=int(s.safety_violations), time_s=float(s.episode_s))
+                for t, s in zip(tasks, summaries, strict=True)]
+    return EvalResult(version=version, split=split, episodes=len(summaries), tasks=outcomes, retried=retried,
                       success=sum(s.passed for s in summaries) / n,
                       invalid_tool_calls=sum(s.invalid_calls for s in summaries) / n,
                       safety_violations=sum(s.safety_violations for s in summaries) / n,

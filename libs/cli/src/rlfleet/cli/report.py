@@ -15,6 +15,17 @@ from typing import Any
 
 
 @dataclass
+class TaskOutcome:
+    """One task's episode in an evaluation: what the gate pairs by task ID."""
+
+    task_id: str
+    passed: bool
+    invalid_tool_calls: int
+    safety_violations: int
+    time_s: float
+
+
+@dataclass
 class EvalResult:
     version: int
     split: str              # heldout | regression
@@ -26,6 +37,11 @@ class EvalResult:
     interactions: float     # mean generate turns per episode
     elapsed_s: float        # since the loop started
     label: str = ""         # baseline | candidate | accepted | final
+    tasks: list[TaskOutcome] = field(default_factory=list)  # per task, in task order (the gate pairs them)
+    retried: int = 0        # episodes run again because a service outage stopped them
+
+    def __post_init__(self) -> None:
+        self.tasks = [TaskOutcome(**t) if isinstance(t, dict) else t for t in self.tasks]
 
 
 @dataclass
@@ -34,6 +50,9 @@ class GateDecision:
     accepted: bool
     reasons: list[str]
     elapsed_s: float
+    checks: list[dict[str, Any]] = field(default_factory=list)  # each test with its interval (gate.Check)
+    tasks: int = 0          # paired tasks the decision rests on
+    early: bool = False     # refused at an interim look, before the whole held-out set was run
 
 
 @dataclass
@@ -81,6 +100,9 @@ class RunRecord:
     trainer_wait_s: float = 0.0     # the trainer's data-wait time during the loop
     trainer_watched_s: float = 0.0  # loop time over which trainer_wait_s was measured
     notes: list[str] = field(default_factory=list)
+    audits: list[dict[str, Any]] = field(default_factory=list)  # verifier audits (stop_rules.AuditResult)
+    long_tail: dict[str, Any] = field(default_factory=dict)    # the last long-tail account (stop_rules)
+    stop_rule: str = ""     # the stop rule that ended the run, or that fired when set to report only
 
 
 def percentiles(values: list[float], points=(50, 90, 99)) -> dict[str, float]:
@@ -138,6 +160,9 @@ def summarize(record: RunRecord) -> dict[str, Any]:
         "cpu_percent_mean": _mean([c for _, c in record.cpu]),
         "peak_rss_mb": round(max((m for _, m in record.memory_mb), default=0.0), 1),
         "gate": [asdict(d) for d in record.gate],
+        "verifier_audits": record.audits,
+        "long_tail": record.long_tail,
+        "stop_rule": record.stop_rule,
         "notes": record.notes,
     }
 

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -45,7 +47,8 @@ import uvloop
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from rlfleet.cli.gate import decide
+from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from rlfleet.cli.gate import Decision, decide, interim, merge, slices
 from rlfleet.cli.launcher import Platform, PlatformState, flatten_keys, is_ours, start_ticks
 from rlfleet.cli.loop_parts import (
     Clock,
@@ -58,7 +61,7 @@ from rlfleet.cli.loop_parts import (
     task_messages,
 )
 from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
-from rlfleet.cli.report import GateDecision, RunRecord, StepRecord, write_report
+from rlfleet.cli.report import EvalResult, GateDecision, RunRecord, StepRecord, write_report
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import (
     RunState,
@@ -67,6 +70,7 @@ from rlfleet.cli.run_state import (
     eval_from_dict,
     record_from_dict,
 )
+from rlfleet.cli.stop_rules import audit_result, audit_subset, long_tail
 from rlfleet.cli.warm_start import ensure_base_policy
 from rlfleet.common.config import NatsConfig, load_config
 from rlfleet.common.errors import StartupError
@@ -74,7 +78,7 @@ from rlfleet.common.grpc_server import channel
 from rlfleet.common.streams import connect_nats
 from rlfleet.envkit.sdk.clients import Clients
 from rlfleet.envkit.sdk.environment import environments
-from rlfleet.envkit.submit import write_for_verifier
+from rlfleet.envkit.submit import SubmitError, load_tasks, write_for_verifier
 from rlfleet.envkit.suites import calc
 from rlfleet.envkit.worker import RolloutWorker
 from rlfleet.envkit.worker_config import WorkerConfig
@@ -113,6 +117,7 @@ class Peers:
     gateway: gateway_pb2_grpc.GatewayServiceStub
     trainer: trainer_pb2_grpc.TrainerServiceStub
     broker: broker_pb2_grpc.BrokerServiceStub
+    verifier: verifier_pb2_grpc.VerifierServiceStub  # its Audit (the SDK's client scores episodes only)
 
 
 class RLRun:
@@ -127,6 +132,7 @@ class RLRun:
         self.interrupted = ""  # why the loop stopped before its budget, when it did
         self.accepted_eval = None
         self.accepted_regression = None
+        self.audit_labels: list[dict] = []  # the labelled episodes each verifier audit sends
         self.last_gated = 0
         self.feeder = None
         self.platform: Platform | None = None
@@ -282,7 +288,8 @@ class RLRun:
     async def _connections(self, state: PlatformState):
         """NATS, the SDK's clients and stubs of the gateway, trainer and broker, closed on the way out."""
 
-        channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker")]
+        channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker",
+                                                                  "verifier")]
         nc = await connect_nats(NatsConfig(url=state.by_name("nats").url), "rlfleet-run")
         clients = Clients.connect(session=state.by_name("session-server").address,
                                   sandbox=state.by_name("sandbox-manager").address,
@@ -290,7 +297,8 @@ class RLRun:
         peers = Peers(state=state, nc=nc, js=nc.jetstream(), clients=clients,
                       gateway=gateway_pb2_grpc.GatewayServiceStub(channels[0]),
                       trainer=trainer_pb2_grpc.TrainerServiceStub(channels[1]),
-                      broker=broker_pb2_grpc.BrokerServiceStub(channels[2]))
+                      broker=broker_pb2_grpc.BrokerServiceStub(channels[2]),
+                      verifier=verifier_pb2_grpc.VerifierServiceStub(channels[3]))
         try:
             yield peers
         finally:
@@ -304,6 +312,8 @@ class RLRun:
     async def _loop(self, peers) -> None:
         c = self.config
         train, heldout, regression = self._tasks(peers)
+        if not await self._verifier_trusted(peers, "before the loop"):
+            return
         if self.accepted_eval is None:  # a new run, or one interrupted before its baseline was done
             try:
                 await self._baseline(peers, heldout, regression)
@@ -421,12 +431,14 @@ class RLRun:
 
         return environments(self.config.rollout.tool_runtime)
 
-    async def _evaluate(self, peers, tasks, version: int, split: str, label: str, pool: str):
+    async def _evaluate(self, peers, tasks, version: int, split: str, label: str, pool: str, keep: bool = True):
+        c = self.config
         result = await evaluate(peers.clients, tasks, version=version, split=split, label=label, pool=pool,
-                                concurrency=self.config.eval.concurrency, clock=self.clock,
-                                environments=self._environments(),
+                                concurrency=c.eval.concurrency, clock=self.clock,
+                                environments=self._environments(), seed=c.seed if c.eval.seeded else None,
                                 tag=f"{label}-v{version}-{split}-{time.monotonic_ns()}")
-        self.record.evals.append(result)
+        if keep:
+            self.record.evals.append(result)
         return result
 
     async def _admit_up_to(self, peers, trainer_version: int) -> None:
@@ -511,24 +523,106 @@ class RLRun:
     async def _gate(self, peers, version: int, heldout, regression) -> None:
         previous, self.last_gated = self.last_gated, version
         try:
-            candidate = await self._unless_stopped(
-                self._evaluate(peers, heldout, version, "heldout", "candidate", "canary"))
+            candidate, decision = await self._unless_stopped(self._evaluate_candidate(peers, heldout, version))
             cand_reg = await self._unless_stopped(
                 self._evaluate(peers, regression, version, "regression", "candidate", "canary")) \
-                if regression else None
+                if regression and decision is None else None
         except Stopped:
             self.last_gated = previous  # not decided: a resumed run gates this version again
             say(f"gate: evaluation of version {version} abandoned (stopping)")
             return
-        decision = decide(self.config.gate, candidate, self.accepted_eval, cand_reg, self.accepted_regression)
-        self.record.gate.append(GateDecision(version, decision.accepted, decision.reasons, self.clock.elapsed()))
+        decision = decision or decide(self.config.gate, candidate, self.accepted_eval, cand_reg,
+                                      self.accepted_regression)
+        if decision.accepted and not await self._verifier_trusted(peers, f"before promoting version {version}"):
+            decision.accepted = False
+            decision.reasons.append("not promoted: the verifier failed its audit")
+        self.record.gate.append(GateDecision(version, decision.accepted, decision.reasons, self.clock.elapsed(),
+                                             decision.check_dicts(), decision.tasks, decision.early))
         verdict = "accepted" if decision.accepted else "refused"
-        say(f"gate: version {version} {verdict}: {'; '.join(decision.reasons)}")
+        say(f"gate: version {version} {verdict}:\n  " + "\n  ".join(decision.reasons))
         if decision.accepted:
             await _rpc(peers.broker.Promote, broker_pb2.PromoteRequest(version=version, reason="; ".join(decision.reasons)))
             self.accepted_eval, self.accepted_regression = candidate, cand_reg
             self.record.accepted_version = version
+        self._account_long_tail()
         self._save_state()
+
+    async def _evaluate_candidate(self, peers, heldout, version: int) -> tuple[EvalResult, Decision | None]:
+        """The candidate on the held-out set in the gate's slices, paired with the accepted version's
+        kept per-task results (same tasks, same seeds: see `eval.seeded`); stops at the first slice
+        after which the gate can already refuse. Returns the evaluation and that refusal, or None."""
+        parts, early = [], None
+        for start, end in slices(len(heldout), self.config.gate.looks):
+            parts.append(await self._evaluate(peers, heldout[start:end], version, "heldout", "candidate", "canary",
+                                              keep=False))
+            if end < len(heldout) and (early := interim(self.config.gate, merge(parts), self.accepted_eval)):
+                break
+        result = merge(parts)
+        self.record.evals.append(result)
+        return result, early
+
+    # -- the stop rules (stop_rules.py) ---------------------------------------------------------
+
+    def _audit_set(self) -> list[dict]:
+        """The labelled audit set (written once into the run directory by the verifier's own
+        command), its tasks added to the suites the run's verifier reads; the subset each audit sends."""
+        c = self.config.audit
+        where = self.run_dir / "audit_set"
+        labels = where / "labels.jsonl"
+        if not labels.exists():
+            subprocess.run([sys.executable, "-m", "rlfleet.verifier.audit_set", "write", str(where),
+                            "--seed", str(c.seed)], check=True, capture_output=True, timeout=300)
+        try:
+            tasks = [t for suite in sorted((where / "suites").glob("*.jsonl")) for t in load_tasks(str(suite))]
+            write_for_verifier(tasks, self.run_dir / "suites")
+        except SubmitError as exc:
+            raise StartupError(f"the verifier audit set does not fit this run's suites: {exc}") from None
+        return audit_subset([json.loads(line) for line in labels.read_text().splitlines() if line.strip()],
+                            c.episodes, c.seed)
+
+    async def _verifier_trusted(self, peers, when: str) -> bool:
+        """Audits the run's verifier (`audit.*`); when a rate passes its threshold the run stops,
+        with the reason on screen, in the report and in the run state."""
+        c = self.config.audit
+        if not c.enabled:
+            return True
+        if not self.audit_labels:
+            self.audit_labels = await asyncio.to_thread(self._audit_set)
+        request = verifier_pb2.AuditRequest(episodes=[verifier_pb2.LabelledEpisode(
+            suite=e.get("suite", ""), task_id=e["task_id"], final_answer=e.get("final_answer", ""),
+            files={k: v.encode() for k, v in e.get("files", {}).items()}, transcript=e.get("transcript", ""),
+            human_passed=e["human_passed"], episode_id=e.get("episode_id", "")) for e in self.audit_labels])
+        report = await _rpc(peers.verifier.Audit, request, timeout_s=c.timeout_s, within_s=2 * c.timeout_s)
+        result = audit_result(report, when, c)
+        self.record.audits.append(asdict(result))
+        say(result.line())
+        if not result.breaches:
+            return True
+        self.record.stop_rule = f"verifier audit {when}: " + "; ".join(result.breaches)
+        self.interrupted = f"stop rule: {self.record.stop_rule}"
+        say(f"stop rule: {self.record.stop_rule}; stopping the run (disagreements: "
+            f"{', '.join(result.disagreements) or '-'})")
+        self.stop.set()
+        return False
+
+    def _account_long_tail(self) -> None:
+        c = self.config.long_tail
+        baseline = next((e for e in self.record.evals if e.label == "baseline" and e.split == "heldout"), None)
+        if not c.enabled or baseline is None or self.accepted_eval is None:
+            return
+        account = long_tail(self.record.trajectories, max_staleness=self.config.rollout.max_staleness,
+                            eval_retried=sum(e.retried for e in self.record.evals),
+                            gain=self.accepted_eval.success - baseline.success, config=c)
+        self.record.long_tail = account.as_dict()
+        if not account.fired or self.record.stop_rule:
+            return
+        self.record.stop_rule = account.message
+        self.record.notes.append(f"stop rule: {account.message}")
+        if c.action == "stop":
+            say(f"stop rule: {account.message}; stopping the loop (long_tail.action = \"stop\")")
+            self.stop.set()
+        else:
+            say(f"stop rule: {account.message} (reported only: long_tail.action = \"report\")")
 
     async def _unless_stopped(self, work):
         """`await work`, abandoned (cancelled, `Stopped` raised) as soon as the stop is set: an
@@ -608,6 +702,7 @@ class RLRun:
                 f"trainer idle {self.record.trainer_idle_fraction:.0%}")
 
     async def _finish(self, peers, heldout, regression) -> None:
+        self._account_long_tail()
         if not self.config.gate.enabled and self.record.steps:
             self.record.accepted_version = max(s.version for s in self.record.steps)  # auto-promoted
         accepted = self.record.accepted_version
@@ -687,6 +782,20 @@ class RLRun:
             say(f"  {name:12s} held-out success {row['task_success']:.3f}  invalid tool calls/ep "
                 f"{row['invalid_tool_calls_per_episode']:.3f}  time {row['time_to_completion_s']:.2f} s  "
                 f"turns {row['interactions_per_episode']:.2f}  safety {row['safety_violations_per_episode']:.3f}")
+        for d in summary["gate"]:
+            success = next((c for c in d.get("checks", []) if c["name"] == "held-out success"), None)
+            interval = f" gain {success['estimate']:+.3f} [{success['low']:+.3f}, {success['high']:+.3f}]" if success else ""
+            refused = [c["name"] for c in d.get("checks", []) if not c["passed"]]
+            say(f"  gate v{d['version']:<4d} {'accepted' if d['accepted'] else 'refused '} on {d.get('tasks', 0)} "
+                f"paired tasks{' (early)' if d.get('early') else ''}:{interval}"
+                + (f"  refused by: {', '.join(refused)}" if refused else ""))
+        for audit in summary["verifier_audits"]:
+            say(f"  verifier audit ({audit['when']}): n {audit['n']}  FP rate {audit['false_positive_rate']:.3f}  "
+                f"FN rate {audit['false_negative_rate']:.3f}")
+        if summary["long_tail"]:
+            say(f"  long tail: {summary['long_tail']['message']}")
+        if summary["stop_rule"]:
+            say(f"  stop rule: {summary['stop_rule']}")
         say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
 
 

@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 
 from rlfleet.cli.gate import GateConfig
 from rlfleet.cli.platform_config import RestartPolicy, ServiceSections
+from rlfleet.cli.stop_rules import AuditConfig, LongTailConfig
 from rlfleet.cli.warm_start import ModelSpec, WarmStartConfig
 from rlfleet.common.config import StrictModel, merge, propagate
 
@@ -55,6 +56,9 @@ class EvalConfig(StrictModel):
     regression: int = Field(50, ge=0, description="fixed regression tasks per evaluation")
     temperature: float = Field(1.0, ge=0, description="sampling temperature of evaluation episodes")
     concurrency: int = Field(64, ge=1, description="evaluation episodes at once")
+    seeded: bool = Field(True, description="each evaluation task samples with its own fixed seed (from `seed` and "
+                         "its task ID), the same for every version: the gate compares weights, not draws, and the "
+                         "accepted version's per-task results can be kept instead of run again")
 
 
 class EnginePools(StrictModel):
@@ -87,6 +91,8 @@ class RunConfig(ServiceSections):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
+    long_tail: LongTailConfig = Field(default_factory=LongTailConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     engines: EnginePools = Field(default_factory=EnginePools)
     restart: RestartPolicy = Field(default_factory=RestartPolicy,

@@ -28,7 +28,8 @@ from rlfleet.common.errors import StartupError
 STATE_FILE = "run_state.json"
 
 # Everything a run writes into its directory; a fresh run removes exactly these and nothing else.
-RUN_OUTPUTS = ("nats", "redis", "weights", "checkpoints", "logs", "ready", "suites", "report", "platform.json",
+RUN_OUTPUTS = ("nats", "redis", "weights", "checkpoints", "logs", "ready", "suites", "audit_set", "report",
+               "platform.json",
                "platform.stopping",
                "summary.json", "report.html", STATE_FILE)
 

@@ -8,6 +8,8 @@ Each refresh asks every source once, with short deadlines, and shows what answer
     queues     JetStream consumers of the run's TASKS and TRAJECTORIES (pending, ack pending)
     staleness  trainer version minus the oldest engine version (and the last step's max)
     throughput trajectories/s and steps/s from the change since the previous refresh
+    stop rules the run's last verifier audit and long-tail account, and a stop rule that fired
+               (from the run directory's run_state.json, which `rlfleet run` writes)
 
 A source that does not answer is shown as down with the reason; the view itself never fails on it.
 """
@@ -19,6 +21,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
@@ -45,6 +48,7 @@ class Snapshot:
     queues: list[dict[str, Any]] = field(default_factory=list)
     trajectories: int | None = None  # messages of this run on TRAJECTORIES
     down: dict[str, str] = field(default_factory=dict)  # source -> why it did not answer
+    run: dict[str, Any] = field(default_factory=dict)  # stop rules: last audit, long tail, the rule that fired
 
     @property
     def healthy(self) -> bool:
@@ -56,7 +60,19 @@ async def collect(state: PlatformState) -> Snapshot:
     names = {p.name: p for p in state.processes}
     await asyncio.gather(_engines(snapshot, names), _broker(snapshot, names), _trainer(snapshot, names),
                          _queues(snapshot, state))
+    snapshot.run = stop_rules(Path(state.run_dir))
     return snapshot
+
+
+def stop_rules(run_dir: Path) -> dict[str, Any]:
+    """What the run driver last wrote about its stop rules; empty without a readable run_state.json."""
+    try:
+        record = json.loads((run_dir / "run_state.json").read_text()).get("record", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    audits = record.get("audits") or []
+    return {"stop_rule": record.get("stop_rule", ""), "long_tail": (record.get("long_tail") or {}).get("message", ""),
+            "audit": audits[-1] if audits else None}
 
 
 async def _rpc(snapshot: Snapshot, source: str, names: dict, call) -> Any:
@@ -219,7 +235,21 @@ def render(snapshot: Snapshot, previous: Snapshot | None, state: PlatformState, 
                   f"{_fmt(last_max, '.0f')}",
               f"throughput {_fmt(flow['trajectories_per_s'])} trajectories/s  {_fmt(flow['steps_per_s'], '.3f')} "
               f"steps/s  ({_fmt(snapshot.trajectories, 'd')} trajectories published)"]
-    return "\n".join(lines)
+    return "\n".join(lines + _stop_rule_lines(snapshot.run, paint))
+
+
+def _stop_rule_lines(run: dict[str, Any], paint) -> list[str]:
+    if not run:
+        return []
+    audit = run.get("audit")
+    lines = ["", "stop rules"]
+    lines.append("  verifier audit  " + (f"{audit['when']}: n {audit['n']}, false positive rate "
+                                         f"{audit['false_positive_rate']:.3f}, false negative rate "
+                                         f"{audit['false_negative_rate']:.3f}" if audit else "none yet"))
+    lines.append("  long tail       " + (run.get("long_tail") or "not accounted yet"))
+    if run.get("stop_rule"):
+        lines.append("  " + paint(f"FIRED: {run['stop_rule']}", False))
+    return lines
 
 
 def _restarts(health: Health) -> str:
