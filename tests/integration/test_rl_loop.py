@@ -13,11 +13,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RLFLEET = str(Path(sys.executable).parent / "rlfleet")
 
 
-def test_a_short_async_run_trains_publishes_versions_and_refuses_a_worse_candidate(tmp_path):
-    config = tmp_path / "tiny.toml"
-    # lr 1.0 wrecks the policy on purpose: every candidate is worse, so the gate must refuse them
-    # and the fleet keeps serving version 0.
-    config.write_text("""
+TINY = """
 run_id = "itest"
 group_size = 4
 [model]
@@ -33,7 +29,7 @@ max_staleness = 2
 [trainer]
 groups_per_step = 2
 [trainer.optim]
-lr = 1.0
+lr = {lr}
 [eval]
 heldout = 24
 regression = 0
@@ -42,13 +38,30 @@ every_versions = 2
 [budget]
 max_steps = 8
 max_minutes = 1.5
-""")
+"""
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory):
+    """One warm start for the tiny runs of this module (the slowest part of each on a busy machine)."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+def tiny_run(tmp_path, model_cache, lr: str) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(lr=lr))
     run_dir = tmp_path / "run"
     result = subprocess.run([RLFLEET, "run", str(config), "--run-dir", str(run_dir),
-                             "--model-cache-dir", str(tmp_path / "cache")],
-                            capture_output=True, text=True, timeout=900)
+                             "--model-cache-dir", str(model_cache)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    return result, json.loads((run_dir / "summary.json").read_text()), run_dir
+
+
+@pytest.mark.timeout(900)  # a model build, a warm start and a run: past the default 300 s on a busy machine
+def test_a_short_async_run_trains_publishes_versions_and_refuses_a_worse_candidate(tmp_path, model_cache):
+    # lr 1.0 wrecks the policy on purpose: every candidate is worse, so the gate must refuse them
+    # and the fleet keeps serving version 0.
+    result, summary, run_dir = tiny_run(tmp_path, model_cache, "1.0")
     # Versions advanced (a wrecked policy soon earns equal rewards in every group, which the trainer
     # drops, so the run may end on its time budget before max_steps).
     assert summary["final_version"] >= 2
@@ -58,7 +71,8 @@ max_minutes = 1.5
     assert not any(d["accepted"] for d in summary["gate"])
     # It is refused for being worse (no significant gain, or a significant rise), each check with its interval.
     assert all(any(not c["passed"] for c in d["checks"]) for d in summary["gate"])
-    assert all(c["low"] <= c["estimate"] <= c["high"] for d in summary["gate"] for c in d["checks"])
+    success = [c for d in summary["gate"] for c in d["checks"] if c["name"] == "held-out success"]
+    assert len(success) == len(summary["gate"]) and all(c["low"] <= c["estimate"] <= c["high"] for c in success)
     assert all(d["tasks"] > 0 for d in summary["gate"])
     # The verifier was audited against the labelled set before the loop, and agreed with it.
     assert summary["verifier_audits"] and summary["verifier_audits"][0]["when"] == "before the loop"
@@ -68,6 +82,23 @@ max_minutes = 1.5
     assert summary["baseline_vs_rl"]["rl_accepted"]["version"] == 0
     assert (run_dir / "report.html").exists() and (run_dir / "report" / "reward_success.png").exists()
     assert "gate: version" in result.stdout and "refused" in result.stdout
+    # Version 0 evaluated twice (baseline, final) with the same seeds: the same per-task results.
+    evals = {e["label"]: e for e in json.loads((run_dir / "report" / "record.json").read_text())["evals"]}
+    outcomes = lambda e: [(t["task_id"], t["passed"], t["invalid_tool_calls"]) for t in e["tasks"]]  # noqa: E731
+    assert len(outcomes(evals["baseline"])) == 24 and outcomes(evals["baseline"]) == outcomes(evals["final"])
+
+
+@pytest.mark.timeout(900)
+def test_a_candidate_with_the_accepted_weights_is_never_promoted(tmp_path, model_cache):
+    """lr 1e-30: every version's weights are the base policy's to float precision (an Adam step of
+    ~1e-30 is below fp32's resolution of any non-zero weight). Candidates run on the canary, the
+    accepted version's kept results came from the fleet; with the same seeds they are the same per
+    task, so the gate sees no discordant task and never promotes."""
+    _, summary, _ = tiny_run(tmp_path, model_cache, "1e-30")
+    assert summary["final_version"] >= 4 and len(summary["gate"]) >= 2, summary["gate"]
+    assert not any(d["accepted"] for d in summary["gate"]) and summary["accepted_version"] == 0
+    success = [c for d in summary["gate"] for c in d["checks"] if c["name"] == "held-out success"]
+    assert all((c["estimate"], c["low"], c["high"]) == (0.0, 0.0, 0.0) for c in success), success
 
 
 @pytest.mark.timeout(900)  # a model build, a warm start and a run: past the default 300 s on a busy machine

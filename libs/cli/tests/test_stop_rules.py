@@ -96,3 +96,16 @@ def test_rlfleet_status_shows_the_stop_rules_the_run_wrote(tmp_path):
     lines = _stop_rule_lines(stop_rules(tmp_path), lambda text, ok: text)
     assert any("before the loop: n 40" in line for line in lines)
     assert any(line.strip().startswith("FIRED: the long tail") for line in lines)
+
+
+def test_the_trainer_drop_counters_are_read_by_reason():
+    from rlfleet.cli.rl_loop import trainer_dropped
+
+    page = """# HELP rlfleet_trainer_dropped_trajectories_total trajectories not trained, by reason
+# TYPE rlfleet_trainer_dropped_trajectories_total counter
+rlfleet_trainer_dropped_trajectories_total{job="trainer",reason="stale"} 12.0
+rlfleet_trainer_dropped_trajectories_total{job="trainer",reason="uniform_rewards"} 30.0
+rlfleet_trainer_data_wait_seconds_total 4.5
+"""
+    assert trainer_dropped(page) == {"stale": 12.0, "uniform_rewards": 30.0}
+    assert trainer_dropped("rlfleet_trainer_data_wait_seconds_total 4.5\n") == {}

@@ -133,6 +133,7 @@ class RLRun:
         self.accepted_eval = None
         self.accepted_regression = None
         self.audit_labels: list[dict] = []  # the labelled episodes each verifier audit sends
+        self.trainer_dropped: dict[str, float] = {}  # the trainer's dropped trajectories by reason (its /metrics)
         self.last_gated = 0
         self.feeder = None
         self.platform: Platform | None = None
@@ -613,7 +614,8 @@ class RLRun:
         account = long_tail(self.record.trajectories, max_staleness=self.config.rollout.max_staleness,
                             eval_retried=sum(e.retried for e in self.record.evals),
                             gain=self.accepted_eval.success - baseline.success, config=c)
-        self.record.long_tail = account.as_dict()
+        # The trainer's own count of what it did not train, by reason, beside the driver's account.
+        self.record.long_tail = account.as_dict() | {"trainer_dropped": dict(self.trainer_dropped)}
         if not account.fired or self.record.stop_rule:
             return
         self.record.stop_rule = account.message
@@ -666,6 +668,7 @@ class RLRun:
                 lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3).read().decode())
         except (OSError, KeyError):
             return  # a trainer that is gone: its share of the loop is not measured
+        self.trainer_dropped = trainer_dropped(text) or self.trainer_dropped
         waited = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("rlfleet_trainer_data_wait_seconds_total")), None)
         if waited is None:
@@ -836,6 +839,16 @@ async def _rpc(method, request, *, timeout_s: float = RPC_TIMEOUT_S, within_s: f
                 raise
         await asyncio.sleep(delay)
         delay = min(delay * 2, 2.0)
+
+
+def trainer_dropped(metrics_text: str) -> dict[str, float]:
+    """`rlfleet_trainer_dropped_trajectories_total` by its `reason` label, from a Prometheus text page."""
+    found: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("rlfleet_trainer_dropped_trajectories_total{") and 'reason="' in line:
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            found[reason] = found.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def _platform_differences(running: dict, wanted: dict) -> list[str]:
