@@ -44,10 +44,13 @@ ROUTES: dict[str, tuple[str, str, str | None]] = {
     "get_weights_by_name": ("POST", "/get_weights_by_name", "GetWeightsByNameReqInput"),
     "load_lora_adapter": ("POST", "/load_lora_adapter", "LoadLoRAAdapterReqInput"),
     "unload_lora_adapter": ("POST", "/unload_lora_adapter", "UnloadLoRAAdapterReqInput"),
+    "update_weights_from_tensor": ("POST", "/update_weights_from_tensor", "UpdateWeightsFromTensorReqInput"),
+    "remote_instance_transfer_engine_info": ("GET", "/remote_instance_transfer_engine_info", None),
 }
 # rlfleet-only routes of the CPU engine (SGLang has none of them; never sent to an SGLang engine).
 RLFLEET_ROUTES: dict[str, tuple[str, str, str | None]] = {
     "update_weights_from_store": ("POST", "/rlfleet/update_weights_from_store", None),
+    "update_weights_from_staging": ("POST", "/rlfleet/update_weights_from_staging", None),
 }
 STORE_KINDS = ("delta", "full")
 # Routes that a server started with `--admin-api-key` guards (the key goes as `Authorization: Bearer`).
@@ -130,6 +133,29 @@ def update_weights_from_store(model_path: str, kind: str, *, weight_version: str
     """The CPU engine's own weight-store load (kind delta | full); see its README."""
     return {"model_path": model_path, "kind": kind, "weight_version": weight_version, "pause_mode": pause_mode,
             "flush_cache": True}
+
+
+def update_weights_from_tensor(serialized_named_tensors: list[str], *, weight_version: str | None,
+                               flush_cache: bool, abort_all_requests: bool) -> dict[str, Any]:
+    """One entry per TP rank (rlfleet.weights.tensor_ipc.serialize); load format: SGLang's default (direct)."""
+    return {"serialized_named_tensors": serialized_named_tensors, "weight_version": weight_version,
+            "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+
+
+def update_weights_from_staging(checksums: dict[str, str], checksum_algorithm: str, *, weight_version: str,
+                                pause_mode: str) -> dict[str, Any]:
+    """The CPU engine's own commit of a P2P transfer: verify staging against the trainer's checksums, swap."""
+    return {"checksums": checksums, "checksum_algorithm": checksum_algorithm, "weight_version": weight_version,
+            "pause_mode": pause_mode}
+
+
+def trainer_sent_bodies() -> list[tuple[str, str, dict[str, Any]]]:
+    """Bodies of the trainer-sent transports' SGLang routes (issue 16), added after the snapshot's
+    conversion run: the contract tests check their fields against the snapshot's struct; the
+    msgspec conversion is recorded when the snapshot is next regenerated."""
+    samples = [("update_weights_from_tensor", update_weights_from_tensor(
+        ["gASVAAAA"], weight_version="3", flush_cache=True, abort_all_requests=False))]
+    return [(ROUTES[name][1], ROUTES[name][2], body) for name, body in samples]
 
 
 def sample_bodies() -> list[tuple[str, str, dict[str, Any]]]:

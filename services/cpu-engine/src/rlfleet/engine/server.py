@@ -52,15 +52,21 @@ from rlfleet.engine.protocol import (
     check_input_size,
     parse_generate,
 )
+from rlfleet.engine.peer_staging import PeerStaging
 from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
 from rlfleet.engine.store_weights import StoreLoadError, StoreWeights
 from rlfleet.weights import broadcast as distributed
+from rlfleet.weights.p2p import P2PError
+from rlfleet.weights.sent import DEFAULT_ALGORITHM, tensor_checksums
+from rlfleet.weights.tensor_ipc import TensorPayloadError
+from rlfleet.weights.tensor_ipc import deserialize as deserialize_tensors
 
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
 ENGINE_VERSION = f"rlfleet-cpu-engine (SGLang {SGLANG_VERSION} API)"
 STORE_ROUTE = RLFLEET_ROUTES["update_weights_from_store"][1]  # rlfleet-only: SGLang has no such route
+STAGING_ROUTE = RLFLEET_ROUTES["update_weights_from_staging"][1]  # rlfleet-only: P2P staging -> model
 SERVICE_NAME = "rlfleet-cpu-engine"
 # Routes that do work worth a span; the polled ones (health, load, info, version) are left out.
 TRACED_ROUTES = frozenset(
@@ -77,7 +83,9 @@ TRACED_ROUTES = frozenset(
         "/destroy_weights_update_group",
         "/load_lora_adapter",
         "/unload_lora_adapter",
+        "/update_weights_from_tensor",
         STORE_ROUTE,
+        STAGING_ROUTE,
     }
 )
 # SGLang's auth levels (sglang.srt.utils.auth) of the routes served here that are not NORMAL: with
@@ -96,7 +104,10 @@ ADMIN_ROUTES = frozenset(
         "/get_weights_by_name",
         "/load_lora_adapter",
         "/unload_lora_adapter",
+        "/update_weights_from_tensor",
+        "/remote_instance_transfer_engine_info",
         STORE_ROUTE,
+        STAGING_ROUTE,
     }
 )
 
@@ -122,6 +133,8 @@ class EngineServer:
         self._groups: dict[str, Any] = {}
         self._groups_lock = threading.Lock()
         self.store = StoreWeights(runner, config.weight_store_root, config.weight_store_workers)
+        self.staging = PeerStaging(getattr(runner, "_params", {}), config.p2p_hostname, config.p2p_protocol,
+                                   config.p2p_device)
         # One weight update at a time: a store load prepares against the version held at its start.
         self._weights_lock = asyncio.Lock()
         # One adapter load or unload at a time. Every name ever loaded, with its path and pinning:
@@ -151,6 +164,9 @@ class EngineServer:
         app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
         app.router.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        app.router.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        app.router.add_get("/remote_instance_transfer_engine_info", self.remote_instance_transfer_engine_info)
+        app.router.add_post(STAGING_ROUTE, self.update_weights_from_staging)
         app.router.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
         app.router.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
         app.router.add_post("/load_lora_adapter", self.load_lora_adapter)
@@ -394,7 +410,7 @@ class EngineServer:
                 named = await asyncio.to_thread(read_checkpoint, Path(path))
             except (WeightLoadError, OSError, ValueError) as exc:
                 return _weight_reply(False, f"Failed to read {path}: {exc}")
-            return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
+            return await self._swap(named, version, _pause_mode(request, body))
 
     async def update_weights_from_store(self, request: web.Request) -> web.Response:
         """rlfleet-only: a weight-store version, `kind` delta or full; prepared while serving, then a
@@ -519,7 +535,9 @@ class EngineServer:
             except Exception as exc:
                 return _weight_reply(False, f"Failed to receive weights over {name!r}: {exc}")
             version = _optional_str(body, "weight_version")
-            return await self._swap(named, version, bool(body.get("abort_all_requests", False)))
+            sums = await asyncio.to_thread(tensor_checksums, named)
+            return await self._swap(named, version, _pause_mode(request, body), checksums=sums,
+                                    checksum_algorithm=DEFAULT_ALGORITHM)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         name = str((await _body(request)).get("group_name", "weight_update_group"))
@@ -591,23 +609,93 @@ class EngineServer:
         trace.get_current_span().set_attribute("rlfleet.lora_name", name)
         return _lora_reply(True, None, loaded)
 
-    async def _swap(self, named, version: str | None, abort_all: bool) -> web.Response:
-        paused = await self._call(
-            lambda: len(self.scheduler.running) + len(self.scheduler.waiting) if self.scheduler.paused else 0
-        )
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's same-node route: `serialized_named_tensors` holds one entry per TP rank (this engine
+        has one), each a ForkingPickler pickle of [(name, tensor)] whose tensors live in the sender's
+        shared memory; they are copied out, hashed (the reply's `checksums`), then swapped in."""
+        body = await _body(request)
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
+            return _error("update_weights_from_tensor needs 'serialized_named_tensors': a list of base64 strings, "
+                          "one per TP rank")
+        if len(entries) != 1:
+            return _error(f"serialized_named_tensors has {len(entries)} entries; this engine has TP size 1")
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct"):
+            return _weight_reply(False, f"load_format {load_format!r} is not supported by the CPU engine's "
+                                        "update_weights_from_tensor; send none (direct)")
+        async with self._weights_lock:
+            try:
+                named = await asyncio.to_thread(deserialize_tensors, entries[0])
+            except TensorPayloadError as exc:
+                return _weight_reply(False, str(exc))
+            sums = await asyncio.to_thread(tensor_checksums, named)
+            return await self._swap(named, _optional_str(body, "weight_version"), _pause_mode(request, body),
+                                    checksums=sums, checksum_algorithm=DEFAULT_ALGORITHM)
 
-        def swap() -> tuple[bool, str, float, str]:
+    async def remote_instance_transfer_engine_info(self, request: web.Request) -> web.Response:
+        """Where the P2P staging buffer lives, in SGLang's shape (`rank`, `[session_id, {name: [ptr, numel,
+        element_size]}]`); the first call registers the buffer with Mooncake."""
+        try:
+            rank = int(request.query["rank"])
+        except (KeyError, ValueError):
+            return _error("remote_instance_transfer_engine_info needs the query parameter rank (a TP rank)")
+        if rank != 0:
+            return _error(f"rank {rank} is out of range: this engine has TP size 1")
+        try:
+            endpoint = await asyncio.to_thread(self.staging.endpoint)
+        except P2PError as exc:
+            return _error(f"peer-to-peer transfer is unavailable on this engine: {exc}", status=503)
+        return web.json_response(endpoint.to_json())
+
+    async def update_weights_from_staging(self, request: web.Request) -> web.Response:
+        """rlfleet-only: the version a trainer wrote into the P2P staging buffer, checked tensor by
+        tensor against the trainer's `checksums`, then copied into the model inside a pause of
+        `pause_mode`; a partial or corrupted transfer is refused and nothing changes."""
+        body = await _body(request)
+        checksums, algorithm = body.get("checksums"), body.get("checksum_algorithm", DEFAULT_ALGORITHM)
+        if not isinstance(checksums, dict) or not checksums or not isinstance(algorithm, str):
+            return _error("update_weights_from_staging needs 'checksums' (name -> hex digest) and "
+                          "'checksum_algorithm'")
+        mode = body.get("pause_mode", "retract")
+        if mode not in PAUSE_MODES:
+            return _error(f"unknown pause_mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        if not self.staging.ready:
+            return _weight_reply(False, "nothing is staged: no trainer was given this engine's endpoint "
+                                        "(GET /remote_instance_transfer_engine_info)")
+        async with self._weights_lock:
+            try:
+                await asyncio.to_thread(self.staging.verify, checksums, algorithm)
+            except P2PError as exc:
+                return _weight_reply(False, f"staged weights refused: {exc}", mismatched=getattr(exc, "names", []))
+            return await self._swap(self.staging.named(), _optional_str(body, "weight_version"), mode,
+                                    bytes=self.staging.nbytes)
+
+    async def _swap(self, named, version: str | None, mode: str, **extra) -> web.Response:
+        """The one step inside the pause: the tensors (already received and checked) into the model.
+        An engine already paused (by the gateway or a caller) stays paused: its pauser resumes it."""
+
+        def swap() -> tuple[bool, str, float, int, str]:
+            own_pause = self.scheduler.paused is None
+            queued = len(self.scheduler.running) + len(self.scheduler.waiting)
             started = time.perf_counter()
-            success, message = self.scheduler.update_weights(named, version, abort_all)
-            if success:
-                self.store.forget()  # no longer the exact bytes of a weight-store version
-            return success, message, time.perf_counter() - started, self.scheduler.weight_version
+            if own_pause:
+                self.scheduler.pause(mode)
+            try:
+                success, message = self.scheduler.update_weights(named, version)
+                if success:
+                    self.store.forget()  # no longer the exact bytes of a weight-store version
+            finally:
+                if own_pause:
+                    self.scheduler.resume()
+            return success, message, time.perf_counter() - started, queued, self.scheduler.weight_version
 
-        success, message, swap_s, served = await self._call(swap)
+        success, message, swap_s, queued, served = await self._call(swap)
         trace.get_current_span().set_attributes(
             {"rlfleet.weight_version": served, "rlfleet.tensors": len(named)}
         )
-        return _weight_reply(success, message, num_paused_requests=paused, pause_s=swap_s)
+        return _weight_reply(success, message, num_paused_requests=queued, pause_s=swap_s, pause_mode=mode,
+                             **(extra if success else {}))
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self.scheduler.call(fn))
@@ -703,6 +791,20 @@ async def _body(request: web.Request, max_bytes: int | None = None) -> dict[str,
             content_type="application/json",
         )
     return body
+
+
+def _pause_mode(request: web.Request, body: dict) -> str:
+    """abort when SGLang's `abort_all_requests` says so; else the rlfleet-only query parameter
+    `pause_mode` (SGLang's bodies have no such field, so the broker sends it to CPU engines this way);
+    else in_place: the swap runs between two decode steps and running requests carry on."""
+    if body.get("abort_all_requests"):
+        return "abort"
+    mode = request.query.get("pause_mode", "in_place")
+    if mode not in PAUSE_MODES:
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": f"unknown pause_mode {mode!r}; expected "
+                                                            f"one of {', '.join(PAUSE_MODES)}"}}),
+                                 content_type="application/json")
+    return mode
 
 
 def _optional_str(body: dict, key: str) -> str | None:

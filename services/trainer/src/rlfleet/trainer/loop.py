@@ -48,7 +48,7 @@ class TrainerLoop:
         self.worker = worker
         self.learner = Learner(config, worker)
         self.checkpointer = Checkpointer(config.checkpoint_dir(), config.checkpoint.keep)
-        self.publisher = VersionPublisher(store, js, config.run_id, worker)
+        self.publisher = VersionPublisher(store, js, config.run_id, worker, sender=_sender(config))
         self.metrics = TrainerMetrics()
         self.ledger = TrainedLedger()
         self.filters = GroupFilters(config.group_filter, config.max_staleness,
@@ -286,6 +286,14 @@ class TrainerLoop:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sender(config: TrainerConfig):
+    if not config.weight_send.broker_address:
+        return None
+    from rlfleet.trainer.weight_sender import WeightSender
+
+    return WeightSender(config.weight_send)
 
 
 def step_span(samples: list[Candidate], step: int):

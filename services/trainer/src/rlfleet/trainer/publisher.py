@@ -10,6 +10,10 @@ With LoRA (`[trainer.lora]`), the first version is the frozen base model in full
 one an adapter version on it (`WEIGHT_FORMAT_ADAPTER`, `base_version` = the base): peft's
 directory, a few percent of the model, which engines load beside the base by name.
 
+With a `WeightSender` (config `weight_send.broker_address`), each version also goes straight to the
+engines the broker names (broadcast, P2P, same-node tensors) after the store write and before the
+announcement, so the broker never races the trainer to load it from the store.
+
 Version numbers are never reused: a version announced after the last checkpoint and then lost in
 a crash stays in the store (an engine may serve it), and the restarted trainer continues from the
 checkpoint's weights under the next free number, with `parent_version` naming the checkpoint's.
@@ -39,20 +43,27 @@ ANNOUNCE_BACKOFF_MAX_S = 2.0  # NATS back from a restart is found within this
 
 
 class VersionPublisher:
-    def __init__(self, store: Any, js: Any, run_id: str, worker: Worker) -> None:
+    def __init__(self, store: Any, js: Any, run_id: str, worker: Worker, sender: Any = None) -> None:
         self.store = store
         self.js = js
         self.run_id = run_id
         self.worker = worker
+        self.sender = sender  # rlfleet.trainer.weight_sender.WeightSender, or None: the store only
+        self.last_send = None
 
     async def publish(self, version: int, parent: int, export: Callable[[], dict], step: int,
                       metrics: dict[str, float]) -> common_pb2.PolicyVersion:
-        """Writes the weights `export()` returns (called on the worker thread) as `version` and announces it."""
+        """Writes the weights `export()` returns (called on the worker thread) as `version`, sends them
+        straight to engines when a sender is set (the broker plans it), and announces the version."""
 
-        def write() -> dict[str, Any]:
-            return self.store.write_version(version, export(), parent_version=parent if parent >= 0 else None)
+        def write() -> tuple[dict[str, Any], dict]:
+            state = export()
+            return self.store.write_version(version, state, parent_version=parent if parent >= 0 else None), state
 
-        manifest = await self.worker.call(write)
+        manifest, state = await self.worker.call(write)
+        if self.sender is not None:
+            await self._send(self.policy_version(manifest, parent, step, metrics), state)
+        del state
         return await self.announce(manifest, parent, step, metrics)
 
     async def publish_adapter(self, version: int, parent: int, base_version: int, export: Callable[[], tuple],
@@ -66,6 +77,19 @@ class VersionPublisher:
 
         manifest = await self.worker.call(write)
         return await self.announce(manifest, parent, step, metrics)
+
+    async def _send(self, msg: common_pb2.PolicyVersion, state: dict) -> None:
+        try:
+            summary = await asyncio.to_thread(self.sender.send, msg, state)  # type: ignore[union-attr]
+        except Exception as exc:  # the broker is down or refused: engines catch up from the store
+            log.warning("sending version %d to engines failed: %s", msg.version, exc)
+            return
+        self.last_send = summary
+        failed = [o.engine_id for o in summary.outcomes if not o.ok]
+        log.info("version %d sent straight to %d engine(s) in %.3f s (%s)%s", msg.version, len(summary.outcomes),
+                 summary.seconds, ", ".join(f"{k} {v} B" for k, v in summary.bytes.items()) or "nothing sent",
+                 f"; {failed} fall back to the store" if failed else "",
+                 extra={"version": msg.version, "send_s": round(summary.seconds, 4)})
 
     async def announce(self, manifest: dict[str, Any], parent: int, step: int,
                        metrics: dict[str, float]) -> common_pb2.PolicyVersion:

@@ -84,6 +84,27 @@ class ValueModelConfig(StrictModel):
         return data
 
 
+class WeightSendConfig(StrictModel):
+    """Sending each version straight to engines (broadcast, P2P, same-node tensors), as the broker plans
+    it; the store gets every version either way. Rank 0 sends (it holds the gathered FSDP2 state)."""
+
+    broker_address: str = Field("", description="host:port of the weight broker; empty = no direct sending "
+                                "(engines load versions from the store)")
+    master_address: str = Field("127.0.0.1", description="address this trainer hosts broadcast rendezvous on "
+                                "(engines in its group must reach it)")
+    backend: Literal["", "gloo", "nccl"] = Field("", description="broadcast backend; empty = nccl when the "
+                                                 "weights are on a GPU, gloo otherwise")
+    p2p_hostname: str = Field("127.0.0.1", description="address of this trainer's Mooncake TransferEngine")
+    p2p_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake protocol: tcp, or rdma on a fleet")
+    p2p_device: str = Field("", description="Mooncake device name(s) for rdma; empty = auto")
+    checksum_algorithm: Literal["sha256", "blake2b", "crc32"] = Field(
+        "sha256", description="per-tensor checksums engines verify the transfer against")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="floating tensors are sent in this dtype: the store's served dtype, so "
+        "engines updated directly and from the store hold identical weights")
+    timeout_s: float = Field(300.0, gt=0, description="longest one direct send (all transports) may take")
+
+
 class TrainerBackendOptions(BackendOptions):
     """The backend's options (the model itself comes from model_path), and where the proximal policy
     of the clipped ratio comes from."""
@@ -125,6 +146,7 @@ class TrainerConfig(ServiceConfig):
     weights: WeightStoreConfig = Field(default_factory=WeightStoreConfig,
                                        description="how each policy version is written to the weight store")
     consumer: ConsumerConfig = Field(default_factory=ConsumerConfig)
+    weight_send: WeightSendConfig = Field(default_factory=WeightSendConfig)
 
     @model_validator(mode="after")
     def _consumer_can_hold_what_is_not_yet_checkpointed(self) -> TrainerConfig:

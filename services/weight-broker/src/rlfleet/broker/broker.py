@@ -32,13 +32,14 @@ from pathlib import Path
 from rlfleet.api.broker.v1 import broker_pb2
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.broker.adapters import AdapterRound, AdapterSync
-from rlfleet.broker.config import WeightBrokerConfig
+from rlfleet.broker.config import WeightBrokerConfig, transport_of
 from rlfleet.broker.errors import BadAnnouncement, NothingToRollBackTo, NotPromotable, UnknownVersion
 from rlfleet.broker.metrics import BrokerMetrics
 from rlfleet.broker.policy import SyncPolicy
 from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
 from rlfleet.broker.registry import State, Targets, VersionRegistry, now_ms, state_name
 from rlfleet.broker.rollout import Rollout, SyncResult
+from rlfleet.broker.trainer_sync import TrainerSyncs
 from rlfleet.broker.transports import BroadcastPlan, Distributed, UpdateOutcome, VersionInfo
 from rlfleet.common.adapter_routes import AdapterRoutes
 from rlfleet.common.engine_client import EngineError
@@ -51,6 +52,8 @@ TRANSPORTS = {
     "disk_full": broker_pb2.TRANSPORT_DISK_FULL,
     "disk_delta": broker_pb2.TRANSPORT_DISK_DELTA,
     "distributed": broker_pb2.TRANSPORT_DISTRIBUTED,
+    "p2p": broker_pb2.TRANSPORT_P2P,
+    "tensor": broker_pb2.TRANSPORT_TENSOR,
 }
 RETRY_REFUSED_S = 30.0
 SERVED = {State.VERSION_STATE_CANARY, State.VERSION_STATE_ACCEPTED}
@@ -95,12 +98,14 @@ class Broker:
         self._holds = 0
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
+        self.trainer_syncs = TrainerSyncs(self)
 
     # --- life -----------------------------------------------------------------------------------
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._reconcile_loop(), name="broker-reconcile")
 
     async def stop(self) -> None:
+        await self.trainer_syncs.stop()
         tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()
@@ -155,11 +160,29 @@ class Broker:
                 targets = await self.registry.targets()
                 await self.registry.set_targets(latest=max(version, targets.latest or version))
                 log.info("version %d announced", version)
-            if self.policy.transport != "distributed":
+            if not self._trainer_decides:
                 await self._apply_policy()
             record = await self.registry.get(version)
         self.wake()
         return record.state  # type: ignore[union-attr]
+
+    @property
+    def _trainer_decides(self) -> bool:
+        """With trainer-sent engines a version becomes a target when the trainer starts sending it
+        (StartTrainerSync / StartDistributedSync), not when it is announced: else the reconcile loop
+        would race the trainer and load it from the store."""
+        return self.policy.transport == "distributed" or self.config.trainer_sends
+
+    async def _apply_unsent(self) -> None:
+        """Under the lock: versions no trainer started sending within trainer_wait_s go by the store."""
+        targets = await self.registry.targets()
+        waiting = await self._waiting(targets)
+        wait_ms = self.config.sync.trainer_wait_s * 1000
+        if waiting and now_ms() - min(waiting.values()) >= wait_ms:
+            chosen = await self._apply_policy()
+            if chosen is not None:
+                log.warning("version %d: no trainer sent it within %.0fs; engines load it from the store",
+                            chosen, self.config.sync.trainer_wait_s)
 
     async def _waiting(self, targets: Targets) -> dict[int, int]:
         """ANNOUNCED versions not yet made a target -> announce time."""
@@ -301,6 +324,38 @@ class Broker:
             rank_offsets=offsets, tp_sizes=tp_sizes,
         )  # fmt: skip
 
+    async def take_for_trainer(self, version: int, wanted) -> list[EngineRef]:
+        """Makes `version` the canary target (both pools' with auto_promote) if the sync policy takes it,
+        and holds the engines of those pools that `wanted` names for the trainer: no reconcile round
+        touches them until they are released."""
+        self._hold_rounds(True)
+        try:
+            await self._wait_idle(5.0)
+            async with self._lock:
+                if await self._apply_policy(only=version) is None:
+                    return []
+                if self.config.auto_promote:
+                    await self._accept(version, "auto_promote (sent to every pool)")
+                pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
+                await self.pools.refresh()
+                engines = [e for p in pools for e in self.pools.members(p) if e.engine_id not in self._busy and wanted(e)]
+                self._claim(e.engine_id for e in engines)
+                return engines
+        finally:
+            self._hold_rounds(False)
+
+    def release(self, engines) -> None:
+        self._release(e.engine_id for e in engines)
+
+    async def tp_size(self, engine: EngineRef) -> int:
+        return await self._tp_size(engine)
+
+    async def record_engine(self, engine: EngineRef, result: SyncResult, target: int | None) -> None:
+        await self._record_engine(engine, result, target)
+
+    async def advance(self) -> None:
+        await self._advance()
+
     def _hold_rounds(self, hold: bool) -> None:
         self._holds += 1 if hold else -1
         if self._holds:
@@ -371,7 +426,10 @@ class Broker:
     async def reconcile_once(self) -> None:
         engines = await self.pools.refresh()
         await self.registry.forget_engines(e.engine_id for e in engines)
-        if self.policy.transport != "distributed" and self.policy.max_lag_ms:
+        if self._trainer_decides:
+            async with self._lock:
+                await self._apply_unsent()
+        elif self.policy.max_lag_ms:
             async with self._lock:
                 await self._apply_policy()
         await self._rounds_allowed.wait()
@@ -534,6 +592,7 @@ class Broker:
         record.engine_id, record.pool, record.url = engine.engine_id, engine.pool, engine.url
         record.target_version = -1 if target is None else target
         record.updates, record.fallbacks = updates, fallbacks
+        record.transport = TRANSPORTS[transport_of(self.config.sync, engine.engine_id, engine.transport)]
         if down:
             record.state, record.last_error = "down", down
         else:

@@ -8,7 +8,9 @@ from pydantic import Field, model_validator
 
 from rlfleet.common.config import NatsConfig, RedisConfig, ServiceConfig, StrictModel
 
-TransportName = Literal["disk_delta", "disk_full", "distributed"]
+TransportName = Literal["disk_delta", "disk_full", "distributed", "p2p", "tensor"]
+# Transports whose bytes come from the trainer (StartTrainerSync); the others read the weight store.
+TRAINER_SENT = ("distributed", "p2p", "tensor")
 PoolName = Literal["canary", "fleet"]
 PauseModeName = Literal["abort", "retract", "in_place"]
 
@@ -20,6 +22,8 @@ class StaticEngine(StrictModel):
     kind: Literal["cpu", "sglang"] = Field(
         "sglang", description="cpu (rlfleet's CPU engine: in-engine store deltas) or sglang (a real SGLang "
         "server: full HF directories only, deltas applied by the node-local weight agent)")
+    transport: TransportName | None = Field(
+        None, description="this engine's transport; empty = sync.engine_transports, then sync.transport")
 
 
 class SyncConfig(StrictModel):
@@ -27,10 +31,20 @@ class SyncConfig(StrictModel):
 
     transport: TransportName = Field(
         "disk_delta",
-        description="disk_delta (fetch + decode a store delta before a pause that covers only the swap; "
-        "full load when no delta applies), disk_full (always a full load), distributed (the trainer "
-        "broadcasts over torch.distributed; engines that miss a broadcast catch up from the store)",
+        description="every engine's transport unless engine_transports says otherwise: disk_delta (fetch + "
+        "decode a store delta before a pause that covers only the swap; full load when no delta applies), "
+        "disk_full (always a full load); straight from the trainer (StartTrainerSync; an engine whose "
+        "transfer fails catches up from the store): distributed (torch.distributed broadcast, for engines "
+        "in the trainer's group), p2p (the trainer writes into the engine's Mooncake staging buffer, for "
+        "reachable peers), tensor (update_weights_from_tensor, for an engine on the trainer's node)",
     )
+    engine_transports: dict[str, TransportName] = Field(
+        default_factory=dict, description="engine_id -> transport, overriding transport per engine "
+        '(e.g. {"e0": "distributed", "e1": "p2p"}); engines not named take transport')
+    trainer_wait_s: float = Field(
+        30.0, gt=0, description="with trainer-sent transports, a version announced this long ago that no "
+        "trainer has started sending is synced from the store (a trainer not configured to send)")
+    p2p_bucket_bytes: int = Field(64 << 20, ge=1 << 16, description="bytes per P2P write batch")
     every_n_versions: int = Field(
         1, ge=1, description="sync a version when it is at least this many versions past the last synced one"
     )
@@ -55,6 +69,11 @@ class SyncConfig(StrictModel):
         description="have the gateway mark an engine DRAINING while it catches up from weights that are no "
         "version of this run (a new or restarted engine), and HEALTHY once it serves its target",
     )
+
+
+def transport_of(sync: SyncConfig, engine_id: str, own: str = "") -> str:
+    """An engine's transport: its own (static list), else sync.engine_transports, else sync.transport."""
+    return own or sync.engine_transports.get(engine_id) or sync.transport
 
 
 class WeightBrokerConfig(ServiceConfig):
@@ -90,6 +109,13 @@ class WeightBrokerConfig(ServiceConfig):
     consume_policy_stream: bool = Field(
         True, description="take version announcements from the POLICY stream (PublishVersion works either way)"
     )
+
+    @property
+    def trainer_sends(self) -> bool:
+        """Whether any engine may take versions straight from the trainer (StartTrainerSync)."""
+        named = [self.sync.transport, *self.sync.engine_transports.values(),
+                 *(e.transport for e in self.engines if e.transport)]
+        return any(t in TRAINER_SENT for t in named)
 
     @model_validator(mode="after")
     def _one_engine_source(self) -> WeightBrokerConfig:

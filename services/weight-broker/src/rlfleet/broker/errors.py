@@ -23,3 +23,7 @@ class NotPromotable(FailedPrecondition):
 
 class NothingToRollBackTo(FailedPrecondition):
     """Rollback with no accepted version older than the current one (or a target that was never accepted)."""
+
+
+class UnknownSync(NotFound):
+    """FinishTrainerSync of a sync the broker does not hold (never started, finished, or timed out)."""

@@ -41,6 +41,7 @@ class EngineRef:
     pool: str  # canary | fleet
     gateway_state: str = ""  # healthy | unhealthy | paused | draining (from the gateway); "" = no gateway
     kind: str = "sglang"  # cpu (rlfleet's CPU engine) | sglang: which weight transports it can take
+    transport: str = ""  # its configured transport (static list); "" = the sync config's
 
     @property
     def draining(self) -> bool:
@@ -64,8 +65,32 @@ class BrokerEngineClient(EngineClient):
                                              abort_all_requests=False)
         return await self._weights("update_weights_from_disk", body)
 
-    async def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._weights("update_weights_from_distributed", body)
+    async def update_from_distributed(self, body: dict[str, Any], pause_mode: str | None = None) -> dict[str, Any]:
+        """`pause_mode` (CPU engine only): its rlfleet query parameter; SGLang's body has no such field."""
+        return await self._weights("update_weights_from_distributed", body,
+                                   path=_with_pause("update_weights_from_distributed", pause_mode))
+
+    async def transfer_engine_info(self, rank: int = 0) -> dict[str, Any]:
+        """SGLang's remote-instance endpoint description (where the P2P receive buffer lives)."""
+        path = wire.ROUTES["remote_instance_transfer_engine_info"][1] + f"?rank={rank}"
+        return await self._call("remote_instance_transfer_engine_info", None, self.timeouts.control_s, path=path)
+
+    async def update_from_staging(self, checksums: dict[str, str], algorithm: str, *, weight_version: str,
+                                  pause_mode: str) -> dict[str, Any]:
+        body = wire.update_weights_from_staging(checksums, algorithm, weight_version=weight_version,
+                                                pause_mode=pause_mode)
+        return await self._weights("update_weights_from_staging", body)
+
+    async def update_from_tensor(self, serialized: list[str], *, weight_version: str, pause_mode: str | None,
+                                 abort_all_requests: bool) -> dict[str, Any]:
+        body = wire.update_weights_from_tensor(serialized, weight_version=weight_version, flush_cache=True,
+                                               abort_all_requests=abort_all_requests)
+        return await self._weights("update_weights_from_tensor", body,
+                                   path=_with_pause("update_weights_from_tensor", pause_mode))
+
+
+def _with_pause(route: str, pause_mode: str | None) -> str | None:
+    return None if pause_mode is None else f"{wire.ROUTES[route][1]}?pause_mode={pause_mode}"
 
 
 class GatewayLink:
@@ -133,7 +158,7 @@ class Pools:
         self, static: list[StaticEngine], gateway: GatewayLink | None, timeouts: EngineTimeouts, *,
         api_key: str = "", admin_api_key: str = "",
     ) -> None:
-        self.static = [EngineRef(e.engine_id, e.url.rstrip("/"), e.pool, kind=e.kind) for e in static]
+        self.static = [EngineRef(e.engine_id, e.url.rstrip("/"), e.pool, kind=e.kind, transport=e.transport or "") for e in static]
         self.api_key = api_key
         self.admin_api_key = admin_api_key
         self.gateway = gateway

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from rlfleet.broker.config import SyncConfig
+from rlfleet.broker.config import SyncConfig, transport_of
 from rlfleet.broker.metrics import BrokerMetrics
 from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
 from rlfleet.broker.transports import DiskDelta, DiskFull, Pauser, UpdateOutcome, VersionInfo
@@ -66,9 +66,9 @@ class Rollout:
         self.delta = DiskDelta(pools, config.pause_mode, copies)
         self.full = DiskFull(pools, Pauser(pools, gateway), config.pause_mode, copies)
 
-    def plan(self, current: int | None, target: int) -> list[int]:
+    def plan(self, current: int | None, target: int, transport: str = "") -> list[int]:
         """The deltas to apply in order, or [] for one full load (current == target: nothing to do)."""
-        if self.config.transport == "disk_full" or current is None or current >= target:
+        if (transport or self.config.transport) == "disk_full" or current is None or current >= target:
             return []
         chain, version = [], target
         while version != current:
@@ -86,7 +86,8 @@ class Rollout:
 
     async def sync(self, engine: EngineRef, current: int | None, target: int) -> SyncResult:
         result = SyncResult(engine.engine_id, target, serving=current)
-        steps = await asyncio.to_thread(self.plan, current, target)
+        steps = await asyncio.to_thread(self.plan, current, target,
+                                        transport_of(self.config, engine.engine_id, engine.transport))
         for version in steps:
             outcome = await self._run(self.delta, engine, version)
             result.outcomes.append(outcome)

@@ -31,3 +31,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self, request: broker_pb2.StartDistributedSyncRequest, context
     ) -> broker_pb2.StartDistributedSyncResponse:
         return await self.broker.start_distributed(request)
+
+    async def StartTrainerSync(self, request: broker_pb2.StartTrainerSyncRequest, context) -> broker_pb2.TrainerSyncPlan:
+        return await self.broker.trainer_syncs.start(request)
+
+    async def FinishTrainerSync(
+        self, request: broker_pb2.FinishTrainerSyncRequest, context
+    ) -> broker_pb2.FinishTrainerSyncResponse:
+        return await self.broker.trainer_syncs.finish(request)

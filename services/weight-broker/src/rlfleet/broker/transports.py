@@ -23,12 +23,23 @@ The transport a version takes depends on the engine's kind (`EngineRef.kind`):
 * `Distributed`: SGLang's `init_weights_update_group` on each engine, with SGLang's rank
   arithmetic: the sender is rank 0, engine i joins at `rank_offset` = 1 + the TP sizes of the
   engines before it and takes one rank per TP rank, world size = 1 + the sum of TP sizes; then `update_weights_from_distributed` with names/dtypes/shapes while the sender (the
-  trainer, `rlfleet.broker.distributed_sender`) broadcasts; the group is destroyed afterwards.
+  trainer, `rlfleet.broker.distributed_sender` or `rlfleet.trainer.weight_sender`) broadcasts; the group is
+  destroyed afterwards. With the trainer's checksums (StartTrainerSync), an engine whose reply's
+  checksums (the CPU engine hashes what it received) differ failed.
+* `PeerCommit` (p2p): the trainer wrote the version into the engine's Mooncake staging buffer; the
+  engine verifies staging against the trainer's checksums and only then swaps.
+* `TensorHandOver` (tensor): same node, SGLang's `update_weights_from_tensor` with shared-memory handles.
+
+Pause modes: the store transports send theirs in the body (CPU engine) or pause through the gateway;
+the trainer-sent ones send `abort_all_requests` for abort, and the CPU engine takes retract / in_place
+as its rlfleet query parameter `pause_mode` (SGLang's bodies have no such field). For an SGLang engine
+a tensor update is wrapped in pause_generation(mode) / continue_generation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -39,6 +50,7 @@ from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
 from rlfleet.common.engine_client import EngineError, EngineRejected
 from rlfleet.weights import DirectoryWeightStore, WeightStoreError
 from rlfleet.weights.local_copy import LocalCopies, Staged
+from rlfleet.weights.sent import mismatched
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +79,7 @@ class VersionInfo:
 class UpdateOutcome:
     engine_id: str
     version: int
-    transport: str  # disk_delta | disk_full | distributed
+    transport: str  # disk_delta | disk_full | distributed | p2p | tensor
     ok: bool
     pause_s: float = 0.0
     bytes: int = 0
@@ -245,6 +257,9 @@ class BroadcastPlan:
     shapes: list[list[int]]
     # Each engine's TP size, in the order of the engines the plan goes to; empty: 1 each.
     tp_sizes: tuple[int, ...] = ()
+    # name -> the sender's checksum (TrainerSync): an engine whose reply's checksums differ failed.
+    checksums: dict[str, str] = field(default_factory=dict)
+    pause_mode: str = "in_place"
 
     def ranks(self, engines: int) -> tuple[list[int], int]:
         """(rank_offset of each engine, world size) by SGLang's rule (rank = rank_offset + tp_rank)."""
@@ -274,6 +289,24 @@ def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
+def engine_pause(engine: EngineRef, pause_mode: str) -> tuple[str | None, bool]:
+    """(the CPU engine's pause_mode query parameter, abort_all_requests) for a trainer-sent swap.
+    SGLang's bodies carry only abort_all_requests; it holds requests for the whole update itself."""
+    return (pause_mode if engine.kind == "cpu" else None), pause_mode == "abort"
+
+
+def checked(outcome: UpdateOutcome, expected: dict[str, str]) -> UpdateOutcome:
+    """Fails an outcome whose engine reported checksums that are not the sender's. Engines that report
+    none (SGLang) are taken at their word."""
+    got = outcome.reply.get("checksums")
+    if outcome.ok and expected and isinstance(got, dict):
+        bad = mismatched(expected, got)
+        if bad:
+            outcome.ok = False
+            outcome.message = f"{len(bad)} tensor(s) arrived with the wrong checksum: {', '.join(bad[:5])}"
+    return outcome
+
+
 class Distributed:
     name = "distributed"
 
@@ -298,7 +331,11 @@ class Distributed:
             replies: list = [j if isinstance(j, BaseException) else EngineRejected(
                 "another engine failed to join the group; no broadcast", url="") for j in joined]  # fmt: skip
         else:
-            replies = await asyncio.gather(*(c.update_from_distributed(body) for c in clients), return_exceptions=True)
+            modes = [engine_pause(e, plan.pause_mode) for e in engines]
+            replies = await asyncio.gather(
+                *(c.update_from_distributed({**body, "abort_all_requests": abort}, mode)
+                  for c, (mode, abort) in zip(clients, modes, strict=True)),
+                return_exceptions=True)  # fmt: skip
         await asyncio.gather(
             *(c.destroy_weights_update_group(plan.group_name) for c, j in zip(clients, joined, strict=True)
               if not isinstance(j, BaseException)),
@@ -311,7 +348,63 @@ class Distributed:
             elif isinstance(reply, BaseException):
                 raise reply
             else:
-                outcomes.append(UpdateOutcome(engine.engine_id, target.version, self.name, True,
-                                              float(reply.get("pause_s", 0.0)), plan.nbytes,
-                                              message=str(reply.get("message", "")), reply=reply))  # fmt: skip
+                outcomes.append(checked(UpdateOutcome(
+                    engine.engine_id, target.version, self.name, True, float(reply.get("pause_s", 0.0)),
+                    plan.nbytes, message=str(reply.get("message", "")), reply=reply), plan.checksums))  # fmt: skip
         return outcomes
+
+
+class PeerCommit:
+    """P2P, after the trainer wrote a version into the engine's staging: the engine checks staging
+    against the sender's checksums and swaps (CPU engine: `/rlfleet/update_weights_from_staging`)."""
+
+    name = "p2p"
+
+    def __init__(self, pools: Pools, pause_mode: str) -> None:
+        self.pools = pools
+        self.pause_mode = pause_mode
+
+    async def commit(self, engine: EngineRef, version: int, checksums: dict[str, str], algorithm: str,
+                     sent_bytes: int) -> UpdateOutcome:
+        try:
+            reply = await self.pools.client(engine).update_from_staging(
+                checksums, algorithm, weight_version=str(version), pause_mode=self.pause_mode)
+        except EngineError as exc:
+            return UpdateOutcome(engine.engine_id, version, self.name, False, message=exc.message,
+                                 refused=isinstance(exc, EngineRejected))  # fmt: skip
+        return UpdateOutcome(engine.engine_id, version, self.name, True, float(reply.get("pause_s", 0.0)),
+                             sent_bytes, message=str(reply.get("message", "")), reply=reply)  # fmt: skip
+
+
+class TensorHandOver:
+    """Same node: SGLang's `update_weights_from_tensor` with the trainer's shared-memory handles; the
+    engine copies the tensors out and (CPU engine) reports their checksums, checked here."""
+
+    name = "tensor"
+
+    def __init__(self, pools: Pools, pause_mode: str) -> None:
+        self.pools = pools
+        self.pause_mode = pause_mode
+
+    async def update(self, engine: EngineRef, version: int, serialized: list[str], checksums: dict[str, str],
+                     nbytes: int) -> UpdateOutcome:
+        mode, abort = engine_pause(engine, self.pause_mode)
+        client = self.pools.client(engine)
+        paused = engine.kind != "cpu" and not abort and self.pause_mode != "in_place"
+        try:
+            if paused:  # SGLang's RL recipe: pause (retract) -> update -> continue
+                await client.pause(self.pause_mode)  # type: ignore[arg-type]
+            started = time.perf_counter()
+            reply = await client.update_from_tensor(serialized, weight_version=str(version), pause_mode=mode,
+                                                    abort_all_requests=abort)
+            call_s = time.perf_counter() - started
+        except EngineError as exc:
+            return UpdateOutcome(engine.engine_id, version, self.name, False, message=exc.message,
+                                 refused=isinstance(exc, EngineRejected))  # fmt: skip
+        finally:
+            if paused:
+                with contextlib.suppress(EngineError):
+                    await client.resume()
+        return checked(UpdateOutcome(engine.engine_id, version, self.name, True,
+                                     float(reply.get("pause_s", call_s)), nbytes,
+                                     message=str(reply.get("message", "")), reply=reply), checksums)  # fmt: skip

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from rlfleet.api.common.v1 import common_pb2 as rlfleet_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erlfleet/broker/v1/broker.proto\x12\x11rlfleet.broker.v1\x1a\x1erlfleet/common/v1/common.proto\"\x88\x02\n\rVersionRecord\x12\x31\n\x07version\x18\x01 \x01(\x0b\x32 .rlfleet.common.v1.PolicyVersion\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x19\n\x11\x61nnounced_unix_ms\x18\x04 \x01(\x03\x12\x16\n\x0e\x63\x61nary_unix_ms\x18\x05 \x01(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_unix_ms\x18\x06 \x01(\x03\x12\x1d\n\x15\x66leet_serving_unix_ms\x18\x07 \x01(\x03\x12\x18\n\x10rejected_unix_ms\x18\x08 \x01(\x03\"H\n\x16PublishVersionResponse\x12.\n\x05state\x18\x01 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\"\x12\n\x10GetStatusRequest\"\x94\x02\n\rEngineVersion\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0clast_pause_s\x18\x05 \x01(\x01\x12\x12\n\nlast_bytes\x18\x06 \x01(\x04\x12\x34\n\x0elast_transport\x18\x07 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\x12\x12\n\nlast_error\x18\x08 \x01(\t\x12\x0b\n\x03url\x18\t \x01(\t\x12\x16\n\x0etarget_version\x18\n \x01(\x03\x12\x0f\n\x07updates\x18\x0b \x01(\x04\x12\x11\n\tfallbacks\x18\x0c \x01(\x04\"\xf9\x01\n\x0c\x42rokerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61nary_version\x18\x03 \x01(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x04 \x01(\x03\x12\x31\n\x07\x65ngines\x18\x05 \x03(\x0b\x32 .rlfleet.broker.v1.EngineVersion\x12/\n\ttransport\x18\x06 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\x12\x14\n\x0c\x61uto_promote\x18\x07 \x01(\x08\x12\x15\n\rfleet_version\x18\x08 \x01(\x03\"$\n\x13ListVersionsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"J\n\x14ListVersionsResponse\x12\x32\n\x08versions\x18\x01 \x03(\x0b\x32 .rlfleet.broker.v1.VersionRecord\"1\n\x0ePromoteRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\x0fPromoteResponse\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x01 \x01(\x03\"5\n\x0fRollbackRequest\x12\x12\n\nto_version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\x10RollbackResponse\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x01 \x01(\x03\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xbe\x01\n\x1bStartDistributedSyncRequest\x12\x31\n\x07version\x18\x01 \x01(\x0b\x32 .rlfleet.common.v1.PolicyVersion\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12.\n\x07tensors\x18\x05 \x03(\x0b\x32\x1d.rlfleet.broker.v1.TensorSpec\"\xb2\x01\n\x1cStartDistributedSyncResponse\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nengine_ids\x18\x03 \x03(\t\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\x12\x14\n\x0crank_offsets\x18\x05 \x03(\r\x12\x10\n\x08tp_sizes\x18\x06 \x03(\r*t\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSPORT_DISK_FULL\x10\x01\x12\x18\n\x14TRANSPORT_DISK_DELTA\x10\x02\x12\x19\n\x15TRANSPORT_DISTRIBUTED\x10\x03*\xd6\x01\n\x0cVersionState\x12\x1d\n\x19VERSION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17VERSION_STATE_ANNOUNCED\x10\x01\x12\x19\n\x15VERSION_STATE_SKIPPED\x10\x02\x12\x18\n\x14VERSION_STATE_CANARY\x10\x03\x12\x1a\n\x16VERSION_STATE_ACCEPTED\x10\x04\x12\x1a\n\x16VERSION_STATE_REJECTED\x10\x05\x12\x1d\n\x19VERSION_STATE_ROLLED_BACK\x10\x06\x32\xc2\x04\n\rBrokerService\x12]\n\x0ePublishVersion\x12 .rlfleet.common.v1.PolicyVersion\x1a).rlfleet.broker.v1.PublishVersionResponse\x12Q\n\tGetStatus\x12#.rlfleet.broker.v1.GetStatusRequest\x1a\x1f.rlfleet.broker.v1.BrokerStatus\x12_\n\x0cListVersions\x12&.rlfleet.broker.v1.ListVersionsRequest\x1a\'.rlfleet.broker.v1.ListVersionsResponse\x12P\n\x07Promote\x12!.rlfleet.broker.v1.PromoteRequest\x1a\".rlfleet.broker.v1.PromoteResponse\x12S\n\x08Rollback\x12\".rlfleet.broker.v1.RollbackRequest\x1a#.rlfleet.broker.v1.RollbackResponse\x12w\n\x14StartDistributedSync\x12..rlfleet.broker.v1.StartDistributedSyncRequest\x1a/.rlfleet.broker.v1.StartDistributedSyncResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erlfleet/broker/v1/broker.proto\x12\x11rlfleet.broker.v1\x1a\x1erlfleet/common/v1/common.proto\"\x88\x02\n\rVersionRecord\x12\x31\n\x07version\x18\x01 \x01(\x0b\x32 .rlfleet.common.v1.PolicyVersion\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x19\n\x11\x61nnounced_unix_ms\x18\x04 \x01(\x03\x12\x16\n\x0e\x63\x61nary_unix_ms\x18\x05 \x01(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_unix_ms\x18\x06 \x01(\x03\x12\x1d\n\x15\x66leet_serving_unix_ms\x18\x07 \x01(\x03\x12\x18\n\x10rejected_unix_ms\x18\x08 \x01(\x03\"H\n\x16PublishVersionResponse\x12.\n\x05state\x18\x01 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\"\x12\n\x10GetStatusRequest\"\xc5\x02\n\rEngineVersion\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0clast_pause_s\x18\x05 \x01(\x01\x12\x12\n\nlast_bytes\x18\x06 \x01(\x04\x12\x34\n\x0elast_transport\x18\x07 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\x12\x12\n\nlast_error\x18\x08 \x01(\t\x12\x0b\n\x03url\x18\t \x01(\t\x12\x16\n\x0etarget_version\x18\n \x01(\x03\x12\x0f\n\x07updates\x18\x0b \x01(\x04\x12\x11\n\tfallbacks\x18\x0c \x01(\x04\x12/\n\ttransport\x18\r \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\"\xf9\x01\n\x0c\x42rokerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61nary_version\x18\x03 \x01(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x04 \x01(\x03\x12\x31\n\x07\x65ngines\x18\x05 \x03(\x0b\x32 .rlfleet.broker.v1.EngineVersion\x12/\n\ttransport\x18\x06 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\x12\x14\n\x0c\x61uto_promote\x18\x07 \x01(\x08\x12\x15\n\rfleet_version\x18\x08 \x01(\x03\"$\n\x13ListVersionsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"J\n\x14ListVersionsResponse\x12\x32\n\x08versions\x18\x01 \x03(\x0b\x32 .rlfleet.broker.v1.VersionRecord\"1\n\x0ePromoteRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\x0fPromoteResponse\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x01 \x01(\x03\"5\n\x0fRollbackRequest\x12\x12\n\nto_version\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\x10RollbackResponse\x12\x18\n\x10\x61\x63\x63\x65pted_version\x18\x01 \x01(\x03\"J\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\"\xbe\x01\n\x1bStartDistributedSyncRequest\x12\x31\n\x07version\x18\x01 \x01(\x0b\x32 .rlfleet.common.v1.PolicyVersion\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12.\n\x07tensors\x18\x05 \x03(\x0b\x32\x1d.rlfleet.broker.v1.TensorSpec\"\xb2\x01\n\x1cStartDistributedSyncResponse\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nengine_ids\x18\x03 \x03(\t\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\x12\x14\n\x0crank_offsets\x18\x05 \x03(\r\x12\x10\n\x08tp_sizes\x18\x06 \x03(\r\"\xd6\x01\n\x17StartTrainerSyncRequest\x12\x31\n\x07version\x18\x01 \x01(\x0b\x32 .rlfleet.common.v1.PolicyVersion\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.rlfleet.broker.v1.TensorSpec\x12\x1a\n\x12\x63hecksum_algorithm\x18\x03 \x01(\t\x12\x16\n\x0emaster_address\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\"t\n\x0e\x42roadcastGroup\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nengine_ids\x18\x03 \x03(\t\x12\x14\n\x0crank_offsets\x18\x04 \x03(\r\x12\x10\n\x08tp_sizes\x18\x05 \x03(\r\"6\n\nPeerTarget\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rendpoint_json\x18\x02 \x01(\t\"\xe7\x01\n\x0fTrainerSyncPlan\x12\x0f\n\x07sync_id\x18\x01 \x01(\t\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.rlfleet.broker.v1.VersionState\x12\x34\n\tbroadcast\x18\x03 \x01(\x0b\x32!.rlfleet.broker.v1.BroadcastGroup\x12,\n\x05peers\x18\x04 \x03(\x0b\x32\x1d.rlfleet.broker.v1.PeerTarget\x12\x19\n\x11tensor_engine_ids\x18\x05 \x03(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x06 \x01(\x04\"K\n\nPeerResult\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04sent\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xa2\x01\n\x18\x46inishTrainerSyncRequest\x12\x0f\n\x07sync_id\x18\x01 \x01(\t\x12,\n\x05peers\x18\x02 \x03(\x0b\x32\x1d.rlfleet.broker.v1.PeerResult\x12 \n\x18serialized_named_tensors\x18\x03 \x03(\t\x12\x16\n\x0e\x62roadcast_sent\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\xa8\x01\n\x11\x45ngineSyncOutcome\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12/\n\ttransport\x18\x02 \x01(\x0e\x32\x1c.rlfleet.broker.v1.Transport\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x0f\n\x07pause_s\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x12\n\nfalls_back\x18\x07 \x01(\x08\"S\n\x19\x46inishTrainerSyncResponse\x12\x36\n\x08outcomes\x18\x01 \x03(\x0b\x32$.rlfleet.broker.v1.EngineSyncOutcome*\x9d\x01\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSPORT_DISK_FULL\x10\x01\x12\x18\n\x14TRANSPORT_DISK_DELTA\x10\x02\x12\x19\n\x15TRANSPORT_DISTRIBUTED\x10\x03\x12\x11\n\rTRANSPORT_P2P\x10\x04\x12\x14\n\x10TRANSPORT_TENSOR\x10\x05*\xd6\x01\n\x0cVersionState\x12\x1d\n\x19VERSION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17VERSION_STATE_ANNOUNCED\x10\x01\x12\x19\n\x15VERSION_STATE_SKIPPED\x10\x02\x12\x18\n\x14VERSION_STATE_CANARY\x10\x03\x12\x1a\n\x16VERSION_STATE_ACCEPTED\x10\x04\x12\x1a\n\x16VERSION_STATE_REJECTED\x10\x05\x12\x1d\n\x19VERSION_STATE_ROLLED_BACK\x10\x06\x32\x96\x06\n\rBrokerService\x12]\n\x0ePublishVersion\x12 .rlfleet.common.v1.PolicyVersion\x1a).rlfleet.broker.v1.PublishVersionResponse\x12Q\n\tGetStatus\x12#.rlfleet.broker.v1.GetStatusRequest\x1a\x1f.rlfleet.broker.v1.BrokerStatus\x12_\n\x0cListVersions\x12&.rlfleet.broker.v1.ListVersionsRequest\x1a\'.rlfleet.broker.v1.ListVersionsResponse\x12P\n\x07Promote\x12!.rlfleet.broker.v1.PromoteRequest\x1a\".rlfleet.broker.v1.PromoteResponse\x12S\n\x08Rollback\x12\".rlfleet.broker.v1.RollbackRequest\x1a#.rlfleet.broker.v1.RollbackResponse\x12w\n\x14StartDistributedSync\x12..rlfleet.broker.v1.StartDistributedSyncRequest\x1a/.rlfleet.broker.v1.StartDistributedSyncResponse\x12\x62\n\x10StartTrainerSync\x12*.rlfleet.broker.v1.StartTrainerSyncRequest\x1a\".rlfleet.broker.v1.TrainerSyncPlan\x12n\n\x11\x46inishTrainerSync\x12+.rlfleet.broker.v1.FinishTrainerSyncRequest\x1a,.rlfleet.broker.v1.FinishTrainerSyncResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.broker.v1.broker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=1720
-  _globals['_TRANSPORT']._serialized_end=1836
-  _globals['_VERSIONSTATE']._serialized_start=1839
-  _globals['_VERSIONSTATE']._serialized_end=2053
+  _globals['_TRANSPORT']._serialized_start=2911
+  _globals['_TRANSPORT']._serialized_end=3068
+  _globals['_VERSIONSTATE']._serialized_start=3071
+  _globals['_VERSIONSTATE']._serialized_end=3285
   _globals['_VERSIONRECORD']._serialized_start=86
   _globals['_VERSIONRECORD']._serialized_end=350
   _globals['_PUBLISHVERSIONRESPONSE']._serialized_start=352
@@ -43,27 +43,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=426
   _globals['_GETSTATUSREQUEST']._serialized_end=444
   _globals['_ENGINEVERSION']._serialized_start=447
-  _globals['_ENGINEVERSION']._serialized_end=723
-  _globals['_BROKERSTATUS']._serialized_start=726
-  _globals['_BROKERSTATUS']._serialized_end=975
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=977
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=1013
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1015
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1089
-  _globals['_PROMOTEREQUEST']._serialized_start=1091
-  _globals['_PROMOTEREQUEST']._serialized_end=1140
-  _globals['_PROMOTERESPONSE']._serialized_start=1142
-  _globals['_PROMOTERESPONSE']._serialized_end=1185
-  _globals['_ROLLBACKREQUEST']._serialized_start=1187
-  _globals['_ROLLBACKREQUEST']._serialized_end=1240
-  _globals['_ROLLBACKRESPONSE']._serialized_start=1242
-  _globals['_ROLLBACKRESPONSE']._serialized_end=1286
-  _globals['_TENSORSPEC']._serialized_start=1288
-  _globals['_TENSORSPEC']._serialized_end=1344
-  _globals['_STARTDISTRIBUTEDSYNCREQUEST']._serialized_start=1347
-  _globals['_STARTDISTRIBUTEDSYNCREQUEST']._serialized_end=1537
-  _globals['_STARTDISTRIBUTEDSYNCRESPONSE']._serialized_start=1540
-  _globals['_STARTDISTRIBUTEDSYNCRESPONSE']._serialized_end=1718
-  _globals['_BROKERSERVICE']._serialized_start=2056
-  _globals['_BROKERSERVICE']._serialized_end=2634
+  _globals['_ENGINEVERSION']._serialized_end=772
+  _globals['_BROKERSTATUS']._serialized_start=775
+  _globals['_BROKERSTATUS']._serialized_end=1024
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=1026
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=1062
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1064
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1138
+  _globals['_PROMOTEREQUEST']._serialized_start=1140
+  _globals['_PROMOTEREQUEST']._serialized_end=1189
+  _globals['_PROMOTERESPONSE']._serialized_start=1191
+  _globals['_PROMOTERESPONSE']._serialized_end=1234
+  _globals['_ROLLBACKREQUEST']._serialized_start=1236
+  _globals['_ROLLBACKREQUEST']._serialized_end=1289
+  _globals['_ROLLBACKRESPONSE']._serialized_start=1291
+  _globals['_ROLLBACKRESPONSE']._serialized_end=1335
+  _globals['_TENSORSPEC']._serialized_start=1337
+  _globals['_TENSORSPEC']._serialized_end=1411
+  _globals['_STARTDISTRIBUTEDSYNCREQUEST']._serialized_start=1414
+  _globals['_STARTDISTRIBUTEDSYNCREQUEST']._serialized_end=1604
+  _globals['_STARTDISTRIBUTEDSYNCRESPONSE']._serialized_start=1607
+  _globals['_STARTDISTRIBUTEDSYNCRESPONSE']._serialized_end=1785
+  _globals['_STARTTRAINERSYNCREQUEST']._serialized_start=1788
+  _globals['_STARTTRAINERSYNCREQUEST']._serialized_end=2002
+  _globals['_BROADCASTGROUP']._serialized_start=2004
+  _globals['_BROADCASTGROUP']._serialized_end=2120
+  _globals['_PEERTARGET']._serialized_start=2122
+  _globals['_PEERTARGET']._serialized_end=2176
+  _globals['_TRAINERSYNCPLAN']._serialized_start=2179
+  _globals['_TRAINERSYNCPLAN']._serialized_end=2410
+  _globals['_PEERRESULT']._serialized_start=2412
+  _globals['_PEERRESULT']._serialized_end=2487
+  _globals['_FINISHTRAINERSYNCREQUEST']._serialized_start=2490
+  _globals['_FINISHTRAINERSYNCREQUEST']._serialized_end=2652
+  _globals['_ENGINESYNCOUTCOME']._serialized_start=2655
+  _globals['_ENGINESYNCOUTCOME']._serialized_end=2823
+  _globals['_FINISHTRAINERSYNCRESPONSE']._serialized_start=2825
+  _globals['_FINISHTRAINERSYNCRESPONSE']._serialized_end=2908
+  _globals['_BROKERSERVICE']._serialized_start=3288
+  _globals['_BROKERSERVICE']._serialized_end=4078
 # @@protoc_insertion_point(module_scope)

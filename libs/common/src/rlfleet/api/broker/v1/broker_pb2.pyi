@@ -14,6 +14,8 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_DISK_FULL: _ClassVar[Transport]
     TRANSPORT_DISK_DELTA: _ClassVar[Transport]
     TRANSPORT_DISTRIBUTED: _ClassVar[Transport]
+    TRANSPORT_P2P: _ClassVar[Transport]
+    TRANSPORT_TENSOR: _ClassVar[Transport]
 
 class VersionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +30,8 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_DISK_FULL: Transport
 TRANSPORT_DISK_DELTA: Transport
 TRANSPORT_DISTRIBUTED: Transport
+TRANSPORT_P2P: Transport
+TRANSPORT_TENSOR: Transport
 VERSION_STATE_UNSPECIFIED: VersionState
 VERSION_STATE_ANNOUNCED: VersionState
 VERSION_STATE_SKIPPED: VersionState
@@ -67,7 +71,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineVersion(_message.Message):
-    __slots__ = ("engine_id", "pool", "policy_version", "state", "last_pause_s", "last_bytes", "last_transport", "last_error", "url", "target_version", "updates", "fallbacks")
+    __slots__ = ("engine_id", "pool", "policy_version", "state", "last_pause_s", "last_bytes", "last_transport", "last_error", "url", "target_version", "updates", "fallbacks", "transport")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +84,7 @@ class EngineVersion(_message.Message):
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool: str
     policy_version: int
@@ -92,7 +97,8 @@ class EngineVersion(_message.Message):
     target_version: int
     updates: int
     fallbacks: int
-    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., last_pause_s: _Optional[float] = ..., last_bytes: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ..., url: _Optional[str] = ..., target_version: _Optional[int] = ..., updates: _Optional[int] = ..., fallbacks: _Optional[int] = ...) -> None: ...
+    transport: Transport
+    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., last_pause_s: _Optional[float] = ..., last_bytes: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ..., url: _Optional[str] = ..., target_version: _Optional[int] = ..., updates: _Optional[int] = ..., fallbacks: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class BrokerStatus(_message.Message):
     __slots__ = ("run_id", "latest_version", "canary_version", "accepted_version", "engines", "transport", "auto_promote", "fleet_version")
@@ -155,14 +161,16 @@ class RollbackResponse(_message.Message):
     def __init__(self, accepted_version: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape")
+    __slots__ = ("name", "dtype", "shape", "checksum")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    checksum: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class StartDistributedSyncRequest(_message.Message):
     __slots__ = ("version", "master_address", "master_port", "backend", "tensors")
@@ -193,3 +201,107 @@ class StartDistributedSyncResponse(_message.Message):
     rank_offsets: _containers.RepeatedScalarFieldContainer[int]
     tp_sizes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, group_name: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[VersionState, str]] = ..., rank_offsets: _Optional[_Iterable[int]] = ..., tp_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StartTrainerSyncRequest(_message.Message):
+    __slots__ = ("version", "tensors", "checksum_algorithm", "master_address", "master_port", "backend")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    version: _common_pb2.PolicyVersion
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    checksum_algorithm: str
+    master_address: str
+    master_port: int
+    backend: str
+    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algorithm: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class BroadcastGroup(_message.Message):
+    __slots__ = ("group_name", "world_size", "engine_ids", "rank_offsets", "tp_sizes")
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    world_size: int
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    rank_offsets: _containers.RepeatedScalarFieldContainer[int]
+    tp_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_name: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., rank_offsets: _Optional[_Iterable[int]] = ..., tp_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PeerTarget(_message.Message):
+    __slots__ = ("engine_id", "endpoint_json")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    endpoint_json: str
+    def __init__(self, engine_id: _Optional[str] = ..., endpoint_json: _Optional[str] = ...) -> None: ...
+
+class TrainerSyncPlan(_message.Message):
+    __slots__ = ("sync_id", "state", "broadcast", "peers", "tensor_engine_ids", "bucket_bytes")
+    SYNC_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sync_id: str
+    state: VersionState
+    broadcast: BroadcastGroup
+    peers: _containers.RepeatedCompositeFieldContainer[PeerTarget]
+    tensor_engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    bucket_bytes: int
+    def __init__(self, sync_id: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., broadcast: _Optional[_Union[BroadcastGroup, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., tensor_engine_ids: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class PeerResult(_message.Message):
+    __slots__ = ("engine_id", "sent", "bytes", "error")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    sent: bool
+    bytes: int
+    error: str
+    def __init__(self, engine_id: _Optional[str] = ..., sent: _Optional[bool] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class FinishTrainerSyncRequest(_message.Message):
+    __slots__ = ("sync_id", "peers", "serialized_named_tensors", "broadcast_sent", "error")
+    SYNC_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_SENT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sync_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerResult]
+    serialized_named_tensors: _containers.RepeatedScalarFieldContainer[str]
+    broadcast_sent: bool
+    error: str
+    def __init__(self, sync_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerResult, _Mapping]]] = ..., serialized_named_tensors: _Optional[_Iterable[str]] = ..., broadcast_sent: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class EngineSyncOutcome(_message.Message):
+    __slots__ = ("engine_id", "transport", "ok", "pause_s", "bytes", "message", "falls_back")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FALLS_BACK_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    transport: Transport
+    ok: bool
+    pause_s: float
+    bytes: int
+    message: str
+    falls_back: bool
+    def __init__(self, engine_id: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., ok: _Optional[bool] = ..., pause_s: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., falls_back: _Optional[bool] = ...) -> None: ...
+
+class FinishTrainerSyncResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[EngineSyncOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[EngineSyncOutcome, _Mapping]]] = ...) -> None: ...

@@ -65,6 +65,16 @@ class BrokerServiceStub:
                 request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncResponse.FromString,
                 _registered_method=True)
+        self.StartTrainerSync = channel.unary_unary(
+                '/rlfleet.broker.v1.BrokerService/StartTrainerSync',
+                request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartTrainerSyncRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.TrainerSyncPlan.FromString,
+                _registered_method=True)
+        self.FinishTrainerSync = channel.unary_unary(
+                '/rlfleet.broker.v1.BrokerService/FinishTrainerSync',
+                request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServiceServicer:
@@ -113,6 +123,27 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartTrainerSync(self, request, context):
+        """Trainer-sent weights, every direct transport at once (rlfleet.trainer.weight_sender): after the
+        version is in the store, the trainer asks which engines take it straight from it and how. The
+        broker decides (sync policy, canary first, each engine's configured transport) and answers with
+        a plan: a broadcast group, P2P endpoints to write into, engines to hand same-node tensors to.
+        Engines on the disk path are left to the reconcile loop. The plan's engines are held for the
+        trainer until FinishTrainerSync (or update_timeout_s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishTrainerSync(self, request, context):
+        """The trainer's completion report: which P2P writes went through, the same-node tensor handles.
+        The broker has each engine verify by checksum and swap; an engine whose transfer failed or
+        arrived partial falls back to the store. Answers once every engine of the plan is settled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +176,16 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.StartDistributedSync,
                     request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncRequest.FromString,
                     response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncResponse.SerializeToString,
+            ),
+            'StartTrainerSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartTrainerSync,
+                    request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartTrainerSyncRequest.FromString,
+                    response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.TrainerSyncPlan.SerializeToString,
+            ),
+            'FinishTrainerSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishTrainerSync,
+                    request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncRequest.FromString,
+                    response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +350,60 @@ class BrokerService:
             '/rlfleet.broker.v1.BrokerService/StartDistributedSync',
             rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncRequest.SerializeToString,
             rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartDistributedSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartTrainerSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.broker.v1.BrokerService/StartTrainerSync',
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.StartTrainerSyncRequest.SerializeToString,
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.TrainerSyncPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishTrainerSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.broker.v1.BrokerService/FinishTrainerSync',
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncRequest.SerializeToString,
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncResponse.FromString,
             options,
             channel_credentials,
             insecure,

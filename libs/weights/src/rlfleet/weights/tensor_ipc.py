@@ -1,0 +1,95 @@
+"""Same-node weight hand-over in SGLang's `update_weights_from_tensor` shape.
+
+SGLang's request carries `serialized_named_tensors`: one entry per TP rank, each
+`MultiprocessingSerializer.serialize([(name, tensor), ...], output_str=True)` -- torch's
+`ForkingPickler` pickle, base64-encoded. Pickling a tensor that way ships a handle to its memory,
+not its bytes (a CUDA IPC handle on a GPU; a shared-memory file on the host), so only handles cross
+the HTTP request and the receiver copies straight out of the sender's memory: the transport of a
+trainer and an engine on one node.
+
+Host tensors are shared by file name (torch's `file_system` strategy, set only while pickling):
+the default `file_descriptor` strategy hands descriptors over a socket that only the sender's own
+child processes can authenticate to, and an engine is no child of the trainer. The sender must keep
+the tensors alive until the receiver has copied them (`SharedTensors` holds them).
+
+The receiver unpickles with an allow-list (torch's rebuild functions and storage types only): a
+weight route must not be a way to run arbitrary code, whatever key guards it.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import collections
+import io
+import pickle
+from collections.abc import Iterable
+
+import torch
+import torch.multiprocessing as torch_mp
+import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reductions with ForkingPickler)
+from multiprocessing.reduction import ForkingPickler
+
+
+class TensorPayloadError(ValueError):
+    """`serialized_named_tensors` is not a list of named tensors this process can open."""
+
+
+def serialize(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """One rank's entry of `serialized_named_tensors` (SGLang's MultiprocessingSerializer, as text)."""
+    items = [(name, t.detach().contiguous()) for name, t in named]
+    previous = torch_mp.get_sharing_strategy()
+    buffer = io.BytesIO()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buffer).dump(items)
+    finally:
+        torch_mp.set_sharing_strategy(previous)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class SharedTensors:
+    """The sender's side: copies of `named` in shared memory, serialized; kept alive until closed."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.tensors = [(name, t.detach().to("cpu", copy=True).contiguous().share_memory_()) for name, t in named]
+        self.payload = serialize(self.tensors)
+        self.nbytes = sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    def close(self) -> None:
+        self.tensors = []
+
+
+_ALLOWED_MODULES = ("torch.multiprocessing.reductions", "torch._utils", "torch.storage", "torch._tensor")
+_ALLOWED_BUILTINS = {"tuple", "list", "dict", "int", "float", "bool", "str", "bytes", "slice"}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "builtins" and name in _ALLOWED_BUILTINS:
+            return getattr(builtins, name)
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch" and (name.endswith("Storage") or name in ("Size", "device", "Tensor") or
+                                  isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if module in _ALLOWED_MODULES and (name.startswith("rebuild_") or name.startswith("_rebuild_")
+                                           or name in ("TypedStorage", "UntypedStorage")):
+            return getattr(__import__(module, fromlist=[name]), name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a tensor payload")
+
+
+def deserialize(entry: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of one entry, copied out of the sender's shared memory."""
+    try:
+        raw = base64.b64decode(entry, validate=True)
+        items = _Unpickler(io.BytesIO(raw)).load()
+    except (ValueError, TypeError, pickle.UnpicklingError, EOFError, AttributeError, RuntimeError, OSError) as exc:
+        raise TensorPayloadError(f"serialized_named_tensors entry cannot be opened: {exc}") from exc
+    if not isinstance(items, list) or not all(
+        isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) and isinstance(i[1], torch.Tensor)
+        for i in items
+    ):
+        raise TensorPayloadError("serialized_named_tensors entry is not a list of (name, tensor) pairs")
+    # Copied before the reply: the sender frees its shared memory once the request is answered.
+    return [(name, t.clone()) for name, t in items]

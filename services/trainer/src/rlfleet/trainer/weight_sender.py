@@ -1,0 +1,179 @@
+"""The trainer sends each version straight to the engines the broker names, over the transport the
+broker chose for each (the trainer's half of StartTrainerSync / FinishTrainerSync; the broker's half
+and the whole exchange are described in `rlfleet.broker.trainer_sync`).
+
+After the version is in the weight store (catch-up, audit, rollback), rank 0 -- holding the state
+FSDP2 gathered for the store -- asks the broker for a plan, then at once:
+
+* broadcast: joins the plan's group as rank 0 (gloo for host tensors, NCCL when the weights are on
+  a GPU: tensors are broadcast from where they are, never copied to the host for it) and sends every
+  tensor in order; the broker has the engines join at SGLang's `rank_offset + tp_rank`;
+* P2P: writes the tensors into each engine's Mooncake staging buffer, `bucket_bytes` per batch;
+* tensor: puts the tensors in shared memory and hands the handles over in the completion report,
+  keeping the memory alive until the broker answers (the engines have copied by then);
+
+then reports what went through. Checksums of every tensor go in the request, so each engine's
+transfer is verified whatever the transport. A send that fails is logged and reported; training
+never stops for it (the engines catch up from the store).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
+from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.processes import free_port
+from rlfleet.trainer.service_config import WeightSendConfig
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass
+class SendSummary:
+    version: int
+    seconds: float = 0.0
+    plan_s: float = 0.0  # StartTrainerSync
+    transfer_s: float = 0.0  # every transfer, side by side
+    finish_s: float = 0.0  # FinishTrainerSync: the engines verified and swapped
+    bytes: dict[str, int] = field(default_factory=dict)  # transport -> bytes sent (all engines)
+    outcomes: list[Any] = field(default_factory=list)  # EngineSyncOutcome
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(o.ok for o in self.outcomes)
+
+
+class WeightSender:
+    def __init__(self, config: WeightSendConfig) -> None:
+        self.config = config
+        self._channel = grpc.insecure_channel(config.broker_address, options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
+        self._agent = None
+        self._p2p = None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # --- one version ----------------------------------------------------------------------------
+    def send(self, version: common_pb2.PolicyVersion, state: Mapping[str, Any]) -> SendSummary:
+        """Blocking: plan, transfers, report. Never raises for a transfer's failure (it is reported)."""
+        from rlfleet.weights.sent import served_named, tensor_checksums
+
+        started = time.perf_counter()
+        summary = SendSummary(version.version)
+        named = served_named(state, self.config.dtype)
+        request = self._plan_request(version, named, tensor_checksums(named, self.config.checksum_algorithm))
+        plan = self._stub.StartTrainerSync(request, timeout=self.config.timeout_s)
+        summary.plan_s = time.perf_counter() - started
+        if not plan.sync_id:
+            summary.seconds = time.perf_counter() - started
+            return summary
+        finish = broker_pb2.FinishTrainerSyncRequest(sync_id=plan.sync_id)
+        shared = None
+        transfer = time.perf_counter()
+        try:
+            broadcast = self._start_broadcast(plan, request, named, summary)
+            for peer in plan.peers:
+                finish.peers.append(self._write_peer(peer, named, plan.bucket_bytes, summary))
+            if plan.tensor_engine_ids:
+                from rlfleet.weights.tensor_ipc import SharedTensors
+
+                shared = SharedTensors(named)
+                finish.serialized_named_tensors.append(shared.payload)
+                summary.bytes["tensor"] = shared.nbytes * len(plan.tensor_engine_ids)
+            if broadcast is not None:
+                broadcast.join(self.config.timeout_s)
+                finish.broadcast_sent = not summary.error and not broadcast.is_alive()
+            summary.transfer_s = time.perf_counter() - transfer
+        except Exception as exc:  # whatever broke, the broker must hear of it to release the engines
+            log.exception("sending version %d failed", version.version)
+            summary.error = finish.error = f"{type(exc).__name__}: {exc}"
+        try:
+            finishing = time.perf_counter()
+            reply = self._stub.FinishTrainerSync(finish, timeout=self.config.timeout_s)
+            summary.finish_s = time.perf_counter() - finishing
+            summary.outcomes = list(reply.outcomes)
+        finally:
+            if shared is not None:
+                shared.close()
+        summary.seconds = time.perf_counter() - started
+        return summary
+
+    def _plan_request(self, version, named, checksums) -> broker_pb2.StartTrainerSyncRequest:
+        on_gpu = any(t.is_cuda for _, t in named)
+        backend = self.config.backend or ("nccl" if on_gpu else "gloo")
+        if on_gpu and backend != "nccl":
+            raise ValueError(f"CUDA tensors are broadcast over nccl, not {backend}")
+        return broker_pb2.StartTrainerSyncRequest(
+            version=version, checksum_algorithm=self.config.checksum_algorithm,
+            master_address=self.config.master_address, master_port=free_port(self.config.master_address),
+            backend=backend,
+            tensors=[broker_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+                                           checksum=checksums[n]) for n, t in named],
+        )  # fmt: skip
+
+    # --- broadcast ------------------------------------------------------------------------------
+    def _start_broadcast(self, plan, request, named, summary: SendSummary) -> threading.Thread | None:
+        if plan.broadcast.world_size <= 1:
+            return None
+        from rlfleet.weights import broadcast as distributed
+        from rlfleet.weights.sent import nbytes
+
+        def run() -> None:
+            try:
+                group = distributed.join_group(request.master_address, request.master_port, 0,
+                                               plan.broadcast.world_size, plan.broadcast.group_name,
+                                               request.backend, self.config.timeout_s)  # fmt: skip
+                try:
+                    distributed.send(group, [t for _, t in named])
+                finally:
+                    distributed.leave_group(group)
+                summary.bytes["distributed"] = nbytes(named) * len(plan.broadcast.engine_ids)
+            except Exception as exc:
+                log.exception("broadcast of version %d failed", summary.version)
+                summary.error = f"broadcast: {type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=run, name=f"broadcast-v{summary.version}", daemon=True)
+        thread.start()
+        return thread
+
+    # --- P2P ------------------------------------------------------------------------------------
+    def _sender(self, bucket_bytes: int):
+        from rlfleet.weights.p2p import P2PSender, TransferAgent
+
+        if self._agent is None:
+            self._agent = TransferAgent(self.config.p2p_hostname, self.config.p2p_protocol, self.config.p2p_device)
+        if self._p2p is None or self._p2p.bucket_bytes != bucket_bytes:
+            self._p2p = P2PSender(self._agent, bucket_bytes or 64 << 20, self.config.checksum_algorithm)
+        return self._p2p
+
+    def _write_peer(self, peer, named, bucket_bytes: int, summary: SendSummary) -> broker_pb2.PeerResult:
+        from rlfleet.weights.p2p import Endpoint, P2PError
+
+        result = broker_pb2.PeerResult(engine_id=peer.engine_id)
+        try:
+            endpoint = Endpoint.from_json(json.loads(peer.endpoint_json))
+            by_name = dict(named)
+            missing = sorted(set(endpoint.tensors) - set(by_name))
+            if missing:
+                raise P2PError(f"the engine expects tensors the trainer does not hold: {missing[:5]}")
+            report = self._sender(bucket_bytes).send({n: by_name[n] for n in endpoint.tensors}, endpoint)
+            result.sent, result.bytes = True, report.bytes_sent
+            summary.bytes["p2p"] = summary.bytes.get("p2p", 0) + report.bytes_sent
+        except (P2PError, ValueError) as exc:
+            log.warning("P2P write of version %d to %s failed: %s", summary.version, peer.engine_id, exc)
+            result.error = str(exc)
+        return result

@@ -1,0 +1,268 @@
+"""Trainer-sent weights: the broker's half of StartTrainerSync / FinishTrainerSync.
+
+    trainer: version in the store ──StartTrainerSync(version, tensors + checksums, rendezvous)──▶ broker
+    broker:  sync policy (canary first), each engine's transport, engines held for the trainer
+             ◀── TrainerSyncPlan: broadcast group (ranks by SGLang's arithmetic), P2P endpoints,
+                 same-node tensor engines
+    trainer: broadcasts (the broker has those engines receive), writes into P2P staging, shares tensors
+             ──FinishTrainerSync(which writes went through, tensor handles)──▶ broker
+    broker:  P2P engines verify staging by checksum and swap; tensor engines copy and swap (their
+             checksums checked); broadcast replies' checksums checked; outcomes recorded; engines
+             released ◀── one outcome per engine
+
+An engine whose transfer failed, arrived partial or could not be set up is released behind its
+pool's target, so the reconcile loop brings it from the store (delta or full): the store keeps
+every version for exactly this, and for catch-up, audit and rollback. One whose weights changed but
+failed the check is relabelled first (`unverified-<v>`), so the loop never takes it for serving v.
+A sync whose trainer never reports back is settled as failed after `update_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rlfleet.api.broker.v1 import broker_pb2
+from rlfleet.broker.config import TRAINER_SENT, transport_of
+from rlfleet.broker.errors import BadAnnouncement, UnknownSync
+from rlfleet.broker.pools import EngineRef
+from rlfleet.broker.rollout import SyncResult
+from rlfleet.broker.transports import (
+    BroadcastPlan,
+    Distributed,
+    PeerCommit,
+    TensorHandOver,
+    UpdateOutcome,
+    VersionInfo,
+)
+from rlfleet.common.engine_client import EngineError
+from rlfleet.weights.codec import CHECKSUM_ALGORITHMS
+
+if TYPE_CHECKING:
+    from rlfleet.broker.broker import Broker
+
+log = logging.getLogger(__name__)
+
+PROTO_TRANSPORTS = {"distributed": broker_pb2.TRANSPORT_DISTRIBUTED, "p2p": broker_pb2.TRANSPORT_P2P,
+                    "tensor": broker_pb2.TRANSPORT_TENSOR}
+
+
+@dataclass
+class PendingSync:
+    sync_id: str
+    version: int
+    checksums: dict[str, str]
+    algorithm: str
+    nbytes: int
+    peers: list[EngineRef] = field(default_factory=list)
+    tensors: list[EngineRef] = field(default_factory=list)
+    broadcast: list[EngineRef] = field(default_factory=list)
+    broadcast_task: asyncio.Task | None = None
+    watchdog: asyncio.Task | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def engines(self) -> list[EngineRef]:
+        return [*self.broadcast, *self.peers, *self.tensors]
+
+
+class TrainerSyncs:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.sync = broker.config.sync
+        self.pending: dict[str, PendingSync] = {}
+
+    def transport(self, engine: EngineRef) -> str:
+        return transport_of(self.sync, engine.engine_id, engine.transport)
+
+    # --- start ----------------------------------------------------------------------------------
+    async def start(self, request: broker_pb2.StartTrainerSyncRequest) -> broker_pb2.TrainerSyncPlan:
+        b = self.broker
+        _check(request)
+        version = request.version.version
+        await b.announce(request.version)
+        engines = await b.take_for_trainer(version, lambda e: self.transport(e) in TRAINER_SENT)
+        state = (await b.registry.get(version)).state  # type: ignore[union-attr]
+        if not engines:
+            return broker_pb2.TrainerSyncPlan(state=state)
+        by = {t: [e for e in engines if self.transport(e) == t] for t in TRAINER_SENT}
+        checksums = {t.name: t.checksum for t in request.tensors}
+        pending = PendingSync(uuid.uuid4().hex, version, checksums, request.checksum_algorithm,
+                              _nbytes(request.tensors), tensors=by["tensor"])  # fmt: skip
+        plan = broker_pb2.TrainerSyncPlan(sync_id=pending.sync_id, state=state, bucket_bytes=self.sync.p2p_bucket_bytes,
+                                          tensor_engine_ids=[e.engine_id for e in by["tensor"]])  # fmt: skip
+        pending.peers = await self._endpoints(by["p2p"], plan)
+        await self._group(by["distributed"], request, pending, plan)
+        if not pending.engines:
+            return broker_pb2.TrainerSyncPlan(state=state)
+        self.pending[pending.sync_id] = pending
+        pending.watchdog = asyncio.create_task(self._expire(pending.sync_id))
+        log.info("version %d straight from the trainer: broadcast %s, p2p %s, tensor %s", version,
+                 [e.engine_id for e in pending.broadcast], [e.engine_id for e in pending.peers],
+                 [e.engine_id for e in pending.tensors])  # fmt: skip
+        return plan
+
+    async def _endpoints(self, engines: list[EngineRef], plan: broker_pb2.TrainerSyncPlan) -> list[EngineRef]:
+        """Each P2P engine's published endpoint; one that cannot publish goes back to the store path."""
+        import json
+
+        replies = await asyncio.gather(*(self.broker.pools.client(e).transfer_engine_info(0) for e in engines),
+                                       return_exceptions=True)  # fmt: skip
+        reachable = []
+        for engine, reply in zip(engines, replies, strict=True):
+            if isinstance(reply, EngineError | TimeoutError):
+                log.warning("engine %s publishes no P2P endpoint (%s): it catches up from the store",
+                            engine.engine_id, reply)  # fmt: skip
+                self.broker.release([engine])
+                continue
+            if isinstance(reply, BaseException):
+                raise reply
+            plan.peers.add(engine_id=engine.engine_id, endpoint_json=json.dumps(reply))
+            reachable.append(engine)
+        return reachable
+
+    async def _group(self, engines: list[EngineRef], request: broker_pb2.StartTrainerSyncRequest,
+                     pending: PendingSync, plan: broker_pb2.TrainerSyncPlan) -> None:
+        if not engines:
+            return
+        if not request.master_address or not request.master_port:
+            log.warning("no rendezvous in StartTrainerSync: broadcast engines %s catch up from the store",
+                        [e.engine_id for e in engines])  # fmt: skip
+            self.broker.release(engines)
+            return
+        sizes = await asyncio.gather(*(self.broker.tp_size(e) for e in engines))
+        self.broker.release([e for e, size in zip(engines, sizes, strict=True) if not size])
+        pending.broadcast = [e for e, size in zip(engines, sizes, strict=True) if size]
+        if not pending.broadcast:
+            return
+        group = BroadcastPlan(
+            request.master_address, request.master_port,
+            f"rlfleet-{self.broker.config.run_id}-v{pending.version}-{pending.sync_id[:6]}",
+            request.backend or "gloo", [t.name for t in request.tensors], [t.dtype for t in request.tensors],
+            [list(t.shape) for t in request.tensors], tuple(s for s in sizes if s),
+            checksums=pending.checksums, pause_mode=self.sync.pause_mode,
+        )  # fmt: skip
+        offsets, world = group.ranks(len(pending.broadcast))
+        plan.broadcast.CopyFrom(broker_pb2.BroadcastGroup(
+            group_name=group.group_name, world_size=world, engine_ids=[e.engine_id for e in pending.broadcast],
+            rank_offsets=offsets, tp_sizes=group.tp_sizes))  # fmt: skip
+        pending.broadcast_task = asyncio.create_task(self._broadcast(pending, group))
+
+    async def _broadcast(self, pending: PendingSync, group: BroadcastPlan) -> list[UpdateOutcome]:
+        info = await asyncio.to_thread(VersionInfo.from_store, self.broker.store, pending.version)
+        return await Distributed(self.broker.pools, group).update(pending.broadcast, info)
+
+    # --- finish ---------------------------------------------------------------------------------
+    async def finish(self, request: broker_pb2.FinishTrainerSyncRequest) -> broker_pb2.FinishTrainerSyncResponse:
+        pending = self.pending.pop(request.sync_id, None)
+        if pending is None:
+            raise UnknownSync(f"no trainer sync {request.sync_id!r} is open (finished, expired or never started)")
+        if pending.watchdog is not None:
+            pending.watchdog.cancel()
+        outcomes = await self._outcomes(pending, request)
+        await self._settle(pending, outcomes)
+        return broker_pb2.FinishTrainerSyncResponse(outcomes=[_proto(o) for o in outcomes])
+
+    async def _outcomes(self, pending: PendingSync, request: broker_pb2.FinishTrainerSyncRequest
+                        ) -> list[UpdateOutcome]:
+        sent = {p.engine_id: p for p in request.peers}
+        mode = self.sync.pause_mode
+        peer, tensor = PeerCommit(self.broker.pools, mode), TensorHandOver(self.broker.pools, mode)
+        timeout = self.sync.update_timeout_s
+
+        async def one_peer(engine: EngineRef) -> UpdateOutcome:
+            result = sent.get(engine.engine_id)
+            if result is None or not result.sent:
+                why = (result.error if result is not None else "") or request.error or "the trainer did not send it"
+                return UpdateOutcome(engine.engine_id, pending.version, "p2p", False, message=why)
+            return await peer.commit(engine, pending.version, pending.checksums, pending.algorithm, result.bytes)
+
+        async def one_tensor(engine: EngineRef) -> UpdateOutcome:
+            if not request.serialized_named_tensors:
+                return UpdateOutcome(engine.engine_id, pending.version, "tensor", False,
+                                     message=request.error or "the trainer shared no tensors")  # fmt: skip
+            return await tensor.update(engine, pending.version, list(request.serialized_named_tensors),
+                                       pending.checksums, pending.nbytes)
+
+        async def bounded(coro, engine: EngineRef, transport: str) -> UpdateOutcome:
+            try:
+                return await asyncio.wait_for(coro, timeout)
+            except TimeoutError:
+                return UpdateOutcome(engine.engine_id, pending.version, transport, False,
+                                     message=f"no answer within {timeout}s")  # fmt: skip
+
+        direct = await asyncio.gather(*(bounded(one_peer(e), e, "p2p") for e in pending.peers),
+                                      *(bounded(one_tensor(e), e, "tensor") for e in pending.tensors))
+        return [*await self._broadcast_outcomes(pending, request.error), *direct]
+
+    async def _broadcast_outcomes(self, pending: PendingSync, error: str) -> list[UpdateOutcome]:
+        if pending.broadcast_task is None:
+            return []
+        try:
+            return await asyncio.wait_for(pending.broadcast_task, self.sync.update_timeout_s)
+        except Exception as exc:  # a broadcast that died or hung: every engine of it failed
+            why = error or f"broadcast did not complete: {exc!r}"
+            return [UpdateOutcome(e.engine_id, pending.version, "distributed", False, message=why)
+                    for e in pending.broadcast]
+
+    async def _settle(self, pending: PendingSync, outcomes: list[UpdateOutcome]) -> None:
+        b = self.broker
+        try:
+            for engine, outcome in zip(pending.engines, outcomes, strict=True):
+                b.metrics.record(outcome)
+                b.rollout.copies.forget(engine.engine_id)  # weights came from the trainer: no local copy
+                if not outcome.ok and outcome.reply:  # swapped, then failed the check: never "serving v"
+                    with contextlib.suppress(EngineError):
+                        await b.pools.client(engine).update_weight_version(f"unverified-{pending.version}")
+                serving = pending.version if outcome.ok else None
+                if not outcome.ok:
+                    log.warning("engine %s: %s of version %d failed (%s); it catches up from the store",
+                                engine.engine_id, outcome.transport, pending.version, outcome.message)  # fmt: skip
+                await b.record_engine(engine, SyncResult(engine.engine_id, pending.version, [outcome], serving),
+                                      pending.version)  # fmt: skip
+        finally:
+            b.release(pending.engines)
+        await b.advance()
+        b.wake()
+
+    async def _expire(self, sync_id: str) -> None:
+        await asyncio.sleep(self.sync.update_timeout_s)
+        pending = self.pending.pop(sync_id, None)
+        if pending is None:
+            return
+        log.error("trainer sync %s (version %d) not finished within %ss: settled as failed", sync_id,
+                  pending.version, self.sync.update_timeout_s)  # fmt: skip
+        outcomes = await self._outcomes(pending, broker_pb2.FinishTrainerSyncRequest(
+            sync_id=sync_id, error="the trainer never reported the transfer"))  # fmt: skip
+        await self._settle(pending, outcomes)
+
+    async def stop(self) -> None:
+        for pending in list(self.pending.values()):
+            for task in (pending.watchdog, pending.broadcast_task):
+                if task is not None:
+                    task.cancel()
+        self.pending.clear()
+
+
+def _check(request: broker_pb2.StartTrainerSyncRequest) -> None:
+    if not request.tensors:
+        raise BadAnnouncement("StartTrainerSync needs the tensors to be sent (names, dtypes, shapes, checksums)")
+    if request.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+        raise BadAnnouncement(f"checksum_algorithm {request.checksum_algorithm!r} is not one of {CHECKSUM_ALGORITHMS}")
+    if any(not t.checksum for t in request.tensors):
+        raise BadAnnouncement("every tensor of a StartTrainerSync needs its checksum")
+
+
+def _nbytes(tensors) -> int:
+    return BroadcastPlan("", 0, "", "", [], [t.dtype for t in tensors], [list(t.shape) for t in tensors]).nbytes
+
+
+def _proto(outcome: UpdateOutcome) -> broker_pb2.EngineSyncOutcome:
+    return broker_pb2.EngineSyncOutcome(
+        engine_id=outcome.engine_id, transport=PROTO_TRANSPORTS.get(outcome.transport, 0), ok=outcome.ok,
+        pause_s=outcome.pause_s, bytes=outcome.bytes, message=outcome.message, falls_back=not outcome.ok)
