@@ -134,3 +134,61 @@ async def test_the_trainer_service_sends_each_version_straight_to_two_engines(
         assert engine.updates >= 2, engine
     _, metrics = await call(f"http://127.0.0.1:{broker.metrics_port}", "/metrics", method="GET")
     assert f'transport="{transport}"' in metrics
+
+
+class DiesPartWay:
+    """A trainer-side sender whose P2P write to one engine stops half-way (the connection died after
+    some buckets) without the sender noticing: it reports the write as sent."""
+
+    def __init__(self, config, victim: str) -> None:
+        from rlfleet.trainer.weight_sender import WeightSender
+
+        class Sender(WeightSender):
+            def _write_peer(self, peer, named, bucket_bytes, summary):
+                if peer.engine_id != victim:
+                    return super()._write_peer(peer, named, bucket_bytes, summary)
+                import json
+
+                from rlfleet.weights.p2p import Endpoint
+
+                endpoint = Endpoint.from_json(json.loads(peer.endpoint_json))
+                by_name = dict(named)
+                half = set(list(endpoint.tensors)[: len(endpoint.tensors) // 2])
+                report = self._sender(bucket_bytes).send({n: by_name[n] for n in endpoint.tensors}, endpoint,
+                                                         only=half)
+                return broker_pb2.PeerResult(engine_id=peer.engine_id, sent=True, bytes=report.bytes_sent)
+
+        self.sender = Sender(config)
+
+
+async def test_a_p2p_transfer_that_dies_part_way_is_refused_and_the_engine_loads_the_version_from_the_store(
+    engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes
+):
+    from rlfleet.broker.testing import policy_version
+    from rlfleet.engine.testing import StoreTrainer
+    from rlfleet.trainer.service_config import WeightSendConfig
+
+    run = unique_run_id("tsk")
+    store = DirectoryWeightStore(store_root, run)
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
+    trainer = StoreTrainer(model_dir, store)
+    trainer.publish()
+    trainer.step()
+    # Version 2 (no earlier test of this module reaches it, so no engine holds a version of that number);
+    # it is in the store before anything is sent.
+    manifest = trainer.publish()
+    sender = DiesPartWay(WeightSendConfig(broker_address=broker.address), victim="c0").sender
+    try:
+        summary = await asyncio.to_thread(sender.send, policy_version(manifest), trainer.model.state_dict())
+    finally:
+        sender.close()
+    by_engine = {o.engine_id: o for o in summary.outcomes}
+    assert by_engine["f0"].ok and by_engine["f0"].transport == broker_pb2.TRANSPORT_P2P
+    assert not by_engine["c0"].ok and by_engine["c0"].falls_back
+    assert "wrong checksum" in by_engine["c0"].message, by_engine["c0"]
+
+    await both_serve(engines, manifest["version"], store)  # c0 by the store, bit for bit the same
+    reported = {e.engine_id: e for e in (await status(broker)).engines}
+    assert reported["f0"].last_transport == broker_pb2.TRANSPORT_P2P
+    assert reported["c0"].last_transport in (broker_pb2.TRANSPORT_DISK_FULL, broker_pb2.TRANSPORT_DISK_DELTA)
+    assert reported["c0"].policy_version == manifest["version"] and reported["c0"].transport == broker_pb2.TRANSPORT_P2P

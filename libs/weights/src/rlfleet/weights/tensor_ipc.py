@@ -24,11 +24,11 @@ import collections
 import io
 import pickle
 from collections.abc import Iterable
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as torch_mp
-import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reductions with ForkingPickler)
-from multiprocessing.reduction import ForkingPickler
+import torch.multiprocessing.reductions
 
 
 class TensorPayloadError(ValueError):

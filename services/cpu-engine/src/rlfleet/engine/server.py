@@ -44,6 +44,7 @@ from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
 from rlfleet.engine.config import EngineConfig
 from rlfleet.engine.lora import Adapter, LoRALoadError, read_adapter
 from rlfleet.engine.model_runner import LOAD_FORMATS, ModelRunner, WeightLoadError, read_checkpoint
+from rlfleet.engine.peer_staging import PeerStaging
 from rlfleet.engine.protocol import (
     BadRequest,
     GenerateItem,
@@ -52,7 +53,6 @@ from rlfleet.engine.protocol import (
     check_input_size,
     parse_generate,
 )
-from rlfleet.engine.peer_staging import PeerStaging
 from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
 from rlfleet.engine.store_weights import StoreLoadError, StoreWeights
 from rlfleet.weights import broadcast as distributed

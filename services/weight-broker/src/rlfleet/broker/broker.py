@@ -40,7 +40,7 @@ from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
 from rlfleet.broker.registry import State, Targets, VersionRegistry, now_ms, state_name
 from rlfleet.broker.rollout import Rollout, SyncResult
 from rlfleet.broker.trainer_sync import TrainerSyncs
-from rlfleet.broker.transports import BroadcastPlan, Distributed, UpdateOutcome, VersionInfo
+from rlfleet.broker.transports import BroadcastPlan, Distributed, UpdateOutcome, VersionInfo, engine_tp_size
 from rlfleet.common.adapter_routes import AdapterRoutes
 from rlfleet.common.engine_client import EngineError
 from rlfleet.weights import DirectoryWeightStore, PathOutsideStore, VersionNotFound, WeightStoreError
@@ -380,17 +380,7 @@ class Broker:
             self._idle.set()
 
     async def _tp_size(self, engine: EngineRef) -> int:
-        """The engine's TP size (its ranks in a broadcast group), from /server_info; 0 when it cannot
-        take a broadcast: unreachable, or data-parallel (SGLang's group path needs dp_size 1)."""
-        try:
-            info = await asyncio.wait_for(self.pools.client(engine).server_info(), 5.0)
-        except (EngineError, TimeoutError):
-            return 0
-        if int(info.get("dp_size", 1)) != 1:
-            log.warning("engine %s has dp_size %s: no broadcast (SGLang needs dp_size 1); it catches up "
-                        "from the store", engine.engine_id, info.get("dp_size"))
-            return 0
-        return max(1, int(info.get("tp_size", 1)))
+        return await engine_tp_size(self.pools, engine)
 
     async def _broadcast(self, engines: list[EngineRef], plan: BroadcastPlan, version: int) -> None:
         try:

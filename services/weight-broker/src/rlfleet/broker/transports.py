@@ -289,6 +289,20 @@ def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
+async def engine_tp_size(pools: Pools, engine: EngineRef) -> int:
+    """The engine's TP size (its ranks in a broadcast group), from /server_info; 0 when it cannot
+    take a broadcast: unreachable, or data-parallel (SGLang's group path needs dp_size 1)."""
+    try:
+        info = await asyncio.wait_for(pools.client(engine).server_info(), 5.0)
+    except (EngineError, TimeoutError):
+        return 0
+    if int(info.get("dp_size", 1)) != 1:
+        log.warning("engine %s has dp_size %s: no broadcast (SGLang needs dp_size 1); it catches up "
+                    "from the store", engine.engine_id, info.get("dp_size"))
+        return 0
+    return max(1, int(info.get("tp_size", 1)))
+
+
 def engine_pause(engine: EngineRef, pause_mode: str) -> tuple[str | None, bool]:
     """(the CPU engine's pause_mode query parameter, abort_all_requests) for a trainer-sent swap.
     SGLang's bodies carry only abort_all_requests; it holds requests for the whole update itself."""
