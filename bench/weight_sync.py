@@ -32,6 +32,27 @@ share of bf16 values that changed, and the three pauses; then a summary against 
 
     .venv/bin/python bench/weight_sync.py            # default model x 3 steps per lr, 100M x 1 step per lr
     .venv/bin/python bench/weight_sync.py --quick    # default model x 2 steps per lr
+
+`--transports` (issue 16) runs every transport side by side instead, for three model sizes (~3M,
+~25M, ~100M parameters), lr 1e-5, on one CPU engine process, through the code the broker and the
+trainer service run (`rlfleet.broker.transports`, `rlfleet.weights.p2p` / `tensor_ipc` / `broadcast`):
+
+  disk_full   the store writes a full checkpoint; the engine pauses, reads and verifies it, swaps
+  disk_delta  the store writes a bf16 delta; the engine fetches + decodes it while serving, pauses to swap
+  broadcast   the trainer (this process, rank 0) broadcasts bf16 tensors over gloo; the engine
+              receives while serving, hashes what it got, pauses to swap; checksums compared
+  p2p         the trainer writes into the engine's Mooncake staging (tcp on loopback); the engine
+              verifies staging against the trainer's checksums, pauses to copy it in
+  tensor      the trainer puts the tensors in shared memory; update_weights_from_tensor hands over
+              the handles, the engine copies + hashes, pauses to swap
+
+For each: `e2e` = from the trainer holding the new version (the optimizer step done) to the engine
+answering that it serves it, including the store write for the disk paths (for the direct ones the
+store write also happens in the trainer service, before the send: shown apart as `store write`);
+`pause` = the engine's own pause (its reply's `pause_s`; the full reload is timed around the whole
+paused load); `moved` = bytes that travelled to the engine for this update.
+
+    .venv/bin/python bench/weight_sync.py --transports [--transport-steps 2]
 """
 
 from __future__ import annotations
@@ -52,9 +73,12 @@ from rlfleet.common.processes import free_port
 LRS = (1e-6, 1e-5, 1e-4)
 MODELS = {
     "default": {},  # rlfleet.engine.build_model.ModelSpec defaults (~3M parameters)
+    "25M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4),
     "100M": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4),
 }
+TRANSPORTS = ("disk_full", "disk_delta", "broadcast", "p2p", "tensor")
 
 
 @dataclass
@@ -255,17 +279,192 @@ def summary(rows: list[Row]) -> None:
           f"delta pause < 1/10 of a full reload's: {'met' if ok_pause else 'NOT met (see the per-row ratios)'}")
 
 
+@dataclass
+class TransportRow:
+    model: str
+    params_m: float
+    version: int
+    transport: str
+    e2e_ms: float
+    pause_ms: float
+    moved_mb: float
+    store_write_ms: float  # this version's store write (its own for the disk paths; the delta write otherwise)
+
+
+async def run_transports(name: str, steps: int, workdir: Path) -> list[TransportRow]:
+    import torch
+
+    from rlfleet.broker.pools import EngineRef, Pools
+    from rlfleet.broker.transports import (
+        DiskDelta,
+        DiskFull,
+        Pauser,
+        PeerCommit,
+        TensorHandOver,
+        VersionInfo,
+    )
+    from rlfleet.common.engine_client import EngineTimeouts
+    from rlfleet.engine.testing import EngineProcess
+    from rlfleet.weights import DirectoryWeightStore
+    from rlfleet.weights.p2p import Endpoint, P2PSender, TransferAgent
+    from rlfleet.weights.sent import nbytes, served_named, tensor_checksums
+    from rlfleet.weights.tensor_ipc import SharedTensors
+
+    model_dir = await asyncio.to_thread(build, name, workdir / f"model-{name}")
+    engine_proc = await asyncio.to_thread(
+        EngineProcess(model_dir, workdir / f"engine-{name}", weight_store_root=workdir / "store").start, 300.0)
+    pools = Pools([], None, EngineTimeouts(weights_s=600))
+    engine = EngineRef(name, engine_proc.url, "fleet", kind="cpu")
+    delta, full = DiskDelta(pools), DiskFull(pools, Pauser(pools, None))
+    peer, tensor = PeerCommit(pools, "retract"), TensorHandOver(pools, "retract")
+    agent = TransferAgent()
+    p2p = P2PSender(agent)
+    rows: list[TransportRow] = []
+    try:
+        store = DirectoryWeightStore(workdir / "store", f"t-{name}", full_every=10**6, max_delta_fraction=10.0)
+        full_store = DirectoryWeightStore(workdir / "store", f"t-{name}-full", full_every=1)
+        trainer = await asyncio.to_thread(Trainer, model_dir, store, full_store, 1e-5)
+        params_m = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+        await asyncio.to_thread(store.write_version, 0, trainer.model.state_dict())
+        (first,) = await full.update([engine], VersionInfo.from_store(store, 0))
+        assert first.ok, first.message
+        endpoint = Endpoint.from_json(await pools.client(engine).transfer_engine_info(0))
+        for version in range(1, steps + 1):
+            await asyncio.to_thread(trainer.step)
+            state = trainer.model.state_dict()
+
+            def row(transport: str, e2e: float, pause: float, moved: int, write: float, version: int = version) -> None:
+                r = TransportRow(name, round(params_m, 1), version, transport, 1000 * e2e, 1000 * pause,
+                                 moved / 2**20, 1000 * write)
+                print_transport_row(r)
+                rows.append(r)
+
+            # disk_full: its own full checkpoint write, then the paused full load.
+            started = time.perf_counter()
+            await asyncio.to_thread(full_store.write_version, version, state, kind="full")
+            write_full = time.perf_counter() - started
+            (f,) = await full.update([engine], VersionInfo.from_store(full_store, version))
+            assert f.ok, f.message
+            row("disk_full", time.perf_counter() - started, f.pause_s, f.bytes, write_full)
+            # disk_delta: the delta against version - 1; the engine must hold version - 1 first.
+            (back,) = await full.update([engine], VersionInfo.from_store(store, version - 1))
+            assert back.ok, back.message
+            started = time.perf_counter()
+            await asyncio.to_thread(store.write_version, version, state)
+            write_delta = time.perf_counter() - started
+            (d,) = await delta.update([engine], VersionInfo.from_store(store, version))
+            assert d.ok, d.message
+            row("disk_delta", time.perf_counter() - started, d.pause_s, d.bytes, write_delta)
+            info = VersionInfo.from_store(store, version)
+            # broadcast
+            started = time.perf_counter()
+            named = served_named(state)
+            sums = tensor_checksums(named)
+            outcome = await broadcast_update(pools, engine, named, sums, info)
+            row("broadcast", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_delta)
+            # p2p
+            started = time.perf_counter()
+            named = served_named(state)
+            sums = tensor_checksums(named)
+            by_name = dict(named)
+            report = await asyncio.to_thread(p2p.send, {n: by_name[n] for n in endpoint.tensors}, endpoint)
+            outcome = await peer.commit(engine, version, sums, "sha256", report.bytes_sent)
+            assert outcome.ok, outcome.message
+            row("p2p", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_delta)
+            # tensor
+            started = time.perf_counter()
+            named = served_named(state)
+            sums = tensor_checksums(named)
+            shared = await asyncio.to_thread(SharedTensors, named)
+            outcome = await tensor.update(engine, version, [shared.payload], sums, nbytes(named))
+            shared.close()
+            assert outcome.ok, outcome.message
+            row("tensor", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_delta)
+            del state
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    finally:
+        await pools.close()
+        engine_proc.stop()
+    return rows
+
+
+async def broadcast_update(pools, engine, named, sums, info):
+    from rlfleet.broker.transports import BroadcastPlan, Distributed
+    from rlfleet.weights import broadcast as distributed
+
+    port = free_port()
+    plan = BroadcastPlan("127.0.0.1", port, f"bench-{port}", "gloo", [n for n, _ in named],
+                         [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named],
+                         checksums=sums, pause_mode="retract")  # fmt: skip
+
+    def send() -> None:
+        group = distributed.join_group("127.0.0.1", port, 0, 2, plan.group_name, "gloo", 120.0)
+        try:
+            distributed.send(group, [t for _, t in named])
+        finally:
+            distributed.leave_group(group)
+
+    receiving = asyncio.create_task(Distributed(pools, plan).update([engine], info))
+    sender = threading.Thread(target=send)
+    sender.start()
+    (outcome,) = await receiving
+    await asyncio.to_thread(sender.join)
+    assert outcome.ok, outcome.message
+    return outcome
+
+
+TRANSPORT_HEADER = (f"{'model':>6} {'params':>7} {'v':>2} {'transport':>10} {'e2e ms':>9} {'pause ms':>9} "
+                    f"{'moved MB':>9} {'store write ms':>14}")
+
+
+def print_transport_row(r: TransportRow) -> None:
+    print(f"{r.model:>6} {r.params_m:>6.1f}M {r.version:>2} {r.transport:>10} {r.e2e_ms:>9.1f} {r.pause_ms:>9.2f} "
+          f"{r.moved_mb:>9.2f} {r.store_write_ms:>14.1f}", flush=True)
+
+
+def transport_summary(rows: list[TransportRow]) -> None:
+    print("\nsummary (medians per model):")
+    for model in dict.fromkeys(r.model for r in rows):
+        med = {t: (statistics.median(r.e2e_ms for r in rows if r.model == model and r.transport == t),
+                   statistics.median(r.pause_ms for r in rows if r.model == model and r.transport == t),
+                   statistics.median(r.moved_mb for r in rows if r.model == model and r.transport == t))
+               for t in TRANSPORTS}  # fmt: skip
+        print(f"  {model:>6}: " + "; ".join(f"{t} e2e {e:.0f} ms pause {p:.1f} ms moved {m:.1f} MB"
+                                           for t, (e, p, m) in med.items()))
+        dp, de = med["disk_delta"][1], med["disk_delta"][0]
+        for t in ("broadcast", "p2p", "tensor"):
+            e, p, _ = med[t]
+            print(f"  {'':>6}  {t}: pause {'<=' if p <= dp else '>'} delta's ({p:.1f} vs {dp:.1f} ms); "
+                  f"e2e {e / de:.2f}x the delta's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="default model only, 2 steps per learning rate")
     parser.add_argument("--steps", type=int, default=3, help="updates per learning rate on the default model")
     parser.add_argument("--big-steps", type=int, default=1, help="updates per learning rate on the 100M model")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--transports", action="store_true",
+                        help="every transport side by side (disk full, disk delta, broadcast, P2P, tensor), three sizes")
+    parser.add_argument("--transport-steps", type=int, default=2, help="updates per model size with --transports")
+    parser.add_argument("--sizes", default="default,25M,100M", help="model sizes with --transports")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if args.transports else 2)
+    if args.transports:
+        started = time.monotonic()
+        print(TRANSPORT_HEADER)
+        trows: list[TransportRow] = []
+        with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
+            for name in args.sizes.split(","):
+                trows += asyncio.run(run_transports(name, args.transport_steps, Path(tmp)))
+        transport_summary(trows)
+        print(f"\n{len(trows)} updates in {time.monotonic() - started:.0f}s")
+        if args.json:
+            args.json.write_text(json.dumps([asdict(r) for r in trows], indent=1))
+        return
     plan = [("default", 2 if args.quick else args.steps)] + ([] if args.quick else [("100M", args.big_steps)])
     started = time.monotonic()
     print(HEADER)

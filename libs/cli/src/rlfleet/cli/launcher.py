@@ -187,7 +187,11 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
     facts: dict[str, dict[str, Any]] = {
         "sandbox-manager": {"redis": redis, "driver": {"root": str(run_dir / "sandboxes")}},
         "rollout-gateway": {"redis": redis, **({"engines": engines} if engines else {})},
-        "trainer": {"nats": nats, "weight_store": weights, **served},
+        # With trainer-sent weights (broker.sync.transport distributed | p2p | tensor, or per engine)
+        # the trainer sends each version to the broker's plan: it starts after the broker.
+        "trainer": {"nats": nats, "weight_store": weights, **served,
+                    **({"weight_send": {"broker_address": _address(state, "weight-broker")}}
+                       if config.broker.trainer_sends else {})},
         "session-server": {"nats": nats, "redis": redis, "gateway_address": gateway, **tokenizer},
         "weight-broker": {"nats": nats, "redis": redis, "gateway_address": gateway, "weight_store": weights},
         "verifier": {"redis": redis, "sandbox_address": _address(state, "sandbox-manager"),
@@ -276,7 +280,7 @@ def resolve_model(config: PlatformConfig, run_dir: Path, log: Path, timeout_s: f
 
 
 # Services that need another service's address start after it.
-TIERS = (("sandbox-manager", "rollout-gateway", "trainer"), ("session-server", "weight-broker"), ("verifier",))
+TIERS = (("sandbox-manager", "rollout-gateway"), ("session-server", "weight-broker"), ("verifier", "trainer"))
 SCRIPTS = {
     "sandbox-manager": "rlfleet-sandbox-manager", "rollout-gateway": "rlfleet-gateway",
     "trainer": "rlfleet-trainer", "session-server": "rlfleet-session-server",

@@ -111,7 +111,19 @@ async def _broker(snapshot: Snapshot, names: dict) -> None:
                        .GetStatus(broker_pb2.GetStatusRequest(), timeout=TIMEOUT_S))
     if reply is not None:
         snapshot.broker = {"latest": reply.latest_version, "canary": reply.canary_version,
-                           "accepted": reply.accepted_version, "fleet": reply.fleet_version}
+                           "accepted": reply.accepted_version, "fleet": reply.fleet_version,
+                           "weights": {e.engine_id: _weights(e) for e in reply.engines}}
+
+
+def _transport(value: int) -> str:
+    return broker_pb2.Transport.Name(value).removeprefix("TRANSPORT_").lower() if value else "-"
+
+
+def _weights(engine: broker_pb2.EngineVersion) -> str:
+    """The engine's configured transport, and what its last update took (as the broker saw it)."""
+    last = (f" (last {_transport(engine.last_transport)}, pause {engine.last_pause_s * 1000:.1f} ms, "
+            f"{engine.last_bytes / 2**20:.1f} MiB)") if engine.last_transport else ""
+    return _transport(engine.transport) + last
 
 
 async def _trainer(snapshot: Snapshot, names: dict) -> None:
@@ -208,9 +220,10 @@ def render(snapshot: Snapshot, previous: Snapshot | None, state: PlatformState, 
          _restarts(s)) for s in snapshot.services])
     lines += ["", "engines"]
     if snapshot.engines:
-        lines += _table(("engine", "pool", "state", "version", "in flight", "sessions"), [
+        weights = snapshot.broker.get("weights", {})
+        lines += _table(("engine", "pool", "state", "version", "in flight", "sessions", "weights"), [
             (e["engine_id"], e["pool"], paint(e["state"], e["state"] == "healthy"), str(e["policy_version"]),
-             str(e["in_flight"]), str(e["sessions"])) for e in snapshot.engines])
+             str(e["in_flight"]), str(e["sessions"]), weights.get(e["engine_id"], "-")) for e in snapshot.engines])
     else:
         lines.append("  " + ("gateway down: " + snapshot.down["rollout-gateway"] if "rollout-gateway" in snapshot.down
                              else "none known"))

@@ -19,6 +19,7 @@ weight route must not be a way to run arbitrary code, whatever key guards it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import builtins
 import collections
 import io
@@ -35,29 +36,48 @@ class TensorPayloadError(ValueError):
     """`serialized_named_tensors` is not a list of named tensors this process can open."""
 
 
+@contextlib.contextmanager
+def _by_file_name():
+    previous = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch_mp.set_sharing_strategy(previous)
+
+
 def serialize(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """One rank's entry of `serialized_named_tensors` (SGLang's MultiprocessingSerializer, as text)."""
     items = [(name, t.detach().contiguous()) for name, t in named]
-    previous = torch_mp.get_sharing_strategy()
     buffer = io.BytesIO()
-    torch_mp.set_sharing_strategy("file_system")
-    try:
+    with _by_file_name():
         ForkingPickler(buffer).dump(items)
-    finally:
-        torch_mp.set_sharing_strategy(previous)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class SharedTensors:
-    """The sender's side: copies of `named` in shared memory, serialized; kept alive until closed."""
+    """The sender's side: copies of `named` in one shared-memory buffer (one file for the receiver
+    to map, not one per tensor), serialized; kept alive until closed."""
 
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.tensors = [(name, t.detach().to("cpu", copy=True).contiguous().share_memory_()) for name, t in named]
+        items = [(name, t.detach()) for name, t in named]
+        offsets, cursor = [], 0
+        for _, t in items:
+            offsets.append(cursor)
+            cursor += (t.numel() * t.element_size() + 63) // 64 * 64
+        with _by_file_name():
+            self._flat = torch.empty(max(cursor, 1), dtype=torch.uint8).share_memory_()
+        self.tensors = []
+        for (name, t), offset in zip(items, offsets, strict=True):
+            view = self._flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)  # device-to-host here when the trainer's tensors are on a GPU
+            self.tensors.append((name, view))
         self.payload = serialize(self.tensors)
         self.nbytes = sum(t.numel() * t.element_size() for _, t in self.tensors)
 
     def close(self) -> None:
         self.tensors = []
+        self._flat = None
 
 
 _ALLOWED_MODULES = ("torch.multiprocessing.reductions", "torch._utils", "torch.storage", "torch._tensor")

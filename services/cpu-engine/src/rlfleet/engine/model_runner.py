@@ -207,6 +207,21 @@ class ModelRunner:
             self._params[name].copy_(tensor.to(torch.float32))
         return len(named)
 
+    def prepare_weights(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Outside the pause (raises WeightLoadError): checked, each tensor a fresh fp32 copy that the
+        swap adopts as the parameter's storage."""
+        self.check_weights((name, tensor.shape) for name, tensor in named)
+        return [(name, t.detach().to(torch.float32, copy=True).contiguous()) for name, t in named]
+
+    @torch.inference_mode()
+    def adopt_weights(self, prepared: list[tuple[str, torch.Tensor]]) -> int:
+        """The pause of a direct update: each parameter takes its prepared buffer (no copy; a tied
+        parameter is one object under two names, so both see it)."""
+        self.weights_changed()
+        for name, tensor in prepared:
+            self._params[name].data = tensor
+        return len(prepared)
+
     def parameter(self, name: str) -> torch.Tensor:
         return self._params[name]
 

@@ -408,6 +408,15 @@ class Scheduler:
         self.prefix_cache.drop(adapter.lora_id)
         return self.runner.lora.loaded()
 
+    def adopt_weights(self, prepared: list[tuple[str, torch.Tensor]], weight_version: str | None = None
+                      ) -> tuple[bool, str]:
+        """`update_weights` for tensors the runner prepared outside the pause (`prepare_weights`)."""
+        count = self.runner.adopt_weights(prepared)
+        self._drop_stale_prefixes()
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return True, f"Succeeded to update model weights ({count} tensors, version {self.weight_version})."
+
     def set_weight_version(self, version: str, abort_all: bool = False) -> None:
         if abort_all:
             self.abort(abort_all=True, message="aborted by update_weight_version")

@@ -675,6 +675,11 @@ class EngineServer:
         """The one step inside the pause: the tensors (already received and checked) into the model.
         An engine already paused (by the gateway or a caller) stays paused: its pauser resumes it."""
 
+        try:  # checked and cast to fp32 while the engine keeps generating
+            prepared = await asyncio.to_thread(self.runner.prepare_weights, named)
+        except WeightLoadError as exc:
+            return _weight_reply(False, f"Failed to update weights: {exc}")
+
         def swap() -> tuple[bool, str, float, int, str]:
             own_pause = self.scheduler.paused is None
             queued = len(self.scheduler.running) + len(self.scheduler.waiting)
@@ -682,7 +687,7 @@ class EngineServer:
             if own_pause:
                 self.scheduler.pause(mode)
             try:
-                success, message = self.scheduler.update_weights(named, version)
+                success, message = self.scheduler.adopt_weights(prepared, version)
                 if success:
                     self.store.forget()  # no longer the exact bytes of a weight-store version
             finally:
