@@ -19,9 +19,9 @@ weight route must not be a way to run arbitrary code, whatever key guards it.
 from __future__ import annotations
 
 import base64
-import contextlib
 import builtins
 import collections
+import contextlib
 import io
 import pickle
 from collections.abc import Iterable
@@ -29,7 +29,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as torch_mp
-import torch.multiprocessing.reductions
+import torch.multiprocessing.reductions  # registers torch's tensor reductions with ForkingPickler
 
 
 class TensorPayloadError(ValueError):
