@@ -161,3 +161,17 @@ def test_nothing_is_restarted_while_rlfleet_down_stops_the_platform(tmp_path):
     mark_stopping(tmp_path)
     assert platform.stopping()
     assert platform.restart_dead() == [] and platform.state.processes[0].restarts == 0
+
+
+@pytest.mark.parametrize("transport", ["disk_delta", "distributed", "p2p", "tensor"])
+def test_one_switch_makes_the_trainer_send_to_the_broker_it_starts_after(tmp_path, transport):
+    from rlfleet.cli.launcher import TIERS
+
+    config = PlatformConfig(run_id="r1", broker={"sync": {"transport": transport}})
+    state = launched(tmp_path)
+    state.processes.append(ProcessRecord("weight-broker", 0, 0, [], "", address="127.0.0.1:5"))
+    trainer = process_config("trainer", config, state, tmp_path, tmp_path / "t.json", tmp_path / "model")
+    sends = transport != "disk_delta"
+    assert trainer.weight_send.broker_address == ("127.0.0.1:5" if sends else "")
+    tier = {name: i for i, names in enumerate(TIERS) for name in names}
+    assert tier["trainer"] > tier["weight-broker"]
