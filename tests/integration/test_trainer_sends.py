@@ -192,3 +192,30 @@ async def test_a_p2p_transfer_that_dies_part_way_is_refused_and_the_engine_loads
     assert reported["f0"].last_transport == broker_pb2.TRANSPORT_P2P
     assert reported["c0"].last_transport in (broker_pb2.TRANSPORT_DISK_FULL, broker_pb2.TRANSPORT_DISK_DELTA)
     assert reported["c0"].policy_version == manifest["version"] and reported["c0"].transport == broker_pb2.TRANSPORT_P2P
+
+
+async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root, tmp_path, nats_url, redis_url,
+                                                            processes, model_dir):
+    from rlfleet.broker.testing import policy_version
+    from rlfleet.engine.testing import StoreTrainer
+
+    run = unique_run_id("tsb")
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
+    manifest = StoreTrainer(model_dir, DirectoryWeightStore(store_root, run)).publish()
+    spec = broker_pb2.TensorSpec(name="w", dtype="bfloat16", shape=[2])
+    async with grpc.aio.insecure_channel(broker.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        for request, words in [
+            (broker_pb2.StartTrainerSyncRequest(version=policy_version(manifest), checksum_algorithm="sha256"),
+             "needs the tensors"),
+            (broker_pb2.StartTrainerSyncRequest(version=policy_version(manifest), tensors=[spec],
+                                                checksum_algorithm="sha256"), "checksum"),
+            (broker_pb2.StartTrainerSyncRequest(version=policy_version(manifest), tensors=[spec],
+                                                checksum_algorithm="md5"), "md5"),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.StartTrainerSync(request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.FinishTrainerSync(broker_pb2.FinishTrainerSyncRequest(sync_id="nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
