@@ -203,6 +203,20 @@ class P2PSender:
         self._views: dict[str, torch.Tensor] = {}
         self._offsets: dict[str, tuple[int, int]] = {}
 
+    def close(self) -> None:
+        """Unregisters the send buffer. Also on garbage collection: a freed buffer left registered
+        makes the agent refuse any later buffer the allocator places over it (register_memory -7)."""
+        if self._flat is not None:
+            self._agent.unregister(self._flat)
+            self._flat = None
+            self._layout = ()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the agent may be gone already
+            pass
+
     def _pack(self, state: Mapping[str, torch.Tensor]) -> None:
         layout = tuple((n, tuple(t.shape), t.dtype) for n, t in state.items())
         if layout != self._layout:

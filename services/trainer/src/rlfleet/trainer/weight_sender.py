@@ -65,6 +65,8 @@ class WeightSender:
         self._p2p = None
 
     def close(self) -> None:
+        if self._p2p is not None:
+            self._p2p.close()
         self._channel.close()
 
     # --- one version ----------------------------------------------------------------------------
@@ -157,6 +159,8 @@ class WeightSender:
         if self._agent is None:
             self._agent = TransferAgent(self.config.p2p_hostname, self.config.p2p_protocol, self.config.p2p_device)
         if self._p2p is None or self._p2p.bucket_bytes != bucket_bytes:
+            if self._p2p is not None:
+                self._p2p.close()
             self._p2p = P2PSender(self._agent, bucket_bytes or 64 << 20, self.config.checksum_algorithm)
         return self._p2p
 
