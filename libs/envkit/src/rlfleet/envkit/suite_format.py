@@ -23,7 +23,7 @@ SCHEMA_VERSION = 1
 SPLITS = ("train", "heldout", "regression")
 VERIFIER_KINDS = ("exact", "numeric", "unit_tests")
 # Keys a rollout worker may see. Everything else (verifier, metadata) stays with the verifier.
-PUBLIC_KEYS = ("schema_version", "task_id", "suite", "split", "messages", "tools", "limits")
+PUBLIC_KEYS = ("schema_version", "task_id", "suite", "split", "messages", "tools", "limits", "workspace")
 HIDDEN_KEYS = ("task_id", "suite", "verifier", "metadata")
 
 
@@ -106,6 +106,8 @@ class Task(_Record):
     verifier: VerifierSpec
     tools: tuple[ToolSpec, ...] = ()
     limits: Limits = Limits()
+    # Files the episode's sandbox starts with (path -> text): public, the policy reads them with its tools.
+    workspace: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -145,7 +147,10 @@ def hidden_view(task: Task) -> dict[str, Any]:
 
 
 def task_to_line(task: Task) -> str:
-    return json.dumps(task.model_dump(mode="json", exclude_none=True), ensure_ascii=False)
+    data = task.model_dump(mode="json", exclude_none=True)
+    if not data["workspace"]:
+        del data["workspace"]  # most suites have none: their lines stay as they were
+    return json.dumps(data, ensure_ascii=False)
 
 
 def parse_task_line(text: str, line: int = 1, path: str | None = None) -> Task:

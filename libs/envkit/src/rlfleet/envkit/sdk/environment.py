@@ -26,6 +26,7 @@ removes a sandbox per episode and a process per call.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args, runtime_checkable
@@ -36,7 +37,8 @@ from rlfleet.envkit.actions import ToolCall
 from rlfleet.envkit.errors import EnvkitError
 from rlfleet.envkit.sdk.clients import SandboxClient
 from rlfleet.envkit.sdk.errors import RequestRejected, SandboxFailure
-from rlfleet.envkit.suites import calc, code
+from rlfleet.envkit.suites import calc, code, repo
+from rlfleet.envkit.tasks import BadTask, workspace_of
 
 MAX_OBSERVATION_CHARS = 2000
 ToolRuntime = Literal["sandbox", "in_process"]
@@ -153,7 +155,80 @@ class CodeEnvironment:
         return ToolResult(f"wrote {path}")
 
 
-def exec_observation(result: sandbox_pb2.ExecResult, limit_s: float, merge_stderr: bool = False) -> ToolResult:
+# The edit tool, run in the sandbox as `python3 -I -S -c EDIT_SCRIPT` with {"path", "old", "new"} on stdin:
+# the one occurrence of old becomes new; anything else is an error line and exit status 1.
+EDIT_SCRIPT = r'''
+import json, sys
+job = json.loads(sys.stdin.read())
+path, old, new = job["path"], job["old"], job["new"]
+try:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+except OSError as exc:
+    print(f"error: cannot read {path}: {exc.strerror}")
+    sys.exit(1)
+count = text.count(old) if old else 0
+if count != 1:
+    print(f"error: the old text occurs {count} times in {path}; it must occur exactly once")
+    sys.exit(1)
+with open(path, "w", encoding="utf-8") as f:
+    f.write(text.replace(old, new, 1))
+print(f"edited {path}")
+'''
+RUN_OUTPUT_CHARS = 600  # the run tool's output cap: a tiny model's context is short
+
+
+class RepoEnvironment:
+    """The `repo` suite: the task's workspace is written into the fresh sandbox, and every tool call is
+    one process there (`find`, `cat`, `sh`, a small Python edit script), never a file RPC, so every
+    call is confined and limited like the policy's own commands."""
+
+    suite = repo.SUITE
+    tools = repo.TOOL_NAMES
+    needs_sandbox = True
+
+    async def setup(self, sandbox: SandboxHandle | None, task: common_pb2.Task) -> None:
+        assert sandbox is not None
+        try:
+            files = workspace_of(task)
+        except BadTask as exc:
+            raise EnvkitError(str(exc)) from None
+        if files:
+            await sandbox.write_files(files)
+
+    async def run_tool(self, sandbox: SandboxHandle | None, call: ToolCall) -> ToolResult:
+        assert sandbox is not None
+        if call.tool == "list_files":
+            result = await sandbox.exec(("find", ".", "-type", "f", "-not", "-path", "*/.*"))
+            if result.exit_code != 0:
+                return exec_observation(result, sandbox.tool_timeout_s)
+            names = sorted(line.removeprefix("./") for line in result.stdout.decode("utf-8", "replace").splitlines())
+            return ToolResult("\n".join(names) or "(no files)")
+        if call.tool == "run":
+            result = await sandbox.exec(("sh", "-c", call.args))
+            return exec_observation(result, sandbox.tool_timeout_s, merge_stderr=True, max_chars=RUN_OUTPUT_CHARS)
+        path, _, rest = call.args.lstrip("\n").partition("\n")
+        path = path.strip()
+        if not path:
+            return ToolResult(f"error: {call.tool} needs a file path", ok=False)
+        if call.tool == "read_file":
+            if rest.strip():
+                return ToolResult("error: read_file takes one path", ok=False)
+            return exec_observation(await sandbox.exec(("cat", "--", path)), sandbox.tool_timeout_s)
+        if call.tool == "write_file":
+            result = await sandbox.exec(("sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path),
+                                        stdin=rest)
+            return exec_observation(result, sandbox.tool_timeout_s) if result.exit_code else ToolResult(f"wrote {path}")
+        old, separator, new = rest.partition(repo.EDIT_SEPARATOR)
+        if not separator:
+            return ToolResult("error: edit_file needs the old text, a line ---, then the new text", ok=False)
+        job = json.dumps({"path": path, "old": old, "new": new})
+        return exec_observation(await sandbox.exec(("python3", "-I", "-S", "-c", EDIT_SCRIPT), stdin=job),
+                                sandbox.tool_timeout_s)
+
+
+def exec_observation(result: sandbox_pb2.ExecResult, limit_s: float, merge_stderr: bool = False,
+                     max_chars: int = 0) -> ToolResult:
     """The observation of one exec: its stdout (and stderr), then one error line per sandbox violation,
     or one error line when it printed nothing and failed."""
     kinds = tuple(_violation_kind(v) for v in result.violations)
@@ -170,8 +245,9 @@ def exec_observation(result: sandbox_pb2.ExecResult, limit_s: float, merge_stder
         err = result.stderr.decode("utf-8", errors="replace").strip().splitlines()
         lines.append(err[-1] if err else f"error: the tool exited with status {result.exit_code}")
     text = "\n".join(lines) or "(no output)"
-    if len(text) > MAX_OBSERVATION_CHARS:
-        text = text[:MAX_OBSERVATION_CHARS] + f"\n... ({len(text) - MAX_OBSERVATION_CHARS} more characters)"
+    cap = max_chars or MAX_OBSERVATION_CHARS
+    if len(text) > cap:
+        text = text[:cap] + f"\n... ({len(text) - cap} more characters)"
     return ToolResult(text, ok=result.exit_code == 0 and not kinds, violations=kinds)
 
 
@@ -197,6 +273,7 @@ _REGISTRY: dict[tuple[str, str], Callable[[], Environment]] = {
     ("calc", "sandbox"): CalcEnvironment,
     ("calc", "in_process"): InProcessCalcEnvironment,
     ("code", "sandbox"): CodeEnvironment,
+    ("repo", "sandbox"): RepoEnvironment,
 }
 
 

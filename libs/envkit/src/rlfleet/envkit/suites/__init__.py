@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rlfleet.envkit.suite_format import Task
 
-SUITE_NAMES = ("calc", "code")
+SUITE_NAMES = ("calc", "code", "repo")
 
 
 def generate_tasks(suite: str, split: str, n: int, seed: int = 0, difficulty: int = 1) -> list[Task]:
@@ -21,4 +21,8 @@ def generate_tasks(suite: str, split: str, n: int, seed: int = 0, difficulty: in
         from rlfleet.envkit.suites import code
 
         return code.generate_tasks(split, n, seed=seed, difficulty=difficulty)
+    if suite == "repo":
+        from rlfleet.envkit.suites import repo
+
+        return repo.generate_tasks(split, n, seed=seed, difficulty=difficulty)
     raise ValueError(f"unknown suite {suite!r}; built-in suites: {', '.join(SUITE_NAMES)}")
