@@ -79,7 +79,7 @@ from rlfleet.common.streams import connect_nats
 from rlfleet.envkit.sdk.clients import Clients
 from rlfleet.envkit.sdk.environment import environments
 from rlfleet.envkit.submit import SubmitError, load_tasks, write_for_verifier
-from rlfleet.envkit.suites import calc
+from rlfleet.envkit.suites import generate_tasks
 from rlfleet.envkit.worker import RolloutWorker
 from rlfleet.envkit.worker_config import WorkerConfig
 
@@ -238,7 +238,8 @@ class RLRun:
 
     def _base_policy(self) -> Path:
         cache = Path(self.config.model_cache_dir).resolve() if self.config.model_cache_dir else self.run_dir.parent / ".cache"
-        return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt, say)
+        return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt, say,
+                                  suite=self.config.suite)
 
     def platform_config(self, base: Path) -> PlatformConfig:
         """The launch of this run: the engine pools (canary: rollouts and candidates; fleet: the
@@ -403,9 +404,9 @@ class RLRun:
 
     def _tasks(self, peers):
         c = self.config
-        train = calc.generate_tasks("train", 2000, seed=c.seed, difficulty=c.difficulty)
-        heldout = calc.generate_tasks("heldout", c.eval.heldout, seed=c.seed, difficulty=c.difficulty)
-        regression = calc.generate_tasks("regression", c.eval.regression, seed=c.seed, difficulty=c.difficulty) \
+        train = generate_tasks(c.suite, "train", 2000, seed=c.seed, difficulty=c.difficulty)
+        heldout = generate_tasks(c.suite, "heldout", c.eval.heldout, seed=c.seed, difficulty=c.difficulty)
+        regression = generate_tasks(c.suite, "regression", c.eval.regression, seed=c.seed, difficulty=c.difficulty) \
             if c.eval.regression else []
         write_for_verifier(train + heldout + regression, self.run_dir / "suites")
         as_messages = lambda tasks: task_messages(tasks, c.run_id, 1, c.eval.temperature, c.system_prompt)  # noqa: E731

@@ -82,8 +82,11 @@ class RunConfig(ServiceSections):
     run_dir: str = Field("", description="run directory; empty = runs/<run_id>")
     mode: Literal["async", "sync"] = Field("async", description="async (overlapped) or sync (lock-step, on-policy)")
     seed: int = Field(0, ge=0, description="seed of task order and sampling")
-    suite: Literal["calc"] = Field("calc", description="task suite")
-    difficulty: int = Field(1, ge=1, le=3, description="calc difficulty")
+    suite: Literal["calc", "repo"] = Field("calc", description="task suite: calc (the calculator agent) or repo "
+                                         "(fix or write code in a small repository; its tools need rollout.tool_runtime "
+                                         "= \"sandbox\")")
+    difficulty: int = Field(1, ge=1, le=3, description="calc difficulty, or repo level (1 fix, 2 fix one import away, "
+                            "3 implement)")
     group_size: int = Field(8, ge=2, description="samples per task (G)")
     system_prompt: bool = Field(False, description="put the suite's system prompt in front of every task")
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -120,6 +123,12 @@ class RunConfig(ServiceSections):
                 "max_delta_chain": max(4, gate.every_versions)}
         propagate(self.broker, {"auto_promote": not gate.enabled, "sync": sync}, where="broker")
         propagate(self.gateway, {"route_pools": ["canary"]}, where="gateway")  # rollouts go to the canary
+        return self
+
+    @model_validator(mode="after")
+    def _tools_can_run(self) -> RunConfig:
+        if self.suite == "repo" and self.rollout.tool_runtime != "sandbox":
+            raise ValueError('the repo suite runs model-written code: set rollout.tool_runtime = "sandbox"')
         return self
 
     @model_validator(mode="after")

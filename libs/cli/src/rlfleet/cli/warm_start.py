@@ -23,8 +23,12 @@ from pydantic import Field
 from rlfleet.common.config import StrictModel
 from rlfleet.common.errors import StartupError
 from rlfleet.common.processes import find_binary
+from rlfleet.envkit import demos as calc_demos
+from rlfleet.envkit import repo_demos
 from rlfleet.envkit.corpus import default_corpus, write_corpus
-from rlfleet.envkit.demos import generate_demos, write_demos
+from rlfleet.envkit.demos import write_demos
+
+DEMONSTRATIONS = {"calc": calc_demos.generate_demos, "repo": repo_demos.generate_demos}
 
 
 class ModelSpec(StrictModel):
@@ -50,18 +54,22 @@ class ModelSpec(StrictModel):
 
 class WarmStartConfig(StrictModel):
     enabled: bool = Field(True, description="SFT the model on demonstrations before RL")
-    demonstrations: int = Field(4000, ge=10, description="calc demonstrations generated for SFT")
-    imperfection: float = Field(0.5, ge=0, le=1, description="share of flawed demonstrations (see envkit.demos)")
-    difficulty: int = Field(1, ge=1, le=3, description="calc difficulty of the demonstrations")
+    demonstrations: int = Field(4000, ge=10, description="demonstrations of the run's suite generated for SFT")
+    imperfection: float = Field(0.5, ge=0, le=1, description="share of flawed demonstrations (envkit.demos, "
+                                "envkit.repo_demos)")
+    difficulty: int = Field(1, ge=1, le=3, description="difficulty (calc) or level (repo) of the demonstrations")
     epochs: int = Field(3, ge=1, description="SFT epochs")
     lr: float = Field(1e-3, gt=0, description="SFT learning rate")
     batch_size: int = Field(32, ge=1, description="SFT batch size (sequences)")
     torch_threads: int = Field(2, ge=1, description="torch threads for SFT (nothing else runs then)")
 
 
-def cache_key(model: ModelSpec, warm: WarmStartConfig, system_prompt: bool) -> str:
-    blob = json.dumps({"model": model.key_fields(), "warm": warm.model_dump(exclude={"torch_threads"}),
-                       "system_prompt": system_prompt, "format": 1}, sort_keys=True)
+def cache_key(model: ModelSpec, warm: WarmStartConfig, system_prompt: bool, suite: str = "calc") -> str:
+    fields = {"model": model.key_fields(), "warm": warm.model_dump(exclude={"torch_threads"}),
+              "system_prompt": system_prompt, "format": 1}
+    if suite != "calc":  # named only for the suites added later, so calc's cached policies stay valid
+        fields["suite"] = suite
+    blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -74,18 +82,18 @@ def _run(cmd: list[str], log: Path, what: str, threads: int) -> None:
         raise StartupError(f"{what} failed (exit {code}): {' | '.join(tail)} (see {log})")
 
 
-def build_model_command(out: Path, seed: int) -> list[str]:
+def build_model_command(out: Path, seed: int, suite: str = "calc") -> list[str]:
     """`rlfleet-build-model` for the default model into `out`, with the default tokenizer corpus
-    (the task suites' texts, which the engine package does not know) written beside it."""
-    corpus = write_corpus(out.with_name(f"{out.name}.corpus.txt"), default_corpus(seed))
+    of `suite` (its texts, which the engine package does not know) written beside it."""
+    corpus = write_corpus(out.with_name(f"{out.name}.corpus.txt"), default_corpus(seed, suite=suite))
     return [find_binary("rlfleet-build-model"), "--out", str(out), "--seed", str(seed),
             "--corpus", str(corpus)]
 
 
 def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig, system_prompt: bool,
-                       say=print) -> Path:
+                       say=print, suite: str = "calc") -> Path:
     """Returns the base policy directory, building and warm-starting it once per cache key."""
-    key = cache_key(model, warm, system_prompt)
+    key = cache_key(model, warm, system_prompt, suite)
     target = cache_root / f"policy-{key}"
     if (target / "model.safetensors").exists():
         say(f"base policy: cached {target}")
@@ -104,14 +112,14 @@ def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig
         shutil.copytree(source, initial)
         say(f"base policy: starting from {source}")
     else:
-        _run([*build_model_command(initial, model.seed), "--hidden-size", str(model.hidden_size),
+        _run([*build_model_command(initial, model.seed, suite), "--hidden-size", str(model.hidden_size),
               "--num-hidden-layers", str(model.num_hidden_layers), "--family", model.family], log,
              "building the default model", warm.torch_threads)
         say(f"base policy: built the initial {model.family} model ({time.monotonic() - start:.0f} s)")
     policy = building / "policy"
     if warm.enabled:
-        demos = generate_demos(warm.demonstrations, seed=model.seed, imperfection=warm.imperfection,
-                               difficulty=warm.difficulty)
+        demos = DEMONSTRATIONS[suite](warm.demonstrations, seed=model.seed, imperfection=warm.imperfection,
+                                      difficulty=warm.difficulty)
         if not system_prompt:
             for demo in demos:
                 demo["messages"] = [m for m in demo["messages"] if m["role"] != "system"]
@@ -130,7 +138,7 @@ def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig
     else:
         initial.rename(policy)
     (policy / "rlfleet_warm_start.json").write_text(json.dumps(
-        {"key": key, "model": model.model_dump(), "warm_start": warm.model_dump(),
+        {"key": key, "suite": suite, "model": model.model_dump(), "warm_start": warm.model_dump(),
          "system_prompt": system_prompt, "seconds": round(time.monotonic() - start, 1)}, indent=2))
     shutil.copy2(log, policy / "warm-start.log")
     try:

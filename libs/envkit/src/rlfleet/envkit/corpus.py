@@ -36,8 +36,13 @@ BAD_CALLS = ("<calc>1+2", "1+2</calc>", "<calculator>1+2</calculator>", "<python
 DEFAULT_N = 2000
 
 
-def default_corpus(seed: int = 0, n: int = DEFAULT_N) -> list[str]:
-    """About ``n`` rendered calc dialogues plus the error, code and alphabet texts; deterministic."""
+def default_corpus(seed: int = 0, n: int = DEFAULT_N, suite: str = "calc") -> list[str]:
+    """About ``n`` rendered calc dialogues plus the error, code and alphabet texts; deterministic.
+    ``suite="repo"``: the repo suite's dialogues instead (its model reads and writes code, not sums)."""
+    if suite == "repo":
+        return repo_corpus(seed, n)
+    if suite != "calc":
+        raise ValueError(f"no default tokenizer corpus for suite {suite!r}; expected calc or repo")
     texts = []
     buckets = [(d, p) for d in sorted(calc.DIFFICULTIES) for p in IMPERFECTIONS]
     for index, (difficulty, imperfection) in enumerate(buckets):
@@ -93,6 +98,29 @@ def _code_dialogues() -> list[str]:
     return texts
 
 
+def repo_corpus(seed: int = 0, n: int = DEFAULT_N) -> list[str]:
+    """Rendered repo demonstrations (train tasks only), ideal and flawed, at every level, the suite's
+    error observations, and one line of printable ASCII."""
+    from rlfleet.envkit import repo_demos
+    from rlfleet.envkit.suites import repo
+
+    texts = []
+    buckets = [(level, p) for level in repo.LEVELS for p in IMPERFECTIONS]
+    for index, (level, imperfection) in enumerate(buckets):
+        count = n // len(buckets) + (1 if index < n % len(buckets) else 0)
+        for demo in repo_demos.generate_demos(count, seed=seed, imperfection=imperfection, difficulty=level):
+            texts.append(render_messages(demo["messages"], add_generation_prompt=False))
+    prompt = [{"role": "user", "content": "Fix it."}]
+    for call in ("<run>python3 x.py", "<python>1</python>", "<edit_file>a.py\nx</edit_file>", "<read_file>a.py</run>"):
+        action = parse_action(call, repo.TOOL_NAMES)
+        error = action.error if hasattr(action, "error") else "error: edit_file needs the old text, a line ---, then the new text"
+        texts.append(render_messages([*prompt, {"role": "assistant", "content": call}, {"role": "tool", "content": error}], add_generation_prompt=False))
+    texts.append(render_messages([*prompt, {"role": "assistant", "content": "<run>ls</run>"}, {"role": "tool", "content": too_many_calls_error(4)}],
+                                 add_generation_prompt=False))
+    texts.append(string.printable)
+    return texts
+
+
 def write_corpus(path: Path, texts: list[str]) -> Path:
     """One text per line, newlines written as a literal backslash-n: what `rlfleet-build-model
     --corpus` reads."""
@@ -107,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         description="Writes the default tokenizer corpus for rlfleet-build-model --corpus.")
     parser.add_argument("--out", type=Path, required=True, help="file to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the dialogues")
-    parser.add_argument("--n", type=int, default=DEFAULT_N, help="about this many calc dialogues")
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help="about this many dialogues")
+    parser.add_argument("--suite", choices=("calc", "repo"), default="calc", help="whose dialogues")
     args = parser.parse_args(argv)
-    write_corpus(args.out, default_corpus(args.seed, args.n))
+    write_corpus(args.out, default_corpus(args.seed, args.n, args.suite))
 
 
 if __name__ == "__main__":

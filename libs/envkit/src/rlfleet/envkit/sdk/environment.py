@@ -205,8 +205,7 @@ class RepoEnvironment:
             names = sorted(line.removeprefix("./") for line in result.stdout.decode("utf-8", "replace").splitlines())
             return ToolResult("\n".join(names) or "(no files)")
         if call.tool == "run":
-            result = await sandbox.exec(("sh", "-c", call.args))
-            return exec_observation(result, sandbox.tool_timeout_s, merge_stderr=True, max_chars=RUN_OUTPUT_CHARS)
+            return await self._run(sandbox, call.args)
         path, _, rest = call.args.lstrip("\n").partition("\n")
         path = path.strip()
         if not path:
@@ -225,6 +224,17 @@ class RepoEnvironment:
         job = json.dumps({"path": path, "old": old, "new": new})
         return exec_observation(await sandbox.exec(("python3", "-I", "-S", "-c", EDIT_SCRIPT), stdin=job),
                                 sandbox.tool_timeout_s)
+
+
+    async def _run(self, sandbox: SandboxHandle, command: str) -> ToolResult:
+        """`sh -c command`: a failing command is a valid call (a failing test is news, not a mistake);
+        its exit status ends the observation."""
+        result = await sandbox.exec(("sh", "-c", command))
+        seen = exec_observation(result, sandbox.tool_timeout_s, merge_stderr=True, max_chars=RUN_OUTPUT_CHARS)
+        text = seen.observation
+        if result.exit_code > 0 and not seen.violations:
+            text += f"\n(exit status {result.exit_code})"
+        return ToolResult(text, ok=not seen.violations, violations=seen.violations)
 
 
 def exec_observation(result: sandbox_pb2.ExecResult, limit_s: float, merge_stderr: bool = False,

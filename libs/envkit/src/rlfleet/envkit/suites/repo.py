@@ -76,7 +76,10 @@ from {module} import {function}
 
 failed = 0
 for args, expected in {cases!r}:
-    got = {function}(*args)
+    try:
+        got = {function}(*args)
+    except Exception as exc:
+        got = f"raised {{type(exc).__name__}}"
     if got != expected:
         failed += 1
         print(f"FAIL {function}{{args}}: got {{got!r}}, expected {{expected!r}}")
@@ -161,21 +164,44 @@ class Instance:
         parts = [self.companion.source(), target] if self.companion_first else [target, self.companion.source()]
         return "\n\n".join(parts)
 
-    def workspace(self) -> dict[str, str]:
+    def visible_cases(self) -> tuple[str, str, list]:
+        """(module, function, cases) the workspace's test file checks."""
         if self.level != 2:
-            files = {self.target_file: self.library_source(),
-                     self.test_file: _VISIBLE_TEST.format(module=self.module, function=self.function.name,
-                                                          cases=list(self.function.visible))}
-            return files
-        name = self.function.name
-        main = (f"from {self.helper} import {name}\n\n\ndef {self.wrapper}(items):\n"
+            return self.module, self.function.name, list(self.function.visible)
+        items = [list(args) for args, _ in self.function.visible]
+        return self.module, self.wrapper, [((items,), [expected for _, expected in self.function.visible])]
+
+    def workspace(self) -> dict[str, str]:
+        module, function, cases = self.visible_cases()
+        files = {self.target_file: self.library_source(),
+                 self.test_file: _VISIBLE_TEST.format(module=module, function=function, cases=cases)}
+        if self.level == 2:
+            name = self.function.name
+            files[f"{self.module}.py"] = (
+                f"from {self.helper} import {name}\n\n\ndef {self.wrapper}(items):\n"
                 f"    \"\"\"Applies {name}() to each argument list in items.\"\"\"\n"
                 f"    return [{name}(*args) for args in items]\n")
-        visible = [([list(args) for args, _ in self.function.visible],
-                    [expected for _, expected in self.function.visible])]
-        return {f"{self.module}.py": main, self.target_file: self.library_source(),
-                self.test_file: _VISIBLE_TEST.format(module=self.module, function=self.wrapper,
-                                                     cases=[((items,), out) for items, out in visible])}
+        return files
+
+    def visible_output(self, target_text: str) -> tuple[str, int]:
+        """What `python3 <test_file>` prints and its exit status, with `target_text` as the target file
+        (the rest of the workspace as generated): the test file's logic, evaluated here on trusted
+        template code, for demonstrations that must show the very observation a sandbox would."""
+        namespace: dict[str, Any] = {}
+        exec(compile(target_text, self.target_file, "exec"), namespace)
+        target = namespace[self.function.name]
+        call = (lambda items: [target(*args) for args in items]) if self.level == 2 else target
+        _, function, cases = self.visible_cases()
+        lines = []
+        for args, expected in cases:
+            try:
+                got = call(*args)
+            except Exception as exc:
+                got = f"raised {type(exc).__name__}"
+            if got != expected:
+                lines.append(f"FAIL {function}{args}: got {got!r}, expected {expected!r}")
+        lines.append("all tests passed" if not lines else f"{len(lines)} failed")
+        return "\n".join(lines), int(len(lines) > 1)
 
     def prompt(self) -> str:
         f = self.function
