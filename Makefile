@@ -6,10 +6,14 @@ CONFIG ?= examples/calc.toml
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test chaos install proto proto-check lint up down status clean sglang-contract image compose-up compose-down
+.PHONY: run run-code test chaos install proto proto-check lint up down status clean sglang-contract image compose-up compose-down
 
 run: install
 	$(VENV)/bin/rlfleet run $(CONFIG) $(RUN_ARGS)
+
+# The second job: a coding agent on the repo suite, every episode in a fresh sandbox (examples/code.toml).
+run-code: install
+	$(VENV)/bin/rlfleet run examples/code.toml $(RUN_ARGS)
 
 test: install
 	$(PY) -m pytest -m "not gpu and not chaos" $(PYTEST_ARGS)

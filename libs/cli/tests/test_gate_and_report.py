@@ -17,12 +17,14 @@ from rlfleet.cli.gate import (
 )
 from rlfleet.cli.gate_sim import promotion_rate, task_probabilities
 from rlfleet.cli.report import (
+    EpisodeRecord,
     EvalResult,
     GateDecision,
     RunRecord,
     StepRecord,
     TaskOutcome,
     TrajectoryRecord,
+    episode_figures,
     write_report,
 )
 
@@ -230,3 +232,30 @@ def test_report_writes_summary_plots_and_html(tmp_path):
     assert "Baseline vs RL" in page and "report/reward_success.png" in page
     for png in ("reward_success.png", "rollout.png", "versions.png", "cpu.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000
+
+
+def _episode(elapsed_s, passed, reasons, tools, invalid=0):
+    return EpisodeRecord(elapsed_s, passed, reasons, tools, invalid, generate_s=0.4, tool_s=0.2, sandbox_s=0.1,
+                         verify_s=1.0, episode_s=2.0)
+
+
+def test_the_report_counts_tool_calls_by_tool_sandbox_time_and_failure_reasons_per_minute(tmp_path):
+    record = RunRecord("r", "async", {}, 0.0, wall_s=130.0)
+    record.episodes = [_episode(10.0, False, ["WRONG_ANSWER", "WRONG_ANSWER"], {"read_file": 1, "run": 1}),
+                       _episode(50.0, False, ["NO_ANSWER"], {"read_file": 2}, invalid=1),
+                       _episode(70.0, True, [], {"read_file": 1, "edit_file": 1, "run": 1}),
+                       _episode(125.0, True, [], {"edit_file": 1})]
+    figures = episode_figures(record.episodes)
+    assert figures["tool_calls_by_tool"] == {"edit_file": 2, "read_file": 4, "run": 2}
+    assert figures["tool_calls_per_episode"]["read_file"] == 1.0
+    assert figures["invalid_tool_calls_per_episode"] == 0.25
+    assert abs(figures["sandbox_s_per_episode"]["mean"] - 0.3) < 1e-9
+    assert figures["phase_s_per_episode"]["verification"] == 1.0
+    minutes = figures["verifier_reasons_over_time"]
+    assert [(b["from_s"], b["episodes"], b["passed"]) for b in minutes] == [(0.0, 2, 0), (60.0, 1, 1), (120.0, 1, 1)]
+    assert minutes[0]["reasons"] == {"WRONG_ANSWER": 1, "NO_ANSWER": 1}  # an episode counts once per reason
+    summary = write_report(record, tmp_path)
+    assert summary["episodes"] == figures
+    page = (tmp_path / "report.html").read_text()
+    assert "Verifier failure reasons over time" in page and "edit_file" in page
+    assert episode_figures([]) == {}

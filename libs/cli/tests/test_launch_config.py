@@ -101,6 +101,7 @@ def test_every_toml_the_repo_ships_loads():
                ROOT / "examples" / "calc-ppo.toml": RunConfig,
                ROOT / "examples" / "calc-lora.toml": RunConfig,
                ROOT / "examples" / "llama.toml": RunConfig,
+               ROOT / "examples" / "code.toml": RunConfig,
                ROOT / "services" / "weight-broker" / "examples" / "broker.toml": WeightBrokerConfig,
                ROOT / "deploy" / "compose" / "rlfleet.toml": PlatformConfig}
     assert set(shipped) == {p for p in ROOT.glob("**/*.toml") if p.name != "pyproject.toml"
@@ -175,3 +176,12 @@ def test_one_switch_makes_the_trainer_send_to_the_broker_it_starts_after(tmp_pat
     assert trainer.weight_send.broker_address == ("127.0.0.1:5" if sends else "")
     tier = {name: i for i, names in enumerate(TIERS) for name in names}
     assert tier["trainer"] > tier["weight-broker"]
+
+
+def test_the_repo_suite_needs_sandboxed_tools_and_gets_a_warm_pool_sized_to_its_concurrency(tmp_path):
+    with pytest.raises(Exception, match="tool_runtime"):
+        run_config(tmp_path, 'suite = "repo"\n')
+    config = run_config(tmp_path, 'suite = "repo"\n[rollout]\ntool_runtime = "sandbox"\nconcurrency = 12\n')
+    assert config.sandbox.driver.pool_size == 14
+    pinned = run_config(tmp_path, '[rollout]\ntool_runtime = "sandbox"\n[sandbox.driver]\npool_size = 3\n')
+    assert pinned.sandbox.driver.pool_size == 3

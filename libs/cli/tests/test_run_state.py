@@ -5,7 +5,15 @@ import os
 
 import pytest
 
-from rlfleet.cli.report import EvalResult, GateDecision, RunRecord, StepRecord, TrajectoryRecord, summarize
+from rlfleet.cli.report import (
+    EpisodeRecord,
+    EvalResult,
+    GateDecision,
+    RunRecord,
+    StepRecord,
+    TrajectoryRecord,
+    summarize,
+)
 from rlfleet.cli.rl_loop import RLRun, RunOptions, main
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import (
@@ -26,6 +34,7 @@ def _record() -> RunRecord:
     record.trajectories.append(TrajectoryRecord(2.0, 40, 12, 1.0, True, "completed", "train", 0, 1, 0.2, [0.1]))
     record.cpu.append((2.0, 80.0))
     record.memory_mb.append((2.0, 900.0))
+    record.episodes.append(EpisodeRecord(3.0, False, ["WRONG_ANSWER"], {"read_file": 1}, 0, 0.5, 0.1, 0.05, 0.9, 1.6))
     return record
 
 

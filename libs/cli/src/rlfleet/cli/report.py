@@ -80,6 +80,22 @@ class TrajectoryRecord:
 
 
 @dataclass
+class EpisodeRecord:
+    """One training episode as the driver's rollout worker saw it: where its time went, its tools, its verdict."""
+
+    elapsed_s: float
+    passed: bool
+    reasons: list[str]      # the verdict's reason codes, empty for a clean pass
+    tools: dict[str, int]   # tool calls run, by tool
+    invalid_calls: int
+    generate_s: float
+    tool_s: float           # tool calls (each a sandboxed process with the sandbox runtime)
+    sandbox_s: float        # creating, setting up and destroying the sandbox
+    verify_s: float         # the verifier's call, hidden tests included
+    episode_s: float
+
+
+@dataclass
 class RunRecord:
     run_id: str
     mode: str
@@ -103,6 +119,7 @@ class RunRecord:
     audits: list[dict[str, Any]] = field(default_factory=list)  # verifier audits (stop_rules.AuditResult)
     long_tail: dict[str, Any] = field(default_factory=dict)    # the last long-tail account (stop_rules)
     stop_rule: str = ""     # the stop rule that ended the run, or that fired when set to report only
+    episodes: list[EpisodeRecord] = field(default_factory=list)  # training episodes of the driver's worker
 
 
 def percentiles(values: list[float], points=(50, 90, 99)) -> dict[str, float]:
@@ -119,6 +136,43 @@ def _mean(values: list[float]) -> float:
 def _eval_of(record: RunRecord, label: str, split: str = "heldout") -> EvalResult | None:
     found = [e for e in record.evals if e.label == label and e.split == split]
     return found[-1] if found else None
+
+
+REASON_BUCKET_S = 60.0
+
+
+def episode_figures(episodes: list[EpisodeRecord]) -> dict[str, Any]:
+    """Tool calls by tool, sandbox time per episode, time per phase, and the verifier's failure
+    reasons per minute of loop time (empty without episodes: a run whose worker recorded none)."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    by_tool: dict[str, int] = {}
+    for episode in episodes:
+        for tool, count in episode.tools.items():
+            by_tool[tool] = by_tool.get(tool, 0) + count
+    buckets: dict[int, dict[str, Any]] = {}
+    for episode in episodes:
+        bucket = buckets.setdefault(int(episode.elapsed_s // REASON_BUCKET_S),
+                                    {"episodes": 0, "passed": 0, "reasons": {}})
+        bucket["episodes"] += 1
+        bucket["passed"] += episode.passed
+        for reason in dict.fromkeys(episode.reasons):  # an episode counts once per reason
+            bucket["reasons"][reason] = bucket["reasons"].get(reason, 0) + 1
+    return {
+        "episodes": n,
+        "tool_calls_by_tool": dict(sorted(by_tool.items())),
+        "tool_calls_per_episode": {tool: count / n for tool, count in sorted(by_tool.items())},
+        "invalid_tool_calls_per_episode": sum(e.invalid_calls for e in episodes) / n,
+        "sandbox_s_per_episode": percentiles([e.sandbox_s + e.tool_s for e in episodes]) | {
+            "mean": _mean([e.sandbox_s + e.tool_s for e in episodes])},
+        "phase_s_per_episode": {"sandbox_create_destroy": _mean([e.sandbox_s for e in episodes]),
+                                "tool_execs": _mean([e.tool_s for e in episodes]),
+                                "generation": _mean([e.generate_s for e in episodes]),
+                                "verification": _mean([e.verify_s for e in episodes]),
+                                "episode": _mean([e.episode_s for e in episodes])},
+        "verifier_reasons_over_time": [{"from_s": k * REASON_BUCKET_S, **v} for k, v in sorted(buckets.items())],
+    }
 
 
 def summarize(record: RunRecord) -> dict[str, Any]:
@@ -164,6 +218,7 @@ def summarize(record: RunRecord) -> dict[str, Any]:
         "long_tail": record.long_tail,
         "stop_rule": record.stop_rule,
         "notes": record.notes,
+        "episodes": episode_figures(record.episodes),
     }
 
 
@@ -235,6 +290,21 @@ def _table(rows: list[list[str]]) -> str:
     return f"<table><tr>{cells}</tr>{lines}</table>"
 
 
+def _episode_tables(figures: dict[str, Any]) -> str:
+    if not figures:
+        return ""
+    tools = [["tool", "calls", "per episode"]] + [
+        [tool, str(count), f"{figures['tool_calls_per_episode'][tool]:.2f}"]
+        for tool, count in figures["tool_calls_by_tool"].items()]
+    phases = [["phase", "mean s per episode"]] + [[k, f"{v:.3f}"] for k, v in figures["phase_s_per_episode"].items()]
+    reasons = [["from (s)", "episodes", "passed", "failure reasons"]] + [
+        [f"{b['from_s']:.0f}", str(b["episodes"]), str(b["passed"]),
+         ", ".join(f"{k} {v}" for k, v in sorted(b["reasons"].items())) or "-"]
+        for b in figures["verifier_reasons_over_time"]]
+    return (f"<h2>Tool calls</h2>{_table(tools)}<h2>Time per episode by phase</h2>{_table(phases)}"
+            f"<h2>Verifier failure reasons over time</h2>{_table(reasons)}")
+
+
 def write_report(record: RunRecord, run_dir: Path) -> dict[str, Any]:
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -265,6 +335,7 @@ td,th{{border:1px solid #ccc;padding:4px 10px;text-align:left}}img{{max-width:10
 <h2>Baseline vs RL (held-out split)</h2>{_table(rows)}
 <h2>Loop</h2>{_table(stats)}
 <h2>Promotion gate</h2>{_table(gate_rows)}
+{_episode_tables(summary["episodes"])}
 {''.join(f'<h2>{html.escape(p.removesuffix(".png").replace("_", " "))}</h2><img src="report/{p}">' for p in plots)}
 <h2>Notes</h2><ul>{''.join(f'<li>{html.escape(n)}</li>' for n in record.notes)}</ul>
 </body></html>"""

@@ -61,7 +61,7 @@ from rlfleet.cli.loop_parts import (
     task_messages,
 )
 from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
-from rlfleet.cli.report import EvalResult, GateDecision, RunRecord, StepRecord, write_report
+from rlfleet.cli.report import EpisodeRecord, EvalResult, GateDecision, RunRecord, StepRecord, write_report
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import (
     RunState,
@@ -425,7 +425,17 @@ class RLRun:
                               concurrency=c.rollout.concurrency, tool_runtime=c.rollout.tool_runtime,
                               tool_call_format=c.rollout.tool_call_format,
                               observation_framing=c.rollout.observation_framing, metrics={"enabled": False})
-        return RolloutWorker(config, environments=environments, clients=peers.clients)
+        return RolloutWorker(config, environments=environments, clients=peers.clients, on_episode=self._note_episode)
+
+    def _note_episode(self, summary) -> None:
+        """A training episode's phases, tools and verdict, for the report (the worker's own account)."""
+        if summary.end in ("error", "cancelled"):
+            return  # not the policy's: the platform failed or the run stopped
+        self.record.episodes.append(EpisodeRecord(
+            elapsed_s=self.clock.elapsed(), passed=summary.passed, reasons=list(summary.reasons),
+            tools=dict(summary.tools), invalid_calls=summary.invalid_calls, generate_s=summary.generate_s,
+            tool_s=summary.tool_wait_s, sandbox_s=summary.sandbox_s, verify_s=summary.verify_s,
+            episode_s=summary.episode_s))
 
     def _environments(self):
         """Environments with the run's tool runtime, for training episodes and evaluations alike
@@ -800,6 +810,18 @@ class RLRun:
             say(f"  long tail: {summary['long_tail']['message']}")
         if summary["stop_rule"]:
             say(f"  stop rule: {summary['stop_rule']}")
+        episodes = summary.get("episodes") or {}
+        if episodes:
+            tools = ", ".join(f"{t} {n:.2f}" for t, n in episodes["tool_calls_per_episode"].items())
+            phases = episodes["phase_s_per_episode"]
+            say(f"  tool calls per episode ({episodes['episodes']} training episodes): {tools or 'none'}")
+            say(f"  time per episode: sandbox create+destroy {phases['sandbox_create_destroy']:.2f} s, tool execs "
+                f"{phases['tool_execs']:.2f} s, generation {phases['generation']:.2f} s, verification "
+                f"{phases['verification']:.2f} s (sandbox time p50 {episodes['sandbox_s_per_episode']['p50']:.2f} s)")
+            for bucket in episodes["verifier_reasons_over_time"]:
+                reasons = ", ".join(f"{k} {v}" for k, v in sorted(bucket["reasons"].items())) or "none"
+                say(f"  [{bucket['from_s']:5.0f}s] {bucket['passed']}/{bucket['episodes']} passed; failure reasons: "
+                    f"{reasons}")
         say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
 
 

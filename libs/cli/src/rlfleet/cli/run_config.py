@@ -123,6 +123,11 @@ class RunConfig(ServiceSections):
                 "max_delta_chain": max(4, gate.every_versions)}
         propagate(self.broker, {"auto_promote": not gate.enabled, "sync": sync}, where="broker")
         propagate(self.gateway, {"route_pools": ["canary"]}, where="gateway")  # rollouts go to the canary
+        if self.rollout.tool_runtime == "sandbox":
+            # Every running episode holds a sandbox, and each verification of a unit-tests task takes one
+            # more for a moment: a warm pool that covers the concurrency keeps creates off the critical path
+            # (bench/code_episodes.py measures it).
+            propagate(self.sandbox.driver, {"pool_size": self.rollout.concurrency + 2}, where="sandbox.driver")
         return self
 
     @model_validator(mode="after")

@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.cli.launcher import flatten_keys
-from rlfleet.cli.report import EvalResult, GateDecision, RunRecord, StepRecord, TrajectoryRecord
+from rlfleet.cli.report import (
+    EpisodeRecord,
+    EvalResult,
+    GateDecision,
+    RunRecord,
+    StepRecord,
+    TrajectoryRecord,
+)
 from rlfleet.common.errors import StartupError
 
 STATE_FILE = "run_state.json"
@@ -79,6 +86,7 @@ def record_from_dict(data: dict[str, Any]) -> RunRecord:
     data["evals"] = [EvalResult(**e) for e in data.get("evals", [])]
     data["gate"] = [GateDecision(**g) for g in data.get("gate", [])]
     data["trajectories"] = [TrajectoryRecord(**t) for t in data.get("trajectories", [])]
+    data["episodes"] = [EpisodeRecord(**e) for e in data.get("episodes", [])]
     data["cpu"] = [tuple(c) for c in data.get("cpu", [])]
     data["memory_mb"] = [tuple(m) for m in data.get("memory_mb", [])]
     return RunRecord(**data)

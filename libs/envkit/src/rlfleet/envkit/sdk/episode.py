@@ -191,6 +191,7 @@ class _Episode:
         labels = {"run_id": self.task.run_id, "task_id": self.task.task_id, "session_id": self.spec.session_id}
         # With the session open (holding an admission slot), waiting for a sandbox is bounded tighter.
         sandbox_wait = replace(self.loop.admission, give_up_after_s=min(self.loop.admission.give_up_after_s, 60.0))
+        started = time.monotonic()
         created = await retry(
             lambda: self.loop.clients.sandbox.create(self.spec.session_id, labels,
                                                      ttl_s=2 * self.spec.timeout_s + 300),
@@ -198,6 +199,7 @@ class _Episode:
         self.sandbox = SandboxHandle(self.loop.clients.sandbox, created.sandbox_id, self.spec.tool_timeout_s)
         self.summary.sandbox_id = created.sandbox_id
         await self.environment.setup(self.sandbox, self.task)
+        self.summary.sandbox_s += time.monotonic() - started
 
     async def _open_session(self) -> session_pb2.OpenSessionResponse:
         spec, task = self.spec, self.task
@@ -285,6 +287,7 @@ class _Episode:
         waited = time.monotonic() - started
         self.summary.tool_wait_s += waited
         self.summary.tool_calls += 1
+        self.summary.tools[call.tool] = self.summary.tools.get(call.tool, 0) + 1
         self.summary.invalid_calls += 0 if result.ok else 1
         self.summary.violations.extend(result.violations)
         if self.loop.hooks.on_tool_result is not None:
@@ -306,8 +309,10 @@ class _Episode:
 
     async def verify(self) -> None:
         sandbox_id = self.sandbox.sandbox_id if self.sandbox is not None else ""
+        started = time.monotonic()
         verdict = await self.loop.clients.verifier.verify(self.spec.session_id, self.task.suite, self.task.task_id,
                                                           sandbox_id)
+        self.summary.verify_s = time.monotonic() - started
         self.summary.apply_verdict(verdict)
 
     async def close(self) -> None:
@@ -355,10 +360,12 @@ class _Episode:
     async def destroy_sandbox(self) -> None:
         if self.sandbox is None:
             return
+        started = time.monotonic()
         try:
             await self.loop.clients.sandbox.destroy(self.sandbox.sandbox_id)
         except RpcError as exc:  # its TTL reclaims it; say so, but the episode is over either way
             log.warning("could not destroy sandbox %s: %s", self.sandbox.sandbox_id, exc)
+        self.summary.sandbox_s += time.monotonic() - started
         self.sandbox = None
 
     def _finish(self) -> None:

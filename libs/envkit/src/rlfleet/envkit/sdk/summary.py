@@ -37,7 +37,10 @@ class EpisodeSummary:
     violations: list[str] = field(default_factory=list)  # sandbox violation kinds, lower case
     tool_wait_s: float = 0.0
     generate_s: float = 0.0
+    sandbox_s: float = 0.0  # creating, setting up and destroying the episode's sandbox (tool calls not counted)
+    verify_s: float = 0.0  # the Verify call (hidden tests included)
     episode_s: float = 0.0
+    tools: dict[str, int] = field(default_factory=dict)  # calls run, by tool name
     trajectory_id: str = ""
     sandbox_id: str = ""
     error: str = ""
