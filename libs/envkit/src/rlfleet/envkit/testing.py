@@ -17,7 +17,13 @@ its user message, `[script: calc, answer]` (the default for a calc question, an 
     run      <python>import solution; print("imported")</python>
     done     <answer>done</answer>
 
-A code task's default script is `solve, done`.
+    (repo tasks)
+    read     <read_file>FILE</read_file>       FILE: the first `NAME.py` of the prompt
+    fix      <edit_file>...</edit_file>        undoes the template bug found in the last tool output
+    test     <run>python3 test_NAME.py</run>   the prompt's check command
+    snoop    <run>...</run>                    looks everywhere the sandbox shows for the hidden tests
+
+A code task's default script is `solve, done`; a repo task's `read, fix, test, done`.
 
 Turn k of the episode plays the k-th entry (the last one repeats). Every turn ends with
 `<|im_end|>` like a trained ChatML model's, except `ramble`. `POST /script {"delay_s": 1.5}` slows
@@ -61,7 +67,9 @@ def scripted_turn(conversation: str) -> str:
     messages = [(m["role"], m["content"]) for m in _MESSAGE_RE.finditer(conversation)]
     user = next((content for role, content in reversed(messages) if role == "user"), "")
     script = _SCRIPT_RE.search(user)
-    default = ["solve", "done"] if "solution.py" in user else ["calc", "answer"]
+    repo_task = "Check with: python3 " in user
+    default = ["read", "fix", "test", "done"] if repo_task else ["solve", "done"] if "solution.py" in user \
+        else ["calc", "answer"]
     steps = [s.strip() for s in script["steps"].split(",")] if script else default
     turn = sum(1 for role, _ in messages if role == "assistant")
     step = steps[min(turn, len(steps) - 1)]
@@ -79,7 +87,35 @@ def scripted_turn(conversation: str) -> str:
         "solve": f"<write_file>solution.py\n{_reference_solution(user)}</write_file>",
         "run": '<python>import solution; print("imported")</python>',
         "done": "<answer>done</answer>",
+        **(_repo_turns(user, last_tool) if repo_task else {}),
     }.get(step, "I do not know.")
+
+
+# Where a candidate could look for the hidden tests: the workspace and every writable place the sandbox
+# shows, and every process's command line and environment. Prints `hidden tests: none` when nothing is there.
+# The patterns are split by shell quotes so that this command's own command line does not match them.
+SNOOP_COMMAND = ("found=$( (grep -rlsI -e 'RESULT pass''ed' -e 'RLFLEET-HAR''NESS' . /tmp /dev/shm \"$HOME\";"
+                 " for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; tr '\\0' ' ' < $p/environ; echo; done"
+                 " 2>/dev/null | grep -l -e 'RESULT pass''ed' -e 'CA''SES' ) 2>/dev/null); "
+                 "echo \"hidden tests: ${found:-none}\"")
+
+
+def _repo_turns(user: str, last_tool: str) -> dict[str, str]:
+    from rlfleet.envkit.suites.repo import EDIT_SEPARATOR
+    from rlfleet.envkit.suites.repo_templates import FUNCTIONS
+
+    files = re.findall(r"(\w+)\.py", user)
+    target = f"{files[0]}.py" if files else "main.py"
+    test = next((f"{name}.py" for name in files if name.startswith("test_")), "test.py")
+    name = user.split("()", 1)[0].split()[-1] if "()" in user else ""
+    fix = "<answer>done</answer>"
+    for function in FUNCTIONS:
+        for bug in function.bugs:
+            buggy = "    " + bug.buggy
+            if function.name == name and buggy in last_tool.split("\n"):
+                fix = f"<edit_file>{target}\n{buggy}{EDIT_SEPARATOR}    {bug.line}</edit_file>"
+    return {"read": f"<read_file>{target}</read_file>", "fix": fix, "test": f"<run>python3 {test}</run>",
+            "snoop": f"<run>{SNOOP_COMMAND}</run>"}
 
 
 def _reference_solution(prompt: str) -> str:

@@ -67,7 +67,8 @@ def build_verifier(config: VerifierConfig, redis=None, *, kinds: tuple[str, ...]
     return Verifier(SuiteCatalog(config.suites_dir, kinds),
                     sessions=SessionPeer(config.session_address, "session_address", config.peer_timeout_s),
                     sandboxes=sandboxes, decoder=SessionDecoder(config.tokenizer_path),
-                    scoring=scoring_config(config), redis=redis, run_id=config.run_id, metrics=VerifierMetrics())
+                    scoring=scoring_config(config), redis=redis, run_id=config.run_id, metrics=VerifierMetrics(),
+                    parallel_tests=config.parallel_tests)
 
 
 def build(config: VerifierConfig) -> VerifierApp:

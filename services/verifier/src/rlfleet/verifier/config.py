@@ -40,5 +40,8 @@ class VerifierConfig(ServiceConfig):
     tokenizer_path: str = Field("", description="directory with the policy's tokenizer.json, to decode session tokens")
     peer_timeout_s: float = Field(30.0, gt=0, description="deadline of one call to the session server or sandbox manager")
     max_audit_episodes: int = Field(500, ge=1, description="labelled episodes one Audit call may carry (each may run hidden tests in a sandbox)")
+    parallel_tests: int = Field(32, ge=1, description="hidden-test runs at once (each a thread waiting on its sandbox); "
+                                "asyncio's default pool would allow cores + 4, which queued verifications at a "
+                                "rollout concurrency of 16 (bench/code_episodes.py)")
     scoring: ScoringSection = Field(default_factory=ScoringSection)
     test_sandbox: TestSandboxSection = Field(default_factory=TestSandboxSection)

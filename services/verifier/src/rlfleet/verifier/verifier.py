@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,8 +70,11 @@ class LabelledInput:
 class Verifier:
     def __init__(self, catalog: SuiteCatalog, *, sessions: SessionPeer, sandboxes: SandboxPeer, decoder: SessionDecoder,
                  scoring: ScoringConfig, redis: Any = None, run_id: str = "",
-                 metrics: VerifierMetrics | None = None, audit_workers: int = 4) -> None:
+                 metrics: VerifierMetrics | None = None, audit_workers: int = 4, parallel_tests: int = 32) -> None:
         self.audit_workers = audit_workers
+        # Hidden-test runs wait on their sandbox in threads of their own: as many at once as episodes
+        # verify at once, not asyncio's default pool (cores + 4).
+        self.test_threads = ThreadPoolExecutor(parallel_tests, thread_name_prefix="hidden-tests")
         self.catalog = catalog
         self.sessions = sessions
         self.sandboxes = sandboxes
@@ -127,7 +131,7 @@ class Verifier:
         """Answer kinds are quick and pure; `unit_tests` waits on a sandbox, so it scores in a worker thread."""
         kinds = self.kinds(session_id)
         if solution_paths(task):
-            return await asyncio.to_thread(kinds.score, task, episode)
+            return await asyncio.get_running_loop().run_in_executor(self.test_threads, kinds.score, task, episode)
         return kinds.score(task, episode)
 
     def kinds(self, session_id: str) -> KindRegistry:
