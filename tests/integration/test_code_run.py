@@ -51,8 +51,9 @@ async def test_repo_episodes_fix_the_bug_through_sandboxed_tools_and_never_see_t
         info = platform.info
         base = repo.generate_tasks("train", 2, seed=11, difficulty=1)
         ideal = scripted(base[0], "read, fix, test, done", "itest-repo-ideal")
-        # Snoops once before anything changed, then after a fix and a test run; then answers.
-        snoop = scripted(base[1], "snoop, read, fix, test, snoop, done", "itest-repo-snoop")
+        # Snoops before anything changed and again after the fix (four calls: the level's limit), then answers.
+        snoop = scripted(base[1], "snoop, read, fix, snoop, done", "itest-repo-snoop")
+        snoop = snoop.model_copy(update={"limits": snoop.limits.model_copy(update={"max_new_tokens": 400})})
         unfixed = scripted(base[0], "read, test, done", "itest-repo-unfixed")
         write_for_verifier([ideal, snoop, unfixed], info.suites_dir)
         seen: list[str] = []
@@ -71,8 +72,8 @@ async def test_repo_episodes_fix_the_bug_through_sandboxed_tools_and_never_see_t
     assert good.sandbox_s > 0 and good.verify_s > 0 and good.tool_wait_s > 0
     assert f"edited {ideal.metadata['target_file']}" in seen and "all tests passed" in seen
     assert runs["itest-repo-snoop"].passed, runs["itest-repo-snoop"]
-    snoops = [text for text in seen if text.startswith("hidden tests:")]
-    assert snoops == ["hidden tests: none"] * 2, snoops
+    snoops = [text for text in seen if "hidden tests:" in text]
+    assert snoops == ["hidden tests: none"] * 2, seen
     assert not any("RESULT passed" in text or "CASES" in text for text in seen)
     bad = runs["itest-repo-unfixed"]
     assert not bad.passed and "WRONG_ANSWER" in bad.reasons and bad.invalid_calls == 0  # a failing test is no invalid call

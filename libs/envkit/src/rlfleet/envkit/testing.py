@@ -92,12 +92,13 @@ def scripted_turn(conversation: str) -> str:
 
 
 # Where a candidate could look for the hidden tests: the workspace and every writable place the sandbox
-# shows, and every process's command line and environment. Prints `hidden tests: none` when nothing is there.
-# The patterns are split by shell quotes so that this command's own command line does not match them.
-SNOOP_COMMAND = ("found=$( (grep -rlsI -e 'RESULT pass''ed' -e 'RLFLEET-HAR''NESS' . /tmp /dev/shm \"$HOME\";"
-                 " for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; tr '\\0' ' ' < $p/environ; echo; done"
-                 " 2>/dev/null | grep -l -e 'RESULT pass''ed' -e 'CA''SES' ) 2>/dev/null); "
-                 "echo \"hidden tests: ${found:-none}\"")
+# shows, and every process's command line and environment. Prints where it found them, or
+# `hidden tests: none`. The patterns end in a bracket class (`passe[d]`) so that no argv of this
+# command (the greps' own included) matches them.
+SNOOP_COMMAND = ("found=$(grep -rlsI -e 'RESULT passe[d]' -e 'RLFLEET-HARNES[S]' . /tmp /dev/shm \"$HOME\";"
+                 " for p in /proc/[0-9]*; do for f in cmdline environ; do tr '\\0' ' ' < $p/$f 2>/dev/null"
+                 " | grep -q -e 'RESULT passe[d]' -e 'CASE[S]' && echo $p/$f; done; done 2>/dev/null);"
+                 " echo \"hidden tests: ${found:-none}\"")
 
 
 def _repo_turns(user: str, last_tool: str) -> dict[str, str]:
