@@ -82,12 +82,13 @@ async def test_repo_episodes_fix_the_bug_through_sandboxed_tools_and_never_see_t
 CONFIG = """
 run_id = "itest-code"
 suite = "repo"
+start_timeout_s = 300
 group_size = 4
 [model]
 hidden_size = 64
 num_hidden_layers = 2
 [warm_start]
-demonstrations = 300
+demonstrations = 200
 epochs = 2
 lr = 3e-3
 [rollout]

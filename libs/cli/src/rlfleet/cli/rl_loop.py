@@ -249,7 +249,8 @@ class RLRun:
         sections = {name: section.model_copy(deep=True) for name, section in c.sections().items()}
         return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=c.engines.canary + c.engines.fleet,
                               canary_engines=c.engines.canary,
-                              model_path=str(base), log_format="json", restart=c.restart.model_copy(), **sections)
+                              model_path=str(base), log_format="json", restart=c.restart.model_copy(),
+                              start_timeout_s=c.start_timeout_s, **sections)
 
     def _platform(self, base: Path):
         """The platform of this run directory: attached to when it is up, else started (returns it and

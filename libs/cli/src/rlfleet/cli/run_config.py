@@ -101,6 +101,8 @@ class RunConfig(ServiceSections):
     restart: RestartPolicy = Field(default_factory=RestartPolicy,
                                    description="a platform process that dies is started again and the run goes on")
     model_cache_dir: str = Field("", description="base policies are cached here; empty = runs/.cache")
+    start_timeout_s: float = Field(60.0, gt=0, description="give up on a platform process not healthy by then "
+                                   "(a loaded machine may need more)")
 
     @model_validator(mode="before")
     @classmethod
