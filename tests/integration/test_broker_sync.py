@@ -16,6 +16,7 @@ import pytest
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.broker.testing import BrokerProcess, policy_version
 from rlfleet.common.config import NatsConfig
+from rlfleet.common.grpc_server import channel as open_channel
 from rlfleet.common.processes import ServiceProcess, eventually
 from rlfleet.common.streams import connect_nats, publish
 from rlfleet.common.testing import unique_run_id
@@ -81,7 +82,7 @@ class Run:
             self.tmp_path / "broker", run_id=self.run_id, weight_store=str(self.store_root),
             **{"nats.url": self.nats_url, "redis.url": self.redis_url}, **settings,
         ).start()  # fmt: skip
-        self.channel = grpc.aio.insecure_channel(self.broker.address)
+        self.channel = open_channel(self.broker.address)
         self.stub = broker_pb2_grpc.BrokerServiceStub(self.channel)
         return self.broker
 
@@ -316,7 +317,7 @@ async def test_a_new_engine_registered_draining_gets_the_accepted_version_before
     gateway = ServiceProcess("rlfleet-gateway", tmp_path / "gateway", config={
         "run_id": run.run_id, "redis.url": run.redis_url, "health_interval_s": 0.3,
         "log.format": "text"}).start()
-    channel = grpc.aio.insecure_channel(gateway.address)
+    channel = open_channel(gateway.address)
     try:
         gw = gateway_pb2_grpc.GatewayServiceStub(channel)
         await gw.RegisterEngine(gateway_pb2.RegisterEngineRequest(

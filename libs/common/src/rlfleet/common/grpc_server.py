@@ -158,6 +158,14 @@ async def _as_async_iter(result: Any):
             yield value
 
 
+def tls_server_credentials(require_client_auth: bool = False,
+                           credentials: security.Credentials | None = None) -> grpc.ServerCredentials:
+    """This process's certificate as a server's (a server not built here: a test's stand-in)."""
+    creds = credentials or security.local_credentials()
+    return grpc.ssl_server_credentials([(creds.key, creds.cert)], root_certificates=creds.ca,
+                                       require_client_auth=require_client_auth)
+
+
 class GrpcServer:
     """An aio server with health and reflection; `start()` returns the bound port."""
 
@@ -207,9 +215,7 @@ class GrpcServer:
         return not any(roles.open_to_environment(name) for name in self.service_names)
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        creds = self.credentials
-        return grpc.ssl_server_credentials([(creds.key, creds.cert)], root_certificates=creds.ca,
-                                           require_client_auth=self.mutual_tls)
+        return tls_server_credentials(self.mutual_tls, self.credentials)
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()

@@ -6,6 +6,7 @@ import time
 
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as pb
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
+from rlfleet.common import security
 from rlfleet.sandbox.driver import ExecResult
 from rlfleet.sandbox.errors import InvalidSandboxRequest
 from rlfleet.sandbox.limits import LIMIT_RANGES, Limits
@@ -47,6 +48,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         return sandbox_proto(await self.manager.get(request.sandbox_id))
 
     async def DestroySandbox(self, request: pb.DestroySandboxRequest, context) -> pb.DestroySandboxResponse:
+        await self.manager.get(request.sandbox_id)  # the caller's own, or not found
         await self.manager.destroy(request.sandbox_id)
         return pb.DestroySandboxResponse()
 
@@ -57,7 +59,11 @@ CLIENT_ID_METADATA = "rlfleet-client-id"
 
 
 def client_id(request: pb.CreateSandboxRequest, context) -> str:
-    """Who asks, for the per-client cap: the `rlfleet-client-id` metadata, else the `client_id` label."""
+    """Who asks, for the per-client cap: an environment client's token name (it cannot name itself
+    another), else the `rlfleet-client-id` metadata, else the `client_id` label."""
+    principal = security.caller()
+    if not principal.trusted:
+        return principal.name
     for key, value in (context.invocation_metadata() or ()) if context is not None else ():
         if key == CLIENT_ID_METADATA and value:
             return value
