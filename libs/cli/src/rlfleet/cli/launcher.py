@@ -199,7 +199,7 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
                      "session_address": _address(state, "session-server"),
                      "suites_dir": str(run_dir / "suites"), **tokenizer},
         # Version "0": rlfleet's policy versions are integers and the initial weights are version 0.
-        "cpu-engine": {"weight_version": "0", **served},
+        "cpu-engine": {"weight_version": "0", "weight_store_root": weights, **served},
     }
     return facts[name]
 

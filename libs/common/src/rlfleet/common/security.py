@@ -55,6 +55,7 @@ SERVICE_HOSTS = ("localhost", "session-server", "rollout-gateway", "gateway", "s
                  "trainer", "weight-broker", "broker", "cpu-engine", "engine")
 SERVICE_IPS = ("127.0.0.1", "::1")
 CERT_DAYS = 825
+ENGINE_KEY_FILES = ("engine_api_key", "engine_admin_api_key")
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ def ensure_secrets(directory: str | Path, run_id: str = "") -> Path:
             _write_private(root / "ca.pem", (Path(work) / "ca.pem").read_bytes())
     if not (root / "token.key").exists():
         _write_private(root / "token.key", secrets.token_hex(32).encode())
+    for name in ENGINE_KEY_FILES:  # SGLang's --api-key and --admin-api-key of the run's engines
+        if not (root / name).exists():
+            _write_private(root / name, secrets.token_urlsafe(32).encode())
     if run_id and not (root / "run_id").exists():
         _write_private(root / "run_id", run_id.encode())
     return root
@@ -408,6 +412,15 @@ def ensure_local_credentials(directory: str | Path | None = None) -> Path:
     os.environ[SECRETS_ENV] = str(root)
     _cached.clear()
     return root
+
+
+def engine_keys() -> tuple[str, str]:
+    """(api key, admin api key) of the run's engines, from the secrets directory; ("", "") without one."""
+    directory = secrets_dir()
+    if directory is None or not (directory / ENGINE_KEY_FILES[0]).exists():
+        return "", ""
+    api, admin = ((directory / name).read_text().strip() for name in ENGINE_KEY_FILES)
+    return api, admin
 
 
 def secrets_dir() -> Path | None:

@@ -229,7 +229,8 @@ class RolloutWorker:
         config = self.config
         if self.clients is None:  # first: a missing address fails fast, before anything connects
             self.clients = Clients.connect(session=config.session_address, sandbox=config.sandbox_address,
-                                           verifier=config.verifier_address)
+                                           verifier=config.verifier_address, token=config.token,
+                                           ca_file=config.ca_file)
             self._own_clients = True
         self.nc = await connect_nats(config.nats, f"rlfleet-worker-{config.run_id}")
         js = self.nc.jetstream()
