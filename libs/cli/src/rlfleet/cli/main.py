@@ -96,7 +96,9 @@ def cmd_down(argv: list[str]) -> int:
 
 
 def cmd_status(argv: list[str]) -> int:
-    from rlfleet.cli.launcher import PlatformState
+    from pathlib import Path
+
+    from rlfleet.cli.launcher import PlatformState, use_run_secrets
     from rlfleet.cli.status_view import show
 
     parser = argparse.ArgumentParser(prog="rlfleet status", description="A live view of a launched platform: "
@@ -114,6 +116,7 @@ def cmd_status(argv: list[str]) -> int:
     if not state.processes:
         print(f"nothing is running for {state.run_dir}")
         return 1
+    use_run_secrets(Path(state.run_dir), state.run_id)
     once = args.once or not (args.watch or sys.stdout.isatty())
     return show(state, once=once, as_json=args.json, interval_s=args.interval)
 
