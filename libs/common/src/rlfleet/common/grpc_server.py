@@ -27,6 +27,7 @@ from rlfleet.common.rich_errors import rich_status
 from rlfleet.common.telemetry import tracing_enabled
 
 log = logging.getLogger(__name__)
+BENCHMARK_CALLER = security.Principal(security.OPERATOR, "plaintext-benchmark")
 
 
 def message_options(max_bytes: int) -> list[tuple[str, int]]:
@@ -60,8 +61,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     inside the handler); maps expected errors to their status with their structured details; logs
     anything else once, as INTERNAL."""
 
-    def __init__(self, book: security.TokenBook | None = None) -> None:
+    def __init__(self, book: security.TokenBook | None = None, open_to_all: bool = False) -> None:
         self.book = book
+        self.open_to_all = open_to_all  # the benchmarks' plaintext mode only (security.plaintext)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
@@ -73,11 +75,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = details.method
         deserialize = handler.request_deserializer
         book = self.book
+        open_to_all = self.open_to_all
 
         async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            principal, token = BENCHMARK_CALLER, ""
             try:
-                principal, token = authenticate(context, book)
-                roles.authorize(method, principal)
+                if not open_to_all:
+                    principal, token = authenticate(context, book)
+                    roles.authorize(method, principal)
             except (security.Unauthenticated, roles.PermissionDenied) as exc:
                 await _refuse(context, exc)
             security.set_caller(principal)
@@ -109,6 +114,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _guarded_stream(self, handler: Any, method: str) -> Any:
         """Streaming methods (reflection, health's Watch) get the same check before they run."""
         book = self.book
+        if self.open_to_all:
+            return handler
 
         async def check(context: grpc.aio.ServicerContext) -> None:
             try:
@@ -173,13 +180,18 @@ class GrpcServer:
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
         self.config = config
-        self.credentials = security.local_credentials()
-        if self.credentials.book is None:
+        self.plaintext = security.plaintext()
+        if self.plaintext:
+            log.warning("%s=1: serving gRPC in PLAINTEXT with NO authentication (benchmarks only)",
+                        security.PLAINTEXT_ENV)
+        self.credentials = None if self.plaintext else security.local_credentials()
+        if self.credentials is not None and self.credentials.book is None:
             raise StartupError("a gRPC server needs the run's secrets directory (RLFLEET_SECRETS_DIR; `rlfleet up` "
                                "makes it), not just a client token")
         tracing = [aio_server_interceptor()] if tracing_enabled() else []
+        book = None if self.credentials is None else self.credentials.book
         self.server = grpc.aio.server(
-            interceptors=[*tracing, ErrorInterceptor(self.credentials.book)],
+            interceptors=[*tracing, ErrorInterceptor(book, open_to_all=self.plaintext)],
             # Without SO_REUSEPORT off, a second server on a taken port "binds" and splits traffic.
             # A bounded connection age makes clients re-resolve, so new replicas get traffic.
             options=[*message_options(config.max_message_bytes), ("grpc.so_reuseport", 0),
@@ -199,7 +211,8 @@ class GrpcServer:
         reflection.enable_server_reflection(names, self.server)
         address = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = self.server.add_secure_port(address, self.server_credentials())
+            self.port = (self.server.add_insecure_port(address) if self.plaintext
+                         else self.server.add_secure_port(address, self.server_credentials()))
         except RuntimeError as exc:
             raise StartupError(f"cannot bind gRPC on {address}: {exc} (port in use?)") from None
         if self.port == 0:
@@ -249,6 +262,9 @@ def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Itera
                *RECONNECT_BACKOFF]
     if balance:
         options.append(("grpc.lb_policy_name", "round_robin"))
+    if security.plaintext() and credentials is None:
+        raw = grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
+        return TracedChannel(raw) if tracing_enabled() else raw
     creds = credentials or security.local_credentials()
     raw = grpc.aio.secure_channel(address, channel_credentials(creds), options=options,
                                   interceptors=list(interceptors) or None)

@@ -46,6 +46,9 @@ SECRETS_ENV = "RLFLEET_SECRETS_DIR"  # a run's secrets directory: this process i
 TOKEN_ENV = "RLFLEET_TOKEN"  # an environment client's token
 CA_ENV = "RLFLEET_CA_FILE"  # an environment client's copy of the run's CA certificate
 HOSTS_ENV = "RLFLEET_TLS_HOSTS"  # extra names for the certificates, comma-separated
+# Only bench/service_path.py sets it, to measure what TLS and the access checks cost: servers then
+# listen in plaintext and let every caller do everything. Each server logs a warning when it is set.
+PLAINTEXT_ENV = "RLFLEET_INSECURE_PLAINTEXT_FOR_BENCHMARKS"
 
 ENVIRONMENT, OPERATOR, SERVICE = "environment", "operator", "service"
 ANY_RUN = "*"
@@ -421,6 +424,10 @@ def engine_keys() -> tuple[str, str]:
         return "", ""
     api, admin = ((directory / name).read_text().strip() for name in ENGINE_KEY_FILES)
     return api, admin
+
+
+def plaintext() -> bool:
+    return os.environ.get(PLAINTEXT_ENV, "") == "1"
 
 
 def secrets_dir() -> Path | None:
