@@ -393,8 +393,9 @@ class _TracedUnary:
                 raise
 
 
-async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
-    async with channel(address, balance=False) as ch:
+async def check_health(address: str, service: str = "", timeout_s: float = 2.0,
+                       credentials: security.Credentials | None = None) -> bool:
+    async with channel(address, balance=False, credentials=credentials) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

@@ -437,3 +437,9 @@ def secrets_dir() -> Path | None:
 
 def run_secrets_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "secrets"
+
+
+def run_credentials(run_dir: str | Path) -> Credentials | None:
+    """The operator's credentials for the platform launched in `run_dir`; None when it has no secrets."""
+    directory = run_secrets_dir(run_dir)
+    return trusted_credentials(directory, "operator") if (directory / "ca.key").exists() else None
