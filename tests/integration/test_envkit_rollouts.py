@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ from rlfleet.common.chat import render_messages
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.processes import ChildProcess
 from rlfleet.common.streams import connect_nats, durable_name, publish, subject
-from rlfleet.common.testing import unique_run_id
+from rlfleet.common.testing import client_env, unique_run_id
 from rlfleet.envkit.run_dir import RunDir
 from rlfleet.envkit.sdk import AgentLoop, Clients, EpisodeSpec
 from rlfleet.envkit.submit import publish_tasks, write_for_verifier
@@ -335,7 +336,8 @@ def test_the_custom_environment_example_runs_an_episode_with_the_generated_stubs
                              "--sandbox", rig.info.sandbox_address, "--verifier", rig.info.verifier_address,
                              "--run-id", rig.info.run_id, "--task-id", task.task_id,
                              "--question", task.chat_messages()[-1]["content"]],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **client_env(rig.info.run_id, "custom-env")})
     assert result.returncode == 0, result.stderr
     episode = json.loads(result.stdout)
     assert episode["passed"] and episode["reward"] == 1.0 and episode["tool_calls"] == 1
@@ -357,7 +359,8 @@ def test_the_node_client_runs_a_multi_turn_calc_episode_from_the_protos_alone(ri
                              "--sandbox", rig.info.sandbox_address, "--verifier", rig.info.verifier_address,
                              "--run-id", rig.info.run_id, "--task-id", task.task_id,
                              "--question", task.chat_messages()[-1]["content"]],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **client_env(rig.info.run_id, "node-env")})
     assert result.returncode == 0, result.stderr
     episode = json.loads(result.stdout)
     assert episode["passed"] and episode["reward"] == 1.0 and episode["tool_calls"] == 1 and episode["turns"] == 2
