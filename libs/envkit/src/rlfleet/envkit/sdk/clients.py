@@ -190,7 +190,8 @@ class Clients:
     """The three clients an environment needs; `async with` closes their channels."""
 
     def __init__(self, session: SessionClient, sandbox: SandboxClient, verifier: VerifierClient,
-                 channels: list[grpc.aio.Channel]) -> None:
+                 channels: list[grpc.aio.Channel], credentials: security.Credentials | None = None) -> None:
+        self.credentials = credentials  # what the channels call with (None: this process's own)
         self.session = session
         self.sandbox = sandbox
         self.verifier = verifier
@@ -212,7 +213,7 @@ class Clients:
                     channel(require(sandbox, "sandbox_address"), balance=False, credentials=creds),
                     channel(require(verifier, "verifier_address"), credentials=creds)]
         return cls(SessionClient(channels[0], timeouts), SandboxClient(channels[1], timeouts),
-                   VerifierClient(channels[2], timeouts), channels)
+                   VerifierClient(channels[2], timeouts), channels, creds)
 
     async def close(self) -> None:
         for ch in self._channels:
