@@ -600,8 +600,15 @@ def _exit_status(pid: int, child: ChildProcess | None) -> str:
 
 def use_run_secrets(run_dir: Path, run_id: str) -> Path:
     """The run's CA, certificates and token key (made on the first start, 0600 in
-    `<run_dir>/secrets/`), for this process (the operator) and every process it starts."""
-    directory = security.ensure_secrets(security.run_secrets_dir(run_dir), run_id)
+    `<run_dir>/secrets/`), for this process (the operator) and every process it starts. A secrets
+    directory given in RLFLEET_SECRETS_DIR (a test session's) is used instead while the run directory
+    has none of its own."""
+    given = os.environ.get(security.SECRETS_ENV, "")
+    own = security.run_secrets_dir(run_dir)
+    if given and Path(given, "ca.key").exists() and not (own / "ca.pem").exists():
+        os.environ.pop(security.TOKEN_ENV, None)
+        return Path(given)
+    directory = security.ensure_secrets(own, run_id)
     os.environ[security.SECRETS_ENV] = str(directory)
     os.environ.pop(security.TOKEN_ENV, None)  # the launcher and its services call as themselves
     return directory
