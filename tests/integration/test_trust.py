@@ -165,19 +165,26 @@ def test_an_engine_without_a_weight_store_root_does_not_start(stack, tmp_path):
 
 @NEEDS_BWRAP
 async def test_another_clients_sandbox_is_not_found(redis_url, tmp_path):
-    manager = start_sandbox_manager(redis_url, unique_run_id("trustbox"), tmp_path)
+    run_id = unique_run_id("trustbox")
+    manager = start_sandbox_manager(redis_url, run_id, tmp_path)
     try:
-        async with channel(manager.address, credentials=client_credentials("r", "owner")) as ch:
+        async with channel(manager.address, credentials=client_credentials(run_id, "owner")) as ch:
             box = await sandbox_pb2_grpc.SandboxServiceStub(ch).CreateSandbox(sandbox_pb2.CreateSandboxRequest(),
                                                                              timeout=30)
-        async with channel(manager.address, credentials=client_credentials("r", "other")) as ch:
+        async with channel(manager.address, credentials=client_credentials(run_id, "other")) as ch:
             stub = sandbox_pb2_grpc.SandboxServiceStub(ch)
             for call in (stub.GetSandbox(sandbox_pb2.GetSandboxRequest(sandbox_id=box.sandbox_id)),
                          stub.Exec(sandbox_pb2.ExecRequest(sandbox_id=box.sandbox_id, argv=["true"])),
                          stub.ReadFiles(sandbox_pb2.ReadFilesRequest(sandbox_id=box.sandbox_id, paths=["a"])),
                          stub.DestroySandbox(sandbox_pb2.DestroySandboxRequest(sandbox_id=box.sandbox_id))):
                 assert (await refused(call)).code() == grpc.StatusCode.NOT_FOUND
-        async with channel(manager.address, credentials=client_credentials("r", "owner")) as ch:
+        async with channel(manager.address, credentials=client_credentials("another-run", "owner")) as ch:
+            stub = sandbox_pb2_grpc.SandboxServiceStub(ch)  # the same name in another run is someone else
+            assert (await refused(stub.GetSandbox(sandbox_pb2.GetSandboxRequest(sandbox_id=box.sandbox_id)))).code() \
+                == grpc.StatusCode.NOT_FOUND
+            assert (await refused(stub.CreateSandbox(sandbox_pb2.CreateSandboxRequest()))).code() == \
+                grpc.StatusCode.PERMISSION_DENIED
+        async with channel(manager.address, credentials=client_credentials(run_id, "owner")) as ch:
             stub = sandbox_pb2_grpc.SandboxServiceStub(ch)
             assert (await stub.GetSandbox(sandbox_pb2.GetSandboxRequest(sandbox_id=box.sandbox_id))).sandbox_id
             await stub.DestroySandbox(sandbox_pb2.DestroySandboxRequest(sandbox_id=box.sandbox_id))

@@ -127,7 +127,7 @@ async def test_an_environment_client_is_denied_the_platforms_rights(every_servic
     refused = await call(every_service, method, request_class, credentials=client_credentials("r1", "env"))
     assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
     details = error_details(refused)
-    assert details.metadata["caller"] == "environment:env" and "operator" in details.metadata["right"]
+    assert details.metadata["caller"] == "environment:env@r1" and "operator" in details.metadata["right"]
     assert "needs the right of" in refused.details()
 
 

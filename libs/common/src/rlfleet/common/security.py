@@ -73,8 +73,9 @@ class Principal:
 
     @property
     def owner(self) -> str:
-        """What a session or sandbox it creates records as its owner."""
-        return f"{self.kind}:{self.name}"
+        """What a session or sandbox it creates records as its owner: a client's name in its run
+        (the same name in another run is another owner)."""
+        return f"{self.kind}:{self.name}" + ("" if self.run == ANY_RUN else f"@{self.run}")
 
     @property
     def trusted(self) -> bool:

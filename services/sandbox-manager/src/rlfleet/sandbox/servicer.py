@@ -7,6 +7,7 @@ import time
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as pb
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
 from rlfleet.common import security
+from rlfleet.common.errors import PermissionDenied
 from rlfleet.sandbox.driver import ExecResult
 from rlfleet.sandbox.errors import InvalidSandboxRequest
 from rlfleet.sandbox.limits import LIMIT_RANGES, Limits
@@ -18,6 +19,11 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         self.manager = manager
 
     async def CreateSandbox(self, request: pb.CreateSandboxRequest, context) -> pb.Sandbox:
+        run_id = self.manager.leases.run_id
+        principal = security.caller()
+        if not principal.may_use_run(run_id):
+            raise PermissionDenied(f"the caller's token is for run {principal.run!r}; this sandbox manager serves run "
+                                   f"{run_id!r}", right=f"run:{run_id}", run_id=run_id)
         record = await self.manager.create(
             files=new_files(request.files), limits=requested_limits(request),
             network=request.network, env=dict(request.env), ttl_s=request.ttl_seconds,
