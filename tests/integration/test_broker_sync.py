@@ -8,7 +8,9 @@ Every check of weights is bit for bit: each engine's fp32 parameters are read ba
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -261,13 +263,15 @@ async def test_a_corrupt_delta_is_refused_nothing_changes_and_the_next_full_vers
     await all_serve(run, engines, names, v3)
 
 
-async def test_an_engine_not_holding_a_deltas_base_falls_back_to_a_full_load(run, engines, model_dir):
+async def test_an_engine_not_holding_a_deltas_base_falls_back_to_a_full_load(run, engines, model_dir, store_root):
     # Rounds only when something happens, so that nothing repairs the engine before v2 arrives.
     run.start_broker(engines=engine_list(engines, f0="fleet"), auto_promote=True, reconcile_interval_s=60)
     v1 = await run.announce()
     await all_serve(run, engines, ["f0"], v1)
     # Behind the broker's back the engine gets other weights but keeps the label of version 1.
-    body = {"model_path": str(model_dir), "weight_version": str(v1)}
+    # (From under the engine's weight store root: it loads from nowhere else.)
+    plain = shutil.copytree(model_dir, Path(store_root) / "behind-the-brokers-back", dirs_exist_ok=True)
+    body = {"model_path": str(plain), "weight_version": str(v1)}
     assert (await call(engines["f0"].url, "/update_weights_from_disk", body))[0] == 200
     v2 = await run.announce()
     await all_serve(run, engines, ["f0"], v2)
