@@ -340,10 +340,6 @@ class Credentials:
     book: TokenBook | None = None
     identity: str = ""
 
-    @property
-    def principal(self) -> Principal | None:
-        return self.book.verify(self.token) if self.book is not None and self.token else None
-
 
 _identity = "operator"
 _cached: dict[str, Credentials] = {}
