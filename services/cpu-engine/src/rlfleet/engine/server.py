@@ -604,6 +604,9 @@ class EngineServer:
         """Reads, checks and installs an adapter (caller holds the LoRA lock); (adapter, pause seconds)."""
         if name in self.runner.lora.adapters:  # before reading anything: SGLang's message
             raise LoRALoadError(f"Failed to load LoRA adapter {name} because it is already loaded")
+        refused = self._outside_store(path)  # adapters, like weights, only from under the store root
+        if refused:
+            raise LoRALoadError(f"Failed to load LoRA adapter {name}: {refused}")
         adapter = await asyncio.to_thread(read_adapter, path, name, self.runner.lora.linears, self.runner.vocab_size,
                                           pinned)
 
