@@ -123,7 +123,6 @@ async def _train_trajectories(nats_url: str) -> list[tuple[float, object]]:
 
 
 def _trainer_drops(run_dir: Path) -> dict[str, int]:
-
     from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
     address = next(p["address"] for p in json.loads((run_dir / "platform.json").read_text())["processes"]
