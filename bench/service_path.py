@@ -12,6 +12,13 @@ each run `--episodes` multi-turn episodes back to back: a chat prompt, then `--t
 - service: OpenSession, Generate / AppendObservation through the session server (which calls the
   gateway, which calls the engine), CloseSession (the trajectory is published on JetStream).
 
+`--compare-plaintext` runs the whole set twice: as deployed (TLS between every process, mutual
+TLS between services, a client token checked on every call) and with the services in plaintext
+without access checks (RLFLEET_INSECURE_PLAINTEXT_FOR_BENCHMARKS=1, benchmarks only), and prints
+what security costs at each concurrency: throughput of the secure service path against the
+plaintext one, and the p50 added per turn of both. The secure run calls as an environment client
+(a token issued for the run), as a real environment does.
+
 Both paths send the engine the same requests (same prompt lengths, same new tokens). Printed per
 concurrency: generated tokens/s of each path and their ratio; the per-turn latency the service
 path adds (a Generate call's wall time minus its engine round trip as the gateway measured it,
@@ -168,11 +175,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per level and path (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="engine torch threads")
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: build the default)")
+    parser.add_argument("--compare-plaintext", action="store_true",
+                        help="also run with the services in plaintext and print what TLS + auth cost")
     args = parser.parse_args()
+    secure = run_set(args, plaintext=False)
+    if args.compare_plaintext:
+        plain = run_set(args, plaintext=True)
+        for level in sorted(secure):
+            s_tps, p_tps = secure[level][1], plain[level][1]
+            print(f"security at concurrency {level:>3}: service path {s_tps:8.1f} tok/s secure vs {p_tps:8.1f} "
+                  f"plaintext ({s_tps / p_tps - 1:+.1%}); added per turn p50 {secure[level][2] * 1000:6.2f} ms secure "
+                  f"vs {plain[level][2] * 1000:6.2f} ms plaintext ({(secure[level][2] - plain[level][2]) * 1000:+.2f} ms)",
+                  flush=True)
+
+
+def run_set(args, plaintext: bool) -> dict[int, tuple]:
+    import os
+
+    from rlfleet.common import security
+
+    if plaintext:
+        os.environ[security.PLAINTEXT_ENV] = "1"
+    else:
+        os.environ.pop(security.PLAINTEXT_ENV, None)
+    print(f"--- {'PLAINTEXT, no access checks' if plaintext else 'secure: TLS, mutual TLS, client token'}",
+          flush=True)
 
     from rlfleet.common.processes import ServiceProcess, start_nats, start_redis
+    from rlfleet.common.testing import client_env
     from rlfleet.engine.testing import EngineProcess
     from rlfleet.session.testing import gateway_config, session_server_config
+
+    security.ensure_local_credentials()
 
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
         work = Path(tmp)
@@ -198,7 +232,13 @@ def main() -> None:
                 nats.url, redis.url, "bench", gateway.address, str(model),
                 max_open_sessions=1024, max_total_tokens=config["max_position_embeddings"])).start()
             processes.append(session)
-            results = asyncio.run(bench(engine.url, session.address, model / "tokenizer.json", args))
+            if not plaintext:  # this process calls as an environment client, with a token of the run
+                os.environ.update(client_env("bench", "bench-client"))
+            try:
+                results = asyncio.run(bench(engine.url, session.address, model / "tokenizer.json", args))
+            finally:
+                os.environ.pop(security.TOKEN_ENV, None)
+                os.environ.pop(security.CA_ENV, None)
         finally:
             for process in reversed(processes):
                 process.stop()
@@ -207,6 +247,7 @@ def main() -> None:
     if 32 in results:
         direct, service, _p50, _p99 = results[32]
         print(f"service path at concurrency 32: {service / direct:.1%} of the engine's throughput (aim >= 90%)")
+    return results
 
 
 if __name__ == "__main__":

@@ -5,8 +5,14 @@ run the tool in the sandbox, append the observation), the verifier's verdict, th
 the trajectory, and the sandbox's destruction. Nothing here imports the rlfleet SDK: any language
 with gRPC can do the same from proto/rlfleet/*/v1/*.proto.
 
+    export RLFLEET_TOKEN=$(rlfleet token issue my-env --run-dir runs/local)
+    export RLFLEET_CA_FILE=runs/local/secrets/ca.pem
     python examples/custom_env/client.py --session 127.0.0.1:7002 --sandbox 127.0.0.1:7003 \\
         --verifier 127.0.0.1:7004 --run-id local --task-id calc-1-4e1d2a187ed6 --question "What is 2+3?"
+
+Every call goes over TLS (the run's CA certificate) with the token as `authorization: Bearer`,
+gRPC's standard access-token credentials in any language (`--token` / `--ca-file` or the
+environment). The sessions and sandboxes it creates are its own: no other client sees them.
 
 The task must be known to the verifier (a suite file in its suites directory, e.g. written by
 `rlfleet-submit calc --run-dir runs/local --n 10`): the client names the task, it never gives a reward.
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import uuid
 
@@ -61,10 +68,20 @@ def framed(observation: str, reply: session_pb2.GenerateResponse) -> str:
     return ("\n" if closed else IM_END + "\n") + f"{IM_START}tool\n{observation}{IM_END}\n{IM_START}assistant\n"
 
 
+def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials:
+    """TLS with the run's CA, and the token on every call."""
+    if not args.token or not args.ca_file:
+        raise SystemExit("client.py: needs --token and --ca-file (or RLFLEET_TOKEN and RLFLEET_CA_FILE)")
+    with open(args.ca_file, "rb") as ca:
+        tls = grpc.ssl_channel_credentials(ca.read())
+    return grpc.composite_channel_credentials(tls, grpc.access_token_call_credentials(args.token))
+
+
 async def episode(args: argparse.Namespace) -> dict:
-    session_id = f"custom-{uuid.uuid4().hex[:12]}"
-    async with grpc.aio.insecure_channel(args.session) as s_ch, grpc.aio.insecure_channel(args.sandbox) as b_ch, \
-            grpc.aio.insecure_channel(args.verifier) as v_ch:
+    session_id = f"custom-{uuid.uuid4().hex}"
+    creds = credentials(args)
+    async with grpc.aio.secure_channel(args.session, creds) as s_ch, \
+            grpc.aio.secure_channel(args.sandbox, creds) as b_ch, grpc.aio.secure_channel(args.verifier, creds) as v_ch:
         sessions = session_pb2_grpc.SessionServiceStub(s_ch)
         sandboxes = sandbox_pb2_grpc.SandboxServiceStub(b_ch)
         verifier = verifier_pb2_grpc.VerifierServiceStub(v_ch)
@@ -122,6 +139,10 @@ def main() -> None:
     parser.add_argument("--question", required=True, help="the task's user message, e.g. 'What is 2+3?'")
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--token", default=os.environ.get("RLFLEET_TOKEN", ""),
+                        help="the client's token (`rlfleet token issue`); default $RLFLEET_TOKEN")
+    parser.add_argument("--ca-file", default=os.environ.get("RLFLEET_CA_FILE", ""),
+                        help="the run's CA certificate (<run_dir>/secrets/ca.pem); default $RLFLEET_CA_FILE")
     print(json.dumps(asyncio.run(episode(parser.parse_args()))))
 
 

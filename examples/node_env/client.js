@@ -12,9 +12,13 @@
 //   node examples/node_env/client.js --session 127.0.0.1:7002 --sandbox 127.0.0.1:7003 \
 //       --verifier 127.0.0.1:7004 --run-id local --task-id calc-1-4e1d2a187ed6 --question "What is 2+3?"
 //
+// Credentials: --token (`rlfleet token issue`) and --ca-file (<run_dir>/secrets/ca.pem), or
+// RLFLEET_TOKEN and RLFLEET_CA_FILE: TLS with the run's CA, the token as `authorization: Bearer`.
+//
 // Prints the episode as one JSON line; exits 1 on an error (the session is aborted, never left open).
 "use strict";
 
+const fs = require("fs");
 const path = require("path");
 const crypto = require("crypto");
 const grpc = require("@grpc/grpc-js");
@@ -46,16 +50,17 @@ except Exception as exc:
 const TAG = /<([a-z_]+)>([\s\S]*?)<\/\1>/;
 
 function parseArgs(argv) {
-  const args = { suite: "calc", maxTurns: 3, temperature: 1.0 };
+  const args = { suite: "calc", maxTurns: 3, temperature: 1.0, token: process.env.RLFLEET_TOKEN,
+    caFile: process.env.RLFLEET_CA_FILE };
   const names = { "--session": "session", "--sandbox": "sandbox", "--verifier": "verifier", "--run-id": "runId",
     "--task-id": "taskId", "--question": "question", "--suite": "suite", "--max-turns": "maxTurns",
-    "--temperature": "temperature" };
+    "--temperature": "temperature", "--token": "token", "--ca-file": "caFile" };
   for (let i = 2; i < argv.length; i += 2) {
     const name = names[argv[i]];
     if (!name) throw new Error(`unknown argument ${argv[i]}`);
     args[name] = ["maxTurns", "temperature"].includes(name) ? Number(argv[i + 1]) : argv[i + 1];
   }
-  for (const required of ["session", "sandbox", "verifier", "runId", "taskId", "question"]) {
+  for (const required of ["session", "sandbox", "verifier", "runId", "taskId", "question", "token", "caFile"]) {
     if (args[required] === undefined) throw new Error(`--${required} is required`);
   }
   return args;
@@ -82,7 +87,13 @@ function call(client, method, request, timeoutS = 60) {
 
 async function episode(args) {
   const api = load();
-  const credentials = grpc.credentials.createInsecure();
+  const bearer = grpc.credentials.createFromMetadataGenerator((_params, callback) => {
+    const metadata = new grpc.Metadata();
+    metadata.add("authorization", `Bearer ${args.token}`);
+    callback(null, metadata);
+  });
+  const credentials = grpc.credentials.combineChannelCredentials(
+    grpc.credentials.createSsl(fs.readFileSync(args.caFile)), bearer);
   const sessions = new api.session.v1.SessionService(args.session, credentials);
   const sandboxes = new api.sandbox.v1.SandboxService(args.sandbox, credentials);
   const verifier = new api.verifier.v1.VerifierService(args.verifier, credentials);

@@ -11,6 +11,7 @@ import pytest
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.broker.testing import BrokerProcess, policy_version
 from rlfleet.common.config import NatsConfig
+from rlfleet.common.grpc_server import channel as open_channel
 from rlfleet.common.processes import eventually
 from rlfleet.common.streams import connect_nats, publish
 from rlfleet.common.testing import unique_run_id
@@ -31,7 +32,7 @@ async def broker(tmp_path, nats_url, redis_url):
     manifests.append(store.write_version(2, weights))
     process = BrokerProcess(tmp_path / "broker", run_id=run_id, weight_store=str(tmp_path / "weights"),
                             **{"nats.url": nats_url, "redis.url": redis_url}).start()  # fmt: skip
-    channel = grpc.aio.insecure_channel(process.address)
+    channel = open_channel(process.address)
     yield broker_pb2_grpc.BrokerServiceStub(channel), manifests, process, run_id
     await channel.close()
     process.stop()

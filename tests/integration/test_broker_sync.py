@@ -8,7 +8,9 @@ Every check of weights is bit for bit: each engine's fp32 parameters are read ba
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +18,7 @@ import pytest
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.broker.testing import BrokerProcess, policy_version
 from rlfleet.common.config import NatsConfig
+from rlfleet.common.grpc_server import channel as open_channel
 from rlfleet.common.processes import ServiceProcess, eventually
 from rlfleet.common.streams import connect_nats, publish
 from rlfleet.common.testing import unique_run_id
@@ -81,7 +84,7 @@ class Run:
             self.tmp_path / "broker", run_id=self.run_id, weight_store=str(self.store_root),
             **{"nats.url": self.nats_url, "redis.url": self.redis_url}, **settings,
         ).start()  # fmt: skip
-        self.channel = grpc.aio.insecure_channel(self.broker.address)
+        self.channel = open_channel(self.broker.address)
         self.stub = broker_pb2_grpc.BrokerServiceStub(self.channel)
         return self.broker
 
@@ -260,13 +263,15 @@ async def test_a_corrupt_delta_is_refused_nothing_changes_and_the_next_full_vers
     await all_serve(run, engines, names, v3)
 
 
-async def test_an_engine_not_holding_a_deltas_base_falls_back_to_a_full_load(run, engines, model_dir):
+async def test_an_engine_not_holding_a_deltas_base_falls_back_to_a_full_load(run, engines, model_dir, store_root):
     # Rounds only when something happens, so that nothing repairs the engine before v2 arrives.
     run.start_broker(engines=engine_list(engines, f0="fleet"), auto_promote=True, reconcile_interval_s=60)
     v1 = await run.announce()
     await all_serve(run, engines, ["f0"], v1)
     # Behind the broker's back the engine gets other weights but keeps the label of version 1.
-    body = {"model_path": str(model_dir), "weight_version": str(v1)}
+    # (From under the engine's weight store root: it loads from nowhere else.)
+    plain = shutil.copytree(model_dir, Path(store_root) / "behind-the-brokers-back", dirs_exist_ok=True)
+    body = {"model_path": str(plain), "weight_version": str(v1)}
     assert (await call(engines["f0"].url, "/update_weights_from_disk", body))[0] == 200
     v2 = await run.announce()
     await all_serve(run, engines, ["f0"], v2)
@@ -316,7 +321,7 @@ async def test_a_new_engine_registered_draining_gets_the_accepted_version_before
     gateway = ServiceProcess("rlfleet-gateway", tmp_path / "gateway", config={
         "run_id": run.run_id, "redis.url": run.redis_url, "health_interval_s": 0.3,
         "log.format": "text"}).start()
-    channel = grpc.aio.insecure_channel(gateway.address)
+    channel = open_channel(gateway.address)
     try:
         gw = gateway_pb2_grpc.GatewayServiceStub(channel)
         await gw.RegisterEngine(gateway_pb2.RegisterEngineRequest(

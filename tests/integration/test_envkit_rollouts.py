@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -27,7 +28,8 @@ from rlfleet.common.chat import render_messages
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.processes import ChildProcess
 from rlfleet.common.streams import connect_nats, durable_name, publish, subject
-from rlfleet.common.testing import unique_run_id
+from rlfleet.common.testing import client_env, unique_run_id
+from rlfleet.envkit.groups import session_id_key, session_id_of
 from rlfleet.envkit.run_dir import RunDir
 from rlfleet.envkit.sdk import AgentLoop, Clients, EpisodeSpec
 from rlfleet.envkit.submit import publish_tasks, write_for_verifier
@@ -44,6 +46,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ACK_WAIT_S = 3.0  # every worker of the run shares the consumer, so every test uses the same settings
+
+
+def sid(group_id: str, sample: int, delivery: int = 1) -> str:
+    """The session id a worker of this run gives a sample (keyed: no other client can predict it)."""
+    return session_id_of(group_id, sample, delivery, key=session_id_key())
 
 
 @dataclass
@@ -211,7 +218,7 @@ async def test_a_worker_runs_each_task_as_a_group_of_g_and_acks_it_once_all_are_
         members = [t for t in published if t.group_id == group]
         assert sorted(t.sample_index for t in members) == [0, 1, 2]
         assert {t.group_size for t in members} == {3} and all(t.verdict.passed for t in members)
-        assert {t.session_id for t in members} == {f"{group}-s{i}" for i in range(3)}
+        assert {t.session_id for t in members} == {sid(group, i) for i in range(3)}
     assert await queue_is_empty(rig.info)
 
 
@@ -236,8 +243,8 @@ async def test_a_worker_killed_mid_group_loses_no_task_another_worker_finishes_i
     kept = [t for t in published if t.status == common_pb2.TRAJECTORY_STATUS_COMPLETED]
     aborted = [t for t in published if t.status == common_pb2.TRAJECTORY_STATUS_ABORTED]
     assert sorted(t.sample_index for t in kept) == [0, 1, 2]  # each sample once, none lost
-    assert {t.session_id for t in kept} == {f"{group_id}-s{i}-r2" for i in range(3)}
-    assert {t.session_id for t in aborted} == {f"{group_id}-s{i}" for i in range(3)}  # worker A's, for the audit
+    assert {t.session_id for t in kept} == {sid(group_id, i, 2) for i in range(3)}
+    assert {t.session_id for t in aborted} == {sid(group_id, i) for i in range(3)}  # worker A's, for the audit
     assert await queue_is_empty(rig.info)
 
 
@@ -254,7 +261,7 @@ def worker_process(rig: Rig, name: str, *flags: str) -> tuple[ChildProcess, Path
 async def wait_until_open(info: RunDir, group_id: str, size: int, worker: ChildProcess) -> None:
     async with clients(info) as services:
         for _ in range(150):
-            sessions = [await services.session.get(f"{group_id}-s{i}") for i in range(size)]
+            sessions = [await services.session.get(sid(group_id, i)) for i in range(size)]
             if all(s is not None and s.state == session_pb2.SESSION_STATE_OPEN for s in sessions):
                 return
             await asyncio.sleep(0.1)
@@ -297,9 +304,9 @@ async def test_a_worker_process_exports_metrics_and_on_sigterm_hands_its_unfinis
     assert time.monotonic() - started < ACK_WAIT_S + 2  # handed back (nak), not left to time out
     published = await trajectories(rig.info, lambda t: t.group_id == group_id)
     kept = [t for t in published if t.status == common_pb2.TRAJECTORY_STATUS_COMPLETED]
-    assert {t.session_id for t in kept} == {f"{group_id}-s0-r2", f"{group_id}-s1-r2"}  # the handed-back delivery
+    assert {t.session_id for t in kept} == {sid(group_id, 0, 2), sid(group_id, 1, 2)}  # the handed-back delivery
     assert {t.session_id for t in published if t.status == common_pb2.TRAJECTORY_STATUS_ABORTED} == \
-        {f"{group_id}-s0", f"{group_id}-s1"}  # the stopping worker aborted its own episodes
+        {sid(group_id, 0), sid(group_id, 1)}  # the stopping worker aborted its own episodes
     assert await queue_is_empty(rig.info)
 
 
@@ -335,7 +342,8 @@ def test_the_custom_environment_example_runs_an_episode_with_the_generated_stubs
                              "--sandbox", rig.info.sandbox_address, "--verifier", rig.info.verifier_address,
                              "--run-id", rig.info.run_id, "--task-id", task.task_id,
                              "--question", task.chat_messages()[-1]["content"]],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **client_env(rig.info.run_id, "custom-env")})
     assert result.returncode == 0, result.stderr
     episode = json.loads(result.stdout)
     assert episode["passed"] and episode["reward"] == 1.0 and episode["tool_calls"] == 1
@@ -357,7 +365,8 @@ def test_the_node_client_runs_a_multi_turn_calc_episode_from_the_protos_alone(ri
                              "--sandbox", rig.info.sandbox_address, "--verifier", rig.info.verifier_address,
                              "--run-id", rig.info.run_id, "--task-id", task.task_id,
                              "--question", task.chat_messages()[-1]["content"]],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **client_env(rig.info.run_id, "node-env")})
     assert result.returncode == 0, result.stderr
     episode = json.loads(result.stdout)
     assert episode["passed"] and episode["reward"] == 1.0 and episode["tool_calls"] == 1 and episode["turns"] == 2
@@ -394,7 +403,7 @@ async def test_a_group_stopped_by_a_gateway_outage_runs_again_in_the_same_delive
         group_id = f"{task.task_id}-{await last_task_sequence(rig.info)}"
         async with clients(rig.info) as services:
             for _ in range(150):
-                sessions = [await services.session.get(f"{group_id}-s{i}") for i in range(3)]
+                sessions = [await services.session.get(sid(group_id, i)) for i in range(3)]
                 if all(s is not None and s.state == session_pb2.SESSION_STATE_OPEN for s in sessions):
                     break
                 await asyncio.sleep(0.1)

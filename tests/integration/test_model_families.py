@@ -116,10 +116,11 @@ async def test_the_prompt_is_the_family_template_and_the_trainer_matches_the_rol
         # One RL step, exported as the trainer exports every version, loaded by the engine from disk.
         rl_step(backend, [sample_of(trajectory, 1.0), sample_of(await episode(sessions, seed=8), 0.0)],
                 LossConfig(), BatchConfig(micro_batch_rows=1, pack_length=512))
-        backend.save_hf(tmp_path / "v1")
+        exported = stack.workdir / "weights" / "v1"  # under the engine's weight store root
+        backend.save_hf(exported)
         engine = stack.engines["e0"]
         status, body = await http_call(engine.url, "/update_weights_from_disk",
-                                       {"model_path": str(tmp_path / "v1"), "weight_version": "1"})
+                                       {"model_path": str(exported), "weight_version": "1"})
         assert status == 200 and body["success"], body
         after = await episode(sessions, seed=9)
         assert {s.policy_version for s in after.spans if s.kind == common_pb2.SPAN_KIND_GENERATED} == {1}

@@ -10,6 +10,7 @@ import pytest
 
 from rlfleet.cli.health import probe
 from rlfleet.cli.launcher import PlatformState, is_ours
+from rlfleet.common import security
 from rlfleet.common.config import NatsConfig, RedisConfig
 from rlfleet.common.grpc_server import check_health
 from rlfleet.common.redis_store import connect_redis, key
@@ -58,8 +59,9 @@ async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform
     for name in ("nats", "redis", *ENGINES, *SERVICES):
         assert name in printed  # the table of what runs where
     assert all(row.healthy for row in await probe(state))
+    operator = security.run_credentials(run_dir)  # the launch made the run's own CA
     for name, service in SERVICES.items():
-        assert await check_health(state.by_name(name).address, service), name
+        assert await check_health(state.by_name(name).address, service, credentials=operator), name
     for name in SERVICES:
         assert (run_dir / "logs" / f"{name}.log").exists()
 

@@ -11,12 +11,12 @@ import json
 import os
 import shutil
 
-import grpc
 import pytest
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.verifier.v1 import verifier_pb2 as pb
 from rlfleet.api.verifier.v1 import verifier_pb2_grpc
+from rlfleet.common.grpc_server import channel as open_channel
 from rlfleet.common.processes import ServiceProcess
 from rlfleet.common.testing import unique_run_id
 from rlfleet.envkit.suites import code
@@ -63,7 +63,7 @@ def verifier_address(redis_url, tmp_path_factory):
 
 
 async def verify(address: str, template, solution: str):
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address) as channel:
         stub = verifier_pb2_grpc.VerifierServiceStub(channel)
         return await stub.Verify(pb.VerifyRequest(suite="code", task_id=f"code-{template.function}",
                                                   files={"solution.py": solution.encode()}))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.common.grpc_server import blocking_channel
 from rlfleet.common.testing import BackgroundRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -122,13 +123,11 @@ async def _train_trajectories(nats_url: str) -> list[tuple[float, object]]:
 
 
 def _trainer_drops(run_dir: Path) -> dict[str, int]:
-    import grpc
-
     from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
     address = next(p["address"] for p in json.loads((run_dir / "platform.json").read_text())["processes"]
                    if p["name"] == "trainer")
-    with grpc.insecure_channel(address) as channel:
+    with blocking_channel(address) as channel:
         status = trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
     return dict(status.dropped_by_reason)
 

@@ -24,6 +24,7 @@ import pytest
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as pb
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
 from rlfleet.common.config import RedisConfig
+from rlfleet.common.grpc_server import channel as open_channel
 from rlfleet.common.processes import ProcessNotReady, eventually
 from rlfleet.common.redis_store import connect_redis, key
 from rlfleet.common.rich_errors import error_details
@@ -54,7 +55,7 @@ def manager(redis_url, tmp_path_factory):
 
 @pytest.fixture
 async def stub(manager):
-    async with grpc.aio.insecure_channel(manager.address) as channel:
+    async with open_channel(manager.address) as channel:
         yield sandbox_pb2_grpc.SandboxServiceStub(channel)
 
 
@@ -331,7 +332,7 @@ async def test_a_manager_killed_with_sigkill_is_cleaned_up_by_its_successor(redi
     first = start_sandbox_manager(redis_url, run_id, tmp_path)
     stray = None
     try:
-        async with grpc.aio.insecure_channel(first.address) as channel:
+        async with open_channel(first.address) as channel:
             stub = sandbox_pb2_grpc.SandboxServiceStub(channel)
             boxes = [await stub.CreateSandbox(pb.CreateSandboxRequest(files=[pb.File(path="f", content=b"x")]))
                      for _ in range(2)]
@@ -358,7 +359,7 @@ async def test_a_manager_killed_with_sigkill_is_cleaned_up_by_its_successor(redi
                 return not uid_processes(uid_base, 64)
 
             assert await eventually(no_processes_left, within_s=5)
-            async with grpc.aio.insecure_channel(second.address) as channel:
+            async with open_channel(second.address) as channel:
                 stub = sandbox_pb2_grpc.SandboxServiceStub(channel)
                 await expect(grpc.StatusCode.NOT_FOUND, stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=boxes[0].sandbox_id)))
                 await assert_manager_still_serves(stub)
@@ -388,7 +389,7 @@ async def test_two_platforms_on_one_host_lease_disjoint_uid_ranges_and_never_kil
     first = start_sandbox_manager(redis_url, unique_run_id("sbxhostA"), tmp_path / "a", **shared)
     second = None
     try:
-        async with grpc.aio.insecure_channel(first.address) as channel_a:
+        async with open_channel(first.address) as channel_a:
             stub_a = sandbox_pb2_grpc.SandboxServiceStub(channel_a)
             box_a = await stub_a.CreateSandbox(pb.CreateSandboxRequest(limits=pb.Limits(wall_seconds=60)))
             running = asyncio.ensure_future(stub_a.Exec(pb.ExecRequest(sandbox_id=box_a.sandbox_id, argv=py("""
@@ -399,7 +400,7 @@ async def test_two_platforms_on_one_host_lease_disjoint_uid_ranges_and_never_kil
             await asyncio.sleep(1.0)  # the exec is running when the second manager starts
             second = await asyncio.to_thread(start_sandbox_manager, redis_url, unique_run_id("sbxhostB"),
                                              tmp_path / "b", **shared)
-            async with grpc.aio.insecure_channel(second.address) as channel_b:
+            async with open_channel(second.address) as channel_b:
                 stub_b = sandbox_pb2_grpc.SandboxServiceStub(channel_b)
                 boxes_b = [await stub_b.CreateSandbox(pb.CreateSandboxRequest()) for _ in range(3)]
                 results_b = await asyncio.gather(*(stub_b.Exec(pb.ExecRequest(
@@ -439,7 +440,7 @@ async def test_one_client_cannot_take_every_slot_and_the_run_has_a_cap_too(redis
     manager = start_sandbox_manager(redis_url, unique_run_id("sbxcaps"), tmp_path,
                                     max_open_sandboxes=6, max_sandboxes_per_client=4, max_ttl_s=7200)
     try:
-        async with grpc.aio.insecure_channel(manager.address) as channel:
+        async with open_channel(manager.address) as channel:
             stub = sandbox_pb2_grpc.SandboxServiceStub(channel)
             greedy = (("rlfleet-client-id", "greedy"),)
             mine = [await stub.CreateSandbox(pb.CreateSandboxRequest(), metadata=greedy) for _ in range(4)]

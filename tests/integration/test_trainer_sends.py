@@ -19,6 +19,7 @@ import pytest
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.broker.testing import BrokerProcess
 from rlfleet.common.config import NatsConfig
+from rlfleet.common.grpc_server import channel as open_channel
 from rlfleet.common.processes import eventually
 from rlfleet.common.streams import connect_nats, ensure_streams
 from rlfleet.common.testing import unique_run_id
@@ -96,7 +97,7 @@ async def both_serve(engines, version: int, store: DirectoryWeightStore) -> None
 
 
 async def status(broker) -> broker_pb2.BrokerStatus:
-    async with grpc.aio.insecure_channel(broker.address) as channel:
+    async with open_channel(broker.address) as channel:
         return await broker_pb2_grpc.BrokerServiceStub(channel).GetStatus(broker_pb2.GetStatusRequest())
 
 
@@ -203,7 +204,7 @@ async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root,
     broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
     manifest = StoreTrainer(model_dir, DirectoryWeightStore(store_root, run)).publish()
     spec = broker_pb2.TensorSpec(name="w", dtype="bfloat16", shape=[2])
-    async with grpc.aio.insecure_channel(broker.address) as channel:
+    async with open_channel(broker.address) as channel:
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         for request, words in [
             (broker_pb2.StartTrainerSyncRequest(version=policy_version(manifest), checksum_algorithm="sha256"),

@@ -27,6 +27,8 @@ from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.api.verifier.v1 import verifier_pb2 as pb
 from rlfleet.api.verifier.v1 import verifier_pb2_grpc
 from rlfleet.common.chat import SPECIAL_TOKENS, render_messages
+from rlfleet.common.grpc_server import channel as open_channel
+from rlfleet.common.grpc_server import tls_server_credentials
 from rlfleet.common.processes import BIN, ServiceProcess
 from rlfleet.common.rich_errors import error_details
 from rlfleet.common.testing import unique_run_id
@@ -58,7 +60,7 @@ class StandInSessionServer(session_pb2_grpc.SessionServiceServicer):
         self.sessions: dict[str, session_pb2.Session] = {}
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         session_pb2_grpc.add_SessionServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_secure_port("127.0.0.1:0", tls_server_credentials())
 
     def GetSession(self, request, context):
         if request.session_id not in self.sessions:
@@ -135,13 +137,13 @@ def platform(redis_url, tmp_path_factory):
 
 @pytest.fixture
 async def verifier(platform):
-    async with grpc.aio.insecure_channel(platform["verifier"].address) as channel:
+    async with open_channel(platform["verifier"].address) as channel:
         yield verifier_pb2_grpc.VerifierServiceStub(channel)
 
 
 @pytest.fixture
 async def sandboxes(platform):
-    async with grpc.aio.insecure_channel(platform["manager"].address) as channel:
+    async with open_channel(platform["manager"].address) as channel:
         yield sandbox_pb2_grpc.SandboxServiceStub(channel)
 
 

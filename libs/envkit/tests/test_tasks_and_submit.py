@@ -153,3 +153,10 @@ def test_the_scripted_policy_plays_its_tasks_script_turn_by_turn():
     assert scripted_turn(second) == "<calc>2+3</calc>"
     third = second + "<calc>2+3</calc><|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
     assert scripted_turn(third) == "<answer>5</answer>"
+
+
+def test_keyed_session_ids_cannot_be_predicted_without_the_key():
+    ours, theirs = session_id_of("calc-1-ab-17", 2, key=b"k1"), session_id_of("calc-1-ab-17", 2, key=b"k2")
+    assert ours != theirs and ours != "calc-1-ab-17-s2" and ours.startswith("calc-1-ab-17-")
+    assert ours == session_id_of("calc-1-ab-17", 2, key=b"k1")  # every worker with the key: the same id
+    assert session_id_of("calc-1-ab-17", 2, delivery=3, key=b"k1").endswith("-s2-r3")

@@ -5,8 +5,10 @@ trainer's published bf16 weights."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -156,12 +158,20 @@ async def test_a_missing_version_and_a_path_outside_the_store_are_refused(store_
     assert await weight_version(url) == before
 
 
-async def test_a_plain_checkpoint_load_makes_the_engine_forget_its_store_version(store_engine, trainer, model_dir):
+async def test_a_plain_checkpoint_load_makes_the_engine_forget_its_store_version(store_engine, trainer, model_dir,
+                                                                                  store_root):
     url, store = store_engine.url, trainer.store
     assert (await load(url, store.path(1), "full"))[0] == 200
     _, info = await call(url, "/model_info", method="GET")
     assert info["weight_store_version"] == 1
-    status, _ = await call(url, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "x"})
+    # A checkpoint outside the store root is refused (any host path is not the engine's to load) ...
+    status, reply = await call(url, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "x"})
+    assert status == 403 and "outside the weight store root" in reply["message"]
+    _, info = await call(url, "/model_info", method="GET")
+    assert info["weight_store_version"] == 1
+    # ... and one under it loads.
+    plain = shutil.copytree(model_dir, Path(store_root) / "plain-checkpoint", dirs_exist_ok=True)
+    status, _ = await call(url, "/update_weights_from_disk", {"model_path": str(plain), "weight_version": "x"})
     assert status == 200
     status, reply = await load(url, store.path(2), "delta")
     assert status == 400 and "holds no weight-store version" in reply["message"]

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from rlfleet.common.processes import eventually
+from rlfleet.engine.testing import auth_headers
 from rlfleet.engine.testing import generate_in_process as in_process
 from rlfleet.engine.testing import http_call as call
 
@@ -119,7 +120,8 @@ async def test_bad_generate_requests_get_400_with_the_reason(engine, body, messa
 
 async def test_malformed_json_and_bad_control_calls_get_400_and_the_engine_stays_healthy(engine):
     async with aiohttp.ClientSession() as session:
-        async with session.post(engine.url + "/generate", data=b"{not json") as response:
+        async with session.post(engine.url + "/generate", data=b"{not json",
+                                headers=auth_headers("/generate")) as response:
             assert response.status == 400 and "invalid JSON" in (await response.json())["error"]["message"]
     assert (await call(engine.url, "/pause_generation", {"mode": "sideways"}))[0] == 400
     assert (await call(engine.url, "/abort_request", {}))[0] == 400

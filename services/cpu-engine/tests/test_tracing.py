@@ -28,14 +28,15 @@ TRACEPARENT = f"00-{TRACE_ID:032x}-{CALLER_SPAN_ID:016x}-01"
 
 
 @pytest.fixture
-async def traced(runner, model_dir):
+async def traced(runner, model_dir, tmp_path):
     """An engine server in this process whose spans go to memory, and a client for it."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "rlfleet-cpu-engine"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     scheduler = Scheduler(runner, weight_version="7")
     server = EngineServer(
-        EngineConfig(model_path=model_dir, engine_id="e-test"), runner, scheduler, provider.get_tracer("test")
+        EngineConfig(model_path=model_dir, engine_id="e-test", weight_store_root=tmp_path), runner, scheduler,
+        provider.get_tracer("test")
     )
     scheduler.start()
     client = TestClient(TestServer(server.app()))

@@ -10,6 +10,7 @@ broker-mode weight agent's local full copies, loaded with `update_weights_from_d
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,7 +48,9 @@ async def pools():
 
 @pytest.fixture
 def copies(trainer, tmp_path):
-    return LocalCopies(trainer.store, tmp_path / "local-copies")
+    # Under the store root, as the broker's default (<weight_store>/.local-copies): an engine loads
+    # plain directories only from under its weight store root.
+    return LocalCopies(trainer.store, Path(trainer.store.root) / ".local-copies" / tmp_path.name)
 
 
 def info_of(trainer, version: int) -> VersionInfo:

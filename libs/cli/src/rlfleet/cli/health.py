@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from rlfleet.cli.launcher import PlatformState, ProcessRecord, is_ours
+from rlfleet.common import security
 from rlfleet.common.grpc_server import check_health
 
 
@@ -59,14 +60,15 @@ async def _http_ok(address: str, path: str, timeout_s: float) -> bool:
         writer.close()
 
 
-async def probe_one(record: ProcessRecord, timeout_s: float = 2.0) -> Health:
-    health = await _probe_one(record, timeout_s)
+async def probe_one(record: ProcessRecord, timeout_s: float = 2.0,
+                    credentials: security.Credentials | None = None) -> Health:
+    health = await _probe_one(record, timeout_s, credentials)
     health.restarts, health.last_exit = record.restarts, record.last_exit
     health.last_restart_unix = record.last_restart_unix
     return health
 
 
-async def _probe_one(record: ProcessRecord, timeout_s: float) -> Health:
+async def _probe_one(record: ProcessRecord, timeout_s: float, credentials: security.Credentials | None) -> Health:
     running = is_ours(record)
     if not running:
         return Health(record.name, record.pid, record.address, False, False, "not running")
@@ -79,12 +81,14 @@ async def _probe_one(record: ProcessRecord, timeout_s: float) -> Health:
     elif record.kind == "engine":
         healthy = await _http_ok(record.address, "/health", timeout_s)
     else:
-        healthy = await check_health(record.address, timeout_s=timeout_s)
+        healthy = await check_health(record.address, timeout_s=timeout_s, credentials=credentials)
     return Health(record.name, record.pid, record.address, True, healthy, "" if healthy else "health check failed")
 
 
 async def probe(state: PlatformState) -> list[Health]:
-    return list(await asyncio.gather(*(probe_one(r) for r in state.processes)))
+    """Every process's health, its services asked over TLS as the run's operator."""
+    credentials = security.run_credentials(state.run_dir)
+    return list(await asyncio.gather(*(probe_one(r, credentials=credentials) for r in state.processes)))
 
 
 def table(rows: list[Health], state: PlatformState) -> str:

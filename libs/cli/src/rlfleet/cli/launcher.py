@@ -27,6 +27,7 @@ from typing import Any
 
 from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
 from rlfleet.cli.warm_start import build_model_command
+from rlfleet.common import security
 from rlfleet.common.config import ConfigError, ProcessConfig, propagate
 from rlfleet.common.errors import StartupError
 from rlfleet.common.processes import (
@@ -198,7 +199,7 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
                      "session_address": _address(state, "session-server"),
                      "suites_dir": str(run_dir / "suites"), **tokenizer},
         # Version "0": rlfleet's policy versions are integers and the initial weights are version 0.
-        "cpu-engine": {"weight_version": "0", **served},
+        "cpu-engine": {"weight_version": "0", "weight_store_root": weights, **served},
     }
     return facts[name]
 
@@ -313,10 +314,12 @@ class Platform:
         state = PlatformState.load(run_dir)
         platform = cls(PlatformConfig(**state.config))
         platform.state = state
+        use_run_secrets(platform.run_dir, platform.config.run_id)
         return platform
 
     def up(self) -> PlatformState:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        use_run_secrets(self.run_dir, self.config.run_id)
         self._refuse_second_launch()
         (self.run_dir / STOPPING_FILE).unlink(missing_ok=True)
         try:
@@ -593,6 +596,22 @@ def _exit_status(pid: int, child: ChildProcess | None) -> str:
     if os.WIFSIGNALED(status):
         return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
     return f"exit {os.WEXITSTATUS(status)}"
+
+
+def use_run_secrets(run_dir: Path, run_id: str) -> Path:
+    """The run's CA, certificates and token key (made on the first start, 0600 in
+    `<run_dir>/secrets/`), for this process (the operator) and every process it starts. A secrets
+    directory given in RLFLEET_SECRETS_DIR (a test session's) is used instead while the run directory
+    has none of its own."""
+    given = os.environ.get(security.SECRETS_ENV, "")
+    own = security.run_secrets_dir(run_dir)
+    if given and Path(given, "ca.key").exists() and not (own / "ca.pem").exists():
+        os.environ.pop(security.TOKEN_ENV, None)
+        return Path(given)
+    directory = security.ensure_secrets(own, run_id)
+    os.environ[security.SECRETS_ENV] = str(directory)
+    os.environ.pop(security.TOKEN_ENV, None)  # the launcher and its services call as themselves
+    return directory
 
 
 def service_env() -> dict[str, str]:

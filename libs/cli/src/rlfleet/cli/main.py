@@ -7,6 +7,10 @@
                                                            live view: services, engines, queues, staleness
     rlfleet down [--run-dir DIR]                           stop exactly what a launch started
     rlfleet compose-config [--out DIR] [--config FILE]     config files of the docker compose stack
+    rlfleet token issue NAME [--run-dir DIR] [--run-id ID] [--expires-in-s S]
+                                                           an environment client's token (printed once)
+    rlfleet token revoke TOKEN_ID [--run-dir DIR]          every service refuses it within a second
+    rlfleet token list [--run-dir DIR] [--json]            issued tokens (ids, names, runs; no secrets)
 
 Each command imports what it needs when it runs (a thin entry point): `rlfleet down` and `rlfleet
 status` load neither the services' config models nor the loop's plotting.
@@ -21,9 +25,9 @@ import sys
 import threading
 
 from rlfleet.common.config import ConfigError, load_config
-from rlfleet.common.errors import StartupError
+from rlfleet.common.errors import InvalidArgument, StartupError
 
-COMMANDS = ("run", "up", "down", "status", "compose-config")
+COMMANDS = ("run", "up", "down", "status", "compose-config", "token")
 
 
 def _run_dir_arg(argv: list[str], prog: str) -> str:
@@ -92,7 +96,9 @@ def cmd_down(argv: list[str]) -> int:
 
 
 def cmd_status(argv: list[str]) -> int:
-    from rlfleet.cli.launcher import PlatformState
+    from pathlib import Path
+
+    from rlfleet.cli.launcher import PlatformState, use_run_secrets
     from rlfleet.cli.status_view import show
 
     parser = argparse.ArgumentParser(prog="rlfleet status", description="A live view of a launched platform: "
@@ -110,6 +116,7 @@ def cmd_status(argv: list[str]) -> int:
     if not state.processes:
         print(f"nothing is running for {state.run_dir}")
         return 1
+    use_run_secrets(Path(state.run_dir), state.run_id)
     once = args.once or not (args.watch or sys.stdout.isatty())
     return show(state, once=once, as_json=args.json, interval_s=args.interval)
 
@@ -120,16 +127,58 @@ def cmd_compose_config(argv: list[str]) -> int:
     return compose_main(argv)
 
 
+def cmd_token(argv: list[str]) -> int:
+    import json
+    from pathlib import Path
+
+    from rlfleet.common import security
+
+    parser = argparse.ArgumentParser(prog="rlfleet token", description="Issue, revoke and list the tokens "
+                                     "environment clients call the platform with.")
+    parser.add_argument("action", choices=("issue", "revoke", "list"))
+    parser.add_argument("subject", nargs="?", default="", help="issue: the client's name; revoke: the token id")
+    parser.add_argument("--run-dir", default="runs/local", help="run directory of the launch (default runs/local)")
+    parser.add_argument("--run-id", default="", help="run the token is for (default: the run directory's)")
+    parser.add_argument("--expires-in-s", type=float, default=0.0, help="lifetime in seconds; 0 = until revoked")
+    parser.add_argument("--json", action="store_true", help="list as JSON")
+    args = parser.parse_args(argv)
+    directory = security.run_secrets_dir(args.run_dir)
+    if not (directory / "token.key").exists():
+        raise StartupError(f"{directory} has no token key: start the platform there first (`rlfleet up`)")
+    if args.action == "issue":
+        run_file = directory / "run_id"
+        run_id = args.run_id or (run_file.read_text().strip() if run_file.exists() else "")
+        if not run_id:
+            raise StartupError("--run-id is needed: the run directory does not say its run")
+        token, record = security.issue_token(directory, run_id, args.subject, args.expires_in_s)
+        print(f"# token {record['id']} for client {record['name']!r} on run {run_id!r}; give the client:",
+              file=sys.stderr)
+        print(f"#   RLFLEET_TOKEN=<the line below>  RLFLEET_CA_FILE={Path(directory, 'ca.pem').resolve()}",
+              file=sys.stderr)
+        print(token)
+    elif args.action == "revoke":
+        security.revoke_token(directory, args.subject)
+        print(f"revoked {args.subject}")
+    else:
+        rows = security.list_tokens(directory)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        for row in [] if args.json else rows:
+            state = "revoked" if row["revoked"] else "active"
+            print(f"{row['id']}  {row['name']:<24} run={row['run']:<16} {state}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         raise SystemExit(0 if not argv or argv[0] in ("-h", "--help") else 2)
     command = {"run": cmd_run, "up": cmd_up, "down": cmd_down, "status": cmd_status,
-               "compose-config": cmd_compose_config}[argv[0]]
+               "compose-config": cmd_compose_config, "token": cmd_token}[argv[0]]
     try:
         raise SystemExit(command(argv[1:]))
-    except (ConfigError, StartupError) as exc:
+    except (ConfigError, StartupError, InvalidArgument) as exc:
         print(f"rlfleet {argv[0]}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt:

@@ -49,7 +49,7 @@ from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from rlfleet.cli.gate import Decision, decide, interim, merge, slices
-from rlfleet.cli.launcher import Platform, PlatformState, flatten_keys, is_ours, start_ticks
+from rlfleet.cli.launcher import Platform, PlatformState, flatten_keys, is_ours, start_ticks, use_run_secrets
 from rlfleet.cli.loop_parts import (
     Clock,
     CpuSampler,
@@ -272,6 +272,7 @@ class RLRun:
                                    f"({'; '.join(differs)}); stop it with `rlfleet down --run-dir {self.run_dir}`, "
                                    f"or start it for this run with `rlfleet run {self._config_arg()} --up-only`")
             say(f"platform: attached to the one running in {self.run_dir}")
+            use_run_secrets(self.run_dir, wanted.run_id)  # call its services with the run's operator certificate
             attached = Platform(wanted)
             attached.state = running
             return attached, False

@@ -24,6 +24,7 @@ import aiohttp
 from opentelemetry import trace
 
 from rlfleet.common import engine_requests as wire
+from rlfleet.common.security import engine_keys
 from rlfleet.common.telemetry import current_trace_context
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -97,8 +98,11 @@ class EngineClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts or EngineTimeouts()
+        # Not given: the run's engine keys, where this process has the run's secrets.
+        default_api, default_admin = engine_keys() if not (api_key or admin_api_key) else ("", "")
+        api_key = api_key or default_api
         self._api_key = api_key or None
-        self._admin_api_key = admin_api_key or api_key or None
+        self._admin_api_key = admin_api_key or default_admin or api_key or None
         self._session = session
         self._owns_session = session is None
 

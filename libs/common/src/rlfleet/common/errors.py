@@ -67,6 +67,18 @@ class Unimplemented(RlfleetError):
     status = grpc.StatusCode.UNIMPLEMENTED
 
 
+class Unauthenticated(RlfleetError):
+    """No credential, or one that is not the run's (bad signature, revoked, expired)."""
+
+    status = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(RlfleetError):
+    """An authenticated caller without the right the call needs; `right` names it."""
+
+    status = grpc.StatusCode.PERMISSION_DENIED
+
+
 class StartupError(RlfleetError):
     """A service cannot start (peer unreachable, port in use); printed as one line, exit 1."""
 

@@ -1,9 +1,12 @@
 """The asyncio gRPC server skeleton and client channels every service uses.
 
-Servers get: raised message limits, the standard `grpc.health.v1` service, reflection, OpenTelemetry
-tracing (when it is on), and one interceptor that turns domain errors (`rlfleet.common.errors`) into
-statuses with their structured fields (gRPC's rich-error model, `rlfleet.common.rich_errors`).
-Client channels trace their calls without an interceptor (`TracedChannel`).
+Servers get: TLS with the run's certificates (mutual TLS where no environment client calls), raised
+message limits, the standard `grpc.health.v1` service, reflection, OpenTelemetry tracing (when it is
+on), and one interceptor that authenticates and authorizes each call (`rlfleet.common.roles`, deny by
+default) and turns domain errors (`rlfleet.common.errors`) into statuses with their structured fields
+(gRPC's rich-error model, `rlfleet.common.rich_errors`).
+Client channels are TLS, present this process's certificate and token (`rlfleet.common.security`),
+and trace their calls without an interceptor (`TracedChannel`).
 """
 
 from __future__ import annotations
@@ -17,31 +20,73 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rlfleet.common import roles, security
 from rlfleet.common.config import GrpcServerConfig
-from rlfleet.common.errors import InvalidArgument, StartupError, status_for
+from rlfleet.common.errors import InvalidArgument, StartupError, Unauthenticated, status_for
 from rlfleet.common.rich_errors import rich_status
 from rlfleet.common.telemetry import tracing_enabled
 
 log = logging.getLogger(__name__)
+BENCHMARK_CALLER = security.Principal(security.OPERATOR, "plaintext-benchmark")
 
 
 def message_options(max_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
 
+def authenticate(context: grpc.aio.ServicerContext, book: security.TokenBook | None,
+                 ) -> tuple[security.Principal | None, str]:
+    """The caller and its bearer token: a token in the `authorization` header, else the run
+    certificate the caller presented (mutual TLS); (None, "") for neither."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() != "bearer" or not token or book is None:
+                raise Unauthenticated("the authorization header must be `Bearer <token>`", right="authenticated")
+            return book.verify(token.strip()), token.strip()
+    names = context.auth_context().get("x509_common_name")
+    if names:
+        name = names[0].decode()
+        return security.Principal(security.OPERATOR if name == "operator" else security.SERVICE, name), ""
+    return None, ""
+
+
+async def _refuse(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    status = rich_status(exc)
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps expected errors to their status with their structured details; logs anything else once,
-    as INTERNAL."""
+    """Authenticates and authorizes each call (`roles.authorize`; the caller is `security.caller()`
+    inside the handler); maps expected errors to their status with their structured details; logs
+    anything else once, as INTERNAL."""
+
+    def __init__(self, book: security.TokenBook | None = None, open_to_all: bool = False) -> None:
+        self.book = book
+        self.open_to_all = open_to_all  # the benchmarks' plaintext mode only (security.plaintext)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
             return handler
+        if handler.unary_unary is None:
+            return self._guarded_stream(handler, details.method)
         inner = handler.unary_unary
         method = details.method
         deserialize = handler.request_deserializer
+        book = self.book
+        open_to_all = self.open_to_all
 
         async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            principal, token = BENCHMARK_CALLER, ""
+            try:
+                if not open_to_all:
+                    principal, token = authenticate(context, book)
+                    roles.authorize(method, principal)
+            except (security.Unauthenticated, roles.PermissionDenied) as exc:
+                await _refuse(context, exc)
+            security.set_caller(principal)
+            security._forwarded.set(token)
             # Deserialized here rather than by grpc, so that bytes that are no valid request (a
             # string field with bad UTF-8, a truncated message) are the client's INVALID_ARGUMENT,
             # not an opaque failure of the server.
@@ -60,12 +105,72 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     log.exception("unexpected error in %s", method)
                     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
                 # The structured fields go too, as a google.rpc.Status in the trailer (rich_errors.py).
-                status = rich_status(exc)
-                await context.abort(status.code, status.details, status.trailing_metadata)
+                await _refuse(context, exc)
 
         return grpc.unary_unary_rpc_method_handler(
             guarded, request_deserializer=None,
             response_serializer=handler.response_serializer)
+
+    def _guarded_stream(self, handler: Any, method: str) -> Any:
+        """Streaming methods (reflection, health's Watch) get the same check before they run."""
+        book = self.book
+        if self.open_to_all:
+            return handler
+
+        async def check(context: grpc.aio.ServicerContext) -> None:
+            try:
+                principal, _token = authenticate(context, book)
+                roles.authorize(method, principal)
+            except (security.Unauthenticated, roles.PermissionDenied) as exc:
+                await _refuse(context, exc)
+
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await check(context)
+                async for item in _as_async_iter(inner_us(request, context)):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                await check(context)
+                async for item in _as_async_iter(inner_ss(requests, context)):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer,
+                                                         handler.response_serializer)
+        inner_su = handler.stream_unary
+
+        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            return await inner_su(requests, context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
+                                                    handler.response_serializer)
+
+
+async def _as_async_iter(result: Any):
+    """A streaming handler's output: an async generator, or a coroutine that writes to the context."""
+    if hasattr(result, "__aiter__"):
+        async for item in result:
+            yield item
+    else:
+        value = await result
+        if value is not None:
+            yield value
+
+
+def tls_server_credentials(require_client_auth: bool = False,
+                           credentials: security.Credentials | None = None) -> grpc.ServerCredentials:
+    """This process's certificate as a server's (a server not built here: a test's stand-in)."""
+    creds = credentials or security.local_credentials()
+    return grpc.ssl_server_credentials([(creds.key, creds.cert)], root_certificates=creds.ca,
+                                       require_client_auth=require_client_auth)
 
 
 class GrpcServer:
@@ -75,9 +180,18 @@ class GrpcServer:
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
         self.config = config
+        self.plaintext = security.plaintext()
+        if self.plaintext:
+            log.warning("%s=1: serving gRPC in PLAINTEXT with NO authentication (benchmarks only)",
+                        security.PLAINTEXT_ENV)
+        self.credentials = None if self.plaintext else security.local_credentials()
+        if self.credentials is not None and self.credentials.book is None:
+            raise StartupError("a gRPC server needs the run's secrets directory (RLFLEET_SECRETS_DIR; `rlfleet up` "
+                               "makes it), not just a client token")
         tracing = [aio_server_interceptor()] if tracing_enabled() else []
+        book = None if self.credentials is None else self.credentials.book
         self.server = grpc.aio.server(
-            interceptors=[*tracing, ErrorInterceptor()],
+            interceptors=[*tracing, ErrorInterceptor(book, open_to_all=self.plaintext)],
             # Without SO_REUSEPORT off, a second server on a taken port "binds" and splits traffic.
             # A bounded connection age makes clients re-resolve, so new replicas get traffic.
             options=[*message_options(config.max_message_bytes), ("grpc.so_reuseport", 0),
@@ -97,7 +211,8 @@ class GrpcServer:
         reflection.enable_server_reflection(names, self.server)
         address = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
+            self.port = (self.server.add_insecure_port(address) if self.plaintext
+                         else self.server.add_secure_port(address, self.server_credentials()))
         except RuntimeError as exc:
             raise StartupError(f"cannot bind gRPC on {address}: {exc} (port in use?)") from None
         if self.port == 0:
@@ -106,6 +221,14 @@ class GrpcServer:
         for name in [*self.service_names, ""]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
+
+    @property
+    def mutual_tls(self) -> bool:
+        """Client certificates are demanded unless an environment client (token only) calls here."""
+        return not any(roles.open_to_environment(name) for name in self.service_names)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return tls_server_credentials(self.mutual_tls, self.credentials)
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
@@ -119,10 +242,17 @@ RECONNECT_BACKOFF = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reco
                      ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
+def channel_credentials(creds: security.Credentials) -> grpc.ChannelCredentials:
+    if creds.cert:
+        return grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)
+    return grpc.ssl_channel_credentials(creds.ca)
+
+
 def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Iterable[Any] = (),
-            balance: bool = True) -> grpc.aio.Channel:
-    """A client channel with raised limits, retries, keepalive and, when tracing is on, trace
-    propagation (`TracedChannel`).
+            balance: bool = True, credentials: security.Credentials | None = None) -> grpc.aio.Channel:
+    """A TLS client channel with raised limits, retries, keepalive and, when tracing is on, trace
+    propagation (`TracedChannel`). It presents `credentials` (default: this process's,
+    `security.local_credentials()`): the certificate where there is one, and the token on every call.
 
     `balance` spreads calls round-robin over every address a name resolves to
     (`dns:///session-server:50051`), so scaled replicas share the load; turn it off for a peer whose
@@ -132,8 +262,71 @@ def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Itera
                *RECONNECT_BACKOFF]
     if balance:
         options.append(("grpc.lb_policy_name", "round_robin"))
-    raw = grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
-    return TracedChannel(raw) if tracing_enabled() else raw
+    if security.plaintext() and credentials is None:
+        raw = grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
+        return TracedChannel(raw) if tracing_enabled() else raw
+    creds = credentials or security.local_credentials()
+    raw = grpc.aio.secure_channel(address, channel_credentials(creds), options=options,
+                                  interceptors=list(interceptors) or None)
+    authed = AuthChannel(raw, creds.token) if creds.token else raw
+    return TracedChannel(authed) if tracing_enabled() else authed
+
+
+def blocking_channel(address: str, options: Iterable[tuple[str, Any]] = (),
+                     credentials: security.Credentials | None = None) -> grpc.Channel:
+    """A synchronous TLS channel with this process's credentials (scripts and threads that are not
+    on an event loop); the token goes as call credentials."""
+    creds = credentials or security.local_credentials()
+    channel_creds = channel_credentials(creds)
+    if creds.token:
+        channel_creds = grpc.composite_channel_credentials(channel_creds,
+                                                           grpc.access_token_call_credentials(creds.token))
+    return grpc.secure_channel(address, channel_creds, options=list(options))
+
+
+class AuthChannel:
+    """A client channel whose unary calls carry `authorization: Bearer <token>`, added to the call's
+    metadata (not as grpc call credentials, which run a Python plugin on a thread for every call). A
+    call that brings its own `authorization` (on a caller's behalf) keeps it."""
+
+    def __init__(self, inner: grpc.aio.Channel, token: str) -> None:
+        self._inner = inner
+        self._header = (("authorization", f"Bearer {token}"),)
+
+    def unary_unary(self, method: str | bytes, *args: Any, **kwargs: Any) -> _AuthedCall:
+        return _AuthedCall(self._inner.unary_unary(method, *args, **kwargs), self._header)
+
+    def unary_stream(self, method: str | bytes, *args: Any, **kwargs: Any) -> _AuthedCall:
+        return _AuthedCall(self._inner.unary_stream(method, *args, **kwargs), self._header)
+
+    def stream_stream(self, method: str | bytes, *args: Any, **kwargs: Any) -> _AuthedCall:
+        return _AuthedCall(self._inner.stream_stream(method, *args, **kwargs), self._header)
+
+    def stream_unary(self, method: str | bytes, *args: Any, **kwargs: Any) -> _AuthedCall:
+        return _AuthedCall(self._inner.stream_unary(method, *args, **kwargs), self._header)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def __aenter__(self) -> AuthChannel:
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self._inner.__aexit__(*exc)
+
+
+class _AuthedCall:
+    def __init__(self, call: Any, header: tuple[tuple[str, str], ...]) -> None:
+        self.call = call
+        self.header = header
+
+    def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        if not metadata:
+            metadata = self.header
+        elif not any(key == "authorization" for key, _ in metadata):
+            metadata = (*self.header, *metadata)
+        return self.call(*args, metadata=metadata, **kwargs)
 
 
 class TracedChannel:
@@ -200,8 +393,9 @@ class _TracedUnary:
                 raise
 
 
-async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
-    async with grpc.aio.insecure_channel(address) as ch:
+async def check_health(address: str, service: str = "", timeout_s: float = 2.0,
+                       credentials: security.Credentials | None = None) -> bool:
+    async with channel(address, balance=False, credentials=credentials) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

@@ -241,6 +241,10 @@ class ServiceProcess(ChildProcess):
         self.info: dict[str, Any] = {}
 
     def spawn(self) -> ServiceProcess:
+        from rlfleet.common.security import SECRETS_ENV, ensure_local_credentials
+
+        # Every service needs a run's secrets; a test or benchmark that set none gets one made for it.
+        self.env.setdefault(SECRETS_ENV, str(ensure_local_credentials()))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         if self.config_file is not None:

@@ -31,6 +31,7 @@ from rlfleet.common.errors import StartupError, Unimplemented
 from rlfleet.common.grpc_server import GrpcServer
 from rlfleet.common.logs import setup_logging
 from rlfleet.common.processes import write_json_atomic
+from rlfleet.common.security import set_identity
 from rlfleet.common.telemetry import setup_telemetry
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def start_process(name: str, config_cls: type[C], argv: list[str] | None = None,
         print(f"{name}: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     setup_logging(log_name or name, config.log.level, config.log.format)
+    set_identity(name)  # the certificate and token this process presents: its service's
     return config
 
 

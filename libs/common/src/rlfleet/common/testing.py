@@ -13,10 +13,35 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from rlfleet.common import security
 from rlfleet.common.processes import start_nats, start_redis
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rlfleet_secrets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run's secrets (CA, certificates, token key) for the whole test session, in the
+    environment every server, client and child process reads: tests go over TLS with tokens, as a
+    platform does, and need nothing set up by hand. In-process clients call as the operator."""
+    return security.ensure_local_credentials(tmp_path_factory.mktemp("secrets"))
+
+
+def client_credentials(run_id: str, name: str = "client") -> security.Credentials:
+    """An environment client's credentials for `run_id`: the CA and a freshly issued token, as
+    `rlfleet token issue` gives a client (pass to `channel(address, credentials=...)`)."""
+    directory = security.secrets_dir()
+    assert directory is not None, "the rlfleet_secrets fixture sets the secrets directory"
+    token, _record = security.issue_token(directory, run_id, name)
+    return security.client_credentials(token, (directory / "ca.pem").read_bytes())
+
+
+def client_env(run_id: str, name: str = "client") -> dict[str, str]:
+    """The environment a child process runs as an environment client with (RLFLEET_TOKEN, CA file)."""
+    creds = client_credentials(run_id, name)
+    return {security.TOKEN_ENV: creds.token, security.CA_ENV: str(security.secrets_dir() / "ca.pem")}
 
 
 @pytest.fixture(scope="session")

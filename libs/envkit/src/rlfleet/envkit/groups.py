@@ -1,7 +1,10 @@
 """Running one task as a group of G samples, idempotently across redeliveries.
 
 Identity is a function of the stream, not of the worker: `group_id = f"{task_id}-{sequence}"` and
-sample i's session is `f"{group_id}-s{i}"`. On a redelivery (delivery d > 1) each sample is looked
+sample i's session is `f"{group_id}-{tag}-s{i}"`, where `tag` is a keyed digest of the group (64 bits
+of HMAC-SHA256 under the run's secret, or the client's own token): other clients cannot predict a
+worker's session ids, so cannot take one first, while every worker of the run (same key) derives the
+same ids for a redelivered task. On a redelivery (delivery d > 1) each sample is looked
 up first: a sample whose session (under any earlier ID) is CLOSED is already published and skipped;
 one still OPEN belonged to a worker that is gone and is aborted; the sample then runs again as
 `f"{group_id}-s{i}-r{d}"`, an ID no earlier delivery used, so two deliveries never drive one session.
@@ -16,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2
+from rlfleet.common import security
 from rlfleet.envkit.sdk.clients import SessionClient
 from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
 from rlfleet.envkit.sdk.errors import Superseded
@@ -38,8 +43,18 @@ def group_id_of(task_id: str, sequence: int) -> str:
 MAX_OUTAGE_ATTEMPTS = 16  # re-runs of one sample inside one delivery after service outages
 
 
-def session_id_of(group_id: str, sample_index: int, delivery: int = 1, outage: int = 0) -> str:
-    base = f"{group_id}-s{sample_index}"
+def session_id_key(credentials: security.Credentials | None = None) -> bytes:
+    """The key session ids are derived under: from the run's token key where this process has the
+    run's secrets (every such worker shares it), else from the client's own token."""
+    creds = credentials or security.local_credentials()
+    if creds.book is not None:
+        return hmac.new(creds.book.key, b"rlfleet session ids", hashlib.sha256).digest()
+    return hashlib.sha256(creds.token.encode()).digest()
+
+
+def session_id_of(group_id: str, sample_index: int, delivery: int = 1, outage: int = 0, key: bytes = b"") -> str:
+    tag = f"-{hmac.new(key, group_id.encode(), hashlib.sha256).hexdigest()[:16]}" if key else ""
+    base = f"{group_id}{tag}-s{sample_index}"
     base = base if delivery <= 1 else f"{base}-r{delivery}"
     return f"{base}-o{outage}" if outage else base
 
@@ -66,7 +81,8 @@ class GroupResult:
 
 class GroupRunner:
     def __init__(self, loop: AgentLoop, sessions: SessionClient, slots: asyncio.Semaphore, *,
-                 sampling: SamplingDefaults, max_total_tokens: int = 0) -> None:
+                 sampling: SamplingDefaults, max_total_tokens: int = 0, id_key: bytes = b"") -> None:
+        self.id_key = id_key  # session_id_key(): empty only in unit tests of the plan
         self.loop = loop
         self.sessions = sessions
         self.slots = slots
@@ -101,11 +117,11 @@ class GroupRunner:
     async def _plan(self, group_id: str, index: int, delivery: int, outage: int = 0) -> str | None:
         """The session ID sample `index` runs under in this attempt, or None when it is published."""
         if delivery <= 1 and outage == 0:
-            return session_id_of(group_id, index)
+            return session_id_of(group_id, index, key=self.id_key)
         earlier = [(d, k) for d in range(1, delivery) for k in range(MAX_OUTAGE_ATTEMPTS + 1)]
         earlier += [(delivery, k) for k in range(outage)]
         for d, k in earlier:
-            session_id = session_id_of(group_id, index, d, k)
+            session_id = session_id_of(group_id, index, d, k, key=self.id_key)
             session = await self.sessions.get(session_id)
             if session is None:
                 continue
@@ -115,7 +131,7 @@ class GroupRunner:
             if session.state == session_pb2.SESSION_STATE_OPEN:
                 await self.sessions.abort(session_id, f"task redelivered (delivery {delivery}, attempt {outage}); "
                                                       "its worker is gone")
-        return session_id_of(group_id, index, delivery, outage)
+        return session_id_of(group_id, index, delivery, outage, key=self.id_key)
 
     async def _sample(self, task: common_pb2.Task, group_id: str, index: int, session_id: str,
                       on_episode: Callable[[EpisodeSummary], None]) -> EpisodeSummary:

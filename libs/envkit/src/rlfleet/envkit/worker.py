@@ -30,7 +30,7 @@ from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.grpc_server import check_health
 from rlfleet.common.queue_metrics import QueueDepthPoller
 from rlfleet.common.streams import connect_nats, ensure_streams
-from rlfleet.envkit.groups import MAX_OUTAGE_ATTEMPTS, GroupResult, GroupRunner, group_id_of
+from rlfleet.envkit.groups import MAX_OUTAGE_ATTEMPTS, GroupResult, GroupRunner, group_id_of, session_id_key
 from rlfleet.envkit.sdk.clients import Clients
 from rlfleet.envkit.sdk.environment import Environment, known_suites
 from rlfleet.envkit.sdk.environment import environments as environments_for_runtime
@@ -229,7 +229,8 @@ class RolloutWorker:
         config = self.config
         if self.clients is None:  # first: a missing address fails fast, before anything connects
             self.clients = Clients.connect(session=config.session_address, sandbox=config.sandbox_address,
-                                           verifier=config.verifier_address)
+                                           verifier=config.verifier_address, token=config.token,
+                                           ca_file=config.ca_file)
             self._own_clients = True
         self.nc = await connect_nats(config.nats, f"rlfleet-worker-{config.run_id}")
         js = self.nc.jetstream()
@@ -248,7 +249,8 @@ class RolloutWorker:
         loop = AgentLoop(self.clients, environments=self.environments, admission=admission, hooks=hooks,
                          framing=framing_for(config.observation_framing), tool_call_format=config.tool_call_format)
         self.runner = GroupRunner(loop, self.clients.session, asyncio.Semaphore(config.concurrency),
-                                  sampling=config.sampling, max_total_tokens=config.max_total_tokens)
+                                  sampling=config.sampling, max_total_tokens=config.max_total_tokens,
+                                  id_key=session_id_key(self.clients.credentials))
         log.info("consuming tasks", extra={"run_id": config.run_id, "consumer": self.queue.durable,
                                            "concurrency": config.concurrency})
 

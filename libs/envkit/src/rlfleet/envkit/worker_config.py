@@ -35,6 +35,10 @@ class WorkerConfig(StrictModel):
     session_address: str = Field("", description="host:port of the session server")
     sandbox_address: str = Field("", description="host:port of the sandbox manager")
     verifier_address: str = Field("", description="host:port of the verifier")
+    token: str = Field("", description="this worker's environment-client token (`rlfleet token issue`); "
+                       "empty: $RLFLEET_TOKEN, or the run's secrets directory")
+    ca_file: str = Field("", description="the run's CA certificate (<run_dir>/secrets/ca.pem); empty: "
+                         "$RLFLEET_CA_FILE, or the run's secrets directory")
     concurrency: int = Field(8, ge=1, description="episodes this worker runs at once (all groups together)")
     episode_timeout_s: float = Field(60.0, gt=0, description="time limit of one episode when its task gives none")
     max_episode_timeout_s: float = Field(600.0, gt=0, description="a task's own time limit is capped at this")

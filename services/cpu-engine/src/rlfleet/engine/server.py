@@ -39,6 +39,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from rlfleet.common.engine_requests import RLFLEET_ROUTES, SGLANG_VERSION, STORE_KINDS
+from rlfleet.common.errors import StartupError
+from rlfleet.common.security import engine_keys
 from rlfleet.common.service import stop_on_signals, write_ready_file
 from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
 from rlfleet.engine.config import EngineConfig
@@ -56,6 +58,8 @@ from rlfleet.engine.protocol import (
 from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
 from rlfleet.engine.store_weights import StoreLoadError, StoreWeights
 from rlfleet.weights import broadcast as distributed
+from rlfleet.weights.errors import PathOutsideStore
+from rlfleet.weights.fsutil import confine
 from rlfleet.weights.p2p import P2PError
 from rlfleet.weights.sent import DEFAULT_ALGORITHM, tensor_checksums
 from rlfleet.weights.tensor_ipc import TensorPayloadError
@@ -405,12 +409,27 @@ class EngineServer:
             return _weight_reply(False, f"load_format {load_format!r} is not supported by this engine; "
                                         f"use one of {', '.join(LOAD_FORMATS)}")
         version = _optional_str(body, "weight_version")
+        refused = self._outside_store(path)
+        if refused:
+            return _weight_reply(False, refused, http_status=403)
         async with self._weights_lock:
             try:
                 named = await asyncio.to_thread(read_checkpoint, Path(path))
             except (WeightLoadError, OSError, ValueError) as exc:
                 return _weight_reply(False, f"Failed to read {path}: {exc}")
             return await self._swap(named, version, _pause_mode(request, body))
+
+    def _outside_store(self, path: str) -> str:
+        """Why `path` may not be loaded ("" when it may): weights come only from under the weight
+        store root, never from any path on the host."""
+        root = self.store.root
+        if root is None:
+            return "this engine has no weight_store_root: it loads weights from nowhere on disk"
+        try:
+            confine(Path(path), root)
+        except PathOutsideStore:
+            return f"model_path {path[:300]!r} is outside the weight store root {str(root)!r}"
+        return ""
 
     async def update_weights_from_store(self, request: web.Request) -> web.Response:
         """rlfleet-only: a weight-store version, `kind` delta or full; prepared while serving, then a
@@ -585,6 +604,9 @@ class EngineServer:
         """Reads, checks and installs an adapter (caller holds the LoRA lock); (adapter, pause seconds)."""
         if name in self.runner.lora.adapters:  # before reading anything: SGLang's message
             raise LoRALoadError(f"Failed to load LoRA adapter {name} because it is already loaded")
+        refused = self._outside_store(path)  # adapters, like weights, only from under the store root
+        if refused:
+            raise LoRALoadError(f"Failed to load LoRA adapter {name}: {refused}")
         adapter = await asyncio.to_thread(read_adapter, path, name, self.runner.lora.linears, self.runner.vocab_size,
                                           pinned)
 
@@ -831,7 +853,7 @@ def _lora_reply(success: bool, error_message: str | None, loaded: dict[str, str]
     return web.json_response(body, status=200 if success else 400)
 
 
-def _weight_reply(success: bool, message: str, **extra) -> web.Response:
+def _weight_reply(success: bool, message: str, http_status: int | None = None, **extra) -> web.Response:
     span = trace.get_current_span()
     if span.is_recording():
         # The reply's numbers and names (version, load format, pause, bytes, ...) describe the update.
@@ -846,7 +868,7 @@ def _weight_reply(success: bool, message: str, **extra) -> web.Response:
         if not success:
             span.set_status(Status(StatusCode.ERROR, message))
     return web.json_response(
-        {"success": success, "message": message, **extra}, status=200 if success else 400
+        {"success": success, "message": message, **extra}, status=http_status or (200 if success else 400)
     )
 
 
@@ -861,8 +883,23 @@ async def serve(config: EngineConfig) -> None:
         telemetry.shutdown(config.telemetry.export_timeout_s)
 
 
+def secure_config(config: EngineConfig) -> None:
+    """An engine serves only with its API keys (the run's, where none is given) and a weight store
+    root: without them anyone could drive it or make it load any file on the host."""
+    api, admin = engine_keys()
+    config.api_key = config.api_key or api or None
+    config.admin_api_key = config.admin_api_key or admin or None
+    if not (config.api_key and config.admin_api_key):
+        raise StartupError("an engine needs --api-key and --admin-api-key (or the run's secrets directory, "
+                           "RLFLEET_SECRETS_DIR, which holds the run's engine keys)")
+    if config.weight_store_root is None:
+        raise StartupError("an engine needs --weight-store-root: weight loads are allowed only from under it")
+
+
 async def _serve(config: EngineConfig, metrics_port: int) -> None:
     import torch
+
+    secure_config(config)
 
     torch.set_num_threads(config.torch_threads)
     try:

@@ -14,7 +14,9 @@ import aiohttp
 
 from rlfleet.common.chat import render_messages
 from rlfleet.common.processes import ServiceProcess
+from rlfleet.common.security import engine_keys
 from rlfleet.engine.build_model import ModelSpec, build
+from rlfleet.engine.server import ADMIN_ROUTES
 from rlfleet.weights import to_served
 
 SYSTEM = "You are a calculator agent. Call <calc>expression</calc>, then reply <answer>number</answer>."
@@ -72,6 +74,8 @@ class EngineProcess(ServiceProcess):
 
     def __init__(self, model_path: Path, workdir: Path, **config) -> None:
         self.model_path = Path(model_path)
+        # An engine loads weights only from under a store root; a test's own files sit beside its workdir.
+        config.setdefault("weight_store_root", str(Path(workdir).parent))
         env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         super().__init__("rlfleet-cpu-engine", workdir, env=env, name="engine",
                          config={"model_path": str(model_path), "torch_threads": 1, **config})
@@ -140,11 +144,18 @@ def token_logprobs(model, tokens: list[int]) -> list[float]:
     return logprobs.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
 
 
+def auth_headers(path: str) -> dict[str, str]:
+    """The run's engine key a route wants (admin routes the admin key), as the gateway and broker send it."""
+    api, admin = engine_keys()
+    key = admin if path in ADMIN_ROUTES or path.startswith("/rlfleet/") else api
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def http_call(url: str, path: str, body=None, method: str = "POST", within_s: float = 60.0):
     """(status, JSON or text) of one request; a fresh session each time keeps tests independent."""
     async with aiohttp.ClientSession() as session:
         request = session.request(
-            method, url + path, json=body, timeout=aiohttp.ClientTimeout(total=within_s)
+            method, url + path, json=body, timeout=aiohttp.ClientTimeout(total=within_s), headers=auth_headers(path)
         )
         async with request as response:
             if response.content_type == "application/json":

@@ -20,6 +20,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from rlfleet.common import security
 from rlfleet.sandbox.driver import ExecResult, SandboxDriver, SandboxHandle, SandboxSpec, Violation
 from rlfleet.sandbox.errors import (
     InvalidSandboxRequest,
@@ -57,6 +58,7 @@ class SandboxRecord:
     handle: SandboxHandle
     session_id: str
     client_id: str = ANONYMOUS_CLIENT
+    owner: str = ""  # the principal that created it; only it (and services) see it
     exec_count: int = 0
     violations: deque[RecordedViolation] = field(default_factory=lambda: deque(maxlen=MAX_RECORDED_VIOLATIONS))
 
@@ -130,7 +132,7 @@ class SandboxManager:
             self._opening[client_id] -= 1
             if not self._opening[client_id]:
                 del self._opening[client_id]
-        record = SandboxRecord(handle, session_id, client_id)
+        record = SandboxRecord(handle, session_id, client_id, security.caller().owner)
         self.records[handle.id] = record
         try:
             await self.leases.grant(handle.id, created_at=handle.created_at, expires_at=handle.expires_at,
@@ -166,7 +168,8 @@ class SandboxManager:
     async def get(self, sandbox_id: str) -> SandboxRecord:
         await self.driver.get(sandbox_id)  # NOT_FOUND (with the reason) when gone or expired
         record = self.records.get(sandbox_id)
-        if record is None:
+        # Another caller's sandbox is answered as if it did not exist.
+        if record is None or not security.caller().may_own(record.owner):
             raise SandboxNotFound(sandbox_id)
         return record
 

@@ -6,6 +6,8 @@ import time
 
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as pb
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
+from rlfleet.common import security
+from rlfleet.common.errors import PermissionDenied
 from rlfleet.sandbox.driver import ExecResult
 from rlfleet.sandbox.errors import InvalidSandboxRequest
 from rlfleet.sandbox.limits import LIMIT_RANGES, Limits
@@ -17,6 +19,11 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         self.manager = manager
 
     async def CreateSandbox(self, request: pb.CreateSandboxRequest, context) -> pb.Sandbox:
+        run_id = self.manager.leases.run_id
+        principal = security.caller()
+        if not principal.may_use_run(run_id):
+            raise PermissionDenied(f"the caller's token is for run {principal.run!r}; this sandbox manager serves run "
+                                   f"{run_id!r}", right=f"run:{run_id}", run_id=run_id)
         record = await self.manager.create(
             files=new_files(request.files), limits=requested_limits(request),
             network=request.network, env=dict(request.env), ttl_s=request.ttl_seconds,
@@ -47,6 +54,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         return sandbox_proto(await self.manager.get(request.sandbox_id))
 
     async def DestroySandbox(self, request: pb.DestroySandboxRequest, context) -> pb.DestroySandboxResponse:
+        await self.manager.get(request.sandbox_id)  # the caller's own, or not found
         await self.manager.destroy(request.sandbox_id)
         return pb.DestroySandboxResponse()
 
@@ -57,7 +65,11 @@ CLIENT_ID_METADATA = "rlfleet-client-id"
 
 
 def client_id(request: pb.CreateSandboxRequest, context) -> str:
-    """Who asks, for the per-client cap: the `rlfleet-client-id` metadata, else the `client_id` label."""
+    """Who asks, for the per-client cap: an environment client's token name (it cannot name itself
+    another), else the `rlfleet-client-id` metadata, else the `client_id` label."""
+    principal = security.caller()
+    if not principal.trusted:
+        return principal.name
     for key, value in (context.invocation_metadata() or ()) if context is not None else ():
         if key == CLIENT_ID_METADATA and value:
             return value

@@ -13,7 +13,9 @@ import grpc
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
+from rlfleet.common import security
 from rlfleet.common.chat import CHAT_TEMPLATE
+from rlfleet.common.errors import PermissionDenied
 from rlfleet.session.closing import ABORTED_STATUS, VERDICT_MISSING, Closer
 from rlfleet.session.errors import (
     InvalidSessionRequest,
@@ -49,12 +51,16 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         session_id = _session_id(request.session_id) if request.session_id else uuid.uuid4().hex
         self._check_run(request.run_id)
         existing = await self.store.find(session_id)
+        if existing is not None and not self.store.visible(existing.owner.encode()):
+            raise SessionExists(f"session id {session_id!r} is taken; a new episode needs a new session_id "
+                                "(leave it empty for a generated one)", session_id=session_id)
         if existing is not None:  # a retried open: same answer
             return self._reopened(existing, request)
         budget = self.inputs.budget(request.max_total_tokens)
         prompt = await self.inputs.prompt_ids_off_loop(request, budget)
         self.inputs.check_sampling_defaults(request.sampling, budget)
         state = _new_state(session_id, self.run_id, request, budget, self.inputs.metadata(request.metadata))
+        state.owner = security.caller().owner
         append_prompt(state, prompt)
         await self._admit(session_id)
         try:
@@ -145,6 +151,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         if request.status not in CLOSE_STATUSES:
             raise InvalidSessionRequest(f"unknown trajectory status {request.status}", field="status")
         metadata = self.inputs.metadata(request.metadata)
+        self._check_caller_run()
         closed = await self.closer.close(_session_id(request.session_id), request.status, metadata)
         response = session_pb2.CloseSessionResponse(trajectory_id=closed.trajectory.trajectory_id,
                                                     verdict=closed.trajectory.verdict,
@@ -193,7 +200,15 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             self.metrics.sessions_refused.add(1, {"reason": exc.reason})
             raise
 
+    def _check_caller_run(self) -> None:
+        """A token for another run sees nothing of this one (its sessions are not found)."""
+        principal = security.caller()
+        if not principal.may_use_run(self.run_id):
+            raise PermissionDenied(f"the caller's token is for run {principal.run!r}; this session server serves "
+                                   f"run {self.run_id!r}", right=f"run:{self.run_id}", run_id=self.run_id)
+
     def _check_run(self, run_id: str) -> None:
+        self._check_caller_run()
         if run_id and run_id != self.run_id:
             raise InvalidSessionRequest(f"this session server serves run {self.run_id!r}, not {run_id!r}",
                                         field="run_id")

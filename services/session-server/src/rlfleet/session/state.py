@@ -36,6 +36,7 @@ class SessionState:
     num_observations: int = 0
     budget_exhausted: bool = False
     expired: bool = False  # closed by the server after session_idle_timeout_s without a call
+    owner: str = ""  # the principal that opened it (security.Principal.owner); only it (and services) see it
     # Close bookkeeping (the exactly-once state machine; see store.py).
     rev: int = 0
     trajectory: bytes = b""
@@ -66,7 +67,7 @@ class SessionState:
                 "num_observations": self.num_observations, "budget_exhausted": self.budget_exhausted,
                 "expired": self.expired}
         fields = {"session": self.session.SerializeToString(), "info": json.dumps(info).encode(),
-                  "trajectory": self.trajectory}
+                  "trajectory": self.trajectory, "owner": self.owner.encode()}
         if with_sampling:
             fields["sampling"] = self.sampling.SerializeToString()
         return fields
@@ -78,6 +79,7 @@ class SessionState:
             session=session_pb2.Session.FromString(raw[b"session"]),
             sampling=common_pb2.SamplingParams.FromString(raw[b"sampling"]), **info,
             rev=int(raw.get(b"rev", b"0")), trajectory=raw.get(b"trajectory", b""),
+            owner=raw.get(b"owner", b"").decode(),
             published=raw.get(b"published") == b"1", released=raw.get(b"released") == b"1")
 
 

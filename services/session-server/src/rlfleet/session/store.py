@@ -25,6 +25,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from rlfleet.api.session.v1 import session_pb2
+from rlfleet.common import security
 from rlfleet.common.redis_store import key
 from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
 from rlfleet.session.state import SessionState
@@ -85,9 +86,14 @@ class SessionStore:
     def _key(self, session_id: str) -> str:
         return key(self.run_id, "session", session_id)
 
+    def visible(self, owner: bytes | None) -> bool:
+        """Whether the caller may see a session of `owner`: its own (in this run), or any for a
+        service or the operator. Another caller's session is answered as not found."""
+        return security.caller().may_own((owner or b"").decode(), self.run_id)
+
     async def load(self, session_id: str) -> SessionState:
         raw = await self.redis.hgetall(self._key(session_id))
-        if not raw:
+        if not raw or not self.visible(raw.get(b"owner")):
             raise SessionNotFound(session_id)
         return SessionState.from_fields(raw)
 
@@ -97,14 +103,14 @@ class SessionStore:
             pipe.hgetall(self._key(session_id))
             pipe.get(other_key)
             raw, other = await pipe.execute()
-        if not raw:
+        if not raw or not self.visible(raw.get(b"owner")):
             raise SessionNotFound(session_id)
         return SessionState.from_fields(raw), other
 
     async def load_session(self, session_id: str) -> session_pb2.Session:
         """Only the token state (what GetSession answers), without the rest of the hash."""
-        raw = await self.redis.hget(self._key(session_id), "session")
-        if raw is None:
+        raw, owner = await self.redis.hmget(self._key(session_id), "session", "owner")
+        if raw is None or not self.visible(owner):
             raise SessionNotFound(session_id)
         return session_pb2.Session.FromString(raw)
 

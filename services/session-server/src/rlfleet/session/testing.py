@@ -75,7 +75,8 @@ class Rollout:
         return self
 
     def _start_engine(self, name: str) -> ServiceProcess:
-        config = {"model_path": str(self.model), "engine_id": name, "weight_version": "0", "torch_threads": 1}
+        config = {"model_path": str(self.model), "engine_id": name, "weight_version": "0", "torch_threads": 1,
+                  "weight_store_root": str(self.workdir / "weights")}
         return ServiceProcess("rlfleet-cpu-engine", self.workdir / name, config=config).start(90.0)
 
     def start_session_server(self, gateway_address: str | None = None, wait: bool = True, **config) -> ServiceProcess:

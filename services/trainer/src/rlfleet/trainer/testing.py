@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.common.chat import SPECIAL_TOKENS
 from rlfleet.common.config import NatsConfig
+from rlfleet.common.grpc_server import blocking_channel
 from rlfleet.common.processes import ProcessNotReady, ServiceProcess, find_binary, wait_until
 from rlfleet.common.streams import connect_nats, ensure_streams, publish
 from rlfleet.trainer.batching import TrainSample
@@ -183,7 +182,7 @@ class TrainerProcess(ServiceProcess):
 
     def call(self, method: str, timeout_s: float = 30.0):
         request = getattr(trainer_pb2, f"{method}Request", None) or trainer_pb2.GetStatusRequest
-        with grpc.insecure_channel(self.address) as channel:
+        with blocking_channel(self.address) as channel:
             return getattr(trainer_pb2_grpc.TrainerServiceStub(channel), method)(request(), timeout=timeout_s)
 
     def status(self):

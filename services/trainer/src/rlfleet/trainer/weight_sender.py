@@ -27,10 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.grpc_server import blocking_channel
 from rlfleet.common.processes import free_port
 from rlfleet.trainer.service_config import WeightSendConfig
 
@@ -58,7 +57,7 @@ class SendSummary:
 class WeightSender:
     def __init__(self, config: WeightSendConfig) -> None:
         self.config = config
-        self._channel = grpc.insecure_channel(config.broker_address, options=[
+        self._channel = blocking_channel(config.broker_address, options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
         self._agent = None

@@ -12,6 +12,7 @@ import grpc
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as sbx
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
+from rlfleet.common import security
 from rlfleet.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -65,7 +66,9 @@ class SessionPeer(_Peer):
     async def session(self, session_id: str) -> session_pb2.Session:
         stub = session_pb2_grpc.SessionServiceStub(self._open())
         try:
-            return await stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id), timeout=self.timeout_s)
+            # On the asking client's behalf: it sees only its own sessions (no verdict on another's).
+            return await stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id), timeout=self.timeout_s,
+                                         metadata=security.caller_metadata())
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, f"session {session_id!r}") from None
 
@@ -84,7 +87,8 @@ class SandboxPeer(_Peer):
 
     async def violations(self, sandbox_id: str) -> list[Violation]:
         try:
-            box = await self.stub.GetSandbox(sbx.GetSandboxRequest(sandbox_id=sandbox_id), timeout=self.timeout_s)
+            box = await self.stub.GetSandbox(sbx.GetSandboxRequest(sandbox_id=sandbox_id), timeout=self.timeout_s,
+                                             metadata=security.caller_metadata())
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, f"sandbox {sandbox_id!r}") from None
         return [Violation(sbx.ViolationKind.Name(v.kind).removeprefix("VIOLATION_KIND_").lower(), v.message)
@@ -95,7 +99,7 @@ class SandboxPeer(_Peer):
         request = sbx.ReadFilesRequest(sandbox_id=sandbox_id, paths=list(paths),
                                        max_bytes_per_file=self.tests.max_solution_bytes)
         try:
-            reply = await self.stub.ReadFiles(request, timeout=self.timeout_s)
+            reply = await self.stub.ReadFiles(request, timeout=self.timeout_s, metadata=security.caller_metadata())
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, f"files of sandbox {sandbox_id!r}") from None
         return {f.path: f.content for f in reply.files}

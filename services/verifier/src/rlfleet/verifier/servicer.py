@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from rlfleet.common import security
 from rlfleet.common.errors import InvalidArgument, NotFound
 from rlfleet.common.verdicts import load_verdict
 from rlfleet.verifier.protos import audit_report_proto
@@ -23,6 +24,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     async def GetVerdict(self, request: verifier_pb2.GetVerdictRequest, context) -> common_pb2.Verdict:
         if not request.session_id:
             raise InvalidArgument("session_id is required")
+        if not security.caller().trusted:  # a client reads only its own sessions' verdicts
+            await self.verifier.sessions.session(request.session_id)
         verdict = await load_verdict(self.verifier.redis, self.verifier.run_id, request.session_id)
         if verdict is None:
             raise NotFound(f"no verdict is stored for session {request.session_id!r}")

@@ -29,10 +29,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.grpc_server import blocking_channel
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ def send_version(
         tensors=[broker_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
                  for n, t in named],
     )  # fmt: skip
-    with grpc.insecure_channel(broker_address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+    with blocking_channel(broker_address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         plan = broker_pb2_grpc.BrokerServiceStub(channel).StartDistributedSync(request, timeout=60)
     if plan.world_size <= 1:
         return SendResult(version.version, plan.group_name, [], [], 0, time.monotonic() - started, plan.state)

@@ -14,6 +14,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,7 +23,9 @@ from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from rlfleet.common import security
 from rlfleet.common.config import require
+from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import channel
 from rlfleet.envkit.sdk.errors import RpcNotFound, translate
 
@@ -172,11 +175,23 @@ class VerifierClient(_Client):
             return None
 
 
+def credentials_from(token: str, ca_file: str) -> security.Credentials:
+    """Given a token: that client's credentials (the CA from `ca_file`, else the environment's);
+    else this process's own (`security.local_credentials`)."""
+    if not token:
+        return security.local_credentials()
+    ca_path = ca_file or os.environ.get(security.CA_ENV, "") or str((security.secrets_dir() or Path()) / "ca.pem")
+    if not Path(ca_path).exists():
+        raise StartupError(f"no CA certificate at {ca_path!r}: give --ca-file (the run's secrets/ca.pem)")
+    return security.client_credentials(token, Path(ca_path).read_bytes())
+
+
 class Clients:
     """The three clients an environment needs; `async with` closes their channels."""
 
     def __init__(self, session: SessionClient, sandbox: SandboxClient, verifier: VerifierClient,
-                 channels: list[grpc.aio.Channel]) -> None:
+                 channels: list[grpc.aio.Channel], credentials: security.Credentials | None = None) -> None:
+        self.credentials = credentials  # what the channels call with (None: this process's own)
         self.session = session
         self.sandbox = sandbox
         self.verifier = verifier
@@ -184,16 +199,21 @@ class Clients:
 
     @classmethod
     def connect(cls, *, session: str, sandbox: str, verifier: str,
-                timeouts: RpcTimeouts | None = None) -> Clients:
-        """Opens a channel per address (lazily connected); an empty address fails fast."""
+                timeouts: RpcTimeouts | None = None, token: str = "", ca_file: str = "") -> Clients:
+        """Opens a channel per address (lazily connected); an empty address fails fast.
+
+        The channels are TLS and call with `token` (an environment client's, `rlfleet token issue`)
+        checked against the run's CA certificate `ca_file`; without them, the environment's
+        (RLFLEET_TOKEN, RLFLEET_CA_FILE, or the run's secrets directory)."""
         timeouts = timeouts or RpcTimeouts()
+        creds = credentials_from(token, ca_file)
         # Sandboxes live on the manager replica that created them, so that channel stays on one replica
         # (pick_first); sessions and verdicts are in Redis, so any replica serves those calls.
-        channels = [channel(require(session, "session_address")),
-                    channel(require(sandbox, "sandbox_address"), balance=False),
-                    channel(require(verifier, "verifier_address"))]
+        channels = [channel(require(session, "session_address"), credentials=creds),
+                    channel(require(sandbox, "sandbox_address"), balance=False, credentials=creds),
+                    channel(require(verifier, "verifier_address"), credentials=creds)]
         return cls(SessionClient(channels[0], timeouts), SandboxClient(channels[1], timeouts),
-                   VerifierClient(channels[2], timeouts), channels)
+                   VerifierClient(channels[2], timeouts), channels, creds)
 
     async def close(self) -> None:
         for ch in self._channels:
