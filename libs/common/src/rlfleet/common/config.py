@@ -72,11 +72,21 @@ class LogConfig(StrictModel):
 class NatsConfig(StrictModel):
     url: str = Field("", description="NATS server URL with JetStream, e.g. nats://127.0.0.1:4222")
     connect_timeout_s: float = Field(3.0, gt=0, description="give up connecting after this long")
+    user: str = Field("", description="NATS user this process logs in as (its subject permissions)")
+    password: str = Field("", description="its password; prefer password_file or RLFLEET__NATS__PASSWORD "
+                          "(a flag shows in `ps`)")
+    password_file: str = Field("", description="file holding the password (a mounted secret, "
+                               "<run_dir>/secrets/nats-<user>.password)")
 
 
 class RedisConfig(StrictModel):
     url: str = Field("", description="Redis URL, e.g. redis://127.0.0.1:6379/0")
     connect_timeout_s: float = Field(3.0, gt=0, description="give up connecting after this long")
+    user: str = Field("", description="Redis ACL user this process logs in as (its key patterns)")
+    password: str = Field("", description="its password; prefer password_file or RLFLEET__REDIS__PASSWORD "
+                          "(a flag shows in `ps`)")
+    password_file: str = Field("", description="file holding the password (a mounted secret, "
+                               "<run_dir>/secrets/redis-<user>.password)")
 
 
 class ProcessConfig(StrictModel):

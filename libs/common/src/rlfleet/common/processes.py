@@ -296,9 +296,10 @@ class NatsServer(ChildProcess):
     comes back where its clients reconnect to)."""
 
     def __init__(self, directory: Path, max_payload_bytes: int = 8 << 20, binary: str = "",
-                 port: int = -1, **kwargs: Any) -> None:
+                 port: int = -1, authorization: str = "", **kwargs: Any) -> None:
         self.directory = Path(directory)
         self.port = port
+        self.authorization = authorization  # rlfleet.common.infra_auth.nats_authorization; "" = open
         self.ports_dir = self.directory / "ports"
         self.conf = self.directory / "nats.conf"
         self.max_payload_bytes = max_payload_bytes
@@ -314,11 +315,15 @@ class NatsServer(ChildProcess):
         return self
 
     def write_conf(self, port: int) -> None:
-        """The server's config file; -1 lets it pick a free port."""
-        self.conf.write_text(f"listen: 127.0.0.1:{port}\n"
-                             f"max_payload: {self.max_payload_bytes}\n"
-                             f"ports_file_dir: {json.dumps(str(self.ports_dir))}\n"
-                             f"jetstream {{ store_dir: {json.dumps(str(self.directory / 'jetstream'))} }}\n")
+        """The server's config file (0600: it holds the users' passwords); -1 lets it pick a free port."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as conf:
+            conf.write(f"listen: 127.0.0.1:{port}\n"
+                       f"max_payload: {self.max_payload_bytes}\n"
+                       f"ports_file_dir: {json.dumps(str(self.ports_dir))}\n"
+                       f"jetstream {{ store_dir: {json.dumps(str(self.directory / 'jetstream'))} }}\n"
+                       f"{self.authorization}")
 
     def wait_url(self, timeout_s: float = 15.0) -> str:
         ports_file = self.ports_dir / f"{Path(self.argv[0]).name}_{self.pid}.ports"
@@ -331,17 +336,18 @@ class NatsServer(ChildProcess):
 
 
 class RedisServer(ChildProcess):
-    """`redis-server` on `port` with its files in `directory`."""
+    """`redis-server` on `port` with its files in `directory`; with `aclfile`
+    (rlfleet.common.infra_auth.redis_acl) only its users get in."""
 
     def __init__(self, directory: Path, port: int, appendonly: bool = False, binary: str = "redis-server",
-                 **kwargs: Any) -> None:
+                 aclfile: Path | None = None, **kwargs: Any) -> None:
         self.directory = Path(directory)
         self.port = port
         self.url = f"redis://127.0.0.1:{port}/0"
         log = kwargs.pop("log_path", None) or self.directory / "redis.log"
         argv = [find_binary(binary), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(self.directory),
                 "--save", "", "--appendonly", "yes" if appendonly else "no", "--daemonize", "no",
-                "--protected-mode", "yes"]
+                "--protected-mode", "yes", *(["--aclfile", str(aclfile)] if aclfile else [])]
         kwargs.setdefault("name", "redis-server")
         super().__init__(argv, log, **kwargs)
 

@@ -11,6 +11,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlfleet.common.config import RedisConfig, require
 from rlfleet.common.errors import StartupError
+from rlfleet.common.infra_auth import read_password, without_password
 
 
 async def connect_redis(config: RedisConfig) -> aioredis.Redis:
@@ -20,14 +21,17 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
     # connection: each command retries on a new one with backoff bounded to 2 s, for ~10 s in all,
     # rather than fail once per stale connection.
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=8)
-    client = aioredis.Redis.from_url(url, socket_connect_timeout=config.connect_timeout_s,
+    # User and password from config; a URL with them in it (redis://user:pass@host) wins.
+    login = {"username": config.user, "password": read_password(config.password, config.password_file, "Redis")} \
+        if config.user else {}
+    client = aioredis.Redis.from_url(url, **login, socket_connect_timeout=config.connect_timeout_s,
                                      socket_timeout=max(config.connect_timeout_s, 10.0), decode_responses=False,
                                      retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError])
     try:
         await client.ping()
     except (RedisError, OSError) as exc:
         await client.aclose()
-        raise StartupError(f"cannot reach Redis at {url}: {exc}") from None
+        raise StartupError(f"cannot reach Redis at {without_password(url)}: {exc}") from None
     return client
 
 

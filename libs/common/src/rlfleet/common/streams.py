@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import nats
+from nats.errors import AuthorizationError
 from nats.errors import Error as NatsError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
@@ -26,6 +27,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from rlfleet.common.config import NatsConfig, require
 from rlfleet.common.errors import InvalidArgument, StartupError
+from rlfleet.common.infra_auth import inbox_prefix, read_password, without_password
 
 SCHEMA_HEADER = "Rlfleet-Schema"
 SCHEMA_VERSION = "1"
@@ -54,20 +56,39 @@ def subject(stream: str, run_id: str) -> str:
 
 
 async def connect_nats(config: NatsConfig, name: str) -> nats.NATS:
-    """Connects once with a deadline (a one-line error if nobody answers), then reconnects forever."""
+    """Connects once with a deadline (a one-line error if nobody answers or the login is refused),
+    then reconnects forever."""
     url = require(config.url, "nats.url")
+    shown = without_password(url)
     log = logging.getLogger("rlfleet.nats")
+    errors: list[Exception] = []
 
     async def on_error(exc: Exception) -> None:
+        errors.append(exc)
         log.warning("nats: %s", exc or type(exc).__name__)
 
     await _probe(url, config.connect_timeout_s)
+    connecting = nats.connect(url, name=name, connect_timeout=config.connect_timeout_s,
+                              max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                              error_cb=on_error, **_credentials(config, url))
     try:
-        return await nats.connect(url, name=name, connect_timeout=config.connect_timeout_s,
-                                  max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                  error_cb=on_error)
+        # nats-py retries a first connect forever too: a refused login would hang here.
+        return await asyncio.wait_for(connecting, 2 * config.connect_timeout_s + 1)
     except (TimeoutError, NatsError, OSError) as exc:
-        raise StartupError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+        refused = [e for e in errors if isinstance(e, AuthorizationError)]  # what the reset after it hides
+        why = (refused or errors or [exc])[-1]
+        raise StartupError(f"cannot connect to NATS at {shown}: {why or type(why).__name__}") from None
+
+
+def _credentials(config: NatsConfig, url: str) -> dict[str, str]:
+    """User and password from config (a password file wins over nothing); a URL with a user in it
+    (nats://user:pass@host) is left to speak for itself. Replies come on the user's own inbox,
+    which its subscribe permission allows and no other user's does."""
+    user = config.user or urlparse(url).username or ""
+    options = {"inbox_prefix": inbox_prefix(user)} if user else {}
+    if config.user:
+        options |= {"user": config.user, "password": read_password(config.password, config.password_file, "NATS")}
+    return options
 
 
 async def _probe(url: str, timeout_s: float) -> None:
@@ -76,12 +97,16 @@ async def _probe(url: str, timeout_s: float) -> None:
     try:
         _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     except (TimeoutError, OSError) as exc:
-        raise StartupError(f"cannot reach NATS at {url}: {exc.strerror if isinstance(exc, OSError) else 'timed out'}") from None
+        why = exc.strerror if isinstance(exc, OSError) else "timed out"
+        raise StartupError(f"cannot reach NATS at {without_password(url)}: {why}") from None
     writer.close()
 
 
 async def ensure_streams(js: JetStreamContext, names: tuple[str, ...] = tuple(STREAMS)) -> None:
-    """Creates the streams, or updates them to this config; safe to call from every process."""
+    """Creates the streams, or updates them to this config; safe to call from every process.
+
+    A stream that already has this config is left alone: only a stream's publisher may update it
+    (rlfleet.common.infra_auth), and every process calls this at start."""
     for name in names:
         spec = STREAMS[name]
         config = StreamConfig(
@@ -89,9 +114,21 @@ async def ensure_streams(js: JetStreamContext, names: tuple[str, ...] = tuple(ST
             storage=StorageType.FILE, max_age=spec.max_age_s or None, max_msg_size=spec.max_msg_bytes,
             duplicate_window=120.0)
         try:
+            current = (await js.stream_info(spec.name)).config
+        except NotFoundError:
+            current = None
+        if current is not None and _same_stream(current, config):
+            continue
+        try:
             await js.add_stream(config)
         except BadRequestError:
             await js.update_stream(config)
+
+
+def _same_stream(current: StreamConfig, wanted: StreamConfig) -> bool:
+    fields = ("subjects", "retention", "storage", "max_msg_size", "duplicate_window")
+    same_age = (current.max_age or 0) == (wanted.max_age or 0)
+    return same_age and all(getattr(current, f) == getattr(wanted, f) for f in fields) and not current.sources
 
 
 async def ensure_consumer(js: JetStreamContext, stream: str, durable: str, run_id: str, *,

@@ -2,7 +2,9 @@
 ports, one each per test session, stopped by PID.
 
 Registered by the root conftest (`pytest_plugins`), so any test can ask for `nats_url` and
-`redis_url`. It imports pytest, which is in rlfleet-common's `testing` extra; the process harness
+`redis_url`. Both servers run secured as `rlfleet up` starts them (NATS users with per-subject
+permissions, Redis ACL users, `default` off: rlfleet.common.infra_auth); the URLs carry the
+harness user's login, and `infra_secrets` has every service user's, for tests that act as one. It imports pytest, which is in rlfleet-common's `testing` extra; the process harness
 itself (`rlfleet.common.processes`) needs no pytest and is what benchmarks and the launcher use.
 """
 
@@ -14,11 +16,22 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
 from rlfleet.common import security
-from rlfleet.common.processes import start_nats, start_redis
+from rlfleet.common.infra_auth import (
+    Credential,
+    InfraSecrets,
+    ensure_infra_secrets,
+    nats_authorization,
+    redis_acl,
+    write_secret,
+)
+from rlfleet.common.processes import NatsServer, RedisServer, start_nats, start_redis
+
+HARNESS_USER = "harness"  # the tests' own login for NATS and Redis: may do anything, exists only here
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,17 +58,52 @@ def client_env(run_id: str, name: str = "client") -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = start_nats(tmp_path_factory.mktemp("nats"))
-    yield server.url
+def infra_secrets(tmp_path_factory: pytest.TempPathFactory) -> InfraSecrets:
+    """The session's NATS and Redis users and passwords (files, mode 0600), as `rlfleet up` makes them."""
+    return ensure_infra_secrets(tmp_path_factory.mktemp("secrets"), extra_nats=(HARNESS_USER,),
+                                extra_redis=(HARNESS_USER,))
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory, infra_secrets: InfraSecrets) -> Iterator[NatsServer]:
+    """NATS with the services' users and their subject permissions; nobody gets in without a login."""
+    server = start_nats(tmp_path_factory.mktemp("nats"),
+                        authorization=nats_authorization(infra_secrets, superusers=(HARNESS_USER,)))
+    yield server
     server.stop(10)
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = start_redis(tmp_path_factory.mktemp("redis"))
-    yield server.url
+def redis_server(tmp_path_factory: pytest.TempPathFactory, infra_secrets: InfraSecrets) -> Iterator[RedisServer]:
+    """Redis with the services' ACL users; `default` is off."""
+    directory = tmp_path_factory.mktemp("redis")
+    aclfile = directory / "users.acl"
+    write_secret(aclfile, redis_acl(infra_secrets, superusers=(HARNESS_USER,)))
+    server = start_redis(directory, aclfile=aclfile)
+    yield server
     server.stop(10)
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: NatsServer, infra_secrets: InfraSecrets) -> str:
+    """The secured NATS, logged in as the harness user (the login rides in the URL)."""
+    return with_login(nats_server.url, infra_secrets.nats[HARNESS_USER])
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer, infra_secrets: InfraSecrets) -> str:
+    return with_login(redis_server.url, infra_secrets.redis[HARNESS_USER])
+
+
+def with_login(url: str, credential: Credential) -> str:
+    """`scheme://user:password@host...`: how tests hand a login to code that takes only a URL."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{quote(credential.user)}:{quote(credential.password)}@{rest.split('@')[-1]}"
+
+
+def without_login(url: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest.split('@')[-1]}"
 
 
 def unique_run_id(prefix: str = "t") -> str:
