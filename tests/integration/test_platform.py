@@ -2,17 +2,21 @@
 
 import asyncio
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from redis.exceptions import NoPermissionError
 
 from rlfleet.cli.health import probe
 from rlfleet.cli.launcher import PlatformState, is_ours
 from rlfleet.common import security
 from rlfleet.common.config import NatsConfig, RedisConfig
+from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import check_health
+from rlfleet.common.infra_auth import run_dir_login
 from rlfleet.common.redis_store import connect_redis, key
 from rlfleet.common.streams import connect_nats, durable_name, ensure_consumer, publish
 
@@ -65,20 +69,41 @@ async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform
     for name in SERVICES:
         assert (run_dir / "logs" / f"{name}.log").exists()
 
-    nc = await connect_nats(NatsConfig(url=state.by_name("nats").url), "itest")
-    js = nc.jetstream()
+    # NATS and Redis let in only the launch's users (secrets in the run directory, 0600), each to
+    # its own subjects and keys: the trainer publishes a policy version, the broker's user reads it.
+    nats_url, redis_url = state.by_name("nats").url, state.by_name("redis").url
+    trainer = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "trainer")), "itest")
+    broker = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "weight-broker")), "itest")
+    js = broker.jetstream()
     await ensure_consumer(js, "POLICY", durable_name("itest", "itest"), "itest")
-    await publish(js, "POLICY", "itest", b"v1", msg_type="PolicyVersion", msg_id="v1")
+    await publish(trainer.jetstream(), "POLICY", "itest", b"v1", msg_type="PolicyVersion", msg_id="v1")
     sub = await js.pull_subscribe_bind(durable_name("itest", "itest"), "POLICY")
     (msg,) = await sub.fetch(1, timeout=5)
     assert msg.data == b"v1"
     await msg.ack()
-    await nc.close()
+    with pytest.raises(TimeoutError):  # not the broker's to publish, nor another run's subject
+        await publish(js, "POLICY", "itest", b"v2", msg_type="PolicyVersion", timeout_s=1.0)
+    with pytest.raises(TimeoutError):
+        await publish(trainer.jetstream(), "POLICY", "other-run", b"v2", msg_type="PolicyVersion", timeout_s=1.0)
+    await trainer.close()
+    await broker.close()
+    with pytest.raises(StartupError):
+        await connect_nats(NatsConfig(url=nats_url, connect_timeout_s=1), "anonymous")
 
-    redis = await connect_redis(RedisConfig(url=state.by_name("redis").url))
-    await redis.set(key("itest", "probe"), b"ok")
-    assert await redis.get(key("itest", "probe")) == b"ok"
+    redis = await connect_redis(RedisConfig(url=redis_url, **run_dir_login(run_dir, "redis", "session-server")))
+    await redis.set(key("itest", "session", "probe"), b"ok")
+    assert await redis.get(key("itest", "session", "probe")) == b"ok"
+    with pytest.raises(NoPermissionError):
+        await redis.set(key("itest", "probe"), b"outside its keys")
     await redis.aclose()
+    with pytest.raises(StartupError):
+        await connect_redis(RedisConfig(url=redis_url, connect_timeout_s=1))
+
+    secrets = sorted((run_dir / "secrets").iterdir())
+    assert secrets and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in secrets)
+    passwords = [f.read_text().strip() for f in secrets if f.suffix == ".password"]
+    written = [run_dir / "platform.json", *sorted((run_dir / "config").glob("*.json"))]
+    assert not any(p in f.read_text() for p in passwords for f in written), "only password files are referenced"
 
     status = rlfleet("status", "--run-dir", str(run_dir), "--once", "--json")
     assert status.returncode == 0, status.stdout + status.stderr
@@ -156,14 +181,15 @@ async def test_killed_nats_and_redis_come_back_on_their_ports_with_their_data(tm
     try:
         state = platform.state
         nats_url, redis_url = state.by_name("nats").url, state.by_name("redis").url
-        nc = await connect_nats(NatsConfig(url=nats_url), "itest")
+        run_dir = tmp_path / "run"
+        nc = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "trainer")), "itest")
         js = nc.jetstream()
         from rlfleet.common.streams import ensure_streams
 
         await ensure_streams(js, ("POLICY",))
         await publish(js, "POLICY", "sup", b"kept", msg_type="PolicyVersion", msg_id="sup-1")
-        redis = await connect_redis(RedisConfig(url=redis_url))
-        await redis.set(key("sup", "kept"), "yes")
+        redis = await connect_redis(RedisConfig(url=redis_url, **run_dir_login(run_dir, "redis", "sandbox-manager")))
+        await redis.set(key("sup", "sandbox", "kept"), "yes")
         for name in ("nats", "redis"):
             os.killpg(state.by_name(name).pid, signal.SIGKILL)
         for name in ("nats", "redis"):
@@ -176,7 +202,7 @@ async def test_killed_nats_and_redis_come_back_on_their_ports_with_their_data(tm
             assert is_ours(record) and record.restarts == 1 and record.last_exit == "signal SIGKILL"
         assert (saved.by_name("nats").url, saved.by_name("redis").url) == (nats_url, redis_url)
         assert all(row.healthy for row in await probe(saved))
-        assert await redis.get(key("sup", "kept")) in ("yes", b"yes")  # the client reconnected by itself
+        assert await redis.get(key("sup", "sandbox", "kept")) in ("yes", b"yes")  # the client reconnected by itself
         last = await _eventually_last(js)
         assert last == b"kept", "JetStream kept the message and the client reconnected"
         assert platform.restart_dead() == [], "nothing else is down"

@@ -13,7 +13,13 @@ from redis.exceptions import NoPermissionError
 
 from rlfleet.common.config import NatsConfig, RedisConfig
 from rlfleet.common.errors import StartupError
-from rlfleet.common.infra_auth import NATS_ROLES, REDIS_ROLES, ensure_infra_secrets, nats_permissions, redis_acl
+from rlfleet.common.infra_auth import (
+    NATS_ROLES,
+    REDIS_ROLES,
+    ensure_infra_secrets,
+    nats_permissions,
+    redis_acl,
+)
 from rlfleet.common.redis_store import connect_redis, key
 from rlfleet.common.streams import connect_nats, ensure_streams, publish, subject
 from rlfleet.common.testing import unique_run_id, without_login

@@ -23,7 +23,7 @@ class Health:
     last_restart_unix: float = 0.0
 
 
-async def _ping_line(address: str, expect: bytes, timeout_s: float, greeting: bool) -> bool:
+async def _ping_line(address: str, expect: tuple[bytes, ...], timeout_s: float, greeting: bool) -> bool:
     host, port = address.rsplit(":", 1)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
@@ -35,7 +35,7 @@ async def _ping_line(address: str, expect: bytes, timeout_s: float, greeting: bo
         writer.write(b"PING\r\n")
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), timeout_s)
-        return expect in line
+        return any(answer in line for answer in expect)
     except (TimeoutError, OSError):
         return False
     finally:
@@ -75,9 +75,10 @@ async def _probe_one(record: ProcessRecord, timeout_s: float, credentials: secur
     if not record.address:
         return Health(record.name, record.pid, record.address, True, False, "no address yet")
     if record.kind == "nats":
-        healthy = await _ping_line(record.address, b"PONG", timeout_s, greeting=True)
+        # Both are secured (rlfleet.common.infra_auth): a refusal to an anonymous PING is an answer.
+        healthy = await _ping_line(record.address, (b"PONG", b"Authorization Violation"), timeout_s, greeting=True)
     elif record.kind == "redis":
-        healthy = await _ping_line(record.address, b"+PONG", timeout_s, greeting=False)
+        healthy = await _ping_line(record.address, (b"+PONG", b"-NOAUTH"), timeout_s, greeting=False)
     elif record.kind == "engine":
         healthy = await _http_ok(record.address, "/health", timeout_s)
     else:

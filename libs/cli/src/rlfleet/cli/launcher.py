@@ -30,6 +30,13 @@ from rlfleet.cli.warm_start import build_model_command
 from rlfleet.common import security
 from rlfleet.common.config import ConfigError, ProcessConfig, propagate
 from rlfleet.common.errors import StartupError
+from rlfleet.common.infra_auth import (
+    ensure_infra_secrets,
+    nats_authorization,
+    redis_acl,
+    secrets_dir,
+    write_secret,
+)
 from rlfleet.common.processes import (
     ChildProcess,
     NatsServer,
@@ -176,8 +183,9 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
                  model: Path | None = None) -> dict[str, Any]:
     """What only the launch knows, for each service: NATS and Redis URLs, peer addresses, paths in
     the run directory and the model. A section that sets one of these itself wins."""
-    nats = {"url": state.by_name("nats").url}
-    redis = {"url": state.by_name("redis").url}
+    infra = ensure_infra_secrets(secrets_dir(run_dir))
+    nats = lambda user: {"url": state.by_name("nats").url, **infra.nats[user].nats()}  # noqa: E731
+    redis = lambda user: {"url": state.by_name("redis").url, **infra.redis[user].redis()}  # noqa: E731
     engine_records = [r for r in state.processes if r.kind == "engine"]
     engines = [{"engine_id": r.name, "url": r.url, "pool": "canary" if i < config.canary_engines else "fleet",
                 "kind": "cpu"} for i, r in enumerate(engine_records)]
@@ -186,16 +194,18 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
     weights = str(run_dir / "weights")
     gateway = _address(state, "rollout-gateway")
     facts: dict[str, dict[str, Any]] = {
-        "sandbox-manager": {"redis": redis, "driver": {"root": str(run_dir / "sandboxes")}},
-        "rollout-gateway": {"redis": redis, **({"engines": engines} if engines else {})},
+        "sandbox-manager": {"redis": redis("sandbox-manager"), "driver": {"root": str(run_dir / "sandboxes")}},
+        "rollout-gateway": {"redis": redis("rollout-gateway"), **({"engines": engines} if engines else {})},
         # With trainer-sent weights (broker.sync.transport distributed | p2p | tensor, or per engine)
         # the trainer sends each version to the broker's plan: it starts after the broker.
-        "trainer": {"nats": nats, "weight_store": weights, **served,
+        "trainer": {"nats": nats("trainer"), "weight_store": weights, **served,
                     **({"weight_send": {"broker_address": _address(state, "weight-broker")}}
                        if config.broker.trainer_sends else {})},
-        "session-server": {"nats": nats, "redis": redis, "gateway_address": gateway, **tokenizer},
-        "weight-broker": {"nats": nats, "redis": redis, "gateway_address": gateway, "weight_store": weights},
-        "verifier": {"redis": redis, "sandbox_address": _address(state, "sandbox-manager"),
+        "session-server": {"nats": nats("session-server"), "redis": redis("session-server"),
+                           "gateway_address": gateway, **tokenizer},
+        "weight-broker": {"nats": nats("weight-broker"), "redis": redis("weight-broker"), "gateway_address": gateway,
+                          "weight_store": weights},
+        "verifier": {"redis": redis("verifier"), "sandbox_address": _address(state, "sandbox-manager"),
                      "session_address": _address(state, "session-server"),
                      "suites_dir": str(run_dir / "suites"), **tokenizer},
         # Version "0": rlfleet's policy versions are integers and the initial weights are version 0.
@@ -358,7 +368,8 @@ class Platform:
 
     def _start_nats(self) -> None:
         nats = self.config.nats
-        server = NatsServer(self.run_dir / "nats", nats.max_payload_bytes, nats.binary,
+        authorization = nats_authorization(ensure_infra_secrets(secrets_dir(self.run_dir)), run=self.config.run_id)
+        server = NatsServer(self.run_dir / "nats", nats.max_payload_bytes, nats.binary, authorization=authorization,
                             log_path=self.logs / "nats.log", name="nats", new_session=True,
                             log_lines=1).spawn()
         self._children[server.name] = server
@@ -376,7 +387,10 @@ class Platform:
             self._children[server.name] = server
             self._record(record_of(server, kind="redis", address=f"127.0.0.1:{server.port}", url=server.url))
 
-        start_redis(self.run_dir / "redis", timeout_s=min(10.0, self.config.start_timeout_s),
+        secrets = secrets_dir(self.run_dir)
+        aclfile = secrets / "redis.acl"  # users and key patterns of this run only; `default` off
+        write_secret(aclfile, redis_acl(ensure_infra_secrets(secrets), run=self.config.run_id))
+        start_redis(self.run_dir / "redis", timeout_s=min(10.0, self.config.start_timeout_s), aclfile=aclfile,
                     before_wait=record, appendonly=True, binary=self.config.redis.binary,
                     log_path=self.logs / "redis.log", name="redis", new_session=True, log_lines=1)
 

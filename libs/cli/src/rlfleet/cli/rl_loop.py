@@ -75,6 +75,7 @@ from rlfleet.cli.warm_start import ensure_base_policy
 from rlfleet.common.config import NatsConfig, load_config
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import channel
+from rlfleet.common.infra_auth import run_dir_login
 from rlfleet.common.streams import connect_nats
 from rlfleet.envkit.sdk.clients import Clients
 from rlfleet.envkit.sdk.environment import environments
@@ -293,8 +294,9 @@ class RLRun:
         """NATS, the SDK's clients and stubs of the gateway, trainer and broker, closed on the way out."""
 
         channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker",
-                                                                  "verifier")]
-        nc = await connect_nats(NatsConfig(url=state.by_name("nats").url), "rlfleet-run")
+                                                                 "verifier")]
+        nc = await connect_nats(NatsConfig(url=state.by_name("nats").url,
+                                           **run_dir_login(state.run_dir, "nats", "operator")), "rlfleet-run")
         clients = Clients.connect(session=state.by_name("session-server").address,
                                   sandbox=state.by_name("sandbox-manager").address,
                                   verifier=state.by_name("verifier").address)
@@ -420,7 +422,8 @@ class RLRun:
         environments = self._environments()
         if c.rollout.tool_latency.distribution != "none":
             environments = lambda suite, plain=environments: SlowTools(plain(suite), delay)  # noqa: E731
-        config = WorkerConfig(run_id=c.run_id, nats={"url": state.by_name("nats").url},
+        config = WorkerConfig(run_id=c.run_id,
+                              nats={"url": state.by_name("nats").url, **run_dir_login(state.run_dir, "nats", "worker")},
                               session_address=state.by_name("session-server").address,
                               sandbox_address=state.by_name("sandbox-manager").address,
                               verifier_address=state.by_name("verifier").address,

@@ -32,6 +32,7 @@ from rlfleet.cli.launcher import PlatformState
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import channel
+from rlfleet.common.infra_auth import run_dir_login
 from rlfleet.common.streams import connect_nats, subject
 
 STREAMS = ("TASKS", "TRAJECTORIES")
@@ -145,7 +146,8 @@ async def _queues(snapshot: Snapshot, state: PlatformState) -> None:
     except KeyError:
         return
     try:
-        nc = await connect_nats(NatsConfig(url=url, connect_timeout_s=TIMEOUT_S), "rlfleet-status")
+        login = run_dir_login(state.run_dir, "nats", "operator")
+        nc = await connect_nats(NatsConfig(url=url, connect_timeout_s=TIMEOUT_S, **login), "rlfleet-status")
     except StartupError as exc:
         snapshot.down["nats"] = str(exc)
         return

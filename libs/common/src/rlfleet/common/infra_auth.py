@@ -91,6 +91,13 @@ def secrets_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / SECRETS_DIR
 
 
+def run_dir_login(run_dir: str | Path, kind: str, user: str) -> dict[str, str]:
+    """`{"user", "password_file"}` of a NATS or Redis (`kind`) user of a launched platform, for
+    tools that attach to it from its run directory; {} when the run directory has no such secret."""
+    path = secrets_dir(run_dir) / f"{kind}-{user}.password"
+    return {"user": user, "password_file": str(path)} if path.exists() else {}
+
+
 def write_secret(path: Path, text: str) -> None:
     """Creates `path` with mode 0600 from the start (no window where it is readable by others)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fcntl
+import os
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.errors import StartupError
+from rlfleet.common.infra_auth import run_dir_login
 from rlfleet.common.streams import connect_nats, ensure_streams, publish
 from rlfleet.envkit.errors import EnvkitError
 from rlfleet.envkit.run_dir import RunDir
@@ -123,10 +125,11 @@ def _known_tasks(suites_dir: Path) -> dict[tuple[str, str], tuple[str, Path]]:
 
 
 async def publish_tasks(tasks: list[Task], run_id: str, nats_url: str, group_size: int, epoch: int = 0,
-                        temperature: float | None = None) -> tuple[int, int]:
-    """Publishes the public views on TASKS; returns (published, duplicates)."""
+                        temperature: float | None = None, login: dict[str, str] | None = None) -> tuple[int, int]:
+    """Publishes the public views on TASKS; returns (published, duplicates). `login` is the NATS
+    user's (`user`, `password` or `password_file`): only the operator user may publish tasks."""
 
-    nc = await connect_nats(NatsConfig(url=nats_url), NAME)
+    nc = await connect_nats(NatsConfig(url=nats_url, **(login or {})), NAME)
     try:
         js = nc.jetstream()
         await ensure_streams(js, ("TASKS",))
@@ -143,9 +146,10 @@ async def publish_tasks(tasks: list[Task], run_id: str, nats_url: str, group_siz
 
 
 def submit(tasks: list[Task], *, run_id: str, nats_url: str, suites_dir: Path, group_size: int,
-           epoch: int = 0, temperature: float | None = None) -> SubmitReport:
+           epoch: int = 0, temperature: float | None = None, login: dict[str, str] | None = None) -> SubmitReport:
     files, written = write_for_verifier(tasks, suites_dir)  # the verifier must know a task before a worker runs it
-    published, duplicates = asyncio.run(publish_tasks(tasks, run_id, nats_url, group_size, epoch, temperature))
+    published, duplicates = asyncio.run(publish_tasks(tasks, run_id, nats_url, group_size, epoch, temperature,
+                                                      login))
     return SubmitReport(len(tasks), written, published, duplicates, files)
 
 
@@ -155,6 +159,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="a launched platform's run directory: fills --run-id, --nats-url, --suites-dir")
     p.add_argument("--run-id", help="run namespace of the TASKS subject")
     p.add_argument("--nats-url", help="NATS with JetStream")
+    p.add_argument("--nats-user", default=os.environ.get("RLFLEET__NATS__USER", ""),
+                   help="NATS user allowed to publish tasks (env RLFLEET__NATS__USER; --run-dir: operator)")
+    p.add_argument("--nats-password-file", default=os.environ.get("RLFLEET__NATS__PASSWORD_FILE", ""),
+                   help="file holding its password (env RLFLEET__NATS__PASSWORD_FILE, or the password itself "
+                        "in RLFLEET__NATS__PASSWORD)")
     p.add_argument("--suites-dir", help="the verifier's suites directory")
     p.add_argument("--split", default="train", choices=("train", "heldout", "regression"), help="built-in suites")
     p.add_argument("--n", type=int, default=100, help="tasks to generate (built-in suites)")
@@ -182,10 +191,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.group_size < 1:
         raise SubmitError("--group-size must be at least 1")
     run_id, nats_url, suites_dir = args.run_id, args.nats_url, args.suites_dir
+    login = {"user": args.nats_user, "password_file": args.nats_password_file,
+             "password": os.environ.get("RLFLEET__NATS__PASSWORD", "")} if args.nats_user else {}
     if args.run_dir:
         launched = RunDir.load(args.run_dir)
         run_id, nats_url = run_id or launched.run_id, nats_url or launched.nats_url
         suites_dir = suites_dir or str(launched.suites_dir)
+        login = login or run_dir_login(args.run_dir, "nats", "operator")
     tasks = load_tasks(args.source, args.split, args.n, args.seed, args.difficulty)
     if not args.allow_unknown_suites:
         check_suites(tasks, known_suites())
@@ -198,7 +210,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SubmitError(f"{', '.join(missing)} required (or --run-dir of a launched platform)")
     try:
         report = submit(tasks, run_id=run_id, nats_url=nats_url, suites_dir=Path(suites_dir),
-                        group_size=args.group_size, epoch=args.epoch, temperature=args.temperature)
+                        group_size=args.group_size, epoch=args.epoch, temperature=args.temperature, login=login)
     except StartupError as exc:
         raise SubmitError(str(exc)) from None
     where = ", ".join(map(str, report.files)) or "(all known already)"
