@@ -129,6 +129,30 @@ async def test_malformed_json_and_bad_control_calls_get_400_and_the_engine_stays
     assert (await call(engine.url, "/health_generate", method="GET"))[0] == 200
 
 
+async def test_deeply_nested_json_is_a_400_logged_once_per_peer(engine):
+    deep = b"[" * 200_000 + b"]" * 200_000  # deeper than Python's stack: RecursionError in json.loads
+    logged_before = engine.log().count("undecodable request body")
+    async with aiohttp.ClientSession() as session:
+        for path in ("/generate", "/update_weight_version", "/generate"):
+            async with session.post(engine.url + path, data=deep) as response:
+                assert response.status == 400, path
+                assert "nested too deeply" in (await response.json())["error"]["message"]
+    assert (await call(engine.url, "/health_generate", method="GET"))[0] == 200
+    # at most one line for the three (one, if an earlier test's bad body was not logged this minute)
+    assert engine.log().count("undecodable request body") - logged_before <= 1
+    assert engine.log().count("undecodable request body") >= 1
+    assert "RecursionError" not in engine.log()
+
+
+async def test_an_error_never_echoes_a_large_input_whole(engine):
+    huge = "x" * (4 << 20)
+    status, reply = await call(engine.url, "/generate", {"input_ids": [1], "sampling_params": {"top_p": huge}})
+    assert status == 400 and len(reply["error"]["message"]) < 1000
+    async with aiohttp.ClientSession() as session:
+        async with session.post(engine.url + "/generate", data=b'{"rid": "' + huge.encode()) as response:
+            assert response.status == 400 and len(await response.read()) < 1000
+
+
 async def test_health_model_info_and_weight_version_routes(engine):
     assert (await call(engine.url, "/health", method="GET"))[0] == 200
     assert (await call(engine.url, "/health_generate", method="GET"))[0] == 200

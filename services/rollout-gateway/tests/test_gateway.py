@@ -249,6 +249,26 @@ async def test_an_engine_can_be_drained_and_undrained_by_the_weight_broker(redis
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_unknown_enum_values_and_huge_ids_are_clear_errors(redis_url, engine_url):
+    """An enum value the proto does not define is the caller's INVALID_ARGUMENT (it was INTERNAL);
+    a 4 MB id comes back clipped in a NOT_FOUND, not whole (which turned into RESOURCE_EXHAUSTED)."""
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:
+        calls = [gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(engine_id="e0", state=77)),
+                 gateway.stub.PauseEngines(pb.PauseEnginesRequest(mode=77)),
+                 gateway.stub.RegisterEngine(pb.RegisterEngineRequest(engine_id="e9", url=engine_url, kind=77)),
+                 gateway.stub.Generate(pb.GenerateRequest(session_id="s", input_ids=[1], engine_pool=77))]
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await call
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.value
+            assert "77 is not a known value" in bad.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as huge:
+            await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(
+                engine_id="e" * (4 << 20), state=pb.ENGINE_STATE_HEALTHY))
+    assert huge.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), huge.value
+    assert len(huge.value.details()) < 1000
+
+
 async def test_an_engine_whose_load_cannot_be_read_is_unhealthy_not_stale(redis_url):
     """An engine without SGLang 0.5.23's /v1/loads (e.g. one that still answers only /get_load): the
     probe fails and says why, rather than keeping an old in-flight count."""

@@ -22,7 +22,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from rlfleet.common.errors import RlfleetError
+from rlfleet.common.errors import RlfleetError, clip
 
 
 def reason_of(exc: RlfleetError) -> str:
@@ -43,19 +43,20 @@ def _packed(message) -> any_pb2.Any:
 
 
 def rich_status(exc: RlfleetError) -> grpc.Status:
-    """The status an expected error is sent with: its code, message and structured details."""
+    """The status an expected error is sent with: its code, message and structured details. Every
+    text in it is clipped (errors.clip): an error never echoes a large input back whole."""
     fields = {k: v for k, v in exc.details.items() if v is not None}
     details = [_packed(error_details_pb2.ErrorInfo(
-        reason=reason_of(exc), domain=domain_of(exc), metadata={k: str(v) for k, v in fields.items()}))]
+        reason=reason_of(exc), domain=domain_of(exc), metadata={k: clip(str(v)) for k, v in fields.items()}))]
     if "field" in fields:
-        violation = error_details_pb2.BadRequest.FieldViolation(field=str(fields["field"]),
-                                                                description=exc.message)
+        violation = error_details_pb2.BadRequest.FieldViolation(field=clip(str(fields["field"])),
+                                                                description=clip(exc.message, 600))
         details.append(_packed(error_details_pb2.BadRequest(field_violations=[violation])))
     if "retry_after_s" in fields:
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(float(fields["retry_after_s"]) * 1e9))
         details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
-    status = status_pb2.Status(code=exc.status.value[0], message=exc.message, details=details)
+    status = status_pb2.Status(code=exc.status.value[0], message=clip(exc.message, 600), details=details)
     return rpc_status.to_status(status)
 
 

@@ -39,7 +39,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from rlfleet.common.engine_requests import RLFLEET_ROUTES, SGLANG_VERSION, STORE_KINDS
-from rlfleet.common.errors import StartupError
+from rlfleet.common.errors import OncePerPeer, StartupError, clip
 from rlfleet.common.security import engine_keys
 from rlfleet.common.service import stop_on_signals, write_ready_file
 from rlfleet.common.telemetry import setup_telemetry, tracing_enabled
@@ -808,10 +808,14 @@ async def _body(request: web.Request, max_bytes: int | None = None) -> dict[str,
                                             content_type="application/json") from exc
     try:
         body = json.loads(data or b"{}")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than Python's stack (`[[[[...`) is bad input, not a 500.
+        why = "nested too deeply" if isinstance(exc, RecursionError) else clip(str(exc))
+        _log_bad_body(request, why)
         raise web.HTTPBadRequest(
-            text=json.dumps({"error": {"message": f"invalid JSON: {exc}"}}), content_type="application/json"
-        ) from exc
+            text=json.dumps({"error": {"message": f"invalid JSON: {why}", "field": "body"}}),
+            content_type="application/json",
+        ) from None
     if request.path != "/generate" and not isinstance(body, dict):
         raise web.HTTPBadRequest(
             text=json.dumps({"error": {"message": "the body must be a JSON object"}}),
@@ -834,13 +838,26 @@ def _pause_mode(request: web.Request, body: dict) -> str:
     return mode
 
 
+_BAD_BODIES = OncePerPeer(interval_s=60.0)
+
+
+def _log_bad_body(request: web.Request, why: str) -> None:
+    """One line per peer per minute, however many undecodable bodies it sends."""
+    peer = request.remote or "?"
+    first, suppressed = _BAD_BODIES.should_log(peer)
+    if first:
+        log.warning("undecodable request body", extra={"peer": peer, "path": request.path, "why": why,
+                                                       "suppressed_since_last": suppressed})
+
+
 def _optional_str(body: dict, key: str) -> str | None:
     value = body.get(key)
     return None if value is None else str(value)
 
 
 def _error(message: str, status: int = 400, **details: Any) -> web.Response:
-    return web.json_response({"error": {"message": message, **details}}, status=status)
+    """An error reply; its message never echoes a large input whole (errors.clip)."""
+    return web.json_response({"error": {"message": clip(message, 600), **details}}, status=status)
 
 
 def _lora_reply(success: bool, error_message: str | None, loaded: dict[str, str] | None = None,

@@ -10,6 +10,7 @@ import grpc
 
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.common.engine_client import EngineError
+from rlfleet.common.errors import require_known_enums
 from rlfleet.gateway.admission import Admission
 from rlfleet.gateway.dispatch import Dispatcher
 from rlfleet.gateway.engine_io import PAUSE_MODES
@@ -35,10 +36,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.metrics = metrics
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        require_known_enums(request)
         return await self.dispatcher.generate(request)
 
     # --- registry -------------------------------------------------------------------------------
     async def RegisterEngine(self, request: gateway_pb2.RegisterEngineRequest, context):
+        require_known_enums(request)
         record = EngineRecord(
             engine_id=_engine_id(request.engine_id), url=_url(request.url),
             pool=request.pool or gateway_pb2.ENGINE_POOL_FLEET, kind=request.kind, labels=dict(request.labels),
@@ -60,6 +63,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def UpdateEngineState(self, request: gateway_pb2.UpdateEngineStateRequest, context):
         """DRAINING (no new sessions) or HEALTHY (takes new sessions again); health and pause are separate."""
+        require_known_enums(request)  # before EngineState.Name below, which raises on an unknown value
         if request.state not in (gateway_pb2.ENGINE_STATE_HEALTHY, gateway_pb2.ENGINE_STATE_DRAINING):
             raise InvalidGatewayRequest(
                 f"state must be ENGINE_STATE_HEALTHY or ENGINE_STATE_DRAINING, got "
@@ -76,6 +80,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # --- pause / resume -------------------------------------------------------------------------
     async def PauseEngines(self, request: gateway_pb2.PauseEnginesRequest, context):
+        require_known_enums(request)
         mode = PAUSE_MODES.get(request.mode)
         if mode is None:
             raise InvalidGatewayRequest(f"unknown pause mode {request.mode}", field="mode")

@@ -15,7 +15,7 @@ from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.common import security
 from rlfleet.common.chat import CHAT_TEMPLATE
-from rlfleet.common.errors import PermissionDenied
+from rlfleet.common.errors import PermissionDenied, require_known_enums
 from rlfleet.session.closing import ABORTED_STATUS, VERDICT_MISSING, Closer
 from rlfleet.session.errors import (
     InvalidSessionRequest,
@@ -148,6 +148,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return await self.store.load_session(_session_id(request.session_id))
 
     async def CloseSession(self, request: session_pb2.CloseSessionRequest, context):
+        require_known_enums(request)
         if request.status not in CLOSE_STATUSES:
             raise InvalidSessionRequest(f"unknown trajectory status {request.status}", field="status")
         metadata = self.inputs.metadata(request.metadata)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.broker.broker import Broker
+from rlfleet.common.errors import require_known_enums
 
 
 class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
@@ -12,6 +13,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self.broker = broker
 
     async def PublishVersion(self, request: common_pb2.PolicyVersion, context) -> broker_pb2.PublishVersionResponse:
+        require_known_enums(request)
         return broker_pb2.PublishVersionResponse(state=await self.broker.announce(request))
 
     async def GetStatus(self, request: broker_pb2.GetStatusRequest, context) -> broker_pb2.BrokerStatus:
@@ -30,6 +32,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def StartDistributedSync(
         self, request: broker_pb2.StartDistributedSyncRequest, context
     ) -> broker_pb2.StartDistributedSyncResponse:
+        require_known_enums(request)
         return await self.broker.start_distributed(request)
 
     async def StartTrainerSync(self, request: broker_pb2.StartTrainerSyncRequest, context) -> broker_pb2.TrainerSyncPlan:
