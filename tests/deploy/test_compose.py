@@ -194,14 +194,43 @@ def test_the_sandbox_manager_gets_what_bubblewrap_needs_and_a_root_per_replica(c
     assert "/run/rlfleet/sandbox-uids:/run/rlfleet/sandbox-uids" in service["volumes"]
 
 
-def test_nats_server_accepts_the_config():
+def test_nats_server_accepts_the_config_with_the_generated_users(generated, tmp_path):
     nats = h.tool("nats-server") or (str(h.ROOT / ".venv/bin/nats-server")
                                      if (h.ROOT / ".venv/bin/nats-server").exists() else None)
     if nats is None:
         pytest.skip("nats-server is not installed")
-    result = subprocess.run([nats, "-t", "-c", str(h.COMPOSE_FILE.parent / "nats.conf")],
+    out, _, _ = generated
+    (tmp_path / "nats.conf").write_text((h.COMPOSE_FILE.parent / "nats.conf").read_text())
+    (tmp_path / "auth.conf").write_text((out / "secrets" / "nats-auth.conf").read_text())  # as mounted
+    result = subprocess.run([nats, "-t", "-c", str(tmp_path / "nats.conf")],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert '"user": "session-server"' in (tmp_path / "auth.conf").read_text()
+
+
+def test_each_container_gets_only_its_own_secrets_and_redis_needs_a_password(compose, generated):
+    out, _, _ = generated
+    wanted = {"nats": set(), "redis": {"redis.acl"}, "submit": {"nats-operator.password"},
+              "rollout-gateway": {"redis-rollout-gateway.password"},
+              "session-server": {"nats-session-server.password", "redis-session-server.password"},
+              "sandbox-manager": {"redis-sandbox-manager.password"}, "verifier": {"redis-verifier.password"},
+              "worker": {"nats-worker.password"}, "trainer": {"nats-trainer.password"},
+              "weight-broker": {"nats-weight-broker.password", "redis-weight-broker.password"}}
+    for name, secrets in wanted.items():
+        assert set(compose["services"][name].get("secrets", [])) == secrets, name
+    for name in set(ours(compose)) - set(wanted):
+        assert not compose["services"][name].get("secrets"), name  # the engine and model-init: none
+    redis = compose["services"]["redis"]["command"]
+    assert redis[redis.index("--aclfile") + 1] == "/run/secrets/redis.acl"
+    assert redis[redis.index("--protected-mode") + 1] == "yes"
+    assert "user default off" in (out / "secrets" / "redis.acl").read_text()
+    for path in (out / "secrets").iterdir():
+        assert path.stat().st_mode & 0o077 == 0 or os.geteuid() != 0, path  # 0600 where it can be
+    for process in ("trainer", "session-server", "worker"):
+        config = json.loads((out / "config" / f"{process}.json").read_text())
+        assert config["nats"]["password_file"] == f"/run/secrets/nats-{process}.password"
+        assert config["nats"]["password"] == ""
+    assert not re.search(r"protected-mode\W+no", h.COMPOSE_FILE.read_text())
 
 
 def test_port_base_gives_consecutive_ports_and_refuses_the_hosts_nats_and_redis():

@@ -12,6 +12,10 @@ Paths are the containers' (`/var/lib/rlfleet/run` is the run directory, `/models
 backed by compose volumes. `<out>/compose.env` holds the ports and the run's few other values for
 compose's variable substitution (`docker-compose --env-file`).
 
+NATS and Redis users (rlfleet.common.infra_auth) are made once in `<out>/secrets/` (0600, owned by the
+containers' uid when this runs as root): compose mounts each service's own password file as a
+secret, NATS's authorization block and Redis's ACL file into those two.
+
 Ports are free ones (`free_port`) unless `--port-base N` asks for N, N+1, ... (fixed, e.g. to reach
 the stack's Prometheus metrics from elsewhere); either way none is NATS's 4222 or Redis's 6379.
 
@@ -33,10 +37,13 @@ from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, w
 from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
 from rlfleet.common.config import load_config
 from rlfleet.common.errors import StartupError
+from rlfleet.common.infra_auth import ensure_infra_secrets, nats_authorization, redis_acl, write_secret
 from rlfleet.common.processes import free_port, write_json_atomic
 from rlfleet.envkit.worker_config import WorkerConfig
 
 RUN_DIR = Path("/var/lib/rlfleet/run")   # the run directory inside every container
+SECRETS_MOUNT = "/run/secrets"           # where compose mounts a service's secrets
+CONTAINER_UID = 10001                    # deploy/docker/Dockerfile's RLFLEET_UID
 MODEL = Path("/models/policy")           # the model volume's policy
 ENGINE = "engine-0"
 # Every port the stack listens on; `<name>` gRPC (or client) port, `<name>-metrics` Prometheus.
@@ -98,16 +105,22 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
     if config.model_path:
         raise StartupError("the compose stack serves the default model (model_path must be empty)")
     state = launch_state(config, ports)
+    write_secrets(out / "secrets", config.run_id)
     for name in (ENGINE, *ALL_SERVICES):
         process = "cpu-engine" if name == ENGINE else name
         section = process_config(process, config, state, RUN_DIR, Path(f"/tmp/ready-{name}.json"), MODEL)
+        for peer in ("nats", "redis"):  # compose mounts each password file as a secret
+            login = getattr(section, peer, None)
+            if login is not None and login.password_file:
+                login.password_file = f"{SECRETS_MOUNT}/{Path(login.password_file).name}"
         section.metrics.host, section.metrics.port = "127.0.0.1", ports[f"{name}-metrics"]
         if process == "cpu-engine":
             section.host, section.port, section.engine_id = "127.0.0.1", ports[name], name
         else:
             section.grpc.host, section.grpc.port = "127.0.0.1", ports[name]
         write_process_config(out, name, section)
-    worker = WorkerConfig(run_id=config.run_id, nats={"url": state.by_name("nats").url},
+    worker = WorkerConfig(run_id=config.run_id, nats={"url": state.by_name("nats").url, "user": "worker",
+                                                      "password_file": f"{SECRETS_MOUNT}/nats-worker.password"},
                           session_address=state.by_name("session-server").address,
                           sandbox_address=state.by_name("sandbox-manager").address,
                           verifier_address=state.by_name("verifier").address,
@@ -121,12 +134,34 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
            "PROMETHEUS_PORT": os.environ.get("PROMETHEUS_PORT", "9090"),
            "GRAFANA_PORT": os.environ.get("GRAFANA_PORT", "3000"),
            "RLFLEET_RUN_ID": config.run_id, "RLFLEET_CONFIG_DIR": str((out / "config").resolve()),
+           "RLFLEET_SECRETS_DIR": str((out / "secrets").resolve()),
            "RLFLEET_MODEL_SEED": str(config.model_seed), "RLFLEET_GROUP_SIZE": str(config.trainer.group_size),
            "RLFLEET_TASKS": str(tasks), "RLFLEET_NATS_MAX_PAYLOAD": str(config.nats.max_payload_bytes),
            **{f"RLFLEET_PORT_{name.upper().replace('-', '_')}": str(port) for name, port in ports.items()}}
     write_json_atomic(out / "ports.json", ports)
     (out / "compose.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     return env
+
+
+def write_secrets(directory: Path, run_id: str) -> None:
+    """The stack's NATS and Redis users (rlfleet.common.infra_auth), made once and kept: a password
+    per user, NATS's `authorization` block (nats-auth.conf, included by deploy/compose/nats.conf)
+    and Redis's ACL file, readable by the containers' uid only."""
+    infra = ensure_infra_secrets(directory)
+    write_secret(directory / "nats-auth.conf", nats_authorization(infra, run=run_id))
+    write_secret(directory / "redis.acl", redis_acl(infra, run=run_id))
+    uid = int(os.environ.get("RLFLEET_UID", CONTAINER_UID))
+    files = [directory, *directory.iterdir()]
+    if os.geteuid() == 0:
+        for path in files:
+            os.chown(path, uid, uid)
+    elif os.geteuid() != uid:
+        # The containers run as `uid` (deploy/docker/Dockerfile) and could not read 0600 files of
+        # another user: readable by all instead, which a developer's single-user machine tolerates.
+        print(f"rlfleet compose-config: warning: {directory} made readable by every local user (run as root, "
+              f"or build the image with RLFLEET_UID={os.geteuid()}, to keep it 0600)", file=sys.stderr)
+        for path in files:
+            path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def build_model(out: Path, seed: int) -> int:

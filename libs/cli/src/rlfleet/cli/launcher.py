@@ -33,6 +33,7 @@ from rlfleet.common.errors import StartupError
 from rlfleet.common.infra_auth import (
     ensure_infra_secrets,
     nats_authorization,
+    planned_secrets,
     redis_acl,
     secrets_dir,
     write_secret,
@@ -183,7 +184,7 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
                  model: Path | None = None) -> dict[str, Any]:
     """What only the launch knows, for each service: NATS and Redis URLs, peer addresses, paths in
     the run directory and the model. A section that sets one of these itself wins."""
-    infra = ensure_infra_secrets(secrets_dir(run_dir))
+    infra = planned_secrets(secrets_dir(run_dir))  # made by _start_nats/_start_redis, before any service
     nats = lambda user: {"url": state.by_name("nats").url, **infra.nats[user].nats()}  # noqa: E731
     redis = lambda user: {"url": state.by_name("redis").url, **infra.redis[user].redis()}  # noqa: E731
     engine_records = [r for r in state.processes if r.kind == "engine"]

@@ -87,6 +87,14 @@ class InfraSecrets:
     redis: dict[str, Credential]
 
 
+def planned_secrets(directory: str | Path) -> InfraSecrets:
+    """The users and where their password files are (or will be) in `directory`, writing nothing:
+    what a config generated for another machine or a container refers to."""
+    root = Path(directory)
+    return InfraSecrets(root, {u: Credential(u, root / f"nats-{u}.password") for u in NATS_ROLES},
+                        {u: Credential(u, root / f"redis-{u}.password") for u in REDIS_ROLES})
+
+
 def secrets_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / SECRETS_DIR
 
