@@ -10,6 +10,7 @@ import deploy_helpers as h
 import pytest
 import yaml
 
+from rlfleet.cli.compose_config import write_secrets
 from rlfleet.common.config import ConfigError, env_overrides, resolve
 
 HPA_SERVICES = ("session-server", "rollout-gateway", "verifier", "sandbox-manager")
@@ -360,6 +361,9 @@ def test_nats_server_accepts_the_rendered_config(overlay, rendered, tmp_path):
         pytest.skip("nats-server is not installed")
     conf = tmp_path / "nats.conf"
     conf.write_text(h.by_kind_name(rendered[overlay])[("ConfigMap", "nats-config")]["data"]["nats.conf"])
+    (tmp_path / "auth").mkdir()  # where the rlfleet-infra-auth Secret's nats-auth.conf is mounted
+    write_secrets(tmp_path / "secrets", "rlfleet", container_uid=None)
+    (tmp_path / "auth" / "auth.conf").write_text((tmp_path / "secrets" / "nats-auth.conf").read_text())
     result = subprocess.run([nats, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30,
                             env={"POD_NAME": "nats-0", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stdout + result.stderr
@@ -378,3 +382,96 @@ def test_sandbox_managers_on_a_node_share_one_uid_lease_directory(overlay, rende
     assert volume["hostPath"] == {"path": "/run/rlfleet/sandbox-uids", "type": "DirectoryOrCreate"}
     mounts = [m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", []) if m["name"] == "uid-leases"]
     assert mounts == ["/run/rlfleet/sandbox-uids"]  # the driver's default uid_lease_dir
+
+
+# -- trust boundaries -----------------------------------------------------------------------------
+
+# Who calls whom, on which port: the service graph the NetworkPolicies must allow, and no more.
+GRAPH = {
+    ("session-server", "nats", 4222), ("trainer", "nats", 4222), ("weight-broker", "nats", 4222),
+    ("worker", "nats", 4222), ("nats", "nats", 6222),
+    ("rollout-gateway", "redis", 6379), ("session-server", "redis", 6379), ("sandbox-manager", "redis", 6379),
+    ("verifier", "redis", 6379), ("weight-broker", "redis", 6379),
+    ("session-server", "rollout-gateway", 50051), ("weight-broker", "rollout-gateway", 50051),
+    ("engine", "rollout-gateway", 50051),  # an SGLang pod registers itself
+    ("worker", "session-server", 50051), ("verifier", "session-server", 50051),
+    ("worker", "sandbox-manager", 50051), ("verifier", "sandbox-manager", 50051),
+    ("worker", "verifier", 50051), ("trainer", "trainer", 29400), ("trainer", "trainer", 29500),
+    ("rollout-gateway", "engine", 30000), ("weight-broker", "engine", 30000),
+}
+PODS = ("nats", "redis", "rollout-gateway", "session-server", "sandbox-manager", "verifier", "trainer",
+        "weight-broker", "worker", "engine")
+
+
+def _labels(pod: str) -> dict[str, str]:
+    if pod == "engine":
+        return {"app.kubernetes.io/name": "cpu-engine", "app.kubernetes.io/component": "engine",
+                "app.kubernetes.io/part-of": "rlfleet"}
+    return {"app.kubernetes.io/name": pod, "app.kubernetes.io/part-of": "rlfleet"}
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def allowed(policies: list[dict], source: dict, target: dict, port: int) -> bool:
+    """Whether an in-namespace pod with `source` labels may reach `target` on `port`."""
+    for policy in policies:
+        spec = policy["spec"]
+        if not _selects(spec["podSelector"], target):
+            continue
+        for rule in spec.get("ingress", []):
+            if not any(p["port"] == port for p in rule.get("ports", [])):
+                continue
+            for peer in rule.get("from", []):
+                if "namespaceSelector" not in peer and _selects(peer["podSelector"], source):
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_network_policies_allow_the_service_graph_and_nothing_else(overlay, rendered):
+    policies = [o for o in rendered[overlay] if o["kind"] == "NetworkPolicy"]
+    deny = next(p for p in policies if p["metadata"]["name"] == "default-deny-ingress")
+    assert deny["spec"]["podSelector"] == {} and "ingress" not in deny["spec"]
+    ports = {port for _, _, port in GRAPH} | {9464}
+    for source in PODS:
+        for target in PODS:
+            for port in ports:
+                expected = (source, target, port) in GRAPH
+                assert allowed(policies, _labels(source), _labels(target), port) == expected, (source, target, port)
+    # Operators and environment clients come in by label, each only where its role needs.
+    operator, env_client = {"rlfleet.io/operator": "true"}, {"rlfleet.io/env-client": "true"}
+    assert allowed(policies, operator, _labels("trainer"), 50051)
+    assert allowed(policies, env_client, _labels("session-server"), 50051)
+    assert not allowed(policies, env_client, _labels("trainer"), 50051)
+    assert not allowed(policies, env_client, _labels("nats"), 4222)
+    assert not allowed(policies, env_client, _labels("redis"), 6379)
+    sandbox = next(p for p in policies if p["metadata"]["name"] == "sandbox-manager")
+    assert "Egress" in sandbox["spec"]["policyTypes"]  # untrusted code: DNS and Redis only
+    assert {p["port"] for rule in sandbox["spec"]["egress"] for p in rule["ports"]} == {53, 6379}
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_nats_and_redis_logins_come_from_the_secret_each_service_only_its_own(overlay, rendered):
+    objects = rendered[overlay]
+    redis = h.by_kind_name(objects)[("StatefulSet", "redis")]
+    command = h.pod_spec(redis)["containers"][0]["command"]
+    assert command[command.index("--protected-mode") + 1] == "yes" and "--aclfile" in command
+    for obj in objects:
+        spec = h.pod_spec(obj)
+        if spec is None:
+            continue
+        for container in spec["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            for peer in ("NATS", "REDIS"):
+                if f"RLFLEET__{peer}__URL" in env:
+                    assert env[f"RLFLEET__{peer}__USER"], (obj["metadata"]["name"], peer)
+                    assert env[f"RLFLEET__{peer}__PASSWORD_FILE"].startswith("/var/run/secrets/rlfleet/")
+                    assert f"RLFLEET__{peer}__PASSWORD" not in env  # never inline
+        secrets = [v["secret"] for v in spec.get("volumes", []) if "secret" in v
+                   and v["secret"]["secretName"] == "rlfleet-infra-auth"]
+        for secret in secrets:
+            keys = [item["key"] for item in secret["items"]]
+            name = obj["metadata"]["name"]
+            assert all(name in key or key in ("nats-auth.conf", "redis.acl") for key in keys), (name, keys)

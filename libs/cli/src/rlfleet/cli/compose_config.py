@@ -22,6 +22,10 @@ the stack's Prometheus metrics from elsewhere); either way none is NATS's 4222 o
     python -m rlfleet.cli.compose_config build-model OUT SEED
 
 builds the default model into OUT (the stack's model-init job) as the launcher does.
+
+    python -m rlfleet.cli.compose_config secrets OUT [RUN_ID]
+
+writes the same NATS/Redis secrets for Kubernetes, to load as the `rlfleet-infra-auth` Secret.
 """
 
 from __future__ import annotations
@@ -143,14 +147,17 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
     return env
 
 
-def write_secrets(directory: Path, run_id: str) -> None:
+def write_secrets(directory: Path, run_id: str, container_uid: int | None = CONTAINER_UID) -> None:
     """The stack's NATS and Redis users (rlfleet.common.infra_auth), made once and kept: a password
-    per user, NATS's `authorization` block (nats-auth.conf, included by deploy/compose/nats.conf)
-    and Redis's ACL file, readable by the containers' uid only."""
+    per user, NATS's `authorization` block (nats-auth.conf, included by the compose and Kubernetes
+    nats.conf) and Redis's ACL file; for compose (`container_uid`) readable by the containers' uid only.
+    Kubernetes takes the same files as the rlfleet-infra-auth Secret (`secrets` below)."""
     infra = ensure_infra_secrets(directory)
     write_secret(directory / "nats-auth.conf", nats_authorization(infra, run=run_id))
     write_secret(directory / "redis.acl", redis_acl(infra, run=run_id))
-    uid = int(os.environ.get("RLFLEET_UID", CONTAINER_UID))
+    if container_uid is None:
+        return
+    uid = int(os.environ.get("RLFLEET_UID", container_uid))
     files = [directory, *directory.iterdir()]
     if os.geteuid() == 0:
         for path in files:
@@ -186,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["build-model"]:
         return build_model(Path(argv[1]), int(argv[2]))
+    if argv[:1] == ["secrets"]:  # for Kubernetes: python -m rlfleet.cli.compose_config secrets OUT [RUN_ID]
+        out = Path(argv[1])
+        write_secrets(out, argv[2] if len(argv) > 2 else "rlfleet", container_uid=None)
+        print(f"wrote {out}; then: kubectl -n rlfleet create secret generic rlfleet-infra-auth --from-file={out}")
+        return 0
     parser = argparse.ArgumentParser(prog="rlfleet compose-config", add_help=False)
     parser.add_argument("--out", default="runs/compose", help="where config/, compose.env go (default runs/compose)")
     parser.add_argument("--port-base", type=int, help="consecutive ports from here (default: free ones)")
