@@ -51,8 +51,9 @@ async def run_level(info, concurrency: int, episodes: int, group_size: int, seed
     n_tasks = max(1, episodes // group_size)
     tasks = calc.generate_tasks("train", n_tasks, seed=seed)
     write_for_verifier(tasks, info.suites_dir)
-    await publish_tasks(tasks, info.run_id, info.nats_url, group_size, epoch=seed, temperature=temperature)
-    config = WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url}, session_address=info.session_address,
+    await publish_tasks(tasks, info.run_id, info.nats_url, group_size, epoch=seed, temperature=temperature,
+                        login=info.nats_login("operator"))
+    config = WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url, **info.nats_login("worker")}, session_address=info.session_address,
                           sandbox_address=info.sandbox_address, verifier_address=info.verifier_address,
                           concurrency=concurrency, episode_timeout_s=120)
     started = time.perf_counter()

@@ -100,14 +100,16 @@ def _kill(run_dir: Path, name: str) -> None:
     os.killpg(record.pid, signal.SIGKILL)  # the launch's own process group, by its recorded PID
 
 
-async def _stream(nats_url: str, stream: str, message) -> list:
+async def _stream(nats_url: str, stream: str, message, run_dir) -> list:
     """(publish time, message) of every message of the run on `stream`."""
     import nats
     from nats.js.api import DeliverPolicy
 
-    from rlfleet.common.streams import subject
+    from rlfleet.common.config import NatsConfig
+    from rlfleet.common.infra_auth import run_dir_login
+    from rlfleet.common.streams import connect_nats, subject
 
-    nc = await nats.connect(nats_url)
+    nc = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "operator")), "itest")
     found = []
     try:
         sub = await nc.jetstream().subscribe(subject(stream, RUN_ID), ordered_consumer=True,
@@ -203,9 +205,9 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
         # 0 lost: every learnable group (all G samples finished, rewards not all equal) published
         # before the last kill had recovered was trained; the run went on for many steps after it.
         nats_url = _record(run_dir, "nats")["url"]
-        published = [(at, t) for at, t in asyncio.run(_stream(nats_url, "TRAJECTORIES", common_pb2.Trajectory))
+        published = [(at, t) for at, t in asyncio.run(_stream(nats_url, "TRAJECTORIES", common_pb2.Trajectory, run_dir))
                      if (t.split or "train") == "train"]
-        announced = {v.version: at for at, v in asyncio.run(_stream(nats_url, "POLICY", common_pb2.PolicyVersion))}
+        announced = {v.version: at for at, v in asyncio.run(_stream(nats_url, "POLICY", common_pb2.PolicyVersion, run_dir))}
         by_id = {t.trajectory_id: t for _, t in published}
         samples = [(by_id[i].group_id, by_id[i].sample_index) for i in trained if i in by_id]
         assert len(samples) == len(set(samples)), "one sample of a group was trained twice"

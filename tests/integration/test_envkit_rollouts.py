@@ -76,7 +76,7 @@ def rig(tmp_path_factory):
 
 
 def worker_config(info: RunDir, **overrides) -> WorkerConfig:
-    return WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url}, session_address=info.session_address,
+    return WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url, **info.nats_login("worker")}, session_address=info.session_address,
                         sandbox_address=info.sandbox_address, verifier_address=info.verifier_address,
                         concurrency=4, ack_wait_s=ACK_WAIT_S, max_deliver=4, nak_delay_s=0.2, **overrides)
 
@@ -97,7 +97,7 @@ def custom_task(task_id: str, expression: str, script: str, max_turns: int = 3) 
 
 async def trajectories(info: RunDir, want, timeout_s: float = 15.0) -> list[common_pb2.Trajectory]:
     """The run's trajectories for which `want(t)` holds, waiting until `timeout_s` for more to arrive."""
-    nc = await connect_nats(NatsConfig(url=info.nats_url), "itest-reader")
+    nc = await connect_nats(NatsConfig(url=info.nats_url, **info.nats_login("operator")), "itest-reader")
     found: dict[str, common_pb2.Trajectory] = {}
     try:
         sub = await nc.jetstream().subscribe(subject("TRAJECTORIES", info.run_id), ordered_consumer=True)
@@ -118,7 +118,7 @@ async def trajectories(info: RunDir, want, timeout_s: float = 15.0) -> list[comm
 
 
 async def queue_is_empty(info: RunDir) -> bool:
-    nc = await connect_nats(NatsConfig(url=info.nats_url), "itest-queue")
+    nc = await connect_nats(NatsConfig(url=info.nats_url, **info.nats_login("operator")), "itest-queue")
     try:
         consumer = await nc.jetstream().consumer_info("TASKS", durable_name("rollout-workers", info.run_id))
         return consumer.num_pending == 0 and consumer.num_ack_pending == 0
@@ -136,7 +136,7 @@ async def set_engine_delay(url: str, delay_s: float) -> None:
 
 
 async def last_task_sequence(info: RunDir) -> int:
-    nc = await connect_nats(NatsConfig(url=info.nats_url), "itest-seq")
+    nc = await connect_nats(NatsConfig(url=info.nats_url, **info.nats_login("operator")), "itest-seq")
     try:
         return (await nc.jetstream().stream_info("TASKS")).state.last_seq
     finally:
@@ -229,7 +229,8 @@ async def test_a_worker_killed_mid_group_loses_no_task_another_worker_finishes_i
     worker_a, ready = worker_process(rig, "worker-a", "--concurrency", "3", "--metrics.enabled", "false")
     try:
         worker_a.wait_for_file(ready, 20)
-        await publish_tasks([task], rig.info.run_id, rig.info.nats_url, group_size=3, epoch=303)
+        await publish_tasks([task], rig.info.run_id, rig.info.nats_url, group_size=3, epoch=303,
+                            login=rig.info.nats_login("operator"))
         group_id = f"{task.task_id}-{await last_task_sequence(rig.info)}"
         await wait_until_open(rig.info, group_id, 3, worker_a)  # worker A is inside every episode
         worker_a.kill()  # SIGKILL: no cleanup, no nak; the task comes back after ack_wait
@@ -251,6 +252,7 @@ async def test_a_worker_killed_mid_group_loses_no_task_another_worker_finishes_i
 def worker_process(rig: Rig, name: str, *flags: str) -> tuple[ChildProcess, Path]:
     ready = rig.workdir / f"{name}.ready.json"
     child = ChildProcess([str(BIN / "rlfleet-worker"), "--run-id", rig.info.run_id, "--nats.url", rig.info.nats_url,
+                          *login_flags(rig.info.nats_login("worker")),
                           "--session-address", rig.info.session_address, "--sandbox-address", rig.info.sandbox_address,
                           "--verifier-address", rig.info.verifier_address, "--ack-wait-s", str(ACK_WAIT_S),
                           "--max-deliver", "4", "--log.format", "text", "--ready-file", str(ready), *flags],
@@ -275,7 +277,8 @@ async def test_a_worker_process_exports_metrics_and_on_sigterm_hands_its_unfinis
                                    "--metrics.port", "0")
     try:
         port = worker.wait_for_file(ready, 20)["metrics_port"]
-        await publish_tasks([fast], rig.info.run_id, rig.info.nats_url, group_size=2, epoch=606)
+        await publish_tasks([fast], rig.info.run_id, rig.info.nats_url, group_size=2, epoch=606,
+                            login=rig.info.nats_login("operator"))
         for _ in range(100):
             if await queue_is_empty(rig.info):
                 break
@@ -289,7 +292,8 @@ async def test_a_worker_process_exports_metrics_and_on_sigterm_hands_its_unfinis
         assert re.search(r'rlfleet_worker_episodes_total\{[^}]*outcome="passed"[^}]*\} 2\.0', metrics), metrics
 
         await set_engine_delay(rig.engine_url, 2.0)
-        await publish_tasks([slow], rig.info.run_id, rig.info.nats_url, group_size=2, epoch=606)
+        await publish_tasks([slow], rig.info.run_id, rig.info.nats_url, group_size=2, epoch=606,
+                            login=rig.info.nats_login("operator"))
         group_id = f"{slow.task_id}-{await last_task_sequence(rig.info)}"
         await wait_until_open(rig.info, group_id, 2, worker)
         stopped = time.monotonic()
@@ -315,7 +319,7 @@ async def test_bad_task_messages_are_dead_lettered_with_their_reason_and_never_b
     write_for_verifier([good], rig.info.suites_dir)
     unknown = task_message(good, rig.info.run_id)
     unknown.suite, unknown.task_id = "chess", "itest-chess"
-    nc = await connect_nats(NatsConfig(url=rig.info.nats_url), "itest-bad")
+    nc = await connect_nats(NatsConfig(url=rig.info.nats_url, **rig.info.nats_login("operator")), "itest-bad")
     js = nc.jetstream()
     await publish(js, "TASKS", rig.info.run_id, b"\x08\xff\xff garbage", msg_type=TASK_TYPE)
     await publish(js, "TASKS", rig.info.run_id, unknown.SerializeToString(), msg_type=TASK_TYPE)
@@ -399,7 +403,8 @@ async def test_a_group_stopped_by_a_gateway_outage_runs_again_in_the_same_delive
     worker = RolloutWorker(worker_config(rig.info))  # 4 episodes at once: the whole group runs
     running = asyncio.create_task(worker.run_until(1))
     try:
-        await publish_tasks([task], rig.info.run_id, rig.info.nats_url, group_size=3, epoch=404)
+        await publish_tasks([task], rig.info.run_id, rig.info.nats_url, group_size=3, epoch=404,
+                            login=rig.info.nats_login("operator"))
         group_id = f"{task.task_id}-{await last_task_sequence(rig.info)}"
         async with clients(rig.info) as services:
             for _ in range(150):
@@ -428,3 +433,7 @@ async def test_a_group_stopped_by_a_gateway_outage_runs_again_in_the_same_delive
     assert all("-r" not in t.session_id.removeprefix(group_id) for t in kept), "no second delivery"
     assert any("-o" in t.session_id for t in kept), [t.session_id for t in kept]
     assert await queue_is_empty(rig.info)
+
+
+def login_flags(login: dict[str, str]) -> list[str]:
+    return ["--nats.user", login["user"], "--nats.password-file", login["password_file"]] if login else []

@@ -94,15 +94,17 @@ def _ledger(run_dir: Path) -> list[tuple[int, list[str]]]:
     return [(r.version, list(r.ids)) for r in restored.ledger.records()]
 
 
-async def _train_trajectories(nats_url: str) -> list[tuple[float, object]]:
+async def _train_trajectories(nats_url: str, run_dir) -> list[tuple[float, object]]:
     """Every train-split trajectory in TRAJECTORIES, with the time it was published."""
     import nats
     from nats.js.api import DeliverPolicy
 
     from rlfleet.api.common.v1 import common_pb2
-    from rlfleet.common.streams import subject
+    from rlfleet.common.config import NatsConfig
+    from rlfleet.common.infra_auth import run_dir_login
+    from rlfleet.common.streams import connect_nats, subject
 
-    nc = await nats.connect(nats_url)
+    nc = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "operator")), "itest")
     found = []
     try:
         js = nc.jetstream()
@@ -187,7 +189,7 @@ def test_an_interrupted_run_resumes_from_its_run_directory(tmp_path):
         # complete group (rewards not all equal: GRPO drops the others) was trained after the resume.
         nats_url = next(p["url"] for p in json.loads((run_dir / "platform.json").read_text())["processes"]
                         if p["name"] == "nats")
-        published = asyncio.run(_train_trajectories(nats_url))
+        published = asyncio.run(_train_trajectories(nats_url, run_dir))
         groups: dict[str, list] = {}
         for at, traj in published:
             groups.setdefault(traj.group_id, []).append((at, traj))

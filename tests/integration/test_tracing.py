@@ -47,6 +47,7 @@ def start_worker(info, spans: Path, root: Path) -> tuple[ChildProcess, int]:
     """A rollout worker writing spans to `spans`; (its process, its metrics port)."""
     ready = root / "worker.ready.json"
     worker = ChildProcess([str(BIN / "rlfleet-worker"), "--run-id", info.run_id, "--nats.url", info.nats_url,
+                          "--nats.user", "worker", "--nats.password-file", info.nats_login("worker")["password_file"],
                            "--session-address", info.session_address, "--sandbox-address", info.sandbox_address,
                            "--verifier-address", info.verifier_address, "--log.format", "text",
                            "--telemetry.span-file", str(spans), "--ready-file", str(ready)],
@@ -58,7 +59,8 @@ def submit_one_task(info, seed: int, group_size: int):
     """One calc training task, known to the verifier and published on TASKS as a group."""
     task = calc.generate_tasks("train", 1, seed=seed)[0]
     write_for_verifier([task], info.suites_dir)
-    asyncio.run(publish_tasks([task], info.run_id, info.nats_url, group_size=group_size, epoch=seed))
+    asyncio.run(publish_tasks([task], info.run_id, info.nats_url, group_size=group_size, epoch=seed,
+                              login=info.nats_login("operator")))
     return task
 
 

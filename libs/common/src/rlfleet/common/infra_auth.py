@@ -14,7 +14,7 @@ NATS permissions follow the streams in `rlfleet.common.streams` and the worker's
 | trainer        | POLICY                          | TRAJECTORIES                    |
 | weight-broker  | -                               | POLICY                          |
 | worker         | TASKS_DEAD (dead letters)       | TASKS (+ its max-deliveries advisories, get/delete of a lost task) |
-| operator       | TASKS (`rlfleet run`, `rlfleet-submit`) | TRAJECTORIES, POLICY (watching), stream and consumer info |
+| operator       | TASKS (`rlfleet run`, `rlfleet-submit`) | TRAJECTORIES, POLICY, TASKS_DEAD (watching), stream and consumer info |
 
 Every user may read stream info and create the platform's streams (each process ensures them at
 start, whoever comes first), but only a stream's publisher may update its config: an update could
@@ -47,7 +47,7 @@ NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
     "weight-broker": {"publish": (), "consume": ("POLICY",)},
     "worker": {"publish": ("TASKS_DEAD",), "consume": ("TASKS",), "read": ("TASKS",), "delete": ("TASKS",),
                "advisories": ("TASKS",)},
-    "operator": {"publish": ("TASKS",), "consume": ("TRAJECTORIES", "POLICY"), "list": ("TASKS",)},
+    "operator": {"publish": ("TASKS",), "consume": ("TRAJECTORIES", "POLICY", "TASKS_DEAD"), "list": ("TASKS",)},
 }
 
 # Redis key parts (rlfleet:<run>:<part>...) each service reads or writes.

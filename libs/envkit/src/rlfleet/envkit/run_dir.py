@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlfleet.common.infra_auth import run_dir_login
 from rlfleet.envkit.errors import EnvkitError
 
 STATE_FILE = "platform.json"
@@ -28,6 +29,11 @@ class RunDir:
     sandbox_address: str
     verifier_address: str
     suites_dir: Path  # where the verifier reads its suites
+
+    def nats_login(self, user: str) -> dict[str, str]:
+        """`{"user", "password_file"}` of a NATS user of this launch (its `secrets/`): `worker` to run
+        rollouts, `operator` to publish tasks or watch the streams; {} when the launch has none."""
+        return run_dir_login(self.path, "nats", user)
 
     @classmethod
     def load(cls, path: str | Path) -> RunDir:
