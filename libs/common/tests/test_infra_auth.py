@@ -24,8 +24,6 @@ from rlfleet.common.redis_store import connect_redis, key
 from rlfleet.common.streams import connect_nats, ensure_streams, publish, subject
 from rlfleet.common.testing import unique_run_id, without_login
 
-pytestmark = pytest.mark.asyncio
-
 
 def nats_as(nats_url: str, infra_secrets, user: str) -> NatsConfig:
     return NatsConfig(url=without_login(nats_url), **infra_secrets.nats[user].nats())
