@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from rlfleet.api.gateway.v1 import gateway_pb2_grpc
 from rlfleet.common.config import MetricsConfig, RedisConfig
 from rlfleet.common.grpc_server import GrpcServer, channel
-from rlfleet.common.testing import unique_run_id
+from rlfleet.common.testing import unique_run_id, without_login
 from rlfleet.engine.testing import EngineProcess, tiny_model
 from rlfleet.gateway.app import RolloutGatewayApp, build
 from rlfleet.gateway.config import EngineSpec, RolloutGatewayConfig
@@ -39,10 +39,19 @@ class Gateway:
     address: str
 
 
+GATEWAY_LOGIN: dict[str, str] = {}  # the gateway's own Redis user: its tests run with its key patterns
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gateway_login(infra_secrets):
+    GATEWAY_LOGIN.update(infra_secrets.redis["rollout-gateway"].redis())
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(redis_url: str, engines: dict[str, str], run_id: str | None = None, **overrides):
+    redis = RedisConfig(url=without_login(redis_url), **GATEWAY_LOGIN)
     config = RolloutGatewayConfig(
-        run_id=run_id or unique_run_id("gw"), redis=RedisConfig(url=redis_url), metrics=MetricsConfig(enabled=False),
+        run_id=run_id or unique_run_id("gw"), redis=redis, metrics=MetricsConfig(enabled=False),
         engines=[EngineSpec(engine_id=e, url=url) for e, url in engines.items()], **overrides)
     app = build(config)
     server = GrpcServer(config.grpc)

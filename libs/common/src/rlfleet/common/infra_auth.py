@@ -53,8 +53,8 @@ NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
 # Redis key parts (rlfleet:<run>:<part>...) each service reads or writes.
 REDIS_ROLES: dict[str, tuple[str, ...]] = {
     "session-server": ("session", "sessions", "verdicts"),  # verdicts: read at CloseSession
-    "rollout-gateway": ("affinity", "engine_sessions", "admission", "engines", "engine"),
-    "weight-broker": ("broker",),
+    "rollout-gateway": ("affinity", "engine_sessions", "admission", "engines", "engine", "adapter_routes"),
+    "weight-broker": ("broker", "adapter_routes"),  # adapter routes: the broker writes, the gateway reads
     "sandbox-manager": ("sandbox",),
     "verifier": ("verdicts",),
 }
