@@ -397,6 +397,7 @@ GRAPH = {
     ("worker", "session-server", 50051), ("verifier", "session-server", 50051),
     ("worker", "sandbox-manager", 50051), ("verifier", "sandbox-manager", 50051),
     ("worker", "verifier", 50051), ("trainer", "trainer", 29400), ("trainer", "trainer", 29500),
+    ("trainer", "weight-broker", 50051),  # trainer-sent weights ask the broker for a plan
     ("rollout-gateway", "engine", 30000), ("weight-broker", "engine", 30000),
 }
 PODS = ("nats", "redis", "rollout-gateway", "session-server", "sandbox-manager", "verifier", "trainer",

@@ -36,6 +36,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return await self.broker.start_distributed(request)
 
     async def StartTrainerSync(self, request: broker_pb2.StartTrainerSyncRequest, context) -> broker_pb2.TrainerSyncPlan:
+        require_known_enums(request)
         return await self.broker.trainer_syncs.start(request)
 
     async def FinishTrainerSync(
