@@ -31,7 +31,8 @@ class Sessions(session_pb2_grpc.SessionServiceServicer):
                   "missing": NotFound("no session 'missing'"),
                   "closed": FailedPrecondition("session 'closed' is closed"),
                   "busy": ResourceExhausted("too many sessions (busy)"),
-                  "boom": RuntimeError("unexpected")}
+                  "boom": RuntimeError("unexpected"),
+                  "huge-boom": RuntimeError("x" * (4 << 20))}
         if request.session_id in errors:
             raise errors[request.session_id]
         return session_pb2.Session(session_id=request.session_id, token_ids=list(range(len(request.session_id))))
@@ -95,6 +96,13 @@ async def test_an_unexpected_error_is_internal_and_carries_no_details(server):
     boom = error_details(await get(server, "boom"))
     assert boom.code == grpc.StatusCode.INTERNAL and "RuntimeError('unexpected')" in boom.message
     assert (boom.reason, boom.metadata, boom.field_violations) == ("", {}, {})
+
+
+async def test_an_unexpected_error_never_echoes_a_large_message_whole(server):
+    # A 4 MB message in the status would itself be refused (RESOURCE_EXHAUSTED) and hide the error.
+    boom = error_details(await get(server, "huge-boom"))
+    assert boom.code == grpc.StatusCode.INTERNAL and "characters in all" in boom.message
+    assert len(boom.message) < 1000
 
 
 async def test_health_reports_serving_for_the_server_and_each_service(server):

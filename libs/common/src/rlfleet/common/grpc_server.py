@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlfleet.common import roles, security
 from rlfleet.common.config import GrpcServerConfig
-from rlfleet.common.errors import InvalidArgument, StartupError, Unauthenticated, status_for
+from rlfleet.common.errors import InvalidArgument, StartupError, Unauthenticated, clip, status_for
 from rlfleet.common.rich_errors import rich_status
 from rlfleet.common.telemetry import tracing_enabled
 
@@ -103,7 +103,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:
                 if status_for(exc) is None:
                     log.exception("unexpected error in %s", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+                    await context.abort(grpc.StatusCode.INTERNAL, clip(f"internal error in {method}: {exc!r}"))
                 # The structured fields go too, as a google.rpc.Status in the trailer (rich_errors.py).
                 await _refuse(context, exc)
 
