@@ -166,7 +166,8 @@ def _fields(cls) -> dict[str, dict[str, str]]:
 
 def _type_name(tp) -> str:
     text = tp if isinstance(tp, str) else getattr(tp, "__name__", None) if isinstance(tp, type) else repr(tp)
-    return re.sub(r"\b(typing|sglang\.srt\.[\w.]+)\.", "", str(text))
+    text = re.sub(r"\b(typing|sglang\.srt\.[\w.]+)\.", "", str(text))
+    return re.sub(r" object at 0x[0-9a-f]+", "", text)  # an address would change the snapshot every run
 
 
 def _meta_info_keys(source: str) -> list[str]:

@@ -149,15 +149,6 @@ def update_weights_from_staging(checksums: dict[str, str], checksum_algorithm: s
             "pause_mode": pause_mode}
 
 
-def trainer_sent_bodies() -> list[tuple[str, str, dict[str, Any]]]:
-    """Bodies of the trainer-sent transports' SGLang routes (issue 16), added after the snapshot's
-    conversion run: the contract tests check their fields against the snapshot's struct; the
-    msgspec conversion is recorded when the snapshot is next regenerated."""
-    samples = [("update_weights_from_tensor", update_weights_from_tensor(
-        ["gASVAAAA"], weight_version="3", flush_cache=True, abort_all_requests=False))]
-    return [(ROUTES[name][1], ROUTES[name][2], body) for name, body in samples]
-
-
 def sample_bodies() -> list[tuple[str, str, dict[str, Any]]]:
     """(route, io_struct type, body) for every body rlfleet sends, with realistic values."""
     params = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": -1, "stop": ["\n"],
@@ -182,5 +173,7 @@ def sample_bodies() -> list[tuple[str, str, dict[str, Any]]]:
                               lora_path=["7", None, "8"])),
         ("load_lora_adapter", load_lora_adapter("7", "/weights/run/v7-lora", pinned=False)),
         ("unload_lora_adapter", unload_lora_adapter("7")),
+        ("update_weights_from_tensor", update_weights_from_tensor(
+            ["gASVAAAA"], weight_version="3", flush_cache=True, abort_all_requests=False)),
     ]
     return [(ROUTES[name][1], ROUTES[name][2], body) for name, body in samples]
