@@ -27,8 +27,8 @@ builds the default model into OUT (the stack's model-init job) as the launcher d
 
     python -m rlfleet.cli.compose_config secrets OUT [RUN_ID]
 
-writes the same NATS/Redis secrets (and the gRPC certificates) for Kubernetes, to load as the
-`rlfleet-infra-auth` Secret.
+writes the same NATS/Redis secrets for Kubernetes, to load as the `rlfleet-infra-auth` Secret
+(not the gRPC certificates: the manifests do not carry them yet).
 """
 
 from __future__ import annotations
@@ -162,14 +162,15 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
 def write_secrets(directory: Path, run_id: str, container_uid: int | None = CONTAINER_UID) -> None:
     """The stack's NATS and Redis users (rlfleet.common.infra_auth), made once and kept: a password
     per user, NATS's `authorization` block (nats-auth.conf, included by the compose and Kubernetes
-    nats.conf) and Redis's ACL file; for compose (`container_uid`) readable by the containers' uid only.
+    nats.conf) and Redis's ACL file; for compose (`container_uid`) also the gRPC material
+    (`write_tls_secrets`), all readable by the containers' uid only.
     Kubernetes takes the same files as the rlfleet-infra-auth Secret (`secrets` below)."""
     infra = ensure_infra_secrets(directory)
     write_secret(directory / "nats-auth.conf", nats_authorization(infra, run=run_id))
     write_secret(directory / "redis.acl", redis_acl(infra, run=run_id))
-    write_tls_secrets(directory, run_id)
-    if container_uid is None:
+    if container_uid is None:  # Kubernetes: the pods do not carry the gRPC material yet (docs/security.md)
         return
+    write_tls_secrets(directory, run_id)
     uid = int(os.environ.get("RLFLEET_UID", container_uid))
     files = [directory, *directory.rglob("*")]
     if os.geteuid() == 0:
