@@ -6,7 +6,8 @@
     rlfleet-healthcheck --http URL              HTTP 200 from URL (the CPU engine's /health)
 
 Installed in every image as /usr/local/bin/rlfleet-healthcheck and used by the Dockerfiles'
-HEALTHCHECK and by compose. Kubernetes uses its native gRPC probes instead.
+HEALTHCHECK and by compose. gRPC goes over TLS with the container's credentials: the run's CA and the
+one service certificate in $RLFLEET_SECRETS_DIR/certs/ (rlfleet.common.security). Kubernetes uses its native gRPC probes instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ def grpc_serving(address: str, service: str, timeout_s: float) -> tuple[bool, st
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from rlfleet.common import grpc_server, security
+    from rlfleet.common.errors import StartupError
+
+    # TLS, presenting the certificate of the service this container runs (mutual-TLS servers demand
+    # one), from the secrets directory in RLFLEET_SECRETS_DIR.
+    security.adopt_mounted_identity()
+    try:
+        opened = grpc.insecure_channel(address) if security.plaintext() else grpc_server.blocking_channel(address)
+    except StartupError as exc:
+        return False, f"{address}: {exc}"
+    with opened as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

@@ -90,7 +90,13 @@ class Registrar:
         self.stop = stop
         self.grpc = grpc
         self.pb = gateway_pb2
-        self.channel = grpc.insecure_channel(args.gateway)
+        from rlfleet.common import grpc_server, security
+
+        # TLS with the credentials of this pod/container (RLFLEET_SECRETS_DIR: the run's CA and the one
+        # service certificate mounted there); registering is a service or operator right.
+        security.adopt_mounted_identity()
+        self.channel = (grpc.insecure_channel(args.gateway) if security.plaintext()
+                        else grpc_server.blocking_channel(args.gateway))
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
 
     def wait_for_engine(self) -> bool:

@@ -24,10 +24,11 @@ import deploy_helpers as h
 import pytest
 import yaml
 
-from rlfleet.cli.compose_config import RESERVED, write_stack
+from rlfleet.cli.compose_config import IDENTITIES, RESERVED, write_stack
 from rlfleet.cli.compose_config import choose_ports as compose_ports
 from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
 from rlfleet.common.config import read_toml
+from rlfleet.common.security import split_pem
 
 STACK_TOML = h.COMPOSE_FILE.parent / "rlfleet.toml"
 JOBS = {"model-init", "submit"}
@@ -208,6 +209,15 @@ def test_nats_server_accepts_the_config_with_the_generated_users(generated, tmp_
     assert '"user": "session-server"' in (tmp_path / "auth.conf").read_text()
 
 
+def mounted_secrets(service: dict) -> dict[str, str]:
+    """{path under /run/secrets: compose secret} of one container (short and long syntax)."""
+    found = {}
+    for item in service.get("secrets", []):
+        source, target = (item, item) if isinstance(item, str) else (item["source"], item.get("target") or item["source"])
+        found[target] = source
+    return found
+
+
 def test_each_container_gets_only_its_own_secrets_and_redis_needs_a_password(compose, generated):
     out, _, _ = generated
     wanted = {"nats": set(), "redis": {"redis.acl"}, "submit": {"nats-operator.password"},
@@ -217,20 +227,59 @@ def test_each_container_gets_only_its_own_secrets_and_redis_needs_a_password(com
               "worker": {"nats-worker.password"}, "trainer": {"nats-trainer.password"},
               "weight-broker": {"nats-weight-broker.password", "redis-weight-broker.password"}}
     for name, secrets in wanted.items():
-        assert set(compose["services"][name].get("secrets", [])) == secrets, name
-    for name in set(ours(compose)) - set(wanted):
-        assert not compose["services"][name].get("secrets"), name  # the engine and model-init: none
+        infra = {s for s in mounted_secrets(compose["services"][name]).values() if s.startswith(("nats-", "redis"))}
+        assert infra == secrets, name
+    assert not compose["services"]["model-init"].get("secrets")
     redis = compose["services"]["redis"]["command"]
     assert redis[redis.index("--aclfile") + 1] == "/run/secrets/redis.acl"
     assert redis[redis.index("--protected-mode") + 1] == "yes"
     assert "user default off" in (out / "secrets" / "redis.acl").read_text()
-    for path in (out / "secrets").iterdir():
+    for path in (out / "secrets").rglob("*"):
         assert path.stat().st_mode & 0o077 == 0 or os.geteuid() != 0, path  # 0600 where it can be
     for process in ("trainer", "session-server", "worker"):
         config = json.loads((out / "config" / f"{process}.json").read_text())
         assert config["nats"]["password_file"] == f"/run/secrets/nats-{process}.password"
         assert config["nats"]["password"] == ""
     assert not re.search(r"protected-mode\W+no", h.COMPOSE_FILE.read_text())
+
+
+def test_every_grpc_container_gets_its_own_certificate_and_the_ca_and_none_the_ca_key(compose, generated):
+    """The servers are TLS-only (mutual TLS between services): each gRPC service's container has the
+    run's CA certificate, the token key and exactly its own identity's certificate, signed by that CA, in
+    the secrets directory security.py reads there; the worker (an environment client) the CA and a token."""
+    out, env, _ = generated
+    secrets_dir = out / "secrets"
+    default = "${RLFLEET_COMPOSE_SECRETS_DIR:-../../runs/compose/secrets}"
+    for name, identity in IDENTITIES.items():
+        service = compose["services"][name]
+        assert service["environment"]["RLFLEET_SECRETS_DIR"] == "/run/secrets", name
+        mounted = mounted_secrets(service)
+        assert mounted["ca.pem"] == "ca.pem" and mounted["token.key"] == "token.key", name
+        assert [t for t in mounted if t.startswith("certs/")] == [f"certs/{identity}.pem"], name
+        source = Path(compose["secrets"][mounted[f"certs/{identity}.pem"]]["file"].replace(
+            default, env["RLFLEET_COMPOSE_SECRETS_DIR"]))
+        assert source == secrets_dir.resolve() / "certs" / f"{identity}.pem", name
+        _, cert = split_pem(source.read_bytes())
+        check = subprocess.run(["openssl", "verify", "-CAfile", str(secrets_dir / "ca.pem")], input=cert,
+                               capture_output=True, timeout=30)
+        assert check.returncode == 0, (name, check.stderr)
+        subject = subprocess.run(["openssl", "x509", "-noout", "-subject"], input=cert, capture_output=True,
+                                 timeout=30).stdout.decode()
+        assert f"CN = {identity}" in subject or f"CN={identity}" in subject, (name, subject)
+    for name in ("rollout-gateway", "weight-broker", "engine-0"):  # they call or are engines: SGLang's keys
+        assert {"engine_api_key", "engine_admin_api_key"} <= set(mounted_secrets(compose["services"][name])), name
+    worker = compose["services"]["worker"]
+    assert {"ca.pem", "worker.token"} <= set(mounted_secrets(worker))
+    config = json.loads((out / "config" / "worker.json").read_text())
+    assert (config["token_file"], config["ca_file"]) == ("/run/secrets/worker.token", "/run/secrets/ca.pem")
+    assert config["token"] == ""
+    assert not any(s["file"].endswith("ca.key") for s in compose["secrets"].values())
+    assert "ca.key" not in h.COMPOSE_FILE.read_text()
+    # Every one of our containers whose command is a gRPC service is in IDENTITIES.
+    for name, service in ours(compose).items():
+        command = " ".join(service.get("command", []))
+        if any(f"rlfleet-{process} " in command for process in IDENTITIES.values()):
+            assert name in IDENTITIES, name
 
 
 def test_port_base_gives_consecutive_ports_and_refuses_the_hosts_nats_and_redis():
@@ -270,10 +319,13 @@ def metric(port: int, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
 
-def engine_version(port: int) -> int:
-    """The weight version the engine serves (SGLang 0.5.23's dialect: `/model_info`), -1 if unknown."""
+def engine_version(port: int, api_key: str) -> int:
+    """The weight version the engine serves (SGLang 0.5.23's dialect: `/model_info`, behind its api
+    key), -1 if unknown."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/model_info",
+                                     headers={"Authorization": f"Bearer {api_key}"})
     try:
-        reply = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/model_info", timeout=3).read())
+        reply = json.loads(urllib.request.urlopen(request, timeout=3).read())
         return int(reply["weight_version"])
     except (OSError, ValueError, KeyError, TypeError):
         return -1
@@ -317,10 +369,11 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
         up_s = time.monotonic() - up
 
         trainer = ports["trainer-metrics"]
+        api_key = (tmp_path / "secrets" / "engine_api_key").read_text().strip()
         wait_for("the trainer publishes version 2 after training trajectories",
                  lambda: metric(trainer, "rlfleet_trainer_policy_version_number") >= 2
                  and metric(trainer, "rlfleet_trainer_trained_trajectories_total") > 0, 600, logs)
-        wait_for("the engine serves a trained version", lambda: engine_version(ports["engine-0"]) >= 1, 300, logs)
+        wait_for("the engine serves a trained version", lambda: engine_version(ports["engine-0"], api_key) >= 1, 300, logs)
 
         # A crash, as the kernel delivers it: SIGKILL to the container's main process (not `docker
         # stop`, after which compose would rightly leave it stopped).

@@ -18,6 +18,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from rlfleet.common import security
+from rlfleet.common.grpc_server import tls_server_credentials
 
 HEALTHCHECK = h.DEPLOY / "docker" / "healthcheck.py"
 REGISTER = h.DEPLOY / "docker" / "register_engine.py"
@@ -33,7 +35,7 @@ def health_server():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_secure_port("127.0.0.1:0", tls_server_credentials(require_client_auth=True))
     server.start()
     yield servicer, port
     server.stop(0)
@@ -69,6 +71,25 @@ def test_healthcheck_passes_while_serving_and_fails_when_not(health_server):
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     result = run(HEALTHCHECK, f"127.0.0.1:{port}")
     assert result.returncode == 1 and "NOT_SERVING" in result.stderr
+
+
+def test_healthcheck_presents_the_one_certificate_a_container_has_and_needs_no_ca_key(health_server, tmp_path):
+    """A compose container's secrets: the CA certificate, the token key and its own identity's
+    certificate, made up front; the mutual-TLS server lets the health check in with that certificate."""
+    servicer, port = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    run_secrets = security.secrets_dir()
+    container = tmp_path / "secrets"
+    (container / "certs").mkdir(parents=True)
+    for name in ("ca.pem", "token.key"):
+        (container / name).write_bytes((run_secrets / name).read_bytes())
+    (container / "certs" / "verifier.pem").write_bytes(security.identity_pem(run_secrets, "verifier"))
+    env = {**os.environ, security.SECRETS_ENV: str(container)}
+    result = run(HEALTHCHECK, f"127.0.0.1:{port}", env=env)
+    assert result.returncode == 0, result.stderr
+    (container / "certs" / "verifier.pem").unlink()  # no certificate, no CA key: no credentials
+    result = run(HEALTHCHECK, f"127.0.0.1:{port}", env=env)
+    assert result.returncode == 1 and "no credentials" in result.stderr, result.stderr
 
 
 def test_healthcheck_defaults_to_the_port_in_the_service_environment(health_server):
@@ -128,7 +149,7 @@ def gateway(request):
     fake = FakeGateway(refuse=getattr(request, "param", 0))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_secure_port("127.0.0.1:0", tls_server_credentials(require_client_auth=True))
     server.start()
     yield fake, f"127.0.0.1:{port}"
     server.stop(0)

@@ -12,9 +12,11 @@ Paths are the containers' (`/var/lib/rlfleet/run` is the run directory, `/models
 backed by compose volumes. `<out>/compose.env` holds the ports and the run's few other values for
 compose's variable substitution (`docker-compose --env-file`).
 
-NATS and Redis users (rlfleet.common.infra_auth) are made once in `<out>/secrets/` (0600, owned by the
-containers' uid when this runs as root): compose mounts each service's own password file as a
-secret, NATS's authorization block and Redis's ACL file into those two.
+NATS and Redis users (rlfleet.common.infra_auth) and the gRPC trust material (rlfleet.common.security:
+the run's CA, every service's certificate, the token key, the engines' api keys, the workers' token)
+are made once in `<out>/secrets/` (0600, owned by the containers' uid when this runs as root): compose
+mounts each service's own password file and certificate as secrets, NATS's authorization block and
+Redis's ACL file into those two. The CA key is mounted nowhere.
 
 Ports are free ones (`free_port`) unless `--port-base N` asks for N, N+1, ... (fixed, e.g. to reach
 the stack's Prometheus metrics from elsewhere); either way none is NATS's 4222 or Redis's 6379.
@@ -25,7 +27,8 @@ builds the default model into OUT (the stack's model-init job) as the launcher d
 
     python -m rlfleet.cli.compose_config secrets OUT [RUN_ID]
 
-writes the same NATS/Redis secrets for Kubernetes, to load as the `rlfleet-infra-auth` Secret.
+writes the same NATS/Redis secrets for Kubernetes, to load as the `rlfleet-infra-auth` Secret
+(not the gRPC certificates: the manifests do not carry them yet).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 
 from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, write_process_config
 from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
+from rlfleet.common import security
 from rlfleet.common.config import load_config
 from rlfleet.common.errors import StartupError
 from rlfleet.common.infra_auth import ensure_infra_secrets, nats_authorization, redis_acl, write_secret
@@ -54,6 +58,10 @@ ENGINE = "engine-0"
 PORTS = ("nats", "nats-monitor", "redis", ENGINE, f"{ENGINE}-metrics",
          *ALL_SERVICES, *(f"{s}-metrics" for s in ALL_SERVICES), "worker-metrics")
 RESERVED = {4222, 6379, 8222}  # the host's own NATS/Redis (and NATS monitoring) defaults
+# The gRPC identity (rlfleet.common.security) of each service's container: its entry point's name.
+IDENTITIES = {"rollout-gateway": "gateway", "session-server": "session-server", "sandbox-manager": "sandbox-manager",
+              "verifier": "verifier", "trainer": "trainer", "weight-broker": "weight-broker"}
+WORKER_CLIENT = "worker"  # the rollout workers' environment-client name (a token, no certificate)
 
 
 def choose_ports(port_base: int | None) -> dict[str, int]:
@@ -128,6 +136,8 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
                           session_address=state.by_name("session-server").address,
                           sandbox_address=state.by_name("sandbox-manager").address,
                           verifier_address=state.by_name("verifier").address,
+                          # an environment client: the run's CA and its own token, both compose secrets
+                          token_file=f"{SECRETS_MOUNT}/worker.token", ca_file=f"{SECRETS_MOUNT}/ca.pem",
                           default_group_size=config.trainer.group_size,
                           metrics={"host": "127.0.0.1", "port": ports["worker-metrics"]},
                           log={"format": config.log_format})
@@ -138,7 +148,9 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
            "PROMETHEUS_PORT": os.environ.get("PROMETHEUS_PORT", "9090"),
            "GRAFANA_PORT": os.environ.get("GRAFANA_PORT", "3000"),
            "RLFLEET_RUN_ID": config.run_id, "RLFLEET_CONFIG_DIR": str((out / "config").resolve()),
-           "RLFLEET_SECRETS_DIR": str((out / "secrets").resolve()),
+           # Not RLFLEET_SECRETS_DIR: that names a process's own secrets (rlfleet.common.security), and a
+           # shell's value would win over this file in compose's substitution.
+           "RLFLEET_COMPOSE_SECRETS_DIR": str((out / "secrets").resolve()),
            "RLFLEET_MODEL_SEED": str(config.model_seed), "RLFLEET_GROUP_SIZE": str(config.trainer.group_size),
            "RLFLEET_TASKS": str(tasks), "RLFLEET_NATS_MAX_PAYLOAD": str(config.nats.max_payload_bytes),
            **{f"RLFLEET_PORT_{name.upper().replace('-', '_')}": str(port) for name, port in ports.items()}}
@@ -150,15 +162,17 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
 def write_secrets(directory: Path, run_id: str, container_uid: int | None = CONTAINER_UID) -> None:
     """The stack's NATS and Redis users (rlfleet.common.infra_auth), made once and kept: a password
     per user, NATS's `authorization` block (nats-auth.conf, included by the compose and Kubernetes
-    nats.conf) and Redis's ACL file; for compose (`container_uid`) readable by the containers' uid only.
+    nats.conf) and Redis's ACL file; for compose (`container_uid`) also the gRPC material
+    (`write_tls_secrets`), all readable by the containers' uid only.
     Kubernetes takes the same files as the rlfleet-infra-auth Secret (`secrets` below)."""
     infra = ensure_infra_secrets(directory)
     write_secret(directory / "nats-auth.conf", nats_authorization(infra, run=run_id))
     write_secret(directory / "redis.acl", redis_acl(infra, run=run_id))
-    if container_uid is None:
+    if container_uid is None:  # Kubernetes: the pods do not carry the gRPC material yet (docs/security.md)
         return
+    write_tls_secrets(directory, run_id)
     uid = int(os.environ.get("RLFLEET_UID", container_uid))
-    files = [directory, *directory.iterdir()]
+    files = [directory, *directory.rglob("*")]
     if os.geteuid() == 0:
         for path in files:
             os.chown(path, uid, uid)
@@ -169,6 +183,19 @@ def write_secrets(directory: Path, run_id: str, container_uid: int | None = CONT
               f"or build the image with RLFLEET_UID={os.geteuid()}, to keep it 0600)", file=sys.stderr)
         for path in files:
             path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def write_tls_secrets(directory: Path, run_id: str) -> None:
+    """The gRPC trust material, made once and kept, with rlfleet.common.security's own functions: the
+    run's CA, token key and engine keys, every service identity's certificate (certs/<identity>.pem, made
+    here so that no container needs the CA key) and the workers' environment-client token (worker.token).
+    Each container gets the CA certificate, the token key and its own certificate; the CA key stays here."""
+    security.ensure_secrets(directory, run_id)
+    for identity in IDENTITIES.values():
+        security.identity_pem(directory, identity)
+    if not (directory / "worker.token").exists():
+        token, _ = security.issue_token(directory, run_id, WORKER_CLIENT)
+        write_secret(directory / "worker.token", token)
 
 
 def build_model(out: Path, seed: int) -> int:

@@ -357,6 +357,17 @@ def identity() -> str:
     return _identity
 
 
+def adopt_mounted_identity() -> str:
+    """A helper process beside a service in its container (the health check, the engine registrar)
+    presents that service's certificate: the only one in the secrets directory's certs/, when just
+    one is there (compose and Kubernetes mount one per container); else it stays the operator."""
+    directory = secrets_dir()
+    certs = sorted((directory / "certs").glob("*.pem")) if directory is not None else []
+    if len(certs) == 1:
+        set_identity(certs[0].stem)
+    return _identity
+
+
 def trusted_credentials(directory: str | Path, name: str) -> Credentials:
     """A service's (or the operator's) credentials from the run's secrets directory."""
     root = Path(directory)
@@ -387,7 +398,8 @@ def local_credentials() -> Credentials:
 
 
 def _resolve(directory: str, token: str) -> Credentials:
-    if directory and Path(directory, "ca.key").exists():
+    # A container (compose, Kubernetes) gets its identity's certificate made up front and no CA key.
+    if directory and (Path(directory, "ca.key").exists() or Path(directory, "certs", f"{_identity}.pem").exists()):
         found = trusted_credentials(directory, _identity)
         if token:
             found.token = token

@@ -25,8 +25,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rlfleet.api.common.v1 import common_pb2
+from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import check_health
 from rlfleet.common.queue_metrics import QueueDepthPoller
 from rlfleet.common.streams import connect_nats, ensure_streams
@@ -63,6 +65,17 @@ class WorkerStats:
     def tasks_done(self) -> int:
         """Task messages this worker settled for good: acked, or dead-lettered (unfinished or bad)."""
         return self.tasks_acked + self.tasks_dead_lettered + sum(self.bad_tasks.values())
+
+
+def worker_token(config: WorkerConfig) -> str:
+    """The token the worker calls with: `token`, else the contents of `token_file`, else none (then
+    the environment's, `Clients.connect`)."""
+    if config.token or not config.token_file:
+        return config.token
+    try:
+        return Path(config.token_file).read_text().strip()
+    except OSError as exc:
+        raise StartupError(f"cannot read the worker's token_file {config.token_file}: {exc}") from None
 
 
 class RolloutWorker:
@@ -229,7 +242,7 @@ class RolloutWorker:
         config = self.config
         if self.clients is None:  # first: a missing address fails fast, before anything connects
             self.clients = Clients.connect(session=config.session_address, sandbox=config.sandbox_address,
-                                           verifier=config.verifier_address, token=config.token,
+                                           verifier=config.verifier_address, token=worker_token(config),
                                            ca_file=config.ca_file)
             self._own_clients = True
         self.nc = await connect_nats(config.nats, f"rlfleet-worker-{config.run_id}")

@@ -37,6 +37,8 @@ class WorkerConfig(StrictModel):
     verifier_address: str = Field("", description="host:port of the verifier")
     token: str = Field("", description="this worker's environment-client token (`rlfleet token issue`); "
                        "empty: $RLFLEET_TOKEN, or the run's secrets directory")
+    token_file: str = Field("", description="a file holding the token (a compose or Kubernetes secret); "
+                            "read at start when `token` is empty")
     ca_file: str = Field("", description="the run's CA certificate (<run_dir>/secrets/ca.pem); empty: "
                          "$RLFLEET_CA_FILE, or the run's secrets directory")
     concurrency: int = Field(8, ge=1, description="episodes this worker runs at once (all groups together)")
