@@ -175,7 +175,7 @@ async def test_every_kind_of_bad_input_is_refused_with_its_status_and_what_was_w
         (sessions.GetSession, pb.GetSessionRequest(session_id="never-opened"), Code.NOT_FOUND, "not found"),
         (sessions.CloseSession, pb.CloseSessionRequest(session_id="never-opened"), Code.NOT_FOUND, "not found"),
         (sessions.CloseSession, pb.CloseSessionRequest(session_id=live, status=99), Code.INVALID_ARGUMENT,
-         "unknown trajectory status 99"),
+         "status: 99 is not a known value"),
         (sessions.AbortSession, pb.AbortSessionRequest(session_id=closed), Code.FAILED_PRECONDITION,
          "already closed"),
     ]

@@ -63,7 +63,9 @@ async def test_nats_without_a_login_is_refused(nats_url):
 
 async def test_nats_with_a_wrong_password_is_refused(nats_url):
     config = NatsConfig(url=without_login(nats_url), user="trainer", password="wrong", connect_timeout_s=2)
-    with pytest.raises(StartupError, match="(?i)authorization"):
+    # The server answers -ERR 'Authorization Violation' and closes; on a loaded host the close can
+    # reach the client first, as a reset. Either way the login is refused, never taken.
+    with pytest.raises(StartupError, match="(?i)authorization|connection reset"):
         await connect_nats(config, "t-wrong")
 
 

@@ -134,7 +134,7 @@ async def test_deeply_nested_json_is_a_400_logged_once_per_peer(engine):
     logged_before = engine.log().count("undecodable request body")
     async with aiohttp.ClientSession() as session:
         for path in ("/generate", "/update_weight_version", "/generate"):
-            async with session.post(engine.url + path, data=deep) as response:
+            async with session.post(engine.url + path, data=deep, headers=auth_headers(path)) as response:
                 assert response.status == 400, path
                 assert "nested too deeply" in (await response.json())["error"]["message"]
     assert (await call(engine.url, "/health_generate", method="GET"))[0] == 200
@@ -149,7 +149,8 @@ async def test_an_error_never_echoes_a_large_input_whole(engine):
     status, reply = await call(engine.url, "/generate", {"input_ids": [1], "sampling_params": {"top_p": huge}})
     assert status == 400 and len(reply["error"]["message"]) < 1000
     async with aiohttp.ClientSession() as session:
-        async with session.post(engine.url + "/generate", data=b'{"rid": "' + huge.encode()) as response:
+        async with session.post(engine.url + "/generate", data=b'{"rid": "' + huge.encode(),
+                                headers=auth_headers("/generate")) as response:
             assert response.status == 400 and len(await response.read()) < 1000
 
 

@@ -12,13 +12,13 @@ transfer is caught by comparing two dicts.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import torch
 
 from rlfleet.weights.codec import checksum
+from rlfleet.weights.sent_checks import DEFAULT_ALGORITHM, mismatched
 
-DEFAULT_ALGORITHM = "sha256"
+__all__ = ["DEFAULT_ALGORITHM", "mismatched", "nbytes", "served_named", "tensor_checksums"]
 
 
 def served_named(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -49,11 +49,6 @@ def _bytes_of(t: torch.Tensor):
 
 def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]], algorithm: str = DEFAULT_ALGORITHM) -> dict[str, str]:
     return {name: checksum(_bytes_of(t), algorithm) for name, t in named}
-
-
-def mismatched(expected: Mapping[str, str], got: Mapping[str, Any]) -> list[str]:
-    """Names whose checksum differs or is missing on either side (empty: the transfer is whole)."""
-    return sorted(n for n in set(expected) | set(got) if expected.get(n) != got.get(n))
 
 
 def nbytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:

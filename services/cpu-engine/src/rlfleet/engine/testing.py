@@ -147,7 +147,8 @@ def token_logprobs(model, tokens: list[int]) -> list[float]:
 def auth_headers(path: str) -> dict[str, str]:
     """The run's engine key a route wants (admin routes the admin key), as the gateway and broker send it."""
     api, admin = engine_keys()
-    key = admin if path in ADMIN_ROUTES or path.startswith("/rlfleet/") else api
+    route = path.partition("?")[0]  # the server checks the route, never the query string
+    key = admin if route in ADMIN_ROUTES or route.startswith("/rlfleet/") else api
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

@@ -50,7 +50,7 @@ from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
 from rlfleet.common.engine_client import EngineError, EngineRejected
 from rlfleet.weights import DirectoryWeightStore, WeightStoreError
 from rlfleet.weights.local_copy import LocalCopies, Staged
-from rlfleet.weights.sent import mismatched
+from rlfleet.weights.sent_checks import mismatched
 
 log = logging.getLogger(__name__)
 
