@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import importlib
 import re
 import subprocess
+import sys
 
 import deploy_helpers as h
 import pytest
 import yaml
 
-from rlfleet.cli.compose_config import write_secrets
+from rlfleet.cli.compose_config import IDENTITIES, write_secrets
 from rlfleet.common.config import ConfigError, env_overrides, resolve
 
 HPA_SERVICES = ("session-server", "rollout-gateway", "verifier", "sandbox-manager")
@@ -108,7 +110,7 @@ def test_workloads_have_probes_and_resources(overlay, rendered):
 
 
 @pytest.mark.parametrize("overlay", h.OVERLAYS)
-def test_grpc_services_use_native_grpc_probes_on_the_configured_port(overlay, rendered):
+def test_grpc_services_probe_their_health_over_tls_on_the_configured_port(overlay, rendered):
     objects = rendered[overlay]
     for obj in workloads(objects):
         name = obj["metadata"]["name"]
@@ -119,7 +121,10 @@ def test_grpc_services_use_native_grpc_probes_on_the_configured_port(overlay, re
         assert env["RLFLEET__GRPC__PORT"] == str(h.GRPC_PORT) and env["RLFLEET__GRPC__HOST"] == "0.0.0.0"
         assert env["RLFLEET__METRICS__PORT"] == str(h.METRICS_PORT)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": h.GRPC_PORT}, f"{name}.{probe}"
+            # kubelet's own gRPC probe speaks plaintext, which a TLS-only server refuses
+            assert container[probe]["exec"]["command"] == ["rlfleet-healthcheck", f"127.0.0.1:{h.GRPC_PORT}"], \
+                f"{name}.{probe}"
+            assert container[probe].get("timeoutSeconds", 1) >= 3, f"{name}.{probe}: Python and a TLS handshake"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["grpc"] == h.GRPC_PORT and ports["metrics"] == h.METRICS_PORT
         annotations = obj["spec"]["template"]["metadata"].get("annotations", {})
@@ -476,3 +481,142 @@ def test_nats_and_redis_logins_come_from_the_secret_each_service_only_its_own(ov
             keys = [item["key"] for item in secret["items"]]
             name = obj["metadata"]["name"]
             assert all(name in key or key in ("nats-auth.conf", "redis.acl") for key in keys), (name, keys)
+
+
+# -- gRPC trust material from Secrets ------------------------------------------------------------
+
+TLS_SECRET = "rlfleet-tls"
+SECRETS_ENV = "RLFLEET_SECRETS_DIR"  # rlfleet.common.security.SECRETS_ENV
+ENGINE_KEYS = {"engine_api_key", "engine_admin_api_key"}
+NEEDS_ENGINE_KEYS = {"rollout-gateway", "weight-broker"}  # they call the engines' HTTP API
+
+
+def tls_mount(spec: dict, container: dict) -> tuple[str, dict[str, str]]:
+    """Where `container` has the rlfleet-tls Secret and which keys it gets there (key -> path)."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes.get(mount["name"], {}).get("secret", {})
+        if secret.get("secretName") == TLS_SECRET:
+            assert mount.get("readOnly") is True, f"{container['name']}: {TLS_SECRET} mounted writable"
+            assert "items" in secret, f"{container['name']}: all of {TLS_SECRET}, not just its own items"
+            return mount["mountPath"], {i["key"]: i["path"] for i in secret["items"]}
+    raise AssertionError(f"{container['name']} does not mount {TLS_SECRET}")
+
+
+def all_pod_specs(objects):
+    for obj in objects:
+        spec = h.pod_spec(obj)
+        if spec is not None:
+            yield obj["metadata"]["name"], spec
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+@pytest.mark.parametrize("service", h.GRPC_SERVICES)
+def test_every_container_of_a_grpc_service_has_its_own_tls_material(overlay, service, rendered):
+    objects = rendered[overlay]
+    workload = next(o for o in workloads(objects) if o["metadata"]["name"] == service)
+    spec = h.pod_spec(workload)
+    identity = IDENTITIES[service]
+    for container in spec["containers"]:
+        path, items = tls_mount(spec, container)
+        env = h.resolve_env(container, objects)
+        assert env.get(SECRETS_ENV) == path, f"{service}/{container['name']}: {SECRETS_ENV} is not the mount"
+        expected = {"ca.pem": "ca.pem", "token.key": "token.key", f"{identity}.pem": f"certs/{identity}.pem"}
+        if service in NEEDS_ENGINE_KEYS:
+            expected |= {key: key for key in ENGINE_KEYS}
+        # Just one certificate: the health check and the service take the only one in certs/ as theirs.
+        assert items == expected, f"{overlay}: {service}/{container['name']}"
+    if spec.get("securityContext", {}).get("runAsUser", 0) != 0:
+        assert spec["securityContext"].get("fsGroup") == spec["securityContext"]["runAsUser"], \
+            f"{service}: 0440 Secret files are readable only through the pod's fsGroup"
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_workers_and_engines_get_their_credentials_from_the_secret(overlay, rendered):
+    objects = rendered[overlay]
+    pods = dict(all_pod_specs(objects))
+    worker = next(c for c in pods["worker"]["containers"] if c["name"] == "worker")
+    path, items = tls_mount(pods["worker"], worker)
+    env = h.resolve_env(worker, objects)
+    # An environment client: the CA certificate and its token, no service certificate or token key.
+    assert items == {"ca.pem": "ca.pem", "worker.token": "worker.token"}
+    assert env["RLFLEET__CA_FILE"] == f"{path}/ca.pem" and env["RLFLEET__TOKEN_FILE"] == f"{path}/worker.token"
+    assert SECRETS_ENV not in env
+    if overlay == "cpu-local":
+        engine = pods["cpu-engine"]["containers"][0]
+        path, items = tls_mount(pods["cpu-engine"], engine)
+        assert set(items) == ENGINE_KEYS and h.resolve_env(engine, objects)[SECRETS_ENV] == path
+    else:
+        spec = pods["sglang-engine"]
+        sglang = next(c for c in spec["containers"] if c["name"] == "sglang")
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in sglang["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        assert f"--api-key=$({next(n for n, r in refs.items() if r['key'] == 'engine_api_key')})" in sglang["args"]
+        assert f"--admin-api-key=$({next(n for n, r in refs.items() if r['key'] == 'engine_admin_api_key')})" \
+            in sglang["args"]
+        register = next(c for c in spec["containers"] if c["name"] == "register")
+        path, items = tls_mount(spec, register)
+        assert h.resolve_env(register, objects)[SECRETS_ENV] == path
+        assert items == {"ca.pem": "ca.pem", "token.key": "token.key",
+                         "engine-registrar.pem": "certs/engine-registrar.pem"}
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_no_native_grpc_probe_remains(overlay, rendered):
+    for name, spec in all_pod_specs(rendered[overlay]):
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert "grpc" not in container.get(probe, {}), f"{overlay}: {name}/{container['name']}.{probe}"
+
+
+@pytest.fixture(scope="module")
+def generated_secrets(tmp_path_factory):
+    """deploy/k8s/make_secrets.py's output, as docs/deploy.md says to run it, and the directory it kept."""
+    directory = tmp_path_factory.mktemp("k8s-credentials")
+    result = subprocess.run([sys.executable, str(h.K8S / "make_secrets.py"), str(directory)],
+                            capture_output=True, text=True, timeout=120, cwd=h.ROOT)
+    assert result.returncode == 0, result.stderr
+    return {s["metadata"]["name"]: s for s in yaml.safe_load_all(result.stdout)}, directory
+
+
+def test_generated_secrets_carry_no_ca_key(generated_secrets):
+    secrets, directory = generated_secrets
+    assert set(secrets) == {"rlfleet-infra-auth", TLS_SECRET}
+    ca_key = (directory / "ca.key").read_bytes()
+    assert b"PRIVATE KEY" in ca_key
+    for name, secret in secrets.items():
+        assert secret["kind"] == "Secret" and secret["metadata"]["namespace"] == "rlfleet"
+        assert "ca.key" not in secret["data"], name
+        for key, value in secret["data"].items():
+            assert ca_key.strip() not in base64.b64decode(value), f"{name}/{key} holds the CA key"
+
+
+def test_generated_certificates_are_signed_by_the_run_ca(generated_secrets, tmp_path):
+    data = {k: base64.b64decode(v) for k, v in generated_secrets[0][TLS_SECRET]["data"].items()}
+    (tmp_path / "ca.pem").write_bytes(data["ca.pem"])
+    for identity in [*IDENTITIES.values(), "engine-registrar"]:
+        (tmp_path / "leaf.pem").write_bytes(data[f"{identity}.pem"])
+        result = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), str(tmp_path / "leaf.pem")],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, identity + result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("overlay", h.OVERLAYS)
+def test_every_secret_key_a_pod_uses_is_generated_and_none_is_a_ca_key(overlay, rendered, generated_secrets):
+    secrets, _ = generated_secrets
+    objects = rendered[overlay]
+    for obj in objects:
+        if obj["kind"] == "Secret":  # none is shipped, but one added to an overlay must not carry the CA key
+            assert "ca.key" not in {**obj.get("data", {}), **obj.get("stringData", {})}, obj["metadata"]["name"]
+    used = 0
+    for name, spec in all_pod_specs(objects):
+        refs = [(v["secret"]["secretName"], i["key"]) for v in spec.get("volumes", []) if "secret" in v
+                for i in v["secret"].get("items", [])]
+        refs += [(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+                 for c in spec.get("initContainers", []) + spec["containers"] for e in c.get("env", [])
+                 if "secretKeyRef" in e.get("valueFrom", {})]
+        for secret, key in refs:
+            assert key != "ca.key", f"{overlay}: {name} mounts the CA key"
+            if secret.startswith("rlfleet-"):  # not the operator's own (gpu-cluster's optional hf-token)
+                assert secret in secrets and key in secrets[secret]["data"], f"{overlay}: {name}: {secret}/{key} is not made"
+                used += 1
+    assert used > 20
