@@ -7,7 +7,8 @@
 
 Installed in every image as /usr/local/bin/rlfleet-healthcheck and used by the Dockerfiles'
 HEALTHCHECK and by compose. gRPC goes over TLS with the container's credentials: the run's CA and the
-one service certificate in $RLFLEET_SECRETS_DIR/certs/ (rlfleet.common.security). Kubernetes uses its native gRPC probes instead.
+one service certificate in $RLFLEET_SECRETS_DIR/certs/ (rlfleet.common.security). Kubernetes runs it as
+an exec probe: the kubelet's native gRPC probe speaks plaintext, which these servers refuse.
 """
 
 from __future__ import annotations

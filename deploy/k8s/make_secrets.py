@@ -14,9 +14,9 @@ credentials. Two Secrets come out:
   one `<identity>.pem` (key and certificate) per service identity, plus `engine-registrar.pem` for the
   SGLang pods' registrar. Each pod mounts only its own items (deploy/k8s/base/*.yaml).
 
-The CA key (DIR/ca.key) goes in neither: it stays in DIR, where `rlfleet token issue --run-dir` style
-operations and new certificates need it. The token list and revocations stay there too, so revoking a
-worker's token on Kubernetes means issuing a new worker.token and re-applying (docs/security.md).
+The CA key (DIR/ca.key) goes in neither: it stays in DIR, where new certificates are signed. So do the
+token list and the operator's certificate; with DIR = RUN/secrets, `rlfleet token issue NAME --run-dir
+RUN` issues environment-client tokens the pods accept (docs/security.md "Kubernetes").
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ builds the default model into OUT (the stack's model-init job) as the launcher d
 
     python -m rlfleet.cli.compose_config secrets OUT [RUN_ID]
 
-writes the same NATS/Redis secrets for Kubernetes, to load as the `rlfleet-infra-auth` Secret
-(not the gRPC certificates: the manifests do not carry them yet).
+writes the same NATS/Redis secrets for Kubernetes, to load as the `rlfleet-infra-auth` Secret;
+deploy/k8s/make_secrets.py renders it and the gRPC material's `rlfleet-tls` as manifests.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def write_secrets(directory: Path, run_id: str, container_uid: int | None = CONT
     infra = ensure_infra_secrets(directory)
     write_secret(directory / "nats-auth.conf", nats_authorization(infra, run=run_id))
     write_secret(directory / "redis.acl", redis_acl(infra, run=run_id))
-    if container_uid is None:  # Kubernetes: the pods do not carry the gRPC material yet (docs/security.md)
+    if container_uid is None:  # Kubernetes: deploy/k8s/make_secrets.py adds the gRPC material itself
         return
     write_tls_secrets(directory, run_id)
     uid = int(os.environ.get("RLFLEET_UID", container_uid))
