@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -620,3 +621,63 @@ def test_every_secret_key_a_pod_uses_is_generated_and_none_is_a_ca_key(overlay, 
                 assert secret in secrets and key in secrets[secret]["data"], f"{overlay}: {name}: {secret}/{key} is not made"
                 used += 1
     assert used > 20
+
+
+SERVE_HEALTH = """
+import asyncio, sys
+from rlfleet.common import security
+from rlfleet.common.config import GrpcServerConfig
+from rlfleet.common.grpc_server import GrpcServer
+
+async def main():
+    security.set_identity(sys.argv[1])
+    server = GrpcServer(GrpcServerConfig())
+    print(await server.start(), flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def materialize(directory, data: dict[str, str], items: dict[str, str]) -> None:
+    """A Secret volume as the kubelet writes it: each item's key at its path."""
+    for key, path in items.items():
+        (directory / path).parent.mkdir(parents=True, exist_ok=True)
+        (directory / path).write_bytes(base64.b64decode(data[key]))
+
+
+def probe_exits(command: list[str], port: int, secrets_dir, **extra: str) -> subprocess.CompletedProcess:
+    program, address = command
+    assert program == "rlfleet-healthcheck" and address == f"127.0.0.1:{h.GRPC_PORT}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET")} | {SECRETS_ENV: str(secrets_dir), **extra}
+    return subprocess.run([sys.executable, str(h.DEPLOY / "docker" / "healthcheck.py"), f"127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.parametrize("service", ["session-server", "rollout-gateway"])
+def test_the_probe_passes_with_just_the_mounted_items_and_fails_without_the_certificate(
+        service, rendered, generated_secrets, tmp_path):
+    objects = rendered["cpu-local"]
+    spec = h.pod_spec(next(o for o in workloads(objects) if o["metadata"]["name"] == service))
+    container = next(c for c in spec["containers"] if c["name"] == service)
+    _, items = tls_mount(spec, container)
+    data = generated_secrets[0][TLS_SECRET]["data"]
+    pod, without_cert = tmp_path / "pod", tmp_path / "no-cert"
+    materialize(pod, data, items)
+    materialize(without_cert, data, {k: p for k, p in items.items() if not p.startswith("certs/")})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET")} | {SECRETS_ENV: str(pod)}
+    server = subprocess.Popen([sys.executable, "-c", SERVE_HEALTH, f"rlfleet-{IDENTITIES[service]}"],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(server.stdout.readline())
+        command = container["readinessProbe"]["exec"]["command"]
+        passed = probe_exits(command, port, pod)
+        assert passed.returncode == 0, passed.stderr
+        # Mutual TLS: without the container's own certificate the handshake fails, even for a caller
+        # with the CA certificate and a valid token (the workers').
+        token = base64.b64decode(data["worker.token"]).decode().strip()
+        refused = probe_exits(command, port, without_cert, RLFLEET_TOKEN=token)
+        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr, refused.stderr
+    finally:
+        server.kill()
+        server.wait(timeout=10)
