@@ -5,8 +5,6 @@ routes and never reload the base weights."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import redis.asyncio as aioredis
 import torch
@@ -20,7 +18,7 @@ from rlfleet.broker.testing import policy_version
 from rlfleet.common.adapter_routes import AdapterRoutes
 from rlfleet.common.engine_client import EngineClient, EngineTimeouts
 from rlfleet.common.testing import unique_run_id
-from rlfleet.engine.testing import EngineProcess, build_tiny_model, merged_lora_model, token_logprobs
+from rlfleet.engine.testing import build_tiny_model, merged_lora_model, token_logprobs
 from rlfleet.trainer.config import BatchConfig, LossConfig, TorchBackendConfig
 from rlfleet.trainer.objectives import rl_step
 from rlfleet.trainer.testing import make_samples
@@ -37,29 +35,6 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 def model_dir(tmp_path_factory):
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=1)
-
-
-@pytest.fixture(scope="module")
-def store_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("weights")
-
-
-@pytest.fixture(scope="module")
-def engines(model_dir, store_root, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("engines")
-    procs = {name: EngineProcess(model_dir, workdir / name, weight_store_root=store_root, engine_id=name)
-             for name in ("c0", "f0")}  # fmt: skip
-    threads = [threading.Thread(target=p.start) for p in procs.values()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        assert all(p.url for p in procs.values()), "an engine did not start"
-        yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 class LoraTrainer:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import threading
 from pathlib import Path
 
 import grpc
@@ -37,30 +36,6 @@ def model_dir(tmp_path_factory):
 
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=1)
-
-
-@pytest.fixture(scope="module")
-def store_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("weights")
-
-
-@pytest.fixture(scope="module")
-def engines(model_dir, store_root, tmp_path_factory):
-    """c0 (canary) and f0 (fleet), started side by side."""
-    workdir = tmp_path_factory.mktemp("engines")
-    procs = {name: EngineProcess(model_dir, workdir / name, weight_store_root=store_root, engine_id=name)
-             for name in ("c0", "f0")}  # fmt: skip
-    threads = [threading.Thread(target=p.start) for p in procs.values()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        assert all(p.url for p in procs.values()), "an engine did not start"
-        yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def engine_list(engines, kinds=None, **pools):

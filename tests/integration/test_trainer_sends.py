@@ -11,7 +11,6 @@ checksum check; the engine keeps what it had, and the broker brings it to the ve
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import pytest
@@ -23,7 +22,7 @@ from rlfleet.common.grpc_server import channel as open_channel
 from rlfleet.common.processes import eventually
 from rlfleet.common.streams import connect_nats, ensure_streams
 from rlfleet.common.testing import unique_run_id
-from rlfleet.engine.testing import EngineProcess, assert_engine_serves
+from rlfleet.engine.testing import assert_engine_serves
 from rlfleet.engine.testing import http_call as call
 from rlfleet.trainer.testing import TrainerProcess, publish_trajectories, trajectory_protos, write_tiny_model
 from rlfleet.weights import DirectoryWeightStore
@@ -38,29 +37,6 @@ PROTO = {"distributed": broker_pb2.TRANSPORT_DISTRIBUTED, "p2p": broker_pb2.TRAN
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def store_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("weights")
-
-
-@pytest.fixture(scope="module")
-def engines(model_dir, store_root, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("engines")
-    procs = {name: EngineProcess(model_dir, workdir / name, weight_store_root=store_root, engine_id=name)
-             for name in ("c0", "f0")}  # fmt: skip
-    threads = [threading.Thread(target=p.start) for p in procs.values()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        assert all(p.url for p in procs.values()), "an engine did not start"
-        yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.fixture
