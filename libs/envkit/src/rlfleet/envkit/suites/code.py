@@ -19,6 +19,7 @@ import random
 from rlfleet.envkit.errors import TaskGenerationError
 from rlfleet.envkit.suite_format import Limits, Message, Task, ToolSpec, UnitTestsVerifier
 from rlfleet.envkit.suites.code_templates import TEMPLATES, CodeTemplate
+from rlfleet.envkit.suites.hidden_tests import hidden_test_script
 
 SUITE = "code"
 SOLUTION_FILE = "solution.py"
@@ -34,49 +35,13 @@ TOOLS = (
 LIMITS = Limits(max_turns=6, max_new_tokens=512, timeout_s=120.0, tool_timeout_s=10.0)
 _HELDOUT_PCT = 25
 
-_HARNESS = '''\
-"""Hidden tests for {function}(); prints PASS/FAIL per test and a RESULT line, exits 0 iff all pass."""
-import math
-import sys
-
-sys.path.insert(0, ".")
-CASES = {cases!r}
-
-
-def same(got, expected):
-    if isinstance(expected, bool):
-        return isinstance(got, bool) and got == expected
-    if isinstance(expected, float):
-        return isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9)
-    return type(got) is type(expected) and got == expected
-
-
-def main():
+_IMPORT_CANDIDATE = '''\
     try:
         from solution import {function} as candidate
     except BaseException as exc:  # SystemExit at import too: it must not end the run early
         print(f"FAIL import_solution: {{type(exc).__name__}}: {{exc}}")
         print("RESULT passed=0 failed=1")
         return 1
-    failed = 0
-    for index, (args, expected) in enumerate(CASES):
-        name = f"test_{function}_{{index}}"
-        try:
-            got = candidate(*args)
-        except BaseException as exc:
-            failed += 1
-            print(f"FAIL {{name}}: {{type(exc).__name__}}: {{exc}}")
-            continue
-        if same(got, expected):
-            print(f"PASS {{name}}")
-        else:
-            failed += 1
-            print(f"FAIL {{name}}: {function}{{tuple(args)!r}} returned {{got!r}}, expected {{expected!r}}")
-    print(f"RESULT passed={{len(CASES) - failed}} failed={{failed}}")
-    return 1 if failed else 0
-
-
-sys.exit(main())
 '''
 
 
@@ -86,8 +51,12 @@ def split_of(function: str) -> str:
 
 
 def build_test_script(template: CodeTemplate) -> str:
+    function = template.function
     cases = [(list(args), expected) for args, expected in template.cases]
-    return _HARNESS.format(function=template.function, cases=cases)
+    return hidden_test_script(title=f"Hidden tests for {function}();", cases=cases, case="(args, expected)",
+                              name=f'f"test_{function}_{{index}}"', call="candidate(*args)",
+                              mismatch=function + "{tuple(args)!r} returned {got!r}, expected {expected!r}",
+                              preamble='sys.path.insert(0, ".")\n', setup=_IMPORT_CANDIDATE.format(function=function))
 
 
 def prompt_of(template: CodeTemplate) -> str:

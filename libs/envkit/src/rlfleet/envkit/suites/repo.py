@@ -42,6 +42,7 @@ from typing import Any
 
 from rlfleet.envkit.errors import TaskGenerationError
 from rlfleet.envkit.suite_format import Limits, Message, Task, ToolSpec, UnitTestsVerifier
+from rlfleet.envkit.suites.hidden_tests import hidden_test_script
 from rlfleet.envkit.suites.repo_templates import FUNCTIONS, HELPER_MODULES, MODULES, Bug, FunctionTemplate
 
 SUITE = "repo"
@@ -86,46 +87,6 @@ for args, expected in {cases!r}:
 print("all tests passed" if not failed else f"{{failed}} failed")
 sys.exit(1 if failed else 0)
 '''
-
-_HIDDEN_TESTS = '''\
-"""Hidden tests: prints PASS/FAIL per test and a RESULT line, exits 0 iff all pass."""
-import importlib
-import math
-import sys
-
-CASES = {cases!r}
-
-
-def same(got, expected):
-    if isinstance(expected, bool):
-        return isinstance(got, bool) and got == expected
-    if isinstance(expected, float):
-        return isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9)
-    return type(got) is type(expected) and got == expected
-
-
-def main():
-    failed = 0
-    for index, (module, function, args, expected) in enumerate(CASES):
-        name = f"test_{{index}}"
-        try:
-            got = getattr(importlib.import_module(module), function)(*args)
-        except BaseException as exc:
-            failed += 1
-            print(f"FAIL {{name}}: {{type(exc).__name__}}: {{exc}}")
-            continue
-        if same(got, expected):
-            print(f"PASS {{name}}")
-        else:
-            failed += 1
-            print(f"FAIL {{name}}: returned {{got!r}}")
-    print(f"RESULT passed={{len(CASES) - failed}} failed={{failed}}")
-    return 1 if failed else 0
-
-
-sys.exit(main())
-'''
-
 
 @dataclass(frozen=True)
 class Instance:
@@ -221,7 +182,10 @@ class Instance:
         return cases
 
     def hidden_tests(self) -> str:
-        return _HIDDEN_TESTS.format(cases=self.hidden_cases())
+        return hidden_test_script(title="Hidden tests:", cases=self.hidden_cases(), imports=("importlib",),
+                                  case="(module, function, args, expected)", name='f"test_{index}"',
+                                  call="getattr(importlib.import_module(module), function)(*args)",
+                                  mismatch="returned {got!r}")
 
     def solution_files(self) -> tuple[str, ...]:
         return tuple(sorted(path for path in self.workspace() if path != self.test_file))
