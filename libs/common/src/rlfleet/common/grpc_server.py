@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -284,13 +284,30 @@ def blocking_channel(address: str, options: Iterable[tuple[str, Any]] = (),
     return grpc.secure_channel(address, channel_creds, options=list(options))
 
 
-class AuthChannel:
+class _WrappedChannel:
+    """A client channel over `inner` that is `inner` in all but what a subclass defines."""
+
+    def __init__(self, inner: grpc.aio.Channel) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def __aenter__(self) -> Self:
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self._inner.__aexit__(*exc)
+
+
+class AuthChannel(_WrappedChannel):
     """A client channel whose unary calls carry `authorization: Bearer <token>`, added to the call's
     metadata (not as grpc call credentials, which run a Python plugin on a thread for every call). A
     call that brings its own `authorization` (on a caller's behalf) keeps it."""
 
     def __init__(self, inner: grpc.aio.Channel, token: str) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._header = (("authorization", f"Bearer {token}"),)
 
     def unary_unary(self, method: str | bytes, *args: Any, **kwargs: Any) -> _AuthedCall:
@@ -304,16 +321,6 @@ class AuthChannel:
 
     def stream_unary(self, method: str | bytes, *args: Any, **kwargs: Any) -> _AuthedCall:
         return _AuthedCall(self._inner.stream_unary(method, *args, **kwargs), self._header)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    async def __aenter__(self) -> AuthChannel:
-        await self._inner.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> Any:
-        return await self._inner.__aexit__(*exc)
 
 
 class _AuthedCall:
@@ -329,7 +336,7 @@ class _AuthedCall:
         return self.call(*args, metadata=metadata, **kwargs)
 
 
-class TracedChannel:
+class TracedChannel(_WrappedChannel):
     """A client channel whose unary calls each get the CLIENT span the OpenTelemetry gRPC client
     instrumentation records (named after the method, with its attributes) and carry the trace context
     in their metadata, so the server's span continues the trace.
@@ -342,22 +349,12 @@ class TracedChannel:
     def __init__(self, inner: grpc.aio.Channel, tracer: Any = None) -> None:
         from opentelemetry import trace
 
-        self._inner = inner
+        super().__init__(inner)
         # The instrumentation's scope name, so these spans look the same downstream.
         self._tracer = tracer or trace.get_tracer("opentelemetry.instrumentation.grpc._client")
 
     def unary_unary(self, method: str | bytes, *args: Any, **kwargs: Any) -> _TracedUnary:
         return _TracedUnary(self._tracer, method, self._inner.unary_unary(method, *args, **kwargs))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    async def __aenter__(self) -> TracedChannel:
-        await self._inner.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> Any:
-        return await self._inner.__aexit__(*exc)
 
 
 class _TracedUnary:
