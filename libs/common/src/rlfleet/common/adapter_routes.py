@@ -30,6 +30,7 @@ import json
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from rlfleet.common.redis_store import key
 
@@ -59,7 +60,7 @@ class AdapterRoutes:
         unknown = sorted(set(routes) - set(ROLES))
         if unknown:
             raise ValueError(f"unknown roles {unknown}; roles are {', '.join(ROLES)}")
-        present = {role: json.dumps({"lora_name": r.lora_name, "version": r.version})
+        present: dict[FieldT, EncodableT] = {role: json.dumps({"lora_name": r.lora_name, "version": r.version})
                    for role, r in routes.items() if r is not None}
         absent = [role for role, r in routes.items() if r is None]
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -74,10 +75,15 @@ class AdapterRoutes:
 
     async def all(self) -> dict[str, AdapterRoute]:
         raw = await self.redis.hgetall(self._key)
-        return {role.decode(): route for role, value in raw.items() if (route := _route(value)) is not None}
+        # The client never decodes (connect_redis): keys are bytes, though redis types them bytes | str.
+        return {_text(role): route for role, value in raw.items() if (route := _route(value)) is not None}
 
 
-def _route(raw: bytes | None) -> AdapterRoute | None:
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _route(raw: bytes | str | None) -> AdapterRoute | None:
     if raw is None:
         return None
     value = json.loads(raw)

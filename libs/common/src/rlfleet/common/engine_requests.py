@@ -149,7 +149,7 @@ def update_weights_from_staging(checksums: dict[str, str], checksum_algorithm: s
             "pause_mode": pause_mode}
 
 
-def sample_bodies() -> list[tuple[str, str, dict[str, Any]]]:
+def sample_bodies() -> list[tuple[str, str | None, dict[str, Any]]]:
     """(route, io_struct type, body) for every body rlfleet sends, with realistic values."""
     params = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": -1, "stop": ["\n"],
               "stop_token_ids": [2], "sampling_seed": 7, "ignore_eos": False}

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlfleet.common import roles, security
 from rlfleet.common.config import GrpcServerConfig
-from rlfleet.common.errors import InvalidArgument, StartupError, Unauthenticated, clip, status_for
+from rlfleet.common.errors import InvalidArgument, RlfleetError, StartupError, Unauthenticated, clip
 from rlfleet.common.rich_errors import rich_status
 from rlfleet.common.telemetry import tracing_enabled
 
@@ -51,7 +51,7 @@ def authenticate(context: grpc.aio.ServicerContext, book: security.TokenBook | N
     return None, ""
 
 
-async def _refuse(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+async def _refuse(context: grpc.aio.ServicerContext, exc: RlfleetError) -> None:
     status = rich_status(exc)
     await context.abort(status.code, status.details, status.trailing_metadata)
 
@@ -78,7 +78,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         open_to_all = self.open_to_all
 
         async def guarded(raw: Any, context: grpc.aio.ServicerContext) -> Any:
-            principal, token = BENCHMARK_CALLER, ""
+            principal: security.Principal | None = BENCHMARK_CALLER
+            token = ""
             try:
                 if not open_to_all:
                     principal, token = authenticate(context, book)
@@ -100,12 +101,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 return await inner(request, context)
             except grpc.aio.AbortError:
                 raise
-            except Exception as exc:
-                if status_for(exc) is None:
-                    log.exception("unexpected error in %s", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, clip(f"internal error in {method}: {exc!r}"))
+            except RlfleetError as exc:
                 # The structured fields go too, as a google.rpc.Status in the trailer (rich_errors.py).
                 await _refuse(context, exc)
+            except Exception as exc:
+                log.exception("unexpected error in %s", method)
+                await context.abort(grpc.StatusCode.INTERNAL, clip(f"internal error in {method}: {exc!r}"))
 
         return grpc.unary_unary_rpc_method_handler(
             guarded, request_deserializer=None,
@@ -258,7 +259,7 @@ def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Itera
     (`dns:///session-server:50051`), so scaled replicas share the load; turn it off for a peer whose
     state lives on one replica (a sandbox exists only on the manager that created it)."""
 
-    options = [*message_options(max_message_bytes), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000),
+    options: list[tuple[str, Any]] = [*message_options(max_message_bytes), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000),
                *RECONNECT_BACKOFF]
     if balance:
         options.append(("grpc.lb_policy_name", "round_robin"))

@@ -33,6 +33,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 SECRETS_DIR = "secrets"
@@ -197,7 +198,7 @@ def nats_permissions(role: str, run: str = "*") -> dict[str, dict[str, list[str]
 def nats_authorization(infra: InfraSecrets, run: str = "*", superusers: tuple[str, ...] = ()) -> str:
     """The `authorization { users = [...] }` block of nats-server's config (JSON is valid NATS
     config syntax). `superusers` may do anything: only the test harness has one."""
-    users = []
+    users: list[dict[str, Any]] = []
     for user, credential in infra.nats.items():
         if user in superusers:
             users.append({"user": user, "password": credential.password})

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
+import redis.asyncio as aioredis
+from nats.aio.client import Client as NatsClient
+from nats.js.client import JetStreamContext
+
 from rlfleet.common.config import ServiceConfig
 from rlfleet.common.redis_store import connect_redis
 from rlfleet.common.service import App
@@ -26,17 +30,18 @@ class PeersApp(App):
     def __init__(self, config: ServiceConfig, name: str) -> None:
         self.config = config
         self.name = name
-        self.nc = None
-        self.js = None
-        self.redis = None
+        # Set by connect(), for the peers the subclass uses.
+        self.nc: NatsClient | None = None
+        self.js: JetStreamContext | None = None
+        self.redis: aioredis.Redis | None = None
 
     async def connect(self) -> None:
         if self.uses_redis:
             self.redis = await connect_redis(self.config.redis)  # type: ignore[attr-defined]
         if self.uses_nats:
             self.nc = await connect_nats(self.config.nats, self.name)  # type: ignore[attr-defined]
-            self.js = self.nc.jetstream()
-            await ensure_streams(self.js)
+            self.js = js = self.nc.jetstream()
+            await ensure_streams(js)
 
     async def stop(self) -> None:
         if self.nc is not None:

@@ -79,7 +79,7 @@ def write_json_atomic(path: str | Path, payload: Any) -> Path:
     return target
 
 
-def wait_until(predicate: Callable[[], T], timeout_s: float, what: str = "condition",
+def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str = "condition",
                process: ChildProcess | None = None, every_s: float = 0.05) -> T:
     """Polls `predicate` until it returns something truthy, which is returned; fails early when
     `process` exits meanwhile."""
@@ -219,6 +219,8 @@ class ServiceProcess(ChildProcess):
     command line. `info` is what the ready file says: `grpc_address` and `metrics_port` for a
     service, `url` and `port` for an engine."""
 
+    env: dict[str, str]  # always given to ChildProcess: __init__ builds it
+
     def __init__(self, script: str | list[str], workdir: Path, *args: Any, config: dict | None = None,
                  env: dict[str, str] | None = None, name: str = "", new_session: bool = False,
                  log_lines: int = 40, log_path: Path | None = None, ready_file: Path | None = None) -> None:
@@ -247,7 +249,7 @@ class ServiceProcess(ChildProcess):
         self.env.setdefault(SECRETS_ENV, str(ensure_local_credentials()))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
-        if self.config_file is not None:
+        if self.config_file is not None and self.config is not None:  # set together in __init__
             write_json_atomic(self.config_file, nested(self.config))
         super().spawn()
         return self

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -22,7 +24,7 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
     # rather than fail once per stale connection.
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=8)
     # User and password from config; a URL with them in it (redis://user:pass@host) wins.
-    login = {"username": config.user, "password": read_password(config.password, config.password_file, "Redis")} \
+    login: dict[str, Any] = {"username": config.user, "password": read_password(config.password, config.password_file, "Redis")} \
         if config.user else {}
     client = aioredis.Redis.from_url(url, **login, socket_connect_timeout=config.connect_timeout_s,
                                      socket_timeout=max(config.connect_timeout_s, 10.0), decode_responses=False,

@@ -20,9 +20,9 @@ import os
 import signal
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import uvloop
 
@@ -36,6 +36,7 @@ from rlfleet.common.telemetry import setup_telemetry
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=ProcessConfig)
+S = TypeVar("S", bound=ServiceConfig)
 
 
 class App(ABC):
@@ -73,7 +74,7 @@ def app_factory(factory: Callable[[C], App] | str) -> Callable[[C], App]:
     return getattr(importlib.import_module(module), function)
 
 
-async def serve(name: str, config: ServiceConfig, factory: Callable[[ServiceConfig], App] | str) -> None:
+async def serve(name: str, config: S, factory: Callable[[S], App] | str) -> None:
     telemetry = setup_telemetry(name, config.telemetry, config.metrics)
     stop = stop_on_signals()
     app = app_factory(factory)(config)
@@ -117,7 +118,7 @@ def start_process(name: str, config_cls: type[C], argv: list[str] | None = None,
     return config
 
 
-def run_process(name: str, config_cls: type[C], body: Callable[[C], Awaitable[None]],
+def run_process(name: str, config_cls: type[C], body: Callable[[C], Coroutine[Any, Any, None]],
                 argv: list[str] | None = None) -> None:
     """Entry point of a console script: `start_process`, then `body(config)` on uvloop; exits 1
     with one line when it cannot start."""
@@ -129,7 +130,7 @@ def run_process(name: str, config_cls: type[C], body: Callable[[C], Awaitable[No
         raise SystemExit(1) from None
 
 
-def run_service(name: str, config_cls: type[C], factory: Callable[[C], App] | str,
+def run_service(name: str, config_cls: type[S], factory: Callable[[S], App] | str,
                 argv: list[str] | None = None) -> None:
     """Entry point of a service's console script: `run_process` serving the App `factory` builds
     (a function, or "module:function" to import after the config is parsed)."""

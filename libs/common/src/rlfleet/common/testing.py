@@ -54,7 +54,9 @@ def client_credentials(run_id: str, name: str = "client") -> security.Credential
 def client_env(run_id: str, name: str = "client") -> dict[str, str]:
     """The environment a child process runs as an environment client with (RLFLEET_TOKEN, CA file)."""
     creds = client_credentials(run_id, name)
-    return {security.TOKEN_ENV: creds.token, security.CA_ENV: str(security.secrets_dir() / "ca.pem")}
+    directory = security.secrets_dir()
+    assert directory is not None, "the rlfleet_secrets fixture sets the secrets directory"
+    return {security.TOKEN_ENV: creds.token, security.CA_ENV: str(directory / "ca.pem")}
 
 
 @pytest.fixture(scope="session")

@@ -74,7 +74,7 @@ def _call_object(value: Any, raw: str, arguments_key: tuple[str, ...], trailing:
     name = value["name"]
     if trailing:
         return ParsedCall(name, raw=raw, error="malformed tool call: text after the call's JSON")
-    arguments = next((value[k] for k in arguments_key if k in value), {})
+    arguments: Any = next((value[k] for k in arguments_key if k in value), {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
