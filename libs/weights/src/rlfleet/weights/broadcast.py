@@ -37,6 +37,7 @@ def join_group(
     """Creates (rank 0 hosts the TCP store) or joins the group; blocks until all ranks are in."""
     from torch.distributed.distributed_c10d import (
         Backend,
+        GroupName,
         PrefixStore,
         _new_process_group_helper,
         _world,
@@ -53,7 +54,7 @@ def join_group(
     params = inspect.signature(_new_process_group_helper).parameters
     options = {"backend_options" if "backend_options" in params else "pg_options": None}
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **options
+        world_size, rank, [], Backend(backend), store, group_name=GroupName(group_name), timeout=timeout, **options
     )
     # Group rank == "global" rank for this group, so `broadcast(src=0, group=...)` resolves.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}

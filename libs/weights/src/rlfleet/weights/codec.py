@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +28,7 @@ class DecodeError(Exception):
 
 def checksum(arr: np.ndarray, algorithm: str) -> str:
     """Hex digest of a tensor's bytes, in memory order (C-contiguous)."""
-    data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
     if algorithm == "sha256":
         return hashlib.sha256(data).hexdigest()
     if algorithm == "blake2b":
@@ -117,17 +118,17 @@ def candidates(old: np.ndarray, new: np.ndarray, encoding: str, level: int = 3) 
     cctx = _compressor(level)
     gaps = np.diff(positions, prepend=-1) - 1
     width = _min_uint(int(gaps.max()))
-    pos_frame = cctx.compress(shuffle(gaps.astype(width)))
+    pos_frame = cctx.compress(shuffle(gaps.astype(width)).data)
     out = []
     if encoding in ("xor", "auto"):
-        out.append(EncodedTensor("xor", changed, n, "dense", {"xor": cctx.compress(shuffle(x))}))
+        out.append(EncodedTensor("xor", changed, n, "dense", {"xor": cctx.compress(shuffle(x).data)}))
         out.append(
             EncodedTensor(
                 "xor",
                 changed,
                 n,
                 "sparse",
-                {"positions": pos_frame, "xor": cctx.compress(shuffle(x[positions]))},
+                {"positions": pos_frame, "xor": cctx.compress(shuffle(x[positions]).data)},
                 width.name,
             )
         )
@@ -138,7 +139,7 @@ def candidates(old: np.ndarray, new: np.ndarray, encoding: str, level: int = 3) 
                 changed,
                 n,
                 "sparse",
-                {"positions": pos_frame, "values": cctx.compress(shuffle(new[positions]))},
+                {"positions": pos_frame, "values": cctx.compress(shuffle(new[positions]).data)},
                 width.name,
             )
         )
@@ -186,7 +187,7 @@ def decode_segments(
     changed: int,
     numel: int,
     uint: np.dtype,
-    segments: dict[str, bytes | bytearray],
+    segments: Mapping[str, bytes | bytearray],
     position_dtype: str | None,
     sparse_below: float = 0.01,
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -220,6 +221,7 @@ def apply_decoded(target: np.ndarray, d: DecodedTensor) -> None:
     """Write one decoded change into ``target`` (flat uint view) in place."""
     if d.encoding == "none":
         return
+    assert d.values is not None, f"{d.name}: a {d.encoding} change without values"
     if d.encoding == "overwrite":
         if d.positions is None:
             np.copyto(target, d.values)

@@ -190,7 +190,7 @@ def apply_delta(
     parallel_map(lambda item: apply_decoded(item[1], decoded.tensors[item[0]]), targets.items(), workers)
     decoded.applied = True
 
-    mode = verify
+    mode: str = verify
     if verify == "auto":
         mode = "preverified" if preverified else "written"
     if mode in ("written", "all"):

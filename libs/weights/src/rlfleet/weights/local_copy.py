@@ -78,7 +78,7 @@ class LocalCopies:
         if index.kind != "delta":
             raise VersionNotFound(version, f"no delta at this version (it is a {index.kind})")
         if base is None or held != index.base_version:
-            raise BaseVersionMismatch(index.base_version, held,  # type: ignore[arg-type]
+            raise BaseVersionMismatch(index.base_version, held,
                                       f"the local copy of {holder} is version {held}")
         decoded = self.store.fetch_delta(version)
         preverify_delta(base, decoded, workers=self.store.config.workers)  # current + delta == trainer's
@@ -87,6 +87,7 @@ class LocalCopies:
         # (not the held buffers) needs no second hash: each result was just hashed in scratch.
         for name, d in decoded.changed.items():
             flat = tensors.arrays[name].reshape(-1)
+            assert d.values is not None, f"{name}: a changed tensor without values"
             if d.positions is None:
                 flat[:] = d.values.reshape(-1)
             else:

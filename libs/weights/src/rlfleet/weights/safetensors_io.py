@@ -63,7 +63,7 @@ def write_safetensors(
         f.write(raw)
         for _, _, arr in items:
             if arr.nbytes:
-                f.write(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+                f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(raw) + offset
@@ -120,7 +120,7 @@ class SafetensorsFile:
         """A fresh, writable array holding the tensor's bytes (one read, no extra copy)."""
         e = self.entries[name]
         arr = np.empty(e.shape, dtype=STORAGE_DTYPES[e.dtype])
-        self._read_into(memoryview(arr.reshape(-1).view(np.uint8)), e.begin, name)
+        self._read_into(arr.reshape(-1).view(np.uint8).data, e.begin, name)
         return arr
 
     def read_into(self, name: str, out: np.ndarray) -> None:
@@ -128,7 +128,7 @@ class SafetensorsFile:
         e = self.entries[name]
         if not out.flags.c_contiguous or out.nbytes != e.end - e.begin:
             raise ValueError(f"{name}: target of {out.nbytes} bytes cannot hold {e.end - e.begin}")
-        self._read_into(memoryview(out.reshape(-1).view(np.uint8)), e.begin, name)
+        self._read_into(out.reshape(-1).view(np.uint8).data, e.begin, name)
 
     def read_bytes(self, name: str) -> bytearray:
         e = self.entries[name]

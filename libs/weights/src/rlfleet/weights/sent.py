@@ -26,7 +26,7 @@ def served_named(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
     """(name, tensor) in order, tied tensors once, floating ones cast to `dtype`; left on their device."""
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     cast = getattr(torch, dtype) if dtype else None
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, int | torch.SymInt, tuple[int, ...]]] = set()
     out = []
     for name, t in items:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))

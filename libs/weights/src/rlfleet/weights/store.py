@@ -464,8 +464,8 @@ class DirectoryWeightStore:
         return DecodedDelta(
             self.run_id,
             version,
-            index.base_version,
-            index.checksum,  # type: ignore[arg-type]
+            index.base_version,  # type: ignore[arg-type]  # a delta's index always names its base
+            index.checksum,
             {d.name: d for d in decoded},
             payload,
         )

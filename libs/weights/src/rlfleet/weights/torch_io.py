@@ -28,7 +28,7 @@ _SERVED_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.floa
 _BITS = {torch.bfloat16: (torch.int16, np.uint16)}
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+def _storage_key(t: torch.Tensor) -> tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
