@@ -48,7 +48,7 @@ lint: install
 	$(PY) scripts/gen_proto.py --check
 
 typecheck-count: install
-	-$(VENV)/bin/mypy $(ALL_PACKAGES) | grep -E '^(libs|services)/[^:]+: error' | cut -d/ -f1-2 | sort | uniq -c
+	-$(VENV)/bin/mypy $(ALL_PACKAGES) | grep -E '^(libs|services)/[^:]+:[0-9]+: error' | cut -d/ -f1-2 | sort | uniq -c
 
 up: install
 	$(VENV)/bin/rlfleet up --detach
