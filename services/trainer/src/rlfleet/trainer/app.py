@@ -21,6 +21,7 @@ from rlfleet.common.config import require
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import GrpcServer
 from rlfleet.common.peers import PeersApp
+from rlfleet.trainer import startup
 from rlfleet.trainer.service_config import TrainerConfig
 from rlfleet.trainer.servicer import NO_MODEL, TrainerServicer
 
@@ -42,6 +43,7 @@ class TrainerApp(PeersApp):
 
     async def start(self, server: GrpcServer) -> None:
         await self.connect()
+        startup.mark("peers_connected")
         if self.config.has_model:
             await self._start_training()
         else:
@@ -62,12 +64,14 @@ class TrainerApp(PeersApp):
         from rlfleet.trainer.loop import TrainerLoop
         from rlfleet.weights import DirectoryWeightStore
 
+        startup.mark("training_imports")
         # Full checkpoints carry the model's config and tokenizer files.
         weights = cfg.weights if cfg.weights.base_dir else cfg.weights.model_copy(
             update={"base_dir": Path(cfg.model_path)})
         store = DirectoryWeightStore(cfg.weight_store, cfg.run_id, weights)
         consumer = TrajectoryConsumer(self.js, cfg.run_id, cfg.consumer_name(), cfg.consumer)
         await consumer.start()
+        startup.mark("consumer_attached")
         self.depth = QueueDepthPoller(self.js, STREAM, consumer.name)
         self.depth.start()
         self.worker = Worker()
@@ -97,4 +101,5 @@ class TrainerApp(PeersApp):
 
 
 def build(config: TrainerConfig) -> TrainerApp:
+    startup.mark("config_and_service_imports")
     return TrainerApp(config, "rlfleet-trainer")

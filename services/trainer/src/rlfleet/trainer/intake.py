@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from nats.errors import Error as NatsError
 
+from rlfleet.trainer import startup
 from rlfleet.trainer.consumer import Delivery
 from rlfleet.trainer.filters import GroupFilters
 from rlfleet.trainer.groups import Group, GroupBuffer
@@ -77,6 +78,12 @@ class Intake:
                 await self._close(group)
 
     async def admit(self, d: Delivery) -> None:
+        startup.mark("first_delivery")
+        if "first_redelivery" not in startup.passed:
+            # A nats Msg knows how often it was delivered; a predecessor's held message comes back > 1.
+            metadata = getattr(d, "metadata", None)
+            if metadata is not None and metadata.num_delivered > 1:
+                startup.mark("first_redelivery")
         try:
             traj = decode(d.data)
         except Rejected as r:

@@ -19,6 +19,7 @@ from typing import Any
 from opentelemetry import trace
 
 from rlfleet.common.telemetry import link_to
+from rlfleet.trainer import startup
 from rlfleet.trainer.checkpointer import Checkpointer, ServiceState
 from rlfleet.trainer.filters import GroupFilters
 from rlfleet.trainer.groups import GroupBuffer
@@ -95,12 +96,14 @@ class TrainerLoop:
         """The latest checkpoint (weights, optimizer, ledger, version) or the starting model; then
         makes sure the store and POLICY have the version the trainer holds."""
         await self.learner.load()
+        startup.mark("model_built")
         vocab, max_tokens = model_limits(self.config.model_path)
         self.intake.limits = Limits(self.config.run_id, vocab, max_tokens)
         self.checkpointer.remove_temporaries()
         restored = self.checkpointer.latest()
         if restored is not None:
             await self.learner.load_checkpoint(restored.path)
+            startup.mark("checkpoint_loaded")
             self.ledger = self.intake.ledger = restored.ledger
             self.version, self.parent_version = restored.state.policy_version, restored.state.parent_version
             self.intake.dropped_by_reason.update(restored.state.dropped_by_reason)
@@ -111,6 +114,7 @@ class TrainerLoop:
         self.metrics.version.set(self.version)
         self.state, self.state_message = "running", ""
         self._started = time.monotonic()
+        startup.mark("ready")
 
     async def _sync_versions(self) -> None:
         latest = self.store.latest_version()
@@ -168,6 +172,7 @@ class TrainerLoop:
         start = time.monotonic()
         await self._publish_version(self.parent_version, self.last_metrics)
         self.metrics.publish_time.record(time.monotonic() - start)
+        startup.mark("first_version_published")
 
     async def _publish_version(self, parent: int, metrics: dict[str, float]) -> None:
         """The current version to the store and POLICY: the full policy, or with LoRA the adapter on the

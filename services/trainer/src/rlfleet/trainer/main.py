@@ -9,6 +9,7 @@ import os
 import signal
 
 from rlfleet.common.service import run_service, start_process
+from rlfleet.trainer import startup
 from rlfleet.trainer.service_config import TrainerConfig
 
 NAME = "rlfleet-trainer"
@@ -32,6 +33,7 @@ def follow() -> None:
 
 
 def main() -> None:
+    startup.begin()  # what came before: the interpreter and this script's imports
     if is_follower():
         follow()
     else:

@@ -51,7 +51,7 @@ class ConsumerConfig(StrictModel):
 
     name: str = Field("", pattern=r"^[A-Za-z0-9_-]{0,64}$",
                       description="durable consumer name; empty = trainer-<run_id>")
-    ack_wait_s: float = Field(60.0, gt=0, description="redelivery after this long without an ack; held "
+    ack_wait_s: float = Field(10.0, gt=0, description="redelivery after this long without an ack; held "
                               "messages are kept alive with in-progress acks every ack_wait_s / 3, so this "
                               "is also how long a restarted trainer waits for its predecessor's messages")
     max_ack_pending: int = Field(4096, ge=1, description="unacked messages the server lets this consumer hold; "
