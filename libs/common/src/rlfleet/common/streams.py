@@ -75,7 +75,9 @@ async def connect_nats(config: NatsConfig, name: str) -> nats.NATS:
         # nats-py retries a first connect forever too: a refused login would hang here.
         return await asyncio.wait_for(connecting, 2 * config.connect_timeout_s + 1)
     except (TimeoutError, NatsError, OSError) as exc:
-        refused = [e for e in errors if isinstance(e, AuthorizationError)]  # what the reset after it hides
+        # What the reset after it hides. nats-py reports a refused login as AuthorizationError or, on some
+        # paths, as a plain Error carrying the server's "-ERR 'Authorization Violation'" text.
+        refused = [e for e in errors if isinstance(e, AuthorizationError) or "authorization" in str(e).lower()]
         why = (refused or errors or [exc])[-1]
         raise StartupError(f"cannot connect to NATS at {shown}: {why or type(why).__name__}") from None
 
