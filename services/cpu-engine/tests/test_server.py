@@ -186,7 +186,8 @@ async def test_paused_engine_aborts_in_flight_requests_in_abort_mode(engine):
         assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
         # While paused, new work waits; health still answers.
         waiting = asyncio.create_task(
-            call(engine.url, "/generate", {"input_ids": [1, 3], "sampling_params": {"max_new_tokens": 3}})
+            call(engine.url, "/generate",
+                 {"input_ids": [1, 3], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
         )
         await asyncio.sleep(0.3)
         assert not waiting.done()
