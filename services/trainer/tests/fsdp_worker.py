@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from rlfleet.trainer.batching import pack_batch
@@ -65,6 +66,10 @@ def main(out: Path, algorithm: str) -> None:
     if b.rank == 0:
         torch.save(logprobs, out / "logprobs.pt")
         (out / "metrics.json").write_text(json.dumps({"world_size": b.world_size, "steps": metrics}))
+    if b.world_size > 1:
+        # A rank that tears gloo down while the other still has work queued on the group dies in C++
+        # ("terminate called without an active exception"): both ranks leave together.
+        dist.barrier()
     b.close()
 
 
