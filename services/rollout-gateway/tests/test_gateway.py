@@ -18,7 +18,7 @@ from rlfleet.api.gateway.v1 import gateway_pb2 as pb
 from rlfleet.common.adapter_routes import AdapterRoute, AdapterRoutes
 from rlfleet.common.engine_client import EngineClient
 from rlfleet.common.redis_store import key
-from rlfleet.engine.testing import make_lora_adapter
+from rlfleet.engine.testing import EngineProcess, make_lora_adapter
 
 from .conftest import running_gateway
 
@@ -365,3 +365,38 @@ async def test_admission_staleness_counts_the_adapters_version_not_the_base_mode
         await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=None)
         refused = await gateway.stub.Admit(pb.AdmitRequest(session_id="t"))
         assert not refused.admitted and refused.reason == "stale"
+
+
+async def test_a_turn_on_an_engine_that_lost_its_adapter_goes_to_one_that_holds_it_or_is_unavailable(
+        redis_url, engine_url, model_dir, tmp_path):
+    """An engine restarted since the broker loaded the adapter there (a second real engine, holding
+    none) answers 400 "never been loaded": that is not the request's fault and must not burn the
+    episode, nor is the engine unhealthy."""
+    adapter = make_lora_adapter(model_dir, tmp_path / "v4", seed=4)
+    params = {"max_new_tokens": 4, "sampling_seed": 1}
+    restarted = EngineProcess(model_dir, tmp_path / "restarted", weight_version="3").start()
+    try:
+        async with EngineClient(engine_url) as holder:
+            await holder.load_lora_adapter("v4", str(adapter))
+            try:
+                want = tuple((await holder.generate(PROMPT, params, lora_path="v4")).output_ids)
+                engines = {"holder": engine_url, "restarted": restarted.url}
+                async with running_gateway(redis_url, engines, health_interval_s=60) as gateway:
+                    await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=AdapterRoute("v4", 4))
+                    await gateway.redis.set(key(gateway.run_id, "affinity", "s"), "restarted")
+                    reply = await gateway.stub.Generate(generate("s"))
+                    assert (reply.engine_id, tuple(reply.output_ids), reply.policy_version) == ("holder", want, 4)
+                    assert reply.rerouted and "does not hold adapter v4" in reply.reroute_reason
+                    again = await gateway.stub.Generate(generate("s"))  # the new affinity holds
+                    assert again.engine_id == "holder" and not again.rerouted
+                    assert (await engines_by_id(gateway))["restarted"].state == pb.ENGINE_STATE_HEALTHY
+                async with running_gateway(redis_url, {"restarted": restarted.url}) as gateway:
+                    await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=AdapterRoute("v4", 4))
+                    with pytest.raises(grpc.aio.AioRpcError) as alone:
+                        await gateway.stub.Generate(generate("t"))
+                assert alone.value.code() == grpc.StatusCode.UNAVAILABLE  # retryable, not INVALID_ARGUMENT
+                assert "does not hold adapter v4" in alone.value.details() and "retry" in alone.value.details()
+            finally:
+                await holder.unload_lora_adapter("v4")
+    finally:
+        restarted.stop()

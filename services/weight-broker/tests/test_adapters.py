@@ -3,7 +3,8 @@ same engines, promoted and rolled back by switching the gateway's adapter routes
 
 The engines are HTTP stand-ins answering SGLang 0.5.23's LoRA routes the way SGLang does
 (`/load_lora_adapter`, `/unload_lora_adapter`: `{success, error_message, loaded_adapters}`, 400 on a
-refusal, a name loaded twice refused) and `/model_info`; any other route is a 404, so a weight copy
+refusal, a name loaded twice refused), `/v1/models` (each loaded adapter a model card with `parent`)
+and `/model_info`; any other route is a 404, so a weight copy
 would show. Redis is real (the routes the gateway reads, the broker's registry)."""
 
 from __future__ import annotations
@@ -51,7 +52,20 @@ class SGLangLoRAStandIn:
         app.router.add_get("/model_info", self.model_info)
         app.router.add_post("/load_lora_adapter", self.load)
         app.router.add_post("/unload_lora_adapter", self.unload)
+        app.router.add_get("/v1/models", self.models)
         return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's available_models: the base model's card, then one per registered adapter."""
+        cards = [{"id": "base", "object": "model", "root": "base", "parent": None, "max_model_len": 64}]
+        cards += [{"id": name, "object": "model", "root": path, "parent": "base", "max_model_len": None}
+                  for name, path in self.loaded.items()]
+        return web.json_response({"object": "list", "data": cards})
+
+    def restart(self) -> None:
+        """Killed and started again on the same address, on the base version: it holds no adapter and
+        remembers none (SGLang's lora_ref_cache starts empty)."""
+        self.loaded.clear()
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": "base", "weight_version": "0", "is_generation": True})
@@ -233,3 +247,23 @@ async def test_a_rollback_to_the_full_base_clears_the_routes_and_unloads_every_a
     await broker.reconcile_once()
     assert await routes.all() == {}  # every role on the base model again
     assert all(e.loaded == {} and e.routes_at_unload == [{}] for e in engines.values())
+
+
+async def test_an_engine_restarted_without_its_adapters_loads_them_again_in_the_next_round(setup):
+    broker, store, routes, engines = setup
+    await announce(broker, store, 0)
+    await broker.promote(0, "base")
+    await announce(broker, store, 1)
+    await broker.promote(1, "gate passed")
+    await broker.reconcile_once()
+    await announce(broker, store, 2)
+    assert await routed(routes) == {"canary": 2, "fleet": 1}
+    engines["f0"].restart()  # its base version is still the target's: no base reload would forget it
+    calls = {e: list(s.calls) for e, s in engines.items()}
+    await broker.reconcile_once()
+    assert engines["f0"].loaded == {"v1": str(store.path(1)), "v2": str(store.path(2))}
+    assert engines["f0"].calls[len(calls["f0"]):] == [("load", "v1"), ("load", "v2")]
+    assert engines["c0"].calls == calls["c0"]  # the engine that kept its adapters is left alone
+    assert await routed(routes) == {"canary": 2, "fleet": 1}
+    status = await broker.status()
+    assert {(e.engine_id, e.state) for e in status.engines} == {("c0", "serving"), ("f0", "serving")}

@@ -49,6 +49,12 @@ class EngineRejected(EngineError):
     """A 4xx answer or `success: false`: the engine refused this request and said why."""
 
 
+def adapter_missing(exc: EngineError) -> bool:
+    """Whether the engine refused a generate call because it does not hold the adapter the request
+    named (SGLang's 400 for a name it never loaded: an engine restarted since the broker loaded it)."""
+    return isinstance(exc, EngineRejected) and any(m in exc.message for m in wire.ADAPTER_MISSING_MESSAGES)
+
+
 @dataclass(frozen=True)
 class EngineTimeouts:
     connect_s: float = 5.0
@@ -268,6 +274,18 @@ class EngineClient:
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
         """Unloads `lora_name` (requests already running with it finish with it); returns the loaded adapters."""
         return await self._lora("unload_lora_adapter", wire.unload_lora_adapter(lora_name))
+
+    async def loaded_adapters(self) -> dict[str, str]:
+        """{lora_name: lora_path} of every adapter the engine holds now, from `/v1/models` (SGLang lists
+        each loaded adapter as a model card whose `parent` is the base model). An engine restarted on
+        the same address comes back holding none: comparing this with what was loaded there shows it."""
+        reply = await self._call("models", None, self.timeouts.control_s)
+        cards = reply.get("data") if isinstance(reply, dict) else None
+        if not isinstance(cards, list):
+            raise EngineRejected(f"/v1/models answered without a 'data' list: {str(reply)[:200]}",
+                                 url=self.base_url + wire.ROUTES["models"][1])
+        return {str(c["id"]): str(c.get("root") or "") for c in cards
+                if isinstance(c, dict) and c.get("parent") and "id" in c}
 
     async def _lora(self, route: str, body: dict[str, Any]) -> dict[str, str]:
         reply = await self._call(route, body, self.timeouts.weights_s)

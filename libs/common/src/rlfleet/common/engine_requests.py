@@ -31,6 +31,9 @@ ROUTES: dict[str, tuple[str, str, str | None]] = {
     "model_info": ("GET", "/model_info", None),
     "server_info": ("GET", "/server_info", None),
     "loads": ("GET", "/v1/loads", None),
+    # OpenAI's model list: the base model, and in SGLang every loaded LoRA adapter as a card with
+    # `parent` set (id = lora_name, root = lora_path). The broker reads it to see what an engine holds.
+    "models": ("GET", "/v1/models", None),
     "update_weight_version": ("POST", "/update_weight_version", "UpdateWeightVersionReqInput"),
     "pause": ("POST", "/pause_generation", "PauseGenerationReqInput"),
     "resume": ("POST", "/continue_generation", "ContinueGenerationReqInput"),
@@ -57,10 +60,15 @@ STORE_KINDS = ("delta", "full")
 # (SGLang's ADMIN_OPTIONAL / ADMIN_FORCE levels; the contract test holds this set to the snapshot's.)
 ADMIN_ROUTES = frozenset(
     name for name in ROUTES if name not in ("generate", "health", "health_generate", "model_info", "server_info",
-                                            "loads")
+                                            "loads", "models")
 )
 # The keys of a /load_lora_adapter or /unload_lora_adapter reply (SGLang's LoRAUpdateOutput) rlfleet reads.
 LORA_REPLY_KEYS = ("success", "error_message", "loaded_adapters")
+# The keys of a /v1/models card (OpenAI's ModelCard as SGLang writes it) rlfleet reads.
+MODEL_CARD_KEYS = ("id", "root", "parent")
+# How SGLang 0.5.23 (tokenizer_manager._resolve_lora_path) and the CPU engine refuse a request naming an
+# adapter the engine does not hold: never loaded there (a restarted engine), or its directory is gone.
+ADAPTER_MISSING_MESSAGES = ("LoRA adapter that has never been loaded", "Failed to implicitly load LoRA adapter")
 # The `meta_info` keys of a /generate reply rlfleet reads.
 META_INFO_KEYS = ("id", "finish_reason", "prompt_tokens", "cached_tokens", "e2e_latency", "weight_version",
                   "weight_versions", "output_token_logprobs")

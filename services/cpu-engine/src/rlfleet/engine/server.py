@@ -2,7 +2,7 @@
 
 Route names, request fields, reply keys and error behaviour are SGLang's for everything rlfleet uses
 (tests/contract checks them against the snapshot taken from SGLang's package): `/model_info`,
-`/server_info`, `/v1/loads`, per-token `meta_info.weight_versions`, LoRA adapters (`/load_lora_adapter`,
+`/server_info`, `/v1/loads`, `/v1/models` (loaded adapters as model cards), per-token `meta_info.weight_versions`, LoRA adapters (`/load_lora_adapter`,
 `/unload_lora_adapter`, `lora_path` per request: `lora.py`), `update_weights_from_disk` with
 SGLang's load formats only (an unknown one is an error, never a silent success), `--api-key` /
 `--admin-api-key` as `Authorization: Bearer`. What SGLang has no route for lives under `/rlfleet/`
@@ -158,6 +158,7 @@ class EngineServer:
         app.router.add_get("/model_info", self.model_info)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/v1/loads", self.loads)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_route("GET", "/flush_cache", self.flush_cache)
         app.router.add_route("POST", "/flush_cache", self.flush_cache)
         app.router.add_post("/pause_generation", self.pause_generation)
@@ -349,6 +350,19 @@ class EngineServer:
         config = self.config.model_dump(mode="json", exclude={"api_key", "admin_api_key"})
         # tp_size / dp_size as SGLang's server_info names them: one rank, no data parallelism.
         return web.json_response({**config, **load, "engine_id": self.engine_id, "tp_size": 1, "dp_size": 1})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """SGLang's `/v1/models` (OpenAI's model list): the base model's card, then one card per loaded
+        adapter with `parent` = the base and `root` = the directory it was loaded from. The broker
+        compares this with what it loaded here, so a restarted engine (holding none) is reloaded."""
+        base = str(self.runner.model_path)
+        created = int(time.time())
+        loaded = await self._call(self.runner.lora.loaded)  # between two steps: the set is not changing
+        cards = [{"id": base, "object": "model", "created": created, "owned_by": "sglang", "root": base,
+                  "parent": None, "max_model_len": self.limits.context_length}]
+        cards += [{"id": name, "object": "model", "created": created, "owned_by": "sglang", "root": path,
+                   "parent": base, "max_model_len": None} for name, path in sorted(loaded.items())]
+        return web.json_response({"object": "list", "data": cards})
 
     async def loads(self, request: web.Request) -> web.Response:
         """SGLang's `/v1/loads`: one LoadSnapshot per DP rank (here one) under `loads`."""

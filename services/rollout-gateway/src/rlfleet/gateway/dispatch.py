@@ -6,7 +6,11 @@ A failure is reported, never hidden: the engine is marked UNHEALTHY with the err
 
 LoRA: when the broker gave the request's role an adapter (rlfleet.common.adapter_routes), the
 request is sent with `lora_path` = that adapter, to any engine, and its reply's versions are the
-adapter's policy version.
+adapter's policy version. An engine that answers it does not hold the adapter (SGLang's 400 "never
+been loaded": restarted since the broker loaded it, which the broker repairs within a round) is
+healthy for everything else, so it is not marked UNHEALTHY: the turn is retried once on another
+engine, and if that cannot serve it either the caller gets UNAVAILABLE (retry later), never the
+INVALID_ARGUMENT that would count against the episode.
 """
 
 from __future__ import annotations
@@ -17,9 +21,15 @@ import time
 
 from rlfleet.api.gateway.v1 import gateway_pb2
 from rlfleet.common.adapter_routes import AdapterRoute, AdapterRoutes
-from rlfleet.common.engine_client import EngineRejected, EngineUnavailable, GenerateResult, VersionRange
+from rlfleet.common.engine_client import (
+    EngineRejected,
+    EngineUnavailable,
+    GenerateResult,
+    VersionRange,
+    adapter_missing,
+)
 from rlfleet.gateway.engine_io import generate_response, sampling_params, validate_input_ids
-from rlfleet.gateway.errors import EngineRejectedRequest, NoEngineAvailable
+from rlfleet.gateway.errors import AdapterNotLoaded, EngineRejectedRequest, NoEngineAvailable
 from rlfleet.gateway.health import parse_version
 from rlfleet.gateway.metrics import GatewayMetrics
 from rlfleet.gateway.registry import EngineRecord, EngineRegistry
@@ -58,15 +68,18 @@ class Dispatcher:
             self._count_reroute(route, "unhealthy")
         try:
             result, latency = await self._forward(route.engine, input_ids, params, request, adapter)
-        except EngineUnavailable as first:
-            await self._engine_failed(route.engine, first)
-            reason = f"engine {route.engine.engine_id} failed: {first.message}"
+        except (EngineUnavailable, AdapterNotLoaded) as first:
+            if isinstance(first, EngineUnavailable):
+                await self._engine_failed(route.engine, first)
+                reason, cause = f"engine {route.engine.engine_id} failed: {first.message}", "failed"
+            else:
+                reason, cause = first.message, "adapter_missing"
             try:
                 route = await self.router.reroute(request.session_id, route.engine, reason, request.engine_pool,
                                                   any_pool=any_pool)
             except NoEngineAvailable as none:
                 raise NoEngineAvailable(f"{reason}; {none.message}", tried=(route.engine.engine_id,)) from None
-            self._count_reroute(route, "failed")
+            self._count_reroute(route, cause)
             try:
                 result, latency = await self._forward(route.engine, input_ids, params, request, adapter)
             except EngineUnavailable as second:
@@ -100,6 +113,14 @@ class Dispatcher:
                                            rid=request.request_id or None,
                                            lora_path=None if adapter is None else adapter.lora_name)
         except EngineRejected as exc:
+            if adapter is not None and adapter_missing(exc):
+                log.warning("engine does not hold the routed adapter", extra={
+                    "engine_id": engine.engine_id, "lora_name": adapter.lora_name, "error": exc.message})
+                raise AdapterNotLoaded(
+                    f"engine {engine.engine_id} does not hold adapter {adapter.lora_name} (policy version "
+                    f"{adapter.version}; restarted since the weight broker loaded it?): retry, the broker "
+                    f"loads it again within a round ({exc.message.splitlines()[0]})",
+                    engine_id=engine.engine_id) from None
             raise EngineRejectedRequest(f"engine {engine.engine_id} rejected the request: {exc.message}",
                                         engine_id=engine.engine_id, status=exc.status) from None
         finally:

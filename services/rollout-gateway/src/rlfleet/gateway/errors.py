@@ -32,6 +32,12 @@ class EngineRejectedRequest(GatewayError, InvalidArgument):
     """The engine answered 4xx: the request itself is wrong; the engine's message is kept."""
 
 
+class AdapterNotLoaded(GatewayError, Unavailable):
+    """The engine does not hold the LoRA adapter the request's role is routed to (restarted since the
+    broker loaded it there). Not the request's fault, so UNAVAILABLE: callers retry, and an episode
+    counts it as a platform failure, not the task's; the broker loads it again within a round."""
+
+
 class EngineNotFound(GatewayError, NotFound):
     def __init__(self, engine_id: str) -> None:
         super().__init__(f"engine {engine_id!r} is not registered", engine_id=engine_id)

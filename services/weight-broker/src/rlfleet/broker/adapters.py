@@ -9,6 +9,7 @@ engine. Which requests use which is the gateway's business, told through the ada
 
 One round, in the order LORA_INTERFACE.md asks for:
 
+    0. observe what every engine holds now (`/v1/models`); adapters it lost are loaded again in 1
     1. load    every wanted adapter on every engine that serves its base (`/load_lora_adapter`,
                the verified store directory as `lora_path`), unless it holds it already
     2. route   a role names an adapter only once every such engine holds it (the gateway sends the
@@ -20,6 +21,16 @@ broker remembers what each engine holds from the engines' own replies (both rout
 loaded adapter); an engine it knows nothing about (a restarted broker) is asked to load each wanted
 adapter, and "already loaded" counts as held. An engine whose base weights were reloaded, or that
 was down, is forgotten and loads again.
+
+An engine can also lose its adapters without the broker seeing it down or reloading its base: one
+killed and started again on the same address between two rounds, on its base version (`rlfleet run`
+starts CPU engines reporting version 0), comes back holding no adapter. SGLang 0.5.23 gives no boot
+id or start timestamp (`/server_info`'s `startup_time` is how long start-up phases took), but its
+`/v1/models` lists every loaded adapter (id = lora_name, root = lora_path, parent = the base model),
+and the CPU engine serves the same list. So every round begins by asking each engine what it holds
+(step 0): an engine that no longer holds what the broker loaded there is forgotten and loads it
+again in step 1 of the same round. Until then the gateway finds out on its own (the engine answers
+400 "never been loaded"): it retries the request on another engine, or answers UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ class AdapterRound:
     held: dict[str, set[int]] = field(default_factory=dict)
     routes: dict[str, int] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)  # version -> why it cannot be served
+    lost: dict[str, list[str]] = field(default_factory=dict)  # engine -> adapters it no longer held
     loads: int = 0
     unloads: int = 0
 
@@ -102,13 +114,35 @@ class AdapterSync:
         wanted = self.wanted(targets)
         versions = sorted(set(wanted.values()))
         paths = await asyncio.to_thread(self._verified_paths, versions, result)
-        await asyncio.gather(*(self._load(e, paths, result) for e in engines))
+        reachable = await asyncio.gather(*(self._observe(e, result) for e in engines))
+        await asyncio.gather(*(self._load(e, paths, result) for e, ok in zip(engines, reachable, strict=True) if ok))
         for e in engines:
             result.held[e.engine_id] = {v for v in versions if self.holds(e.engine_id, v)}
         await self._route(wanted, engines, result)
         keep = {lora_name(v) for v in (*wanted.values(), *self.routed.values())}
         await asyncio.gather(*(self._unload(e, keep, result) for e in engines))
         return result
+
+    async def _observe(self, engine: EngineRef, result: AdapterRound) -> bool:
+        """What the engine holds now (`/v1/models`) replaces what the broker last heard: an engine that
+        lost adapters the broker loaded there (restarted on the same address) is reloaded this round,
+        and one holding adapters the broker never loaded (a restarted broker) has them counted as held.
+        False when it cannot say (down, or unreachable): it is forgotten and loads nothing this round."""
+        try:
+            reported = await self.pools.client(engine).loaded_adapters()
+        except EngineError as exc:
+            log.warning("engine %s: cannot list its adapters (%s); loaded again once it answers",
+                        engine.engine_id, exc.message)  # fmt: skip
+            self.forget(engine.engine_id)
+            return False
+        # By name only: an engine may mount the store elsewhere and report another path for the same files.
+        lost = sorted(set(self._held.get(engine.engine_id, {})) - set(reported))
+        if lost:
+            result.lost[engine.engine_id] = lost
+            log.warning("engine %s no longer holds adapters %s that this broker loaded there (restarted?); "
+                        "loading them again", engine.engine_id, ", ".join(lost))  # fmt: skip
+        self._held[engine.engine_id] = reported
+        return True
 
     def _verified_paths(self, versions: Iterable[int], result: AdapterRound) -> dict[int, str]:
         """Each adapter's store directory, every file checked against its checksums first."""
