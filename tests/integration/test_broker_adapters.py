@@ -1,7 +1,8 @@
 """LoRA end to end below the RL loop: the trainer's torch backend trains an adapter, the weight store
 holds it as an adapter version on the base, and the broker ships it to real CPU engine processes,
 where it is served beside the accepted adapter; promotion and rollback switch the gateway's adapter
-routes and never reload the base weights."""
+routes and never reload the base weights. An engine killed and started again on the same port (too fast
+for the broker to see it down) is given its adapters back within one round."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from rlfleet.broker.pools import Pools
 from rlfleet.broker.registry import VersionRegistry
 from rlfleet.broker.testing import policy_version
 from rlfleet.common.adapter_routes import AdapterRoutes
-from rlfleet.common.engine_client import EngineClient, EngineTimeouts
+from rlfleet.common.engine_client import EngineClient, EngineRejected, EngineTimeouts, adapter_missing
 from rlfleet.common.testing import unique_run_id
-from rlfleet.engine.testing import build_tiny_model, merged_lora_model, token_logprobs
+from rlfleet.engine.testing import EngineProcess, build_tiny_model, merged_lora_model, token_logprobs
 from rlfleet.trainer.config import BatchConfig, LossConfig, TorchBackendConfig
 from rlfleet.trainer.objectives import rl_step
 from rlfleet.trainer.testing import make_samples
@@ -113,3 +114,68 @@ async def test_trained_adapters_are_served_beside_each_other_and_switched_withou
             await client.close()
         await pools.close()
         await redis.aclose()
+
+
+async def test_an_engine_restarted_on_its_address_gets_both_adapters_back_within_a_round(
+        model_dir, store_root, redis_url, tmp_path):
+    """Engines that start on the base version, as `rlfleet run` starts them (weight_version 0): after a
+    kill -9 and a restart on the same port the engine's version is still the target's base, so no base
+    reload tells the broker anything; only what the engine says it holds does."""
+    run = unique_run_id("lr")
+    store = DirectoryWeightStore(store_root, run, base_dir=str(model_dir))
+    trainer = LoraTrainer(model_dir, store)
+    procs = {e: EngineProcess(model_dir, tmp_path / e, weight_store_root=store_root, engine_id=e,
+                              weight_version="0").start() for e in ("c0", "f0")}  # fmt: skip
+    config = WeightBrokerConfig(run_id=run, weight_store=str(store_root), consume_policy_stream=False,
+                                engines=[{"engine_id": e, "url": p.url, "pool": "canary" if e == "c0" else "fleet",
+                                          "kind": "cpu"} for e, p in procs.items()])
+    redis = aioredis.from_url(redis_url)
+    pools = Pools(config.engines, None, EngineTimeouts(weights_s=60))
+    broker = Broker(config, VersionRegistry(redis, run), store, pools, None, BrokerMetrics())
+    routes = AdapterRoutes(redis, run)
+    client = EngineClient(procs["f0"].url)
+
+    async def publish(version: int) -> None:
+        await broker.announce(policy_version(store.manifest(version)))
+        await broker.reconcile_once()
+
+    async def served() -> dict[str, tuple[list[int], list[float]]]:
+        outs = {name: await client.generate(PROMPT, GREEDY, lora_path=name) for name in ("v1", "v2")}
+        return {name: (out.output_ids, out.output_logprobs) for name, out in outs.items()}
+
+    try:
+        await publish(0)
+        await broker.promote(0, "base")
+        await broker.reconcile_once()
+        await publish(trainer.step_and_publish())
+        await broker.promote(1, "gate passed")
+        await publish(trainer.step_and_publish())
+        assert {r: x.version for r, x in (await routes.all()).items()} == {"canary": 2, "fleet": 1}
+        before = await served()
+        assert before["v1"] != before["v2"]
+        updates = {e.engine_id: e.updates for e in (await broker.status()).engines}
+
+        port = procs["f0"].port
+        procs["f0"].kill()  # SIGKILL, and back on the same address before any broker round
+        procs["f0"].config["port"] = port
+        procs["f0"].start()
+        assert procs["f0"].url == client.base_url
+        assert await client.weight_version() == "0" and await client.loaded_adapters() == {}
+        with pytest.raises(EngineRejected) as missing:  # what the gateway gets until the broker repairs it
+            await client.generate(PROMPT, GREEDY, lora_path="v1")
+        assert missing.value.status == 400 and adapter_missing(missing.value)
+
+        await broker.reconcile_once()  # one round
+        assert await client.loaded_adapters() == {"v1": str(store.path(1)), "v2": str(store.path(2))}
+        assert {r: x.version for r, x in (await routes.all()).items()} == {"canary": 2, "fleet": 1}
+        assert await served() == before  # same tokens, same log-probs as before the kill
+        # Adapters only: the broker reloaded no base weights (the engine restarted on them).
+        assert {e.engine_id: e.updates for e in (await broker.status()).engines} == updates
+        assert {(e.engine_id, e.state) for e in (await broker.status()).engines} == {("c0", "serving"),
+                                                                                      ("f0", "serving")}
+    finally:
+        await client.close()
+        await pools.close()
+        await redis.aclose()
+        for proc in procs.values():
+            proc.stop()
