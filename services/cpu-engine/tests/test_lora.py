@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlfleet.common.engine_client import EngineClient, EngineRejected
+from rlfleet.common.engine_client import EngineClient, EngineRejected, adapter_missing
 from rlfleet.engine.lora import LoRALoadError, read_adapter
 from rlfleet.engine.model_runner import ModelRunner
 from rlfleet.engine.protocol import GenerateItem, SamplingSpec
@@ -179,11 +179,16 @@ def lora_engine(model_dir, tmp_path_factory):
 
 
 async def test_the_engine_client_loads_generates_with_and_unloads_adapters(lora_engine, adapters, references,
-                                                                           tmp_path):
+                                                                           model_dir, tmp_path):
     async with EngineClient(lora_engine.url) as client:
         assert await client.load_lora_adapter("a", str(adapters["a"])) == {"a": str(adapters["a"])}
         moved = shutil.copytree(adapters["b"], tmp_path / "b")
         assert set(await client.load_lora_adapter("b", str(moved), pinned=True)) == {"a", "b"}
+        # /v1/models as SGLang's: the base model's card, then each adapter with `parent` = the base.
+        assert await client.loaded_adapters() == {"a": str(adapters["a"]), "b": str(moved)}
+        status, models = await http_call(lora_engine.url, "/v1/models", method="GET")
+        assert status == 200 and [(c["id"], c["parent"]) for c in models["data"]] == [
+            (str(model_dir), None), ("a", str(model_dir)), ("b", str(model_dir))]
         params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
         batch = [PROMPT, PROMPT, PROMPT[:12]]
         results = await client.generate_batch(batch, params, lora_path=["a", None, "b"])
@@ -193,7 +198,7 @@ async def test_the_engine_client_loads_generates_with_and_unloads_adapters(lora_
             assert [r.version for r in result.weight_versions] == [name or "default"]
         with pytest.raises(EngineRejected, match="never been loaded: c") as never:
             await client.generate(PROMPT, params, lora_path="c")
-        assert never.value.status == 400
+        assert never.value.status == 400 and adapter_missing(never.value)
         with pytest.raises(EngineRejected, match="because it is already loaded"):
             await client.load_lora_adapter("a", str(adapters["b"]))
         assert await client.unload_lora_adapter("b") == {"a": str(adapters["a"])}
@@ -204,11 +209,12 @@ async def test_the_engine_client_loads_generates_with_and_unloads_adapters(lora_
         shutil.rmtree(moved)
         with pytest.raises(EngineRejected, match="Failed to implicitly load LoRA adapter b") as gone:
             await client.generate(PROMPT, params, lora_path="b")
-        assert gone.value.status == 400
+        assert gone.value.status == 400 and adapter_missing(gone.value)
         await client.unload_lora_adapter("a")
         again = await client.generate(PROMPT, params, lora_path="a")
         assert again.output_ids == results[0].output_ids
         assert await client.unload_lora_adapter("a") == {}
+        assert await client.loaded_adapters() == {}
 
 
 async def test_bad_lora_requests_get_sglangs_error_shapes(lora_engine, model_dir, tmp_path):
