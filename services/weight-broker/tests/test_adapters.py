@@ -267,3 +267,26 @@ async def test_an_engine_restarted_without_its_adapters_loads_them_again_in_the_
     assert await routed(routes) == {"canary": 2, "fleet": 1}
     status = await broker.status()
     assert {(e.engine_id, e.state) for e in status.engines} == {("c0", "serving"), ("f0", "serving")}
+
+
+async def test_with_a_trainer_sent_transport_an_adapter_still_goes_by_the_store_at_once(setup):
+    """No trainer sends adapters (they are a few hundred KB: the store directory is the transport), so
+    on a broker whose engines take full versions straight from the trainer an adapter version must not
+    wait `trainer_wait_s` for a send that never comes."""
+    broker, store, routes, engines = setup
+    config = broker.config.model_copy(update={
+        "engines": [e.model_copy(update={"transport": "p2p"}) for e in broker.config.engines],
+        "sync": broker.config.sync.model_copy(update={"trainer_wait_s": 3600.0})})
+    sending = Broker(config, broker.registry, store, broker.pools, None, BrokerMetrics())
+    assert sending._trainer_decides
+    await sending.announce(policy_version(store.manifest(0)))
+    async with sending._lock:  # what StartTrainerSync does for the full base version the trainer sends
+        assert await sending._apply_policy(only=0) == 0
+    await sending.reconcile_once()  # the stand-ins serve version 0 already: nothing is sent
+    await sending.promote(0, "base")
+    await sending.reconcile_once()
+    write_adapter(store, 1)
+    await sending.announce(policy_version(store.manifest(1)))
+    await sending.reconcile_once()
+    assert await routed(routes) == {"canary": 1}
+    assert all(e.loaded == {"v1": str(store.path(1))} for e in engines.values())

@@ -160,7 +160,9 @@ class Broker:
                 targets = await self.registry.targets()
                 await self.registry.set_targets(latest=max(version, targets.latest or version))
                 log.info("version %d announced", version)
-            if not self._trainer_decides:
+            # An adapter version always goes by the store (`/load_lora_adapter` names its directory; no
+            # trainer sends adapters), so it is never left waiting `trainer_wait_s` for a trainer send.
+            if not self._trainer_decides or self.adapters.is_adapter(version):
                 await self._apply_policy()
             record = await self.registry.get(version)
         self.wake()
