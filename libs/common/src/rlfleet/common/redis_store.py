@@ -37,6 +37,12 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
     return client
 
 
+def text(raw: bytes | str) -> str:
+    """A key or value read back as text. connect_redis never decodes, so it is bytes, though redis-py
+    types every reply bytes | str."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def key(run_id: str, *parts: str) -> str:
     """`rlfleet:<run>:<part>:...` so that runs sharing one Redis never see each other's keys."""
     return ":".join(("rlfleet", run_id, *parts))
