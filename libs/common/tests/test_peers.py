@@ -6,7 +6,7 @@ import pytest
 
 from rlfleet.common.config import ServiceConfig
 from rlfleet.common.peers import PeersApp
-from rlfleet.common.redis_store import text
+from rlfleet.common.redis_store import binary_hash, text
 
 
 class _App(PeersApp):
@@ -27,3 +27,4 @@ def test_a_peer_not_connected_is_an_error_naming_the_app_not_a_none_passed_on():
 
 def test_redis_replies_read_back_as_text():
     assert text(b"engine-1") == "engine-1" and text("engine-1") == "engine-1"
+    assert binary_hash({b"owner": b"alice", "rev": "2"}) == {b"owner": b"alice", b"rev": b"2"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -41,6 +42,16 @@ def text(raw: bytes | str) -> str:
     """A key or value read back as text. connect_redis never decodes, so it is bytes, though redis-py
     types every reply bytes | str."""
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def binary_hash(raw: Mapping[bytes | str, bytes | str]) -> dict[bytes, bytes]:
+    """A hash read back (HGETALL) as the bytes -> bytes it is from connect_redis's client, which
+    redis-py types bytes | str."""
+    return {_binary(k): _binary(v) for k, v in raw.items()}
+
+
+def _binary(raw: bytes | str) -> bytes:
+    return raw if isinstance(raw, bytes) else raw.encode()
 
 
 def key(run_id: str, *parts: str) -> str:
