@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -42,6 +42,17 @@ def text(raw: bytes | str) -> str:
     """A key or value read back as text. connect_redis never decodes, so it is bytes, though redis-py
     types every reply bytes | str."""
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def members(reply: Iterable[object]) -> list[str]:
+    """The members of a sorted-set range read without scores (ZRANGE and friends), as text;
+    redis-py types the reply as members or (member, score) pairs either way."""
+    found = []
+    for member in reply:
+        if not isinstance(member, bytes | str):
+            raise TypeError(f"members() reads a range without scores, got {member!r}")
+        found.append(text(member))
+    return found
 
 
 def binary_hash(raw: Mapping[bytes | str, bytes | str]) -> dict[bytes, bytes]:

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 
 from rlfleet.api.session.v1 import session_pb2
 from rlfleet.common import security
-from rlfleet.common.redis_store import binary_hash, key, text
+from rlfleet.common.redis_store import binary_hash, key, members, text
 from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
 from rlfleet.session.state import SessionState
 
@@ -164,8 +164,7 @@ class SessionStore:
     async def idle_sessions(self, idle_s: float, limit: int = 256) -> list[str]:
         """Open sessions whose last change is more than `idle_s` ago."""
         ids = await self.redis.zrangebyscore(self._open_key, "-inf", time.time() - idle_s, start=0, num=limit)
-        # Members only (no withscores), though redis-py's type also allows (member, score) pairs.
-        return [text(member) for member in ids if isinstance(member, bytes | str)]
+        return members(ids)
 
     async def last_change(self, session_id: str) -> float | None:
         return await self.redis.zscore(self._open_key, session_id)

@@ -83,8 +83,8 @@ class Broker:
         self.gateway = gateway
         self.metrics = metrics
         self.policy = SyncPolicy(config.sync)
-        copies = LocalCopies(store, config.local_copies or Path(store.root) / ".local-copies")
-        self.rollout = Rollout(store, pools, gateway, metrics, config.sync, copies)
+        self.copies = LocalCopies(store, config.local_copies or Path(store.root) / ".local-copies")
+        self.rollout = Rollout(store, pools, gateway, metrics, config.sync, self.copies)
         self.adapters = AdapterSync(store, pools, AdapterRoutes(registry.redis, config.run_id))
         self._lock = asyncio.Lock()  # targets and version states
         self._busy: set[str] = set()  # engines being updated
@@ -143,7 +143,7 @@ class Broker:
             raise BadAnnouncement(f"version {pv.version} in the store is unreadable: {exc}") from None
         return pv.version
 
-    async def announce(self, pv: common_pb2.PolicyVersion) -> int:
+    async def announce(self, pv: common_pb2.PolicyVersion) -> broker_pb2.VersionState:
         """Records a version (idempotent) and applies the sync policy; returns its state."""
         version = await asyncio.to_thread(self._validate, pv)
         async with self._lock:
@@ -164,7 +164,9 @@ class Broker:
                 await self._apply_policy()
             record = await self.registry.get(version)
         self.wake()
-        return record.state  # type: ignore[union-attr]
+        if record is None:  # put above: only gone if the run's registry keys were deleted meanwhile
+            raise UnknownVersion(version)
+        return record.state
 
     @property
     def _trainer_decides(self) -> bool:
@@ -215,7 +217,8 @@ class Broker:
             await self._accept(decision.version, "auto_promote (no canary engines)")
         return decision.version
 
-    async def _set_state(self, version: int, state: int, reason: str, only_from: set[int] | None = None) -> None:
+    async def _set_state(self, version: int, state: broker_pb2.VersionState, reason: str,
+                         only_from: set[broker_pb2.VersionState] | None = None) -> None:
         record = await self.registry.get(version)
         if record is not None and (only_from is None or record.state in only_from):
             await self.registry.set_state(record, state, reason)
@@ -261,13 +264,14 @@ class Broker:
                     )
                 target = to_version
             else:
-                target = None if current is None else await self.registry.newest_in_state(
+                older = None if current is None else await self.registry.newest_in_state(
                     {State.VERSION_STATE_ACCEPTED}, below=current)  # fmt: skip
-                if target is None:
+                if older is None:
                     raise NothingToRollBackTo(
                         "nothing accepted to roll back to" if current is None
                         else f"nothing accepted to roll back to: no accepted version older than the current {current}"
                     )  # fmt: skip
+                target = older
             if current is not None and current > target:
                 for record in await self.registry.records(await self.registry.versions(target + 1, current)):
                     if record.state == State.VERSION_STATE_ACCEPTED:
@@ -388,7 +392,7 @@ class Broker:
             outcomes = await Distributed(self.pools, plan).update(engines, info)
             for engine, outcome in zip(engines, outcomes, strict=True):
                 self.metrics.record(outcome)
-                self.rollout.copies.forget(engine.engine_id)  # its weights came by broadcast: no local copy
+                self.copies.forget(engine.engine_id)  # its weights came by broadcast: no local copy
                 result = SyncResult(engine.engine_id, version, [outcome], version if outcome.ok else None)
                 await self._record_engine(engine, result, version)
         finally:

@@ -70,7 +70,8 @@ class Rollout:
         """The deltas to apply in order, or [] for one full load (current == target: nothing to do)."""
         if (transport or self.config.transport) == "disk_full" or current is None or current >= target:
             return []
-        chain, version = [], target
+        chain: list[int] = []
+        version = target
         while version != current:
             if len(chain) >= self.config.max_delta_chain:
                 return []
