@@ -162,10 +162,9 @@ class Broker:
                 log.info("version %d announced", version)
             if not self._trainer_decides:
                 await self._apply_policy()
-            record = await self.registry.get(version)
+            # Put above: gone only if the run's registry keys were deleted meanwhile.
+            record = await self.registry.require(version)
         self.wake()
-        if record is None:  # put above: only gone if the run's registry keys were deleted meanwhile
-            raise UnknownVersion(version)
         return record.state
 
     @property
@@ -300,8 +299,8 @@ class Broker:
             async with self._lock:
                 chosen = await self._apply_policy(only=version)
                 if chosen is None:
-                    record = await self.registry.get(version)
-                    return broker_pb2.StartDistributedSyncResponse(world_size=1, state=record.state)  # type: ignore[union-attr]
+                    record = await self.registry.require(version)
+                    return broker_pb2.StartDistributedSyncResponse(world_size=1, state=record.state)
                 if self.config.auto_promote:
                     await self._accept(version, "auto_promote (broadcast to every pool)")
                 pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
@@ -311,7 +310,7 @@ class Broker:
                 engines = [e for e, size in zip(candidates, sizes, strict=True) if size]
                 tp_sizes = tuple(size for size in sizes if size)
                 self._claim(e.engine_id for e in engines)
-                state = (await self.registry.get(version)).state  # type: ignore[union-attr]
+                state = (await self.registry.require(version)).state
         finally:
             self._hold_rounds(False)
         plan = BroadcastPlan(
@@ -467,11 +466,11 @@ class Broker:
                 continue
             record = broker_pb2.EngineVersion()
             record.CopyFrom(records[engine.engine_id])
-            record.target_version = target  # type: ignore[assignment]
+            record.target_version = target
             serving = target in result.held.get(engine.engine_id, set()) and target in result.routes.values()
             record.state = "serving" if serving else "behind"
             if serving:
-                record.policy_version = target  # type: ignore[assignment]
+                record.policy_version = target
             await self.registry.put_engine(record)
 
     async def _converge(self, engine: EngineRef, target: int | None, new: bool, drained: bool) -> None:
@@ -496,7 +495,7 @@ class Broker:
         if refused and refused[0] == target and time.monotonic() < refused[1]:
             return
         if self.gateway is not None and self.config.sync.drain_stale_engines and not drained:
-            drained = await self._drain_for_catch_up(engine, current_text, target, new)
+            drained = await self._drain_for_catch_up(self.gateway, engine, current_text, target, new)
         log.info("engine %s: %s -> %d", engine.engine_id, current_text, target)
         await self._record_engine(engine, SyncResult(engine.engine_id, target, serving=current), target,
                                   syncing=True)  # fmt: skip
@@ -507,10 +506,11 @@ class Broker:
             self._refused.pop(engine.engine_id, None)
             if drained:
                 await self._undrain(engine, target)
-        elif result.full_refused:
-            await self._full_refused(engine, target, result.last)  # type: ignore[arg-type]
+        elif (refusal := result.full_refused) is not None:
+            await self._full_refused(engine, target, refusal)
 
-    async def _drain_for_catch_up(self, engine: EngineRef, current_text: str, target: int, new: bool) -> bool:
+    async def _drain_for_catch_up(self, gateway: GatewayLink, engine: EngineRef, current_text: str,
+                                  target: int, new: bool) -> bool:
         """Whether the broker un-drains this engine once it serves its target: a new engine, or one on
         weights that are no version of this run (restarted), is kept out of traffic until then. One an
         operator drained (known to the broker, on a version of this run) is left as it is."""
@@ -518,7 +518,7 @@ class Broker:
             return False
         if not engine.draining:
             reason = f"catching up from weights {current_text!r} to version {target}"
-            if not await self.gateway.set_draining(engine.engine_id, True, reason):  # type: ignore[union-attr]
+            if not await gateway.set_draining(engine.engine_id, True, reason):
                 if not new:
                     return False
         await self.registry.mark_drained(engine.engine_id, True)

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from rlfleet.api.broker.v1 import broker_pb2
+from rlfleet.broker.errors import UnknownVersion
 from rlfleet.common.redis_store import key, members, text
 
 State = broker_pb2.VersionState
@@ -58,6 +59,13 @@ class VersionRegistry:
     async def get(self, version: int) -> broker_pb2.VersionRecord | None:
         raw = await self.redis.get(self._key("version", str(version)))
         return None if raw is None else broker_pb2.VersionRecord.FromString(raw)
+
+    async def require(self, version: int) -> broker_pb2.VersionRecord:
+        """get() for a version that must be known: UnknownVersion (NOT_FOUND) when it is not."""
+        record = await self.get(version)
+        if record is None:
+            raise UnknownVersion(version)
+        return record
 
     async def put(self, record: broker_pb2.VersionRecord) -> None:
         v = record.version.version

@@ -87,7 +87,7 @@ class TrainerSyncs:
         version = request.version.version
         await b.announce(request.version)
         engines = await b.take_for_trainer(version, lambda e: self.transport(e) in TRAINER_SENT)
-        state = (await b.registry.get(version)).state  # type: ignore[union-attr]
+        state = (await b.registry.require(version)).state
         if not engines:
             return broker_pb2.TrainerSyncPlan(state=state)
         by = {t: [e for e in engines if self.transport(e) == t] for t in TRAINER_SENT}
