@@ -47,7 +47,9 @@ class PeersApp(App):
         """`self.redis` once connect() ran, for an app with `uses_redis`: a component that needs Redis
         gets a client, not an Optional that every one of its calls would have to check."""
         if self.redis is None:
-            raise RuntimeError(f"{self.name}: Redis is not connected (set uses_redis and call connect() first)")
+            raise RuntimeError(
+                f"{self.name}: Redis is not connected (set uses_redis and call connect() first)"
+            )
         return self.redis
 
     def connected_js(self) -> JetStreamContext:
