@@ -38,7 +38,9 @@ sglang-contract:
 
 # The packages mypy checks in `make lint` ([tool.mypy] in pyproject.toml is its config). The others
 # still have errors: `make typecheck-count` counts them per package; add one here once it is clean.
-TYPED := libs/common/src/rlfleet/common libs/weights/src/rlfleet/weights
+TYPED := libs/common/src/rlfleet/common libs/weights/src/rlfleet/weights services/rollout-gateway/src/rlfleet/gateway \
+         services/sandbox-manager/src/rlfleet/sandbox services/session-server/src/rlfleet/session \
+         services/verifier/src/rlfleet/verifier services/weight-broker/src/rlfleet/broker
 ALL_PACKAGES := $(filter-out %/api,$(wildcard libs/*/src/rlfleet/* services/*/src/rlfleet/*))
 
 lint: install

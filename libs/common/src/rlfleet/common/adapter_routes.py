@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from rlfleet.common.redis_store import key
+from rlfleet.common.redis_store import key, text
 
 ROLES = ("canary", "fleet")
 
@@ -75,12 +75,7 @@ class AdapterRoutes:
 
     async def all(self) -> dict[str, AdapterRoute]:
         raw = await self.redis.hgetall(self._key)
-        # The client never decodes (connect_redis): keys are bytes, though redis types them bytes | str.
-        return {_text(role): route for role, value in raw.items() if (route := _route(value)) is not None}
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
+        return {text(role): route for role, value in raw.items() if (route := _route(value)) is not None}
 
 
 def _route(raw: bytes | str | None) -> AdapterRoute | None:

@@ -43,6 +43,21 @@ class PeersApp(App):
             self.js = js = self.nc.jetstream()
             await ensure_streams(js)
 
+    def connected_redis(self) -> aioredis.Redis:
+        """`self.redis` once connect() ran, for an app with `uses_redis`: a component that needs Redis
+        gets a client, not an Optional that every one of its calls would have to check."""
+        if self.redis is None:
+            raise RuntimeError(
+                f"{self.name}: Redis is not connected (set uses_redis and call connect() first)"
+            )
+        return self.redis
+
+    def connected_js(self) -> JetStreamContext:
+        """`self.js` once connect() ran, for an app with `uses_nats` (as connected_redis)."""
+        if self.js is None:
+            raise RuntimeError(f"{self.name}: NATS is not connected (set uses_nats and call connect() first)")
+        return self.js
+
     async def stop(self) -> None:
         if self.nc is not None:
             try:

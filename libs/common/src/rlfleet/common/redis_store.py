@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -35,6 +36,33 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
         await client.aclose()
         raise StartupError(f"cannot reach Redis at {without_password(url)}: {exc}") from None
     return client
+
+
+def text(raw: bytes | str) -> str:
+    """A key or value read back as text. connect_redis never decodes, so it is bytes, though redis-py
+    types every reply bytes | str."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def members(reply: Iterable[object]) -> list[str]:
+    """The members of a sorted-set range read without scores (ZRANGE and friends), as text;
+    redis-py types the reply as members or (member, score) pairs either way."""
+    found = []
+    for member in reply:
+        if not isinstance(member, bytes | str):
+            raise TypeError(f"members() reads a range without scores, got {member!r}")
+        found.append(text(member))
+    return found
+
+
+def binary_hash(raw: Mapping[bytes | str, bytes | str]) -> dict[bytes, bytes]:
+    """A hash read back (HGETALL) as the bytes -> bytes it is from connect_redis's client, which
+    redis-py types bytes | str."""
+    return {_binary(k): _binary(v) for k, v in raw.items()}
+
+
+def _binary(raw: bytes | str) -> bytes:
+    return raw if isinstance(raw, bytes) else raw.encode()
 
 
 def key(run_id: str, *parts: str) -> str:

@@ -32,16 +32,17 @@ class RolloutGatewayApp(PeersApp):
     async def start(self, server: GrpcServer) -> None:
         config = self.config
         await self.connect()
+        redis = self.connected_redis()
         timeouts = EngineTimeouts(connect_s=config.connect_timeout_s, generate_s=config.generate_timeout_s,
                                   control_s=config.control_timeout_s)
-        self.registry = EngineRegistry(self.redis, config.run_id, timeouts, api_key=config.engine_api_key,
+        self.registry = EngineRegistry(redis, config.run_id, timeouts, api_key=config.engine_api_key,
                                        admin_api_key=config.engine_admin_api_key)
         for spec in config.engines:
             await self.registry.register(_record(spec))
-        admission = Admission(self.redis, config.run_id, config.admission_lease_s, config.retry_after_ms)
+        admission = Admission(redis, config.run_id, config.admission_lease_s, config.retry_after_ms)
         await admission.seed_policy(config.max_inflight_sessions, config.max_staleness)
         pools = frozenset(gateway_pb2.EnginePool.Value(f"ENGINE_POOL_{p.upper()}") for p in config.route_pools)
-        router = Router(self.redis, config.run_id, self.registry, config.affinity_ttl_s, pools)
+        router = Router(redis, config.run_id, self.registry, config.affinity_ttl_s, pools)
         metrics = GatewayMetrics(lambda: list(self.registry.engines.values()), self.registry.busy_seconds,
                                  lambda engine_id: self.registry.local_in_flight.get(engine_id, 0))
         self.health = HealthChecker(self.registry, config.health_interval_s, config.health_generate)
@@ -49,7 +50,7 @@ class RolloutGatewayApp(PeersApp):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.health.check_all(), timeout=config.connect_timeout_s + 1.0)
         self.health.start()
-        dispatcher = Dispatcher(self.registry, router, metrics, AdapterRoutes(self.redis, config.run_id))
+        dispatcher = Dispatcher(self.registry, router, metrics, AdapterRoutes(redis, config.run_id))
         servicer = GatewayServicer(config.run_id, self.registry, router, dispatcher, self.health, admission, metrics)
         server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer, SERVICE_NAME)
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from rlfleet.api.gateway.v1 import gateway_pb2
 from rlfleet.common.engine_client import EngineClient, EngineTimeouts
-from rlfleet.common.redis_store import key
+from rlfleet.common.redis_store import key, text
 from rlfleet.gateway.errors import EngineNotFound
 
 State = gateway_pb2.EngineState
@@ -33,8 +34,8 @@ State = gateway_pb2.EngineState
 class EngineRecord:
     engine_id: str
     url: str
-    pool: int = gateway_pb2.ENGINE_POOL_FLEET
-    kind: int = gateway_pb2.ENGINE_KIND_UNSPECIFIED
+    pool: gateway_pb2.EnginePool = gateway_pb2.ENGINE_POOL_FLEET
+    kind: gateway_pb2.EngineKind = gateway_pb2.ENGINE_KIND_UNSPECIFIED
     labels: dict[str, str] = field(default_factory=dict)
     healthy: bool = False  # until the first probe answers
     paused: str = ""  # the pause mode while paused by PauseEngines
@@ -45,7 +46,7 @@ class EngineRecord:
     last_health_ms: int = 0
 
     @property
-    def state(self) -> int:
+    def state(self) -> gateway_pb2.EngineState:
         if not self.healthy:
             return State.ENGINE_STATE_UNHEALTHY
         if self.paused:
@@ -70,7 +71,7 @@ def _registration(record: EngineRecord) -> bytes:
     return json.dumps({"url": record.url, "pool": record.pool, "kind": record.kind, "labels": record.labels}).encode()
 
 
-def _status_fields(record: EngineRecord) -> dict[str, str]:
+def _status_fields(record: EngineRecord) -> dict[FieldT, EncodableT]:
     return {"healthy": "1" if record.healthy else "0", "paused": record.paused,
             "draining": "1" if record.draining else "0", "policy_version": str(record.policy_version),
             "in_flight": str(record.in_flight), "last_error": record.last_error,
@@ -119,7 +120,7 @@ class EngineRegistry:
     async def refresh(self) -> None:
         """Reloads every engine and its status from Redis (what other replicas registered or saw)."""
         registrations = await self.redis.hgetall(self._registry_key())
-        ids = sorted(raw_id.decode() for raw_id in registrations)
+        ids = sorted(text(raw_id) for raw_id in registrations)
         async with self.redis.pipeline(transaction=False) as pipe:
             for engine_id in ids:
                 pipe.hgetall(self._status_key(engine_id))
@@ -196,7 +197,7 @@ class EngineRegistry:
         for name, value in fields.items():
             setattr(record, name, value)
         status = _status_fields(record)
-        changed = {name: status[name] for name in fields}
+        changed: dict[FieldT, EncodableT] = {name: status[name] for name in fields}
         if await self.redis.hexists(self._registry_key(), engine_id):
             await self.redis.hset(self._status_key(engine_id), mapping=changed)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from rlfleet.api.gateway.v1 import gateway_pb2
-from rlfleet.common.redis_store import key
+from rlfleet.common.redis_store import key, text
 from rlfleet.gateway.errors import NoEngineAvailable
 from rlfleet.gateway.registry import EngineRecord, EngineRegistry
 
@@ -82,7 +82,7 @@ class Router:
         raw = await self.redis.getex(self._affinity_key(session_id), ex=self.ttl_s)
         if raw is None:
             return await self._assign(session_id, previous=None, reason="", pools=pools)
-        engine_id = raw.decode()
+        engine_id = text(raw)
         engine = self.registry.engines.get(engine_id)
         if engine is None:
             await self.registry.refresh()  # registered through another replica since our last refresh?

@@ -248,7 +248,7 @@ def detect(group_name: str, *, cgroup_parent: str | None = None) -> CgroupSuppor
         mounts, own = _mounts(), _own_paths()
     except OSError as e:
         return CgroupSupport(0, {}, f"cannot read cgroup info: {e}")
-    v1 = {}
+    v1: dict[str, Path] = {}
     for controller in ("memory", "pids"):
         for root, point, fstype, opts in mounts:
             rel = _relative(own.get(controller), root)

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+from redis.typing import EncodableT, FieldT
 
 from rlfleet.common.errors import Unavailable
-from rlfleet.common.redis_store import key
+from rlfleet.common.redis_store import key, text
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,10 @@ class LeaseStore:
 
     async def grant(self, sandbox_id: str, *, created_at: float, expires_at: float, session_id: str) -> None:
         name = self.lease_key(sandbox_id)
-        fields = {"owner": self.owner.instance_id, "host": self.owner.host, "root": self.owner.root,
-                  "pid": str(self.owner.pid), "session_id": session_id,
-                  "created_unix_ms": str(int(created_at * 1000)), "expires_unix_ms": str(int(expires_at * 1000))}
+        fields: dict[FieldT, EncodableT] = {
+            "owner": self.owner.instance_id, "host": self.owner.host, "root": self.owner.root,
+            "pid": str(self.owner.pid), "session_id": session_id,
+            "created_unix_ms": str(int(created_at * 1000)), "expires_unix_ms": str(int(expires_at * 1000))}
         ttl_ms = max(1, int((expires_at - time.time() + self.grace_s) * 1000))
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -123,6 +125,6 @@ class LeaseStore:
         async for name in self.redis.scan_iter(match=prefix + "*", count=500):
             raw = await self.redis.hgetall(name)
             if raw:
-                lease = {k.decode(): v.decode() for k, v in raw.items()}
-                found.append((name.decode()[len(prefix):], lease))
+                lease = {text(k): text(v) for k, v in raw.items()}
+                found.append((text(name)[len(prefix):], lease))
         return found

@@ -24,7 +24,7 @@ class RequestPolicy:
     allow_network: bool
 
     def limits(self, requested: Mapping[str, float]) -> Limits:
-        values = {}
+        values: dict[str, float] = {}
         for name in LIMIT_RANGES:
             value = requested.get(name, 0)
             if value == 0:
@@ -35,7 +35,8 @@ class RequestPolicy:
                     f"{field}={value!r} is above this manager's maximum {getattr(self.max_limits, name)!r}",
                     field=field, value=value, maximum=getattr(self.max_limits, name))
             values[name] = value
-        return Limits(**values)
+        # from_mapping takes the values as they came: Limits checks each one's type itself.
+        return Limits.from_mapping(values)
 
     def ttl(self, requested: float) -> float:
         if requested == 0:

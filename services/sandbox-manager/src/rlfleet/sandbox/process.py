@@ -275,6 +275,11 @@ async def run_captured(
                     hook_failed.append(e)
                     spawned.kill()
 
+                def hook_finished(f: asyncio.Future[None]) -> None:
+                    error = None if f.cancelled() else f.exception()
+                    if error is not None:
+                        failed(error)
+
                 def on_data() -> None:
                     nonlocal hook_done
                     if hook_done or hook_failed:
@@ -286,9 +291,7 @@ async def run_captured(
                         return
                     if isinstance(done, asyncio.Future):
                         hook_done = True
-                        done.add_done_callback(
-                            lambda f: None if f.cancelled() or f.exception() is None else failed(f.exception())
-                        )
+                        done.add_done_callback(hook_finished)
                     else:
                         hook_done = done
 

@@ -30,7 +30,7 @@ _OFF_NR, _OFF_ARCH, _OFF_ARG0 = 0, 4, 16  # struct seccomp_data; args are little
 _X32_BIT = 0x40000000
 CLONE_NEWUSER = 0x10000000
 
-_DENIED = ("add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd")
+_DENIED: tuple[str, ...] = ("add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd")
 _DENIED += ("io_uring_setup", "io_uring_enter", "io_uring_register")
 
 # machine -> (AUDIT_ARCH_*, syscall numbers)

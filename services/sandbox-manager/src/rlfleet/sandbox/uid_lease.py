@@ -70,7 +70,8 @@ class UidLease:
     """A uid range this process holds on the host until `release` (or until it dies)."""
 
     def __init__(self, directory: Path, uids: UidRange, fd: int) -> None:
-        self.directory, self.uids, self._fd = directory, uids, fd
+        self.directory, self.uids = directory, uids
+        self._fd: int | None = fd  # None once released
 
     @property
     def path(self) -> Path:

@@ -32,6 +32,7 @@ class SessionServerApp(PeersApp):
     async def start(self, server: GrpcServer) -> None:
         config = self.config
         await self.connect()
+        redis = self.connected_redis()
         tokenizer_path = require(config.tokenizer_path, "tokenizer_path")
         gateway_address = require(config.gateway_address, "gateway_address")
         tokenizer = Tokenizer(tokenizer_path)
@@ -40,10 +41,10 @@ class SessionServerApp(PeersApp):
                         default_budget=config.max_total_tokens, max_text_chars=config.max_text_chars,
                         max_metadata_bytes=config.max_metadata_bytes)
         metrics = SessionMetrics()
-        store = SessionStore(self.redis, config.run_id, config.session_ttl_s, config.max_open_sessions)
+        store = SessionStore(redis, config.run_id, config.session_ttl_s, config.max_open_sessions)
         self.gateway = GatewayClient(gateway_address, config.gateway_timeout_s)
-        publisher = TrajectoryPublisher(self.js, config.run_id, config.publish_timeout_s)
-        closer = Closer(store, self.redis, publisher, self.gateway, metrics)
+        publisher = TrajectoryPublisher(self.connected_js(), config.run_id, config.publish_timeout_s)
+        closer = Closer(store, redis, publisher, self.gateway, metrics)
         servicer = SessionServicer(config.run_id, store, Inputs(tokenizer, renderer, limits), self.gateway, closer,
                                    metrics)
         server.add(session_pb2_grpc.add_SessionServiceServicer_to_server, servicer, SERVICE_NAME)

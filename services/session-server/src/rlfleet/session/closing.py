@@ -59,7 +59,8 @@ class Closer:
         self.gateway = gateway
         self.metrics = metrics
 
-    async def close(self, session_id: str, status: int, metadata: dict[str, str]) -> Closed:
+    async def close(self, session_id: str, status: common_pb2.TrajectoryStatus,
+                    metadata: dict[str, str]) -> Closed:
         """Closes (or, with status ABORTED, aborts) the session; a retry returns the first close's trajectory."""
         for _attempt in range(5):
             # The verdict is read with the session (one round trip); only an open session uses it.
@@ -104,8 +105,8 @@ class Closer:
                 log.warning("expiring a session failed", extra={"session_id": session_id, "error": str(exc)})
         return expired
 
-    async def _seal(self, state: SessionState, status: int, verdict: common_pb2.Verdict | None,
-                    metadata: dict[str, str]) -> common_pb2.Trajectory:
+    async def _seal(self, state: SessionState, status: common_pb2.TrajectoryStatus,
+                    verdict: common_pb2.Verdict | None, metadata: dict[str, str]) -> common_pb2.Trajectory:
         trajectory = build_trajectory(state, uuid.uuid4().hex, status, verdict, metadata)
         if verdict is None and trajectory.status != ABORTED_STATUS:
             # The trainer trains only on verdicts: say so at close, where the client sees it, rather
@@ -123,7 +124,7 @@ class Closer:
         await self.store.commit(state)
         return trajectory
 
-    def _sealed(self, state: SessionState, status: int) -> common_pb2.Trajectory:
+    def _sealed(self, state: SessionState, status: common_pb2.TrajectoryStatus) -> common_pb2.Trajectory:
         """The stored trajectory of a finished session, if this call asks for the same ending: a
         retry answers the first close; a close with another status is refused (FAILED_PRECONDITION)."""
         aborting = status == ABORTED_STATUS

@@ -24,7 +24,8 @@ class GatewayClient:
     async def generate(self, session_id: str, input_ids, sampling: common_pb2.SamplingParams,
                        request_id: str, engine_pool: str = "") -> gateway_pb2.GenerateResponse:
         try:
-            pool = gateway_pb2.EnginePool.Value(f"ENGINE_POOL_{engine_pool.upper()}") if engine_pool else 0
+            pool = (gateway_pb2.EnginePool.Value(f"ENGINE_POOL_{engine_pool.upper()}") if engine_pool
+                    else gateway_pb2.ENGINE_POOL_UNSPECIFIED)
         except ValueError:
             raise GatewayRejected(f"metadata engine_pool {engine_pool!r} is not a pool (fleet or canary)",
                                   session_id=session_id) from None

@@ -138,8 +138,8 @@ def _append(state: SessionState, ids: list[int], logprobs: list[float] | None, s
     return len(session.spans) - 1
 
 
-def build_trajectory(state: SessionState, trajectory_id: str, status: int, verdict: common_pb2.Verdict | None,
-                     metadata: dict[str, str]) -> common_pb2.Trajectory:
+def build_trajectory(state: SessionState, trajectory_id: str, status: common_pb2.TrajectoryStatus,
+                     verdict: common_pb2.Verdict | None, metadata: dict[str, str]) -> common_pb2.Trajectory:
     """The session as one Trajectory; the server's TRUNCATED overrides a client's COMPLETED when the budget ran out."""
     if status in (common_pb2.TRAJECTORY_STATUS_UNSPECIFIED, common_pb2.TRAJECTORY_STATUS_COMPLETED):
         status = (common_pb2.TRAJECTORY_STATUS_TRUNCATED if state.budget_exhausted

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 
 from rlfleet.api.session.v1 import session_pb2
 from rlfleet.common import security
-from rlfleet.common.redis_store import key
+from rlfleet.common.redis_store import binary_hash, key, members, text
 from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
 from rlfleet.session.state import SessionState
 
@@ -86,13 +86,13 @@ class SessionStore:
     def _key(self, session_id: str) -> str:
         return key(self.run_id, "session", session_id)
 
-    def visible(self, owner: bytes | None) -> bool:
+    def visible(self, owner: bytes | str | None) -> bool:
         """Whether the caller may see a session of `owner`: its own (in this run), or any for a
         service or the operator. Another caller's session is answered as not found."""
-        return security.caller().may_own((owner or b"").decode(), self.run_id)
+        return security.caller().may_own(text(owner or b""), self.run_id)
 
     async def load(self, session_id: str) -> SessionState:
-        raw = await self.redis.hgetall(self._key(session_id))
+        raw = binary_hash(await self.redis.hgetall(self._key(session_id)))
         if not raw or not self.visible(raw.get(b"owner")):
             raise SessionNotFound(session_id)
         return SessionState.from_fields(raw)
@@ -115,7 +115,7 @@ class SessionStore:
         return session_pb2.Session.FromString(raw)
 
     async def find(self, session_id: str) -> SessionState | None:
-        raw = await self.redis.hgetall(self._key(session_id))
+        raw = binary_hash(await self.redis.hgetall(self._key(session_id)))
         return SessionState.from_fields(raw) if raw else None
 
     async def create(self, state: SessionState) -> bool:
@@ -164,7 +164,7 @@ class SessionStore:
     async def idle_sessions(self, idle_s: float, limit: int = 256) -> list[str]:
         """Open sessions whose last change is more than `idle_s` ago."""
         ids = await self.redis.zrangebyscore(self._open_key, "-inf", time.time() - idle_s, start=0, num=limit)
-        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+        return members(ids)
 
     async def last_change(self, session_id: str) -> float | None:
         return await self.redis.zscore(self._open_key, session_id)

@@ -46,7 +46,7 @@ class Rollout:
 
     def __init__(self, workdir: Path, nats_url: str, redis_url: str, model: Path, run_id: str) -> None:
         self.workdir, self.nats_url, self.redis_url, self.model, self.run_id = workdir, nats_url, redis_url, model, run_id
-        self.engines: dict = {}
+        self.engines: dict[str, ServiceProcess] = {}
         self.gateway: ServiceProcess | None = None
         self.sessions: list[ServiceProcess] = []
 
@@ -62,9 +62,9 @@ class Rollout:
                 started = pool.map(self._start_engine, names)
                 self.engines = dict(zip(names, started, strict=True))
             port = free_port()
-            engines = [(n, e.url) for n, e in self.engines.items()]
+            urls = [(n, e.url) for n, e in self.engines.items()]
             settings = {"grpc.port": port, **(gateway or {})}
-            config = gateway_config(self.redis_url, self.run_id, engines, **settings)
+            config = gateway_config(self.redis_url, self.run_id, urls, **settings)
             self.gateway = ServiceProcess("rlfleet-gateway", self.workdir, config=config).spawn()
             self.start_session_server(f"127.0.0.1:{port}", wait=False, **(session or {}))
             self.gateway.wait_ready()
@@ -80,7 +80,12 @@ class Rollout:
         return ServiceProcess("rlfleet-cpu-engine", self.workdir / name, config=config).start(90.0)
 
     def start_session_server(self, gateway_address: str | None = None, wait: bool = True, **config) -> ServiceProcess:
-        address = gateway_address or self.gateway.address
+        if gateway_address:
+            address = gateway_address
+        elif self.gateway is not None:
+            address = self.gateway.address
+        else:
+            raise RuntimeError("no gateway for the session server: start() the rollout first, or pass one")
         process = ServiceProcess("rlfleet-session-server", self.workdir, config=session_server_config(
             self.nats_url, self.redis_url, self.run_id, address, str(self.model), **config)).spawn()
         self.sessions.append(process)

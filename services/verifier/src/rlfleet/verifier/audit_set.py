@@ -50,6 +50,7 @@ def _perturbed(value):
 
 def labelled_episodes(seed: int = 0) -> tuple[dict[str, list[dict]], list[dict]]:
     """(suite name -> task records, labelled episodes)."""
+    from rlfleet.envkit.suite_format import ExactVerifier, NumericVerifier
     from rlfleet.envkit.suites import calc, code
     from rlfleet.envkit.suites.code_templates import TEMPLATES
 
@@ -57,6 +58,8 @@ def labelled_episodes(seed: int = 0) -> tuple[dict[str, list[dict]], list[dict]]
     calc_tasks = calc.generate_tasks("train", CALC_TASKS, seed=seed)
     labels: list[dict] = []
     for task in calc_tasks:
+        if not isinstance(task.verifier, ExactVerifier | NumericVerifier):
+            raise TypeError(f"calc task {task.task_id} has a {task.verifier.kind} verifier, not an answer")
         answer = task.verifier.answer
         near = str(int(answer) + rng.choice((-10, -1, 1, 2, 10)))
         labels += [

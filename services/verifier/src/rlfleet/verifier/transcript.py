@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.session.v1 import session_pb2
@@ -28,6 +28,9 @@ from rlfleet.common.errors import FailedPrecondition
 from rlfleet.verifier.kinds import Episode, ToolCallRecord
 from rlfleet.verifier.kinds.base import tool_names
 from rlfleet.verifier.kinds.turns import offered_call
+
+if TYPE_CHECKING:  # imported at first use (below): only verifying a session needs it
+    from tokenizers import Tokenizer
 
 _MESSAGE_RE = re.compile(
     re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)(?=" + re.escape(IM_END) + "|" + re.escape(IM_START) + r"|\Z)",
@@ -46,10 +49,10 @@ class SessionDecoder:
 
     def __init__(self, tokenizer_path: str) -> None:
         self.path = tokenizer_path
-        self._tokenizer = None
+        self._tokenizer: Tokenizer | None = None
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             if not self.path:
                 raise FailedPrecondition("verifying a session needs the policy's tokenizer: set tokenizer_path")

@@ -39,6 +39,7 @@ import asyncio
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from rlfleet.broker.pools import EngineRef, Pools
 from rlfleet.broker.registry import Targets
@@ -77,7 +78,8 @@ class AdapterSync:
         self.routed: dict[str, int] = {}  # role -> adapter version, as last set
 
     # --- what a target means ---------------------------------------------------------------------
-    def is_adapter(self, version: int | None) -> bool:
+    def is_adapter(self, version: int | None) -> TypeGuard[int]:
+        """Whether `version` is a stored adapter (so, for the type checker, not None)."""
         if version is None:
             return False
         try:
@@ -89,7 +91,7 @@ class AdapterSync:
         """The full version an engine must serve for `version` (itself, unless it is an adapter)."""
         if not self.is_adapter(version):
             return version
-        return self.store.index(version).base_version  # type: ignore[arg-type]
+        return self.store.index(version).base_version
 
     def wanted(self, targets: Targets) -> dict[str, int]:
         """Role -> adapter version the targets ask for (roles whose target is a full version are absent)."""

@@ -40,10 +40,10 @@ class WeightBrokerApp(PeersApp):
         timeouts = EngineTimeouts(weights_s=config.sync.update_timeout_s)
         self.pools = Pools(config.engines, self.gateway, timeouts, api_key=config.engine_api_key,
                            admin_api_key=config.engine_admin_api_key)
-        self.broker = Broker(config, VersionRegistry(self.redis, config.run_id), store, self.pools, self.gateway,
-                             BrokerMetrics())  # fmt: skip
+        registry = VersionRegistry(self.connected_redis(), config.run_id)
+        self.broker = Broker(config, registry, store, self.pools, self.gateway, BrokerMetrics())
         if config.consume_policy_stream:
-            self.consumer = PolicyConsumer(self.js, config.run_id, self.broker.announce)
+            self.consumer = PolicyConsumer(self.connected_js(), config.run_id, self.broker.announce)
             await self.consumer.start()
         self.broker.start()
         server.add(broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(self.broker), SERVICE_NAME)

@@ -83,8 +83,8 @@ class Broker:
         self.gateway = gateway
         self.metrics = metrics
         self.policy = SyncPolicy(config.sync)
-        copies = LocalCopies(store, config.local_copies or Path(store.root) / ".local-copies")
-        self.rollout = Rollout(store, pools, gateway, metrics, config.sync, copies)
+        self.copies = LocalCopies(store, config.local_copies or Path(store.root) / ".local-copies")
+        self.rollout = Rollout(store, pools, gateway, metrics, config.sync, self.copies)
         self.adapters = AdapterSync(store, pools, AdapterRoutes(registry.redis, config.run_id))
         self._lock = asyncio.Lock()  # targets and version states
         self._busy: set[str] = set()  # engines being updated
@@ -143,7 +143,7 @@ class Broker:
             raise BadAnnouncement(f"version {pv.version} in the store is unreadable: {exc}") from None
         return pv.version
 
-    async def announce(self, pv: common_pb2.PolicyVersion) -> int:
+    async def announce(self, pv: common_pb2.PolicyVersion) -> broker_pb2.VersionState:
         """Records a version (idempotent) and applies the sync policy; returns its state."""
         version = await asyncio.to_thread(self._validate, pv)
         async with self._lock:
@@ -164,9 +164,10 @@ class Broker:
             # trainer sends adapters), so it is never left waiting `trainer_wait_s` for a trainer send.
             if not self._trainer_decides or self.adapters.is_adapter(version):
                 await self._apply_policy()
-            record = await self.registry.get(version)
+            # Put above: gone only if the run's registry keys were deleted meanwhile.
+            record = await self.registry.require(version)
         self.wake()
-        return record.state  # type: ignore[union-attr]
+        return record.state
 
     @property
     def _trainer_decides(self) -> bool:
@@ -217,7 +218,8 @@ class Broker:
             await self._accept(decision.version, "auto_promote (no canary engines)")
         return decision.version
 
-    async def _set_state(self, version: int, state: int, reason: str, only_from: set[int] | None = None) -> None:
+    async def _set_state(self, version: int, state: broker_pb2.VersionState, reason: str,
+                         only_from: set[broker_pb2.VersionState] | None = None) -> None:
         record = await self.registry.get(version)
         if record is not None and (only_from is None or record.state in only_from):
             await self.registry.set_state(record, state, reason)
@@ -263,13 +265,14 @@ class Broker:
                     )
                 target = to_version
             else:
-                target = None if current is None else await self.registry.newest_in_state(
+                older = None if current is None else await self.registry.newest_in_state(
                     {State.VERSION_STATE_ACCEPTED}, below=current)  # fmt: skip
-                if target is None:
+                if older is None:
                     raise NothingToRollBackTo(
                         "nothing accepted to roll back to" if current is None
                         else f"nothing accepted to roll back to: no accepted version older than the current {current}"
                     )  # fmt: skip
+                target = older
             if current is not None and current > target:
                 for record in await self.registry.records(await self.registry.versions(target + 1, current)):
                     if record.state == State.VERSION_STATE_ACCEPTED:
@@ -298,8 +301,8 @@ class Broker:
             async with self._lock:
                 chosen = await self._apply_policy(only=version)
                 if chosen is None:
-                    record = await self.registry.get(version)
-                    return broker_pb2.StartDistributedSyncResponse(world_size=1, state=record.state)  # type: ignore[union-attr]
+                    record = await self.registry.require(version)
+                    return broker_pb2.StartDistributedSyncResponse(world_size=1, state=record.state)
                 if self.config.auto_promote:
                     await self._accept(version, "auto_promote (broadcast to every pool)")
                 pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
@@ -309,7 +312,7 @@ class Broker:
                 engines = [e for e, size in zip(candidates, sizes, strict=True) if size]
                 tp_sizes = tuple(size for size in sizes if size)
                 self._claim(e.engine_id for e in engines)
-                state = (await self.registry.get(version)).state  # type: ignore[union-attr]
+                state = (await self.registry.require(version)).state
         finally:
             self._hold_rounds(False)
         plan = BroadcastPlan(
@@ -390,7 +393,7 @@ class Broker:
             outcomes = await Distributed(self.pools, plan).update(engines, info)
             for engine, outcome in zip(engines, outcomes, strict=True):
                 self.metrics.record(outcome)
-                self.rollout.copies.forget(engine.engine_id)  # its weights came by broadcast: no local copy
+                self.copies.forget(engine.engine_id)  # its weights came by broadcast: no local copy
                 result = SyncResult(engine.engine_id, version, [outcome], version if outcome.ok else None)
                 await self._record_engine(engine, result, version)
         finally:
@@ -465,11 +468,11 @@ class Broker:
                 continue
             record = broker_pb2.EngineVersion()
             record.CopyFrom(records[engine.engine_id])
-            record.target_version = target  # type: ignore[assignment]
+            record.target_version = target
             serving = target in result.held.get(engine.engine_id, set()) and target in result.routes.values()
             record.state = "serving" if serving else "behind"
             if serving:
-                record.policy_version = target  # type: ignore[assignment]
+                record.policy_version = target
             await self.registry.put_engine(record)
 
     async def _converge(self, engine: EngineRef, target: int | None, new: bool, drained: bool) -> None:
@@ -494,7 +497,7 @@ class Broker:
         if refused and refused[0] == target and time.monotonic() < refused[1]:
             return
         if self.gateway is not None and self.config.sync.drain_stale_engines and not drained:
-            drained = await self._drain_for_catch_up(engine, current_text, target, new)
+            drained = await self._drain_for_catch_up(self.gateway, engine, current_text, target, new)
         log.info("engine %s: %s -> %d", engine.engine_id, current_text, target)
         await self._record_engine(engine, SyncResult(engine.engine_id, target, serving=current), target,
                                   syncing=True)  # fmt: skip
@@ -505,10 +508,11 @@ class Broker:
             self._refused.pop(engine.engine_id, None)
             if drained:
                 await self._undrain(engine, target)
-        elif result.full_refused:
-            await self._full_refused(engine, target, result.last)  # type: ignore[arg-type]
+        elif (refusal := result.full_refused) is not None:
+            await self._full_refused(engine, target, refusal)
 
-    async def _drain_for_catch_up(self, engine: EngineRef, current_text: str, target: int, new: bool) -> bool:
+    async def _drain_for_catch_up(self, gateway: GatewayLink, engine: EngineRef, current_text: str,
+                                  target: int, new: bool) -> bool:
         """Whether the broker un-drains this engine once it serves its target: a new engine, or one on
         weights that are no version of this run (restarted), is kept out of traffic until then. One an
         operator drained (known to the broker, on a version of this run) is left as it is."""
@@ -516,7 +520,7 @@ class Broker:
             return False
         if not engine.draining:
             reason = f"catching up from weights {current_text!r} to version {target}"
-            if not await self.gateway.set_draining(engine.engine_id, True, reason):  # type: ignore[union-attr]
+            if not await gateway.set_draining(engine.engine_id, True, reason):
                 if not new:
                     return False
         await self.registry.mark_drained(engine.engine_id, True)

@@ -33,7 +33,7 @@ class PolicyConsumer:
         self.handle = handle
         self.durable = durable_name("weight-broker", run_id)
         self._task: asyncio.Task | None = None
-        self._subscription = None
+        self._subscription: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> None:
         await ensure_consumer(self.js, "POLICY", self.durable, self.run_id, ack_wait_s=120.0)

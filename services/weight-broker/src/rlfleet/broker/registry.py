@@ -19,9 +19,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from rlfleet.api.broker.v1 import broker_pb2
-from rlfleet.common.redis_store import key
+from rlfleet.broker.errors import UnknownVersion
+from rlfleet.common.redis_store import key, members, text
 
 State = broker_pb2.VersionState
 
@@ -58,6 +60,13 @@ class VersionRegistry:
         raw = await self.redis.get(self._key("version", str(version)))
         return None if raw is None else broker_pb2.VersionRecord.FromString(raw)
 
+    async def require(self, version: int) -> broker_pb2.VersionRecord:
+        """get() for a version that must be known: UnknownVersion (NOT_FOUND) when it is not."""
+        record = await self.get(version)
+        if record is None:
+            raise UnknownVersion(version)
+        return record
+
     async def put(self, record: broker_pb2.VersionRecord) -> None:
         v = record.version.version
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -66,7 +75,7 @@ class VersionRegistry:
             await pipe.execute()
 
     async def set_state(
-        self, record: broker_pb2.VersionRecord, state: int, reason: str = ""
+        self, record: broker_pb2.VersionRecord, state: broker_pb2.VersionState, reason: str = ""
     ) -> broker_pb2.VersionRecord:
         record.state = state
         if reason:
@@ -86,7 +95,7 @@ class VersionRegistry:
         raw = await self.redis.zrangebyscore(
             self._key("versions"), "-inf" if low is None else low, "+inf" if high is None else high
         )
-        return [int(v) for v in raw]
+        return [int(v) for v in members(raw)]
 
     async def records(self, versions: Iterable[int]) -> list[broker_pb2.VersionRecord]:
         keys = [self._key("version", str(v)) for v in versions]
@@ -96,13 +105,15 @@ class VersionRegistry:
 
     async def newest(self, limit: int = 0) -> list[broker_pb2.VersionRecord]:
         raw = await self.redis.zrevrange(self._key("versions"), 0, (limit or 0) - 1)
-        return await self.records(int(v) for v in raw)
+        return await self.records(int(v) for v in members(raw))
 
-    async def newest_in_state(self, states: set[int], below: int | None = None) -> int | None:
+    async def newest_in_state(
+        self, states: set[broker_pb2.VersionState], below: int | None = None
+    ) -> int | None:
         """The newest version (< below) in one of `states`."""
         high = "+inf" if below is None else f"({below}"
         raw = await self.redis.zrevrangebyscore(self._key("versions"), high, "-inf")
-        for record in await self.records(int(v) for v in raw):
+        for record in await self.records(int(v) for v in members(raw)):
             if record.state in states:
                 return record.version.version
         return None
@@ -110,11 +121,11 @@ class VersionRegistry:
     # --- targets --------------------------------------------------------------------------------
     async def targets(self) -> Targets:
         raw = await self.redis.hgetall(self._key("targets"))
-        values = {k.decode(): int(v) for k, v in raw.items()}
+        values = {text(k): int(v) for k, v in raw.items()}
         return Targets(values.get("canary"), values.get("fleet"), values.get("latest"), values.get("last_synced"))
 
     async def set_targets(self, **values: int | None) -> None:
-        present = {k: str(v) for k, v in values.items() if v is not None}
+        present: dict[FieldT, EncodableT] = {k: str(v) for k, v in values.items() if v is not None}
         absent = [k for k, v in values.items() if v is None]
         async with self.redis.pipeline(transaction=True) as pipe:
             if present:
@@ -130,7 +141,7 @@ class VersionRegistry:
 
     async def engines(self) -> dict[str, broker_pb2.EngineVersion]:
         raw = await self.redis.hgetall(self._key("engines"))
-        return {k.decode(): broker_pb2.EngineVersion.FromString(v) for k, v in raw.items()}
+        return {text(k): broker_pb2.EngineVersion.FromString(v) for k, v in raw.items()}
 
     async def put_engine(self, record: broker_pb2.EngineVersion) -> None:
         await self.redis.hset(self._key("engines"), record.engine_id, record.SerializeToString())
@@ -138,7 +149,7 @@ class VersionRegistry:
     async def forget_engines(self, keep: Iterable[str]) -> None:
         """Drops the records of engines that left the pools."""
         keep = set(keep)
-        gone = [e for e in await self.redis.hkeys(self._key("engines")) if e.decode() not in keep]
+        gone = [e for e in await self.redis.hkeys(self._key("engines")) if text(e) not in keep]
         if gone:
             await self.redis.hdel(self._key("engines"), *gone)
 
@@ -149,4 +160,4 @@ class VersionRegistry:
             await self.redis.srem(self._key("drained"), engine_id)
 
     async def drained(self) -> set[str]:
-        return {e.decode() for e in await self.redis.smembers(self._key("drained"))}
+        return {text(e) for e in await self.redis.smembers(self._key("drained"))}

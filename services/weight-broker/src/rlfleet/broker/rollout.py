@@ -43,9 +43,10 @@ class SyncResult:
         return self.outcomes[-1] if self.outcomes else None
 
     @property
-    def full_refused(self) -> bool:
+    def full_refused(self) -> UpdateOutcome | None:
+        """The last outcome when it is a refused full load (the store cannot give the version), else None."""
         last = self.last
-        return last is not None and last.transport == "disk_full" and last.refused
+        return last if last is not None and last.transport == "disk_full" and last.refused else None
 
 
 class Rollout:
@@ -70,7 +71,8 @@ class Rollout:
         """The deltas to apply in order, or [] for one full load (current == target: nothing to do)."""
         if (transport or self.config.transport) == "disk_full" or current is None or current >= target:
             return []
-        chain, version = [], target
+        chain: list[int] = []
+        version = target
         while version != current:
             if len(chain) >= self.config.max_delta_chain:
                 return []

@@ -87,7 +87,7 @@ class TrainerSyncs:
         version = request.version.version
         await b.announce(request.version)
         engines = await b.take_for_trainer(version, lambda e: self.transport(e) in TRAINER_SENT)
-        state = (await b.registry.get(version)).state  # type: ignore[union-attr]
+        state = (await b.registry.require(version)).state
         if not engines:
             return broker_pb2.TrainerSyncPlan(state=state)
         by = {t: [e for e in engines if self.transport(e) == t] for t in TRAINER_SENT}
@@ -215,7 +215,7 @@ class TrainerSyncs:
         try:
             for engine, outcome in zip(pending.engines, outcomes, strict=True):
                 b.metrics.record(outcome)
-                b.rollout.copies.forget(engine.engine_id)  # weights came from the trainer: no local copy
+                b.copies.forget(engine.engine_id)  # weights came from the trainer: no local copy
                 if not outcome.ok and outcome.reply:  # swapped, then failed the check: never "serving v"
                     with contextlib.suppress(EngineError):
                         await b.pools.client(engine).update_weight_version(f"unverified-{pending.version}")
@@ -264,5 +264,11 @@ def _nbytes(tensors) -> int:
 
 def _proto(outcome: UpdateOutcome) -> broker_pb2.EngineSyncOutcome:
     return broker_pb2.EngineSyncOutcome(
-        engine_id=outcome.engine_id, transport=PROTO_TRANSPORTS.get(outcome.transport, 0), ok=outcome.ok,
-        pause_s=outcome.pause_s, bytes=outcome.bytes, message=outcome.message, falls_back=not outcome.ok)
+        engine_id=outcome.engine_id,
+        transport=PROTO_TRANSPORTS.get(outcome.transport, broker_pb2.TRANSPORT_UNSPECIFIED),
+        ok=outcome.ok,
+        pause_s=outcome.pause_s,
+        bytes=outcome.bytes,
+        message=outcome.message,
+        falls_back=not outcome.ok,
+    )

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rlfleet.broker.pools import EngineRef, GatewayLink, Pools
-from rlfleet.common.engine_client import EngineError, EngineRejected
+from rlfleet.common.engine_client import EngineError, EngineRejected, PauseMode
 from rlfleet.weights import DirectoryWeightStore, WeightStoreError
 from rlfleet.weights.local_copy import LocalCopies, Staged
 from rlfleet.weights.sent_checks import mismatched
@@ -118,7 +118,8 @@ def _loaded(engine: EngineRef, target: VersionInfo, transport: str, staged: Stag
 class DiskDelta:
     name = "disk_delta"
 
-    def __init__(self, pools: Pools, pause_mode: str = "retract", copies: LocalCopies | None = None) -> None:
+    def __init__(self, pools: Pools, pause_mode: PauseMode = "retract",
+                 copies: LocalCopies | None = None) -> None:
         self.pools = pools
         self.pause_mode = pause_mode
         self.copies = copies
@@ -172,10 +173,10 @@ class Pauser:
         self.pools = pools
         self.gateway = gateway
 
-    async def pause(self, engine: EngineRef, mode: str) -> str:
+    async def pause(self, engine: EngineRef, mode: PauseMode) -> str:
         if self.gateway is not None and await self.gateway.pause(engine.engine_id, mode):
             return "gateway"
-        await self.pools.client(engine).pause(mode)  # type: ignore[arg-type]
+        await self.pools.client(engine).pause(mode)
         return "engine"
 
     async def resume(self, engine: EngineRef, how: str) -> None:
@@ -187,7 +188,7 @@ class Pauser:
 class DiskFull:
     name = "disk_full"
 
-    def __init__(self, pools: Pools, pauser: Pauser, pause_mode: str = "retract",
+    def __init__(self, pools: Pools, pauser: Pauser, pause_mode: PauseMode = "retract",
                  copies: LocalCopies | None = None) -> None:
         self.pools = pools
         self.pauser = pauser
@@ -198,21 +199,21 @@ class DiskFull:
         return list(await asyncio.gather(*(self._one(e, target) for e in engines)))
 
     async def _one(self, engine: EngineRef, target: VersionInfo) -> UpdateOutcome:
-        staged = None
+        copies, staged = self.copies, None
         if engine.kind != "cpu":
             # The agent rebuilds the version into a plain HF directory before the pause.
-            if self.copies is None:
+            if copies is None:
                 return _agent_refused(engine, target, self.name, "no local copies configured for SGLang engines")
             try:
-                staged = await asyncio.to_thread(self.copies.stage_full, target.version)
+                staged = await asyncio.to_thread(copies.stage_full, target.version)
             except WeightStoreError as exc:
                 return _agent_refused(engine, target, self.name, str(exc))
         started = time.perf_counter()
         try:
             how = await self.pauser.pause(engine, self.pause_mode)
         except EngineError as exc:
-            if staged is not None:
-                self.copies.discard(staged)  # type: ignore[union-attr]
+            if copies is not None and staged is not None:
+                copies.discard(staged)
             return _failed(engine, target, self.name, exc)
         try:
             client = self.pools.client(engine)
@@ -225,15 +226,15 @@ class DiskFull:
                 load_s = time.perf_counter() - loading
         except EngineError as exc:
             outcome = _failed(engine, target, self.name, exc)
-            if staged is not None:
-                self.copies.discard(staged)  # type: ignore[union-attr]
+            if copies is not None and staged is not None:
+                copies.discard(staged)
         else:
-            if staged is None:
+            if copies is None or staged is None:
                 outcome = UpdateOutcome(engine.engine_id, target.version, self.name, True,
                                         bytes=int(reply.get("bytes", 0)), message=str(reply.get("message", "")),
                                         reply=reply)  # fmt: skip
             else:
-                self.copies.commit(staged, holder=engine.engine_id)  # type: ignore[union-attr]
+                copies.commit(staged, holder=engine.engine_id)
                 outcome = _loaded(engine, target, self.name, staged, reply, 0.0, load_s)
         finally:
             try:
@@ -259,7 +260,7 @@ class BroadcastPlan:
     tp_sizes: tuple[int, ...] = ()
     # name -> the sender's checksum (TrainerSync): an engine whose reply's checksums differ failed.
     checksums: dict[str, str] = field(default_factory=dict)
-    pause_mode: str = "in_place"
+    pause_mode: PauseMode = "in_place"
 
     def ranks(self, engines: int) -> tuple[list[int], int]:
         """(rank_offset of each engine, world size) by SGLang's rule (rank = rank_offset + tp_rank)."""
@@ -303,7 +304,7 @@ async def engine_tp_size(pools: Pools, engine: EngineRef) -> int:
     return max(1, int(info.get("tp_size", 1)))
 
 
-def engine_pause(engine: EngineRef, pause_mode: str) -> tuple[str | None, bool]:
+def engine_pause(engine: EngineRef, pause_mode: PauseMode) -> tuple[PauseMode | None, bool]:
     """(the CPU engine's pause_mode query parameter, abort_all_requests) for a trainer-sent swap.
     SGLang's bodies carry only abort_all_requests; it holds requests for the whole update itself."""
     return (pause_mode if engine.kind == "cpu" else None), pause_mode == "abort"
@@ -374,7 +375,7 @@ class PeerCommit:
 
     name = "p2p"
 
-    def __init__(self, pools: Pools, pause_mode: str) -> None:
+    def __init__(self, pools: Pools, pause_mode: PauseMode) -> None:
         self.pools = pools
         self.pause_mode = pause_mode
 
@@ -396,7 +397,7 @@ class TensorHandOver:
 
     name = "tensor"
 
-    def __init__(self, pools: Pools, pause_mode: str) -> None:
+    def __init__(self, pools: Pools, pause_mode: PauseMode) -> None:
         self.pools = pools
         self.pause_mode = pause_mode
 
@@ -407,7 +408,7 @@ class TensorHandOver:
         paused = engine.kind != "cpu" and not abort and self.pause_mode != "in_place"
         try:
             if paused:  # SGLang's RL recipe: pause (retract) -> update -> continue
-                await client.pause(self.pause_mode)  # type: ignore[arg-type]
+                await client.pause(self.pause_mode)
             started = time.perf_counter()
             reply = await client.update_from_tensor(serialized, weight_version=str(version), pause_mode=mode,
                                                     abort_all_requests=abort)

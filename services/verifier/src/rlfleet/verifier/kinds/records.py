@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -73,6 +74,6 @@ class Episode:
     answer: str | None = None
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
-    files: dict[str, bytes | str] = field(default_factory=dict)
+    files: Mapping[str, bytes | str] = field(default_factory=dict)
     timed_out: bool = False
     truncated: bool = False

@@ -174,7 +174,7 @@ class CandidateCrashed(CandidateError):
     code = "CRASHED"
 
 
-_raised_types = {}
+_raised_types: dict[str, type[CandidateError]] = {}
 
 
 def raised_type(name):
@@ -184,7 +184,7 @@ def raised_type(name):
         # A built-in exception's name gives a subclass of it too, so `except ValueError` in the
         # hidden tests (a test that expects the candidate to raise) still matches.
         builtin = getattr(builtins, name, None)
-        bases = (CandidateError,)
+        bases: tuple[type[Exception], ...] = (CandidateError,)
         if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not Exception:
             bases = (builtin, CandidateError)
         try:
@@ -235,6 +235,7 @@ class Run:
         finally:
             os.close(reply_w)
             os.close(out_w)
+        assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.write(job.encode())
             proc.stdin.close()

@@ -198,12 +198,12 @@ def reasons_from_report(report: Mapping[str, Any], tests: str, timeout_s: float)
                 details.update(exception_details(failures, outcomes[0], tests))
             reasons.append(Reason(code, f"test {index}: {_MESSAGE_OF_CODE[code]}", details))
         index += is_test
-    outcomes = report.get("outcomes") or {}
+    totals = report.get("outcomes") or {}  # outcome -> calls, over the whole run
     for outcome in ("REWARD_HACKING", "SAFETY_VIOLATION"):  # fail the run even if no test reported it
         code = _CODE_OF_OUTCOME[outcome]
-        if outcomes.get(outcome) and code not in {r.code for r in reasons}:
-            reasons.append(Reason(code, _MESSAGE_OF_CODE[code], {"failure": outcome, "calls": str(outcomes[outcome])}))
-    if outcomes.get("TIMEOUT") and ReasonCode.TIMEOUT not in {r.code for r in reasons}:
+        if totals.get(outcome) and code not in {r.code for r in reasons}:
+            reasons.append(Reason(code, _MESSAGE_OF_CODE[code], {"failure": outcome, "calls": str(totals[outcome])}))
+    if totals.get("TIMEOUT") and ReasonCode.TIMEOUT not in {r.code for r in reasons}:
         reasons.append(Reason(ReasonCode.TIMEOUT, f"the hidden tests ran past {timeout_s:g}s", {"failure": "TIMEOUT"}))
     if len(reasons) > MAX_REASONS:
         more = len(reasons) - MAX_REASONS
