@@ -28,8 +28,10 @@ from rlfleet.gateway.errors import InvalidGatewayRequest
 REASON_INFLIGHT = "inflight_limit"
 REASON_STALE = "stale"
 
-# KEYS: inflight zset, counts hash, policy hash.
-# ARGV: session_id, now_ms, lease cutoff ms, fleet min version ("" = unknown).
+# KEYS: inflight zset, counts hash, policy hash[, adapter routes hash].
+# ARGV: session_id, now_ms, lease cutoff ms, fleet min version ("" = unknown)[, adapter role].
+# With the routes hash, a role served by an adapter (rlfleet.common.adapter_routes: canary falls back
+# to fleet's) is at that adapter's version: read here, not by a round trip of its own before.
 _ADMIT = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
@@ -41,6 +43,11 @@ local max_inflight = tonumber(policy[1]) or 0
 local trainer = tonumber(policy[2]) or 0
 local staleness = tonumber(policy[3]) or -1
 local fleet = tonumber(ARGV[4])
+if KEYS[4] then
+  local route = redis.call('HGET', KEYS[4], ARGV[5])
+  if not route and ARGV[5] == 'canary' then route = redis.call('HGET', KEYS[4], 'fleet') end
+  if route then fleet = tonumber(cjson.decode(route)['version']) end
+end
 if staleness >= 0 and fleet ~= nil and fleet < trainer - staleness then
   redis.call('HINCRBY', KEYS[2], 'refused:stale', 1)
   return 'stale'
@@ -78,18 +85,30 @@ class Admission:
         await self.redis.hsetnx(policy_key, "trainer_version", 0)
         await self.redis.hsetnx(policy_key, "max_staleness", max_staleness)
 
-    async def admit(self, session_id: str, fleet_min_version: int | None) -> Decision:
+    async def admit(self, session_id: str, fleet_min_version: int | None,
+                    adapter_routes: tuple[str, str] | None = None) -> Decision:
+        """`fleet_min_version`: the engines' oldest version; `adapter_routes` (routes hash, role): the
+        role's adapter version, when it has one, counts instead (read inside the script)."""
         if not session_id:
             raise InvalidGatewayRequest("session_id is required to admit a session", field="session_id")
         now = int(time.time() * 1000)
         fleet = "" if fleet_min_version is None else str(fleet_min_version)
-        outcome = (await self._admit(keys=self.keys, args=[session_id, now, now - self.lease_ms, fleet])).decode()
+        keys, args = self.keys, [session_id, now, now - self.lease_ms, fleet]
+        if adapter_routes is not None:
+            keys, args = [*keys, adapter_routes[0]], [*args, adapter_routes[1]]
+        outcome = (await self._admit(keys=keys, args=args)).decode()
         if outcome == "admitted":
             return Decision(True)
         return Decision(False, outcome, self.retry_after_ms)
 
     async def release(self, session_id: str) -> bool:
         return bool(await self.redis.zrem(self.keys[0], session_id))
+
+    @property
+    def inflight_key(self) -> str:
+        """The ZSET of admitted sessions: a release is a ZREM of the session from it (Release sends it
+        with the router's forget, one round trip)."""
+        return self.keys[0]
 
     async def set_policy(self, policy: gateway_pb2.AdmissionPolicy) -> None:
         if policy.max_staleness >= 0 and policy.trainer_version < 0:

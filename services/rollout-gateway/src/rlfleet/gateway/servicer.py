@@ -103,7 +103,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.run_id and request.run_id != self.run_id:
             raise InvalidGatewayRequest(f"this gateway serves run {self.run_id!r}, not {request.run_id!r}",
                                         field="run_id")
-        decision = await self.admission.admit(request.session_id, await self._fleet_version())
+        # The adapter's version is read by the admission script itself: one Redis round trip.
+        adapters = self.dispatcher.adapters
+        decision = await self.admission.admit(
+            request.session_id, self.registry.fleet_min_version(self.router.route_pools),
+            None if adapters is None else (adapters.hash_key, self.router.role(0)))
         self.metrics.admissions.add(1, {"outcome": "admitted" if decision.admitted else decision.reason})
         return gateway_pb2.AdmitResponse(admitted=decision.admitted, reason=decision.reason,
                                          retry_after_ms=decision.retry_after_ms)
@@ -111,8 +115,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Release(self, request: gateway_pb2.ReleaseRequest, context):
         if not request.session_id:
             raise InvalidGatewayRequest("session_id is required", field="session_id")
-        await self.admission.release(request.session_id)
-        await self.router.forget(request.session_id)
+        # The admission slot goes in the router's forget: one Redis round trip for both.
+        await self.router.forget(request.session_id, release_from=self.admission.inflight_key)
         return gateway_pb2.ReleaseResponse()
 
     async def SetAdmissionPolicy(self, request: gateway_pb2.AdmissionPolicy, context):
