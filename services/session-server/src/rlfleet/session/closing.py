@@ -153,14 +153,18 @@ class Closer:
 
     async def _deliver(self, state: SessionState, trajectory: common_pb2.Trajectory) -> bool:
         published_now = False
+        # Both steps are recorded in one write at the end: a crash before it only repeats them on the
+        # next close (the same bytes under the same Nats-Msg-Id, deduplicated; a release is idempotent).
+        done: list[str] = []
         if not state.published:
             with tracer.start_as_current_span(
                     "TRAJECTORIES publish", kind=trace.SpanKind.PRODUCER,
                     attributes={"messaging.system": "nats", "messaging.destination.name": "TRAJECTORIES",
                                 "rlfleet.trajectory_id": trajectory.trajectory_id}) as span:
-                published_now = await self.publisher.publish(trajectory)
+                # The bytes sealed into the session, published as they are (not serialized again).
+                published_now = await self.publisher.publish(trajectory, state.trajectory)
                 span.set_attribute("rlfleet.duplicate", not published_now)
-            await self.store.mark(state.session_id, "published")
+            done.append("published")
             if published_now:
                 status = common_pb2.TrajectoryStatus.Name(trajectory.status).removeprefix("TRAJECTORY_STATUS_")
                 self.metrics.trajectories.add(1, {"status": status.lower()})
@@ -174,5 +178,7 @@ class Closer:
                 log.warning("admission release failed", extra={"session_id": state.session_id, "error": exc.message})
                 self.metrics.release_failures.add(1)
             else:
-                await self.store.mark(state.session_id, "released")
+                done.append("released")
+        if done:
+            await self.store.mark(state.session_id, *done)
         return published_now

@@ -75,19 +75,28 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     async def Generate(self, request: session_pb2.GenerateRequest, context):
         started = time.monotonic()
-        state = await self._open_session(request.session_id)
-        lease = await self.store.begin_turn(state.session_id, self.turn_lease_s)
+        # The lease is taken and the session read under it in one round trip, so no turn can end
+        # between the read and the lease.
+        state, lease = await self.store.begin_turn_and_load(_session_id(request.session_id), self.turn_lease_s)
+        try:
+            self._check_open(state)
+        except SessionNotOpen:
+            if lease is not None:
+                await self.store.end_turn(state.session_id, lease)
+            raise
         if lease is None:
             raise SessionBusy(f"session {state.session_id!r} is generating a turn already; calls on one "
                               "session must not overlap", session_id=state.session_id)
         renewing = asyncio.create_task(self._keep_turn(state.session_id, lease))
+        ended = False
         try:
-            # Loaded again under the lease: a turn that ended between the first load and the lease.
-            state = await self._open_session(request.session_id)
-            return await self._generate(state, request, started)
+            reply = await self._generate(state, request, started, lease)
+            ended = True  # its commit ended the turn
+            return reply
         finally:
             renewing.cancel()
-            await self.store.end_turn(state.session_id, lease)
+            if not ended:
+                await self.store.end_turn(state.session_id, lease)
 
     async def _keep_turn(self, session_id: str, lease: str) -> None:
         """Renews the turn lease while the turn runs; a server that dies stops renewing it."""
@@ -98,14 +107,16 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             except Exception:  # Redis away for a moment: the commit's compare-and-set still guards the session
                 log.warning("renewing a turn lease failed", extra={"session_id": session_id})
 
-    async def _generate(self, state: SessionState, request: session_pb2.GenerateRequest, started: float):
+    async def _generate(self, state: SessionState, request: session_pb2.GenerateRequest, started: float,
+                        lease: str):
+        """The turn; every way out that returns has committed the state, ending the turn `lease`."""
         observed: list[int] = []
         if request.HasField("observation"):
             ids = observed = await self.inputs.observation_ids_off_loop(request.observation, state)
             append_observation(state, ids, time.time())
             self.metrics.observation_tokens.add(len(ids))
             if state.budget_exhausted:  # no room for a turn: keep the observation, generate nothing
-                await self.store.commit(state)
+                await self.store.commit(state, end_turn=lease)
                 return session_pb2.GenerateResponse(total_tokens=state.total_tokens, budget_exhausted=True,
                                                     observation_token_ids=observed)
         sampling = self.inputs.turn_sampling(state, request.sampling if request.HasField("sampling") else None)
@@ -114,7 +125,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         reply = await self.gateway.generate(state.session_id, state.session.token_ids, sampling, request_id,
                                             state.session.metadata.get("engine_pool", ""))
         span_index = append_generated(state, reply, time.time())
-        await self.store.commit(state)
+        await self.store.commit(state, end_turn=lease)
         output = list(reply.output_ids)
         tokenizer = self.inputs.tokenizer
         elapsed = time.monotonic() - started
@@ -184,6 +195,11 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
 
     async def _open_session(self, session_id: str) -> SessionState:
         state = await self.store.load(_session_id(session_id))
+        self._check_open(state)
+        return state
+
+    @staticmethod
+    def _check_open(state: SessionState) -> None:
         if state.expired:
             raise SessionNotOpen(
                 f"session {state.session_id!r} expired: no call for session_idle_timeout_s; it was published as "
@@ -192,7 +208,6 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             raise SessionNotOpen(
                 f"session {state.session_id!r} is {state.state_name} (trajectory {state.session.trajectory_id})",
                 session_id=state.session_id, state=state.state_name)
-        return state
 
     async def _admit(self, session_id: str) -> None:
         try:

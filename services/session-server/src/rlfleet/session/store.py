@@ -41,12 +41,14 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 return 'created'
 """
 
-# KEYS: session hash, open zset. ARGV: expected rev, ttl, session_id, now, still open (1/0), field/value pairs...
+# KEYS: session hash, open zset[, turn lease]. ARGV: expected rev, ttl, session_id, now, still open
+# (1/0), lease token ("" = none), field/value pairs... With a lease, a commit that lands ends the
+# turn too (the lease is dropped if it is still this token's): one round trip, not two.
 _COMMIT = """
 local rev = redis.call('HGET', KEYS[1], 'rev')
 if not rev then return -1 end
 if rev ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], unpack(ARGV, 7))
 redis.call('HINCRBY', KEYS[1], 'rev', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 if ARGV[5] == '1' then
@@ -54,7 +56,22 @@ if ARGV[5] == '1' then
 else
   redis.call('ZREM', KEYS[2], ARGV[3])
 end
+if ARGV[6] ~= '' and redis.call('GET', KEYS[3]) == ARGV[6] then redis.call('DEL', KEYS[3]) end
 return 1
+"""
+
+# KEYS: session hash, turn lease. ARGV: token, lease ms, the owner the caller may see ("*": any).
+# Takes the turn lease and reads the session under it, in one round trip; a session the caller may
+# not see is answered as missing before any lease is taken (no one can hold another's session busy).
+_BEGIN_TURN = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
+  owner = ''
+end
+if ARGV[3] ~= '*' and owner ~= ARGV[3] then return 'missing' end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'busy' end
+return redis.call('HGETALL', KEYS[1])
 """
 
 
@@ -82,6 +99,7 @@ class SessionStore:
         self._commit = redis.register_script(_COMMIT)
         self._release = redis.register_script(_RELEASE)
         self._renew = redis.register_script(_RENEW)
+        self._begin_turn = redis.register_script(_BEGIN_TURN)
 
     def _key(self, session_id: str) -> str:
         return key(self.run_id, "session", session_id)
@@ -130,13 +148,17 @@ class SessionStore:
             state.rev = 1
         return outcome == "created"
 
-    async def commit(self, state: SessionState) -> None:
-        """Writes the state if nobody changed it since it was loaded; raises ConcurrentSessionCall otherwise."""
+    async def commit(self, state: SessionState, end_turn: str = "") -> None:
+        """Writes the state if nobody changed it since it was loaded; raises ConcurrentSessionCall otherwise.
+        `end_turn`: the token of the turn lease this commit ends (dropped with it when it lands)."""
         still_open = "1" if not state.trajectory else "0"
         # The sampling defaults never change after create, so a commit does not rewrite them.
-        args = [state.rev, self.ttl_s, state.session_id, time.time(), still_open,
+        args = [state.rev, self.ttl_s, state.session_id, time.time(), still_open, end_turn,
                 *_pairs(state.fields(with_sampling=False))]
-        result = await self._commit(keys=[self._key(state.session_id), self._open_key], args=args)
+        keys = [self._key(state.session_id), self._open_key]
+        if end_turn:
+            keys.append(self._key(state.session_id) + ":turn")
+        result = await self._commit(keys=keys, args=args)
         if result == -1:
             raise SessionNotFound(state.session_id)
         if result == 0:
@@ -144,6 +166,23 @@ class SessionStore:
                 f"session {state.session_id!r} was changed by another call while this one ran; this call's "
                 "change was discarded (calls on one session must not overlap)", session_id=state.session_id)
         state.rev += 1
+
+    async def begin_turn_and_load(self, session_id: str, lease_s: float) -> tuple[SessionState, str | None]:
+        """Takes the session's turn lease and loads the session under it (one round trip): the state
+        and the lease's token, or None when another Generate holds it. NOT_FOUND for a session the
+        caller may not see, as `load`."""
+        principal = security.caller()
+        if not (principal.trusted or principal.may_use_run(self.run_id)):  # as `visible`
+            raise SessionNotFound(session_id)
+        token = uuid.uuid4().hex
+        visible_owner = "*" if principal.trusted else principal.owner
+        reply = await self._begin_turn(keys=[self._key(session_id), self._key(session_id) + ":turn"],
+                                       args=[token, int(lease_s * 1000), visible_owner])
+        if reply == b"missing":
+            raise SessionNotFound(session_id)
+        if reply == b"busy":
+            return await self.load(session_id), None
+        return SessionState.from_fields(dict(zip(reply[::2], reply[1::2], strict=True))), token
 
     async def begin_turn(self, session_id: str, lease_s: float) -> str | None:
         """Takes the session's turn lease; its token, or None when another Generate holds it."""
@@ -157,9 +196,9 @@ class SessionStore:
     async def end_turn(self, session_id: str, token: str) -> None:
         await self._release(keys=[self._key(session_id) + ":turn"], args=[token])
 
-    async def mark(self, session_id: str, flag: str) -> None:
-        """Records a close step that needs no compare-and-set (published, released): it only ever goes 0 -> 1."""
-        await self.redis.hset(self._key(session_id), flag, "1")
+    async def mark(self, session_id: str, *flags: str) -> None:
+        """Records close steps that need no compare-and-set (published, released): they only ever go 0 -> 1."""
+        await self.redis.hset(self._key(session_id), mapping=dict.fromkeys(flags, "1"))
 
     async def idle_sessions(self, idle_s: float, limit: int = 256) -> list[str]:
         """Open sessions whose last change is more than `idle_s` ago."""
