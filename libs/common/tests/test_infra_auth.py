@@ -171,6 +171,10 @@ async def test_a_redis_user_only_touches_its_own_keys(redis_url, infra_secrets):
         assert await verifier.get(key(run_id, "verdicts", "s1")) == b"ok"
         with pytest.raises(NoPermissionError):
             await verifier.hset(key(run_id, "session", "s1"), "state", b"forged")  # the session server's
+        # ... which it may read (the episode it scores, where the session server keeps it), never write
+        assert await verifier.hmget(key(run_id, "session", "s1"), "session", "owner") == [None, None]
+        with pytest.raises(NoPermissionError):
+            await verifier.delete(key(run_id, "session", "s1"))
         with pytest.raises(NoPermissionError):
             await verifier.get(key(run_id, "broker", "versions"))
         with pytest.raises(NoPermissionError):

@@ -59,6 +59,10 @@ REDIS_ROLES: dict[str, tuple[str, ...]] = {
     "sandbox-manager": ("sandbox",),
     "verifier": ("verdicts",),
 }
+# Key parts a service may only read (Redis 7 `%R~`): the verifier reads a session's tokens where the
+# session server keeps them, instead of asking the session server for them over gRPC on every
+# verdict; only the session server writes them, so they are still what it vouches for.
+REDIS_READ_ROLES: dict[str, tuple[str, ...]] = {"verifier": ("session",)}
 # Which NATS / Redis user each process logs in as.
 NATS_USER_OF = {"session-server": "session-server", "trainer": "trainer", "weight-broker": "weight-broker",
                 "worker": "worker", "rlfleet-run": "operator", "rlfleet-status": "operator",
@@ -225,6 +229,8 @@ def redis_acl(infra: InfraSecrets, run: str = "*", superusers: tuple[str, ...] =
             keys = "~rlfleet:*"
         elif user in REDIS_ROLES:
             keys = " ".join("~" + pattern for pattern in redis_key_patterns(user, run))
+            keys += "".join(f" %R~rlfleet:{run}:{part}" + suffix for part in REDIS_READ_ROLES.get(user, ())
+                            for suffix in ("", ":*"))
         else:
             continue
         lines.append(f"user {user} on #{digest} resetkeys {keys} resetchannels +@all -@dangerous")
