@@ -70,6 +70,30 @@ async def run_level(info, concurrency: int, episodes: int, group_size: int, seed
             "cpu_ms": {name: (after[name] - before[name]) * 1000 / n for name in after}}
 
 
+def start_profilers(directory: Path, processes: dict) -> list:
+    """`py-spy record` on each Python process (and on this one, the worker), collapsed stacks per file."""
+    import os
+    import subprocess
+
+    directory.mkdir(parents=True, exist_ok=True)
+    targets = {name: p.pid for name, p in processes.items() if name not in ("nats", "redis")}
+    targets["worker"] = os.getpid()
+    spy = str(Path(sys.executable).parent / "py-spy")
+    return [subprocess.Popen([spy, "record", "--nonblocking", "-r", "250", "-f", "raw", "-o",
+                              str(directory / f"{name}.txt"), "--pid", str(pid)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in targets.items()]
+
+
+def stop_profilers(spies: list) -> None:
+    import signal
+
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)
+    for spy in spies:
+        spy.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=16)
@@ -78,6 +102,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=64, help="episodes run first, not measured")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="py-spy every process but NATS and Redis during the first repeat; collapsed stacks here")
     args = parser.parse_args()
 
     import psutil
@@ -100,8 +126,10 @@ def main() -> None:
             asyncio.run(run_level(platform.info, args.concurrency, args.warmup, args.group_size, 999, processes))
             runs = []
             for repeat in range(args.repeats):
+                spies = start_profilers(args.profile, processes) if repeat == 0 and args.profile else []
                 r = asyncio.run(run_level(platform.info, args.concurrency, args.episodes, args.group_size,
                                           1000 + repeat, processes))
+                stop_profilers(spies)
                 runs.append(r)
                 outside = sum(v for k, v in r["cpu_ms"].items() if k != MODEL)
                 print(f"repeat {repeat}: {r['episodes']} episodes in {r['seconds']:.1f}s ({r['eps']:.1f}/s), "
