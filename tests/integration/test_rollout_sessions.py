@@ -416,5 +416,8 @@ async def test_an_idle_session_is_expired_published_released_and_answered_as_exp
             stored = await redis.hgetall(key(rollout.run_id, "session", sid))
             assert stored[b"released"] == b"1" and stored[b"published"] == b"1"
             assert await redis.zscore(key(rollout.run_id, "sessions", "open"), sid) is None
+            # given back by the commit that sealed it: no admission slot, no engine affinity left
+            assert await redis.zscore(key(rollout.run_id, "admission", "inflight"), sid) is None
+            assert await redis.get(key(rollout.run_id, "affinity", sid)) is None
     finally:
         server.stop()

@@ -186,5 +186,11 @@ async def test_a_redis_user_only_touches_its_own_keys(redis_url, infra_secrets):
     session = await connect_redis(redis_as(redis_url, infra_secrets, "session-server"))
     try:
         assert await session.get(key(run_id, "verdicts", "s1")) == b"ok"  # reads verdicts at CloseSession
+        # gives back a closed session's admission slot and affinity (the sealing commit), nothing else
+        # of the gateway's admission state
+        assert await session.zrem(key(run_id, "admission", "inflight"), "s1") == 0
+        assert await session.getdel(key(run_id, "affinity", "s1")) is None
+        with pytest.raises(NoPermissionError):
+            await session.hset(key(run_id, "admission", "policy"), "max_inflight_sessions", 0)
     finally:
         await session.aclose()

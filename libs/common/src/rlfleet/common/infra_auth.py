@@ -53,7 +53,9 @@ NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
 
 # Redis key parts (rlfleet:<run>:<part>...) each service reads or writes.
 REDIS_ROLES: dict[str, tuple[str, ...]] = {
-    "session-server": ("session", "sessions", "verdicts"),  # verdicts: read at CloseSession
+    # verdicts: read at CloseSession; the admission slot and the engine affinity (the gateway's,
+    # rlfleet.common.session_slots): given back by the script that seals a session.
+    "session-server": ("session", "sessions", "verdicts", "admission:inflight", "affinity", "engine_sessions"),
     "rollout-gateway": ("affinity", "engine_sessions", "admission", "engines", "engine", "adapter_routes"),
     "weight-broker": ("broker", "adapter_routes"),  # adapter routes: the broker writes, the gateway reads
     "sandbox-manager": ("sandbox",),

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from rlfleet.api.gateway.v1 import gateway_pb2
 from rlfleet.common.redis_store import key
+from rlfleet.common.session_slots import inflight_key
 from rlfleet.gateway.errors import InvalidGatewayRequest
 
 REASON_INFLIGHT = "inflight_limit"
@@ -74,7 +75,7 @@ class Admission:
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.retry_after_ms = retry_after_ms
-        self.keys = [key(run_id, "admission", "inflight"), key(run_id, "admission", "counts"),
+        self.keys = [inflight_key(run_id), key(run_id, "admission", "counts"),
                      key(run_id, "admission", "policy")]
         self._admit = redis.register_script(_ADMIT)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from rlfleet.api.gateway.v1 import gateway_pb2
-from rlfleet.common.redis_store import key
+from rlfleet.common.session_slots import affinity_key, engine_sessions_key
 from rlfleet.gateway.errors import NoEngineAvailable
 from rlfleet.gateway.registry import EngineRecord, EngineRegistry
 
@@ -59,10 +59,10 @@ class Router:
         self._forget = redis.register_script(_FORGET)
 
     def _affinity_key(self, session_id: str) -> str:
-        return key(self.run_id, "affinity", session_id)
+        return affinity_key(self.run_id, session_id)
 
     def _sessions_key(self, engine_id: str) -> str:
-        return key(self.run_id, "engine_sessions", engine_id)
+        return engine_sessions_key(self.run_id, engine_id)
 
     def pools_for(self, pinned: int) -> frozenset[int] | None:
         return frozenset({pinned}) if pinned else self.route_pools

@@ -5,6 +5,8 @@ Redis layout (namespaced by run):
     rlfleet:<run>:session:<session_id>   HASH  session (Session proto), sampling (SamplingParams proto),
                                                info (JSON: timings, counters), rev, trajectory
                                                (Trajectory proto, once closing), published, released
+                                               (set by the sealing commit, which gives back the
+                                               session's admission slot and affinity itself)
     rlfleet:<run>:sessions:open          ZSET  session_id -> last change (unix s): the open-session limit
     rlfleet:<run>:session:<session_id>:turn  STRING  the token of the Generate running on the session
                                                (SET NX, a 10 s lease renewed while the turn runs)
@@ -25,7 +27,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from rlfleet.api.session.v1 import session_pb2
-from rlfleet.common import security
+from rlfleet.common import security, session_slots
 from rlfleet.common.redis_store import key
 from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
 from rlfleet.session.state import SessionState
@@ -41,14 +43,23 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 return 'created'
 """
 
-# KEYS: session hash, open zset[, turn lease]. ARGV: expected rev, ttl, session_id, now, still open
-# (1/0), lease token ("" = none), field/value pairs... With a lease, a commit that lands ends the
-# turn too (the lease is dropped if it is still this token's): one round trip, not two.
+# KEYS: session hash, open zset, turn lease[, admission inflight zset, affinity]. ARGV: expected rev,
+# ttl, session_id, now, still open (1/0), lease token ("" = none), engine_sessions key prefix ("" =
+# no release), field/value pairs... With a lease, a commit that lands ends the turn too (the lease
+# is dropped if it is still this token's): one round trip, not two. With the gateway's keys
+# (rlfleet.common.session_slots), the commit that seals the session also gives back its admission
+# slot and engine affinity, as the gateway's Release would: no round trip to the gateway.
 _COMMIT = """
 local rev = redis.call('HGET', KEYS[1], 'rev')
 if not rev then return -1 end
 if rev ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
+if ARGV[7] ~= '' then
+  redis.call('ZREM', KEYS[4], ARGV[3])
+  local engine = redis.call('GETDEL', KEYS[5])
+  if engine then redis.call('ZREM', ARGV[7] .. engine, ARGV[3]) end
+  redis.call('HSET', KEYS[1], 'released', '1')
+end
 redis.call('HINCRBY', KEYS[1], 'rev', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 if ARGV[5] == '1' then
@@ -148,16 +159,19 @@ class SessionStore:
             state.rev = 1
         return outcome == "created"
 
-    async def commit(self, state: SessionState, end_turn: str = "") -> None:
+    async def commit(self, state: SessionState, end_turn: str = "", release: bool = False) -> None:
         """Writes the state if nobody changed it since it was loaded; raises ConcurrentSessionCall otherwise.
-        `end_turn`: the token of the turn lease this commit ends (dropped with it when it lands)."""
+        `end_turn`: the token of the turn lease this commit ends (dropped with it when it lands).
+        `release`: give back the session's admission slot and engine affinity with it (the sealing commit)."""
         still_open = "1" if not state.trajectory else "0"
+        session_id = state.session_id
         # The sampling defaults never change after create, so a commit does not rewrite them.
-        args = [state.rev, self.ttl_s, state.session_id, time.time(), still_open, end_turn,
+        args = [state.rev, self.ttl_s, session_id, time.time(), still_open, end_turn,
+                session_slots.engine_sessions_key(self.run_id, "") if release else "",
                 *_pairs(state.fields(with_sampling=False))]
-        keys = [self._key(state.session_id), self._open_key]
-        if end_turn:
-            keys.append(self._key(state.session_id) + ":turn")
+        keys = [self._key(session_id), self._open_key, self._key(session_id) + ":turn"]
+        if release:
+            keys += [session_slots.inflight_key(self.run_id), session_slots.affinity_key(self.run_id, session_id)]
         result = await self._commit(keys=keys, args=args)
         if result == -1:
             raise SessionNotFound(state.session_id)
@@ -166,6 +180,7 @@ class SessionStore:
                 f"session {state.session_id!r} was changed by another call while this one ran; this call's "
                 "change was discarded (calls on one session must not overlap)", session_id=state.session_id)
         state.rev += 1
+        state.released = state.released or release
 
     async def begin_turn_and_load(self, session_id: str, lease_s: float) -> tuple[SessionState, str | None]:
         """Takes the session's turn lease and loads the session under it (one round trip): the state
