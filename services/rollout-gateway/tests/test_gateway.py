@@ -365,3 +365,18 @@ async def test_admission_staleness_counts_the_adapters_version_not_the_base_mode
         await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=None)
         refused = await gateway.stub.Admit(pb.AdmitRequest(session_id="t"))
         assert not refused.admitted and refused.reason == "stale"
+
+
+async def test_admission_of_canary_rollouts_counts_the_candidates_adapter_else_the_accepted_one(redis_url, engine_url):
+    """Rollouts routed to the canary: the candidate's adapter version counts; without a candidate,
+    the accepted (fleet) adapter's, as the requests themselves are served (read in the admission script)."""
+    async with running_gateway(redis_url, {"e0": engine_url}, route_pools=["canary"]) as gateway:
+        routes = AdapterRoutes(gateway.redis, gateway.run_id)
+        await routes.set(fleet=AdapterRoute("v4", 4), canary=AdapterRoute("v9", 9))
+        await gateway.stub.SetAdmissionPolicy(pb.AdmissionPolicy(trainer_version=10, max_staleness=2))
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="s"))).admitted  # the candidate, 9
+        await routes.set(canary=None)
+        refused = await gateway.stub.Admit(pb.AdmitRequest(session_id="t"))  # the accepted one, 4
+        assert not refused.admitted and refused.reason == "stale"
+        await routes.set(fleet=AdapterRoute("v8", 8))
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="u"))).admitted
