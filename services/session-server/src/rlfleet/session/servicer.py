@@ -63,15 +63,20 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         state.owner = security.caller().owner
         append_prompt(state, prompt)
         await self._admit(session_id)
+        lease = uuid.uuid4().hex if request.first_turn else ""
         try:
-            created = await self.store.create(state)
+            created = await self.store.create(state, lease, self.turn_lease_s)
         except SessionsExhausted:
             await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
             raise
         if not created:  # opened concurrently under the same id
             return self._reopened(await self.store.load(session_id), request)
         self.metrics.sessions_opened.add(1)
-        return _opened(state)
+        opened = _opened(state)
+        if lease:  # the first turn, under the lease the create took (nobody else knows the session yet)
+            opened.first_turn.CopyFrom(await self._turn(state, session_pb2.GenerateRequest(session_id=session_id),
+                                                        time.monotonic(), lease))
+        return opened
 
     async def Generate(self, request: session_pb2.GenerateRequest, context):
         started = time.monotonic()
@@ -87,6 +92,11 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         if lease is None:
             raise SessionBusy(f"session {state.session_id!r} is generating a turn already; calls on one "
                               "session must not overlap", session_id=state.session_id)
+        return await self._turn(state, request, started, lease)
+
+    async def _turn(self, state: SessionState, request: session_pb2.GenerateRequest, started: float,
+                    lease: str) -> session_pb2.GenerateResponse:
+        """A turn under `lease`, renewed while it runs and ended by its commit (or here, if it fails)."""
         renewing = asyncio.create_task(self._keep_turn(state.session_id, lease))
         ended = False
         try:
@@ -191,7 +201,27 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             raise SessionExists(
                 f"session {existing.session_id!r} exists with another prompt or task_id; a retried OpenSession "
                 "must repeat the first one's, a new episode needs a new session_id", session_id=existing.session_id)
+        if request.first_turn and (first := self._first_turn_of(existing)) is not None:
+            opened.first_turn.CopyFrom(first)
         return opened
+
+    def _first_turn_of(self, state: SessionState) -> session_pb2.GenerateResponse | None:
+        """The first turn as its Generate answered it, rebuilt from the session (a retried open)."""
+        spans = state.session.spans
+        if len(spans) < 2 or spans[1].kind != common_pb2.SPAN_KIND_GENERATED:
+            return None
+        span, session = spans[1], state.session
+        output = list(session.token_ids[span.start:span.end])
+        tokenizer = self.inputs.tokenizer
+        first = session_pb2.GenerateResponse(
+            token_ids=output, logprobs=session.rollout_logprobs[span.start:span.end], finish_reason=span.finish_reason,
+            policy_version=span.policy_version, text=tokenizer.decode(output), engine_id=span.engine_id,
+            span_index=1, total_tokens=span.end, budget_exhausted=span.end >= session.max_total_tokens,
+            text_with_special_tokens=tokenizer.decode(output, skip_special_tokens=False))
+        stops = {*tokenizer.stop_token_ids, *state.sampling.stop_token_ids}  # the first turn has no override
+        if span.finish_reason == common_pb2.FINISH_REASON_STOP and output and output[-1] in stops:
+            first.matched_stop_token_id = output[-1]
+        return first
 
     async def _open_session(self, session_id: str) -> SessionState:
         state = await self.store.load(_session_id(session_id))

@@ -32,14 +32,17 @@ from rlfleet.common.redis_store import key
 from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
 from rlfleet.session.state import SessionState
 
-# KEYS: session hash, open zset. ARGV: session_id, now, stale cutoff, max open, ttl, field/value pairs...
+# KEYS: session hash, open zset, turn lease. ARGV: session_id, now, stale cutoff, max open, ttl, lease
+# token ("" = none), lease ms, field/value pairs... With a token the new session starts with its
+# first turn's lease taken (an OpenSession that generates the first turn too).
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 'exists' end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[3])
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then return 'full' end
-redis.call('HSET', KEYS[1], 'rev', 1, unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], 'rev', 1, unpack(ARGV, 8))
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+if ARGV[6] ~= '' then redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[7]) end
 return 'created'
 """
 
@@ -147,11 +150,14 @@ class SessionStore:
         raw = await self.redis.hgetall(self._key(session_id))
         return SessionState.from_fields(raw) if raw else None
 
-    async def create(self, state: SessionState) -> bool:
-        """Stores a new open session; False when one with this id exists already (a retried open)."""
+    async def create(self, state: SessionState, turn_token: str = "", lease_s: float = 0.0) -> bool:
+        """Stores a new open session; False when one with this id exists already (a retried open).
+        `turn_token`: the new session's turn lease is taken under it (for `lease_s`)."""
         now = time.time()
-        args = [state.session_id, now, now - self.ttl_s, self.max_open, self.ttl_s, *_pairs(state.fields())]
-        outcome = (await self._create(keys=[self._key(state.session_id), self._open_key], args=args)).decode()
+        args = [state.session_id, now, now - self.ttl_s, self.max_open, self.ttl_s, turn_token,
+                int(lease_s * 1000), *_pairs(state.fields())]
+        keys = [self._key(state.session_id), self._open_key, self._key(state.session_id) + ":turn"]
+        outcome = (await self._create(keys=keys, args=args)).decode()
         if outcome == "full":
             raise SessionsExhausted(f"{self.max_open} sessions are open on this run (max_open_sessions); "
                                     "close some or retry later", reason="max_open_sessions")
