@@ -380,3 +380,19 @@ async def test_admission_of_canary_rollouts_counts_the_candidates_adapter_else_t
         assert not refused.admitted and refused.reason == "stale"
         await routes.set(fleet=AdapterRoute("v8", 8))
         assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="u"))).admitted
+
+
+async def test_the_admission_advert_follows_the_engines_version(redis_url, engine_url):
+    """What a session server admits by (rlfleet.common.session_slots): the engines' oldest version,
+    the sessions' adapter role, the lease and the retry hint, kept current."""
+    from rlfleet.common.session_slots import fleet_key
+
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:  # the engine's base model is version 3
+        advert = await gateway.redis.hgetall(fleet_key(gateway.run_id))
+        assert advert == {b"engines_min_version": b"3", b"role": b"fleet", b"lease_ms": b"21600000",
+                          b"retry_after_ms": b"500"}
+        await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(
+            engine_id="e0", state=pb.ENGINE_STATE_HEALTHY, policy_version=7))
+        assert (await gateway.redis.hget(fleet_key(gateway.run_id), "engines_min_version")) == b"7"
+        await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(engine_id="e0", state=pb.ENGINE_STATE_DRAINING))
+        assert (await gateway.redis.hget(fleet_key(gateway.run_id), "engines_min_version")) == b""

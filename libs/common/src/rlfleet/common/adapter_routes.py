@@ -50,10 +50,15 @@ class AdapterRoute:
             raise ValueError(f"an adapter route needs a policy version >= 0, got {self.version}")
 
 
+def routes_key(run_id: str) -> str:
+    """The routes hash (a script that needs a role's version reads it there itself)."""
+    return key(run_id, "adapter_routes")
+
+
 class AdapterRoutes:
     def __init__(self, redis: aioredis.Redis, run_id: str) -> None:
         self.redis = redis
-        self._key = key(run_id, "adapter_routes")
+        self._key = routes_key(run_id)
         # The last hash read and its parse: the routes change a few times a run, the reads come with
         # every request, so an unchanged hash is not decoded again. Only the parse is kept, never the
         # routes themselves: each request still reads the hash (see `queue_all`).

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from rlfleet.api.gateway.v1 import gateway_pb2
-from rlfleet.common.redis_store import key
-from rlfleet.common.session_slots import inflight_key
+from rlfleet.common.session_slots import ADMIT_LUA, counts_key, fleet_key, inflight_key, policy_key
 from rlfleet.gateway.errors import InvalidGatewayRequest
 
 REASON_INFLIGHT = "inflight_limit"
@@ -31,35 +30,8 @@ REASON_STALE = "stale"
 
 # KEYS: inflight zset, counts hash, policy hash[, adapter routes hash].
 # ARGV: session_id, now_ms, lease cutoff ms, fleet min version ("" = unknown)[, adapter role].
-# With the routes hash, a role served by an adapter (rlfleet.common.adapter_routes: canary falls back
-# to fleet's) is at that adapter's version: read here, not by a round trip of its own before.
-_ADMIT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-  return 'admitted'
-end
-local policy = redis.call('HMGET', KEYS[3], 'max_inflight_sessions', 'trainer_version', 'max_staleness')
-local max_inflight = tonumber(policy[1]) or 0
-local trainer = tonumber(policy[2]) or 0
-local staleness = tonumber(policy[3]) or -1
-local fleet = tonumber(ARGV[4])
-if KEYS[4] then
-  local route = redis.call('HGET', KEYS[4], ARGV[5])
-  if not route and ARGV[5] == 'canary' then route = redis.call('HGET', KEYS[4], 'fleet') end
-  if route then fleet = tonumber(cjson.decode(route)['version']) end
-end
-if staleness >= 0 and fleet ~= nil and fleet < trainer - staleness then
-  redis.call('HINCRBY', KEYS[2], 'refused:stale', 1)
-  return 'stale'
-end
-if max_inflight > 0 and redis.call('ZCARD', KEYS[1]) >= max_inflight then
-  redis.call('HINCRBY', KEYS[2], 'refused:inflight_limit', 1)
-  return 'inflight_limit'
-end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'admitted', 1)
-return 'admitted'
+_ADMIT = ADMIT_LUA + """
+return admit(KEYS[1], KEYS[2], KEYS[3], KEYS[4] or false, ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
 """
 
 
@@ -75,8 +47,9 @@ class Admission:
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.retry_after_ms = retry_after_ms
-        self.keys = [inflight_key(run_id), key(run_id, "admission", "counts"),
-                     key(run_id, "admission", "policy")]
+        self.keys = [inflight_key(run_id), counts_key(run_id), policy_key(run_id)]
+        self._fleet_key = fleet_key(run_id)
+        self._advertised: tuple | None = None
         self._admit = redis.register_script(_ADMIT)
 
     async def seed_policy(self, max_inflight_sessions: int, max_staleness: int) -> None:
@@ -101,6 +74,18 @@ class Admission:
         if outcome == "admitted":
             return Decision(True)
         return Decision(False, outcome, self.retry_after_ms)
+
+    async def advertise(self, engines_min_version: int | None, role: str, again: bool = False) -> None:
+        """What a session server needs to admit in its own create script (rlfleet.common.session_slots):
+        written when it changes, and with `again` (each health round) even when not, so that a lost
+        key comes back (every replica of one config writes the same)."""
+        fields = ("" if engines_min_version is None else str(engines_min_version), role, str(self.lease_ms),
+                  str(self.retry_after_ms))
+        if fields == self._advertised and not again:
+            return
+        await self.redis.hset(self._fleet_key, mapping=dict(zip(
+            ("engines_min_version", "role", "lease_ms", "retry_after_ms"), fields, strict=True)))
+        self._advertised = fields
 
     async def release(self, session_id: str) -> bool:
         return bool(await self.redis.zrem(self.keys[0], session_id))

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 class Dispatcher:
     def __init__(self, registry: EngineRegistry, router: Router, metrics: GatewayMetrics,
-                 adapters: AdapterRoutes | None = None) -> None:
+                 adapters: AdapterRoutes | None = None, on_version=None) -> None:
+        self.on_version = on_version  # awaited when a reply shows an engine at a new version
         self.registry = registry
         self.router = router
         self.metrics = metrics
@@ -75,7 +76,9 @@ class Dispatcher:
                     tried=(route.engine.engine_id,)) from None
         await self.router.touch(request.session_id, route.engine.engine_id)
         if adapter is None:
-            self._observe(route.engine, result)  # the engine's version is its base model's
+            # The engine's version is its base model's; a new one changes what admission counts.
+            if self._observe(route.engine, result) and self.on_version is not None:
+                await self.on_version()
         else:
             result = served_by_adapter(result, adapter)
         return generate_response(result, route.engine.engine_id, latency, route.rerouted, route.reason)
@@ -128,12 +131,15 @@ class Dispatcher:
         log.info("session rerouted", extra={"engine_id": route.engine.engine_id, "reason": route.reason})
         self.metrics.reroutes.add(1, {"cause": cause})
 
-    def _observe(self, engine: EngineRecord, result: GenerateResult) -> None:
+    def _observe(self, engine: EngineRecord, result: GenerateResult) -> bool:
+        """Records the reply; whether it showed the engine at another version than known."""
         self.metrics.generated_tokens.add(len(result.output_ids), self._engine_labels(engine.engine_id))
         # The reply carries the engine's version: fresher than the last probe, for staleness checks.
         version = parse_version(result.weight_version)
-        if version >= 0:
+        if version >= 0 and version != engine.policy_version:
             engine.policy_version = version
+            return True
+        return False
 
 
 def _for_role(routes: dict[str, AdapterRoute], role: str) -> AdapterRoute | None:

@@ -26,7 +26,8 @@ ENGINE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, run_id: str, registry: EngineRegistry, router: Router, dispatcher: Dispatcher,
-                 health: HealthChecker, admission: Admission, metrics: GatewayMetrics) -> None:
+                 health: HealthChecker, admission: Admission, metrics: GatewayMetrics, advertise=None) -> None:
+        self.advertise = advertise  # awaited after a change to the engines (the admission advert)
         self.run_id = run_id
         self.registry = registry
         self.router = router
@@ -48,10 +49,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             draining=request.start_draining)
         record = await self.registry.register(record)
         await self.health.check(record)  # answer with its real state, not "unprobed"
+        await self._advertise()
         return await self._engine_proto(record.engine_id)
 
     async def DeregisterEngine(self, request: gateway_pb2.DeregisterEngineRequest, context):
         await self.registry.deregister(_engine_id(request.engine_id))
+        await self._advertise()
         return gateway_pb2.DeregisterEngineResponse()
 
     async def ListEngines(self, request: gateway_pb2.ListEnginesRequest, context):
@@ -74,6 +77,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.HasField("policy_version"):
             fields["policy_version"] = request.policy_version
         await self.registry.update(engine.engine_id, **fields)
+        await self._advertise()
         log.info("engine state updated", extra={"engine_id": engine.engine_id, "draining": fields["draining"],
                                                 "reason": request.reason})
         return await self._engine_proto(engine.engine_id)
@@ -127,6 +131,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return await self.admission.status(await self._fleet_version())
 
     # --- helpers --------------------------------------------------------------------------------
+    async def _advertise(self) -> None:
+        if self.advertise is not None:
+            await self.advertise()
+
     async def _fleet_version(self) -> int | None:
         """The policy version new sessions are served: the adapter's when the broker routes their role
         to one (the engines' own version is then the base model's), else the oldest engine's."""

@@ -62,14 +62,22 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         state = _new_state(session_id, self.run_id, request, budget, self.inputs.metadata(request.metadata))
         state.owner = security.caller().owner
         append_prompt(state, prompt)
-        await self._admit(session_id)
         lease = uuid.uuid4().hex if request.first_turn else ""
+        # Admitted in the script that creates the session, on what the gateway advertises (no Admit
+        # round trip); through the gateway only while no gateway has advertised yet.
         try:
-            created = await self.store.create(state, lease, self.turn_lease_s)
-        except SessionsExhausted:
-            await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
+            outcome = await self.store.create(state, lease, self.turn_lease_s, admit=True)
+        except SessionsExhausted as exc:
+            self.metrics.sessions_refused.add(1, {"reason": exc.reason})
             raise
-        if not created:  # opened concurrently under the same id
+        if outcome == "no_advert":
+            await self._admit(session_id)
+            try:
+                outcome = await self.store.create(state, lease, self.turn_lease_s)
+            except SessionsExhausted:
+                await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
+                raise
+        if outcome != "created":  # opened concurrently under the same id
             return self._reopened(await self.store.load(session_id), request)
         self.metrics.sessions_opened.add(1)
         opened = _opened(state)

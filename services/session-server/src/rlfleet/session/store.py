@@ -28,18 +28,34 @@ import redis.asyncio as aioredis
 
 from rlfleet.api.session.v1 import session_pb2
 from rlfleet.common import security, session_slots
+from rlfleet.common.adapter_routes import routes_key as adapter_routes_key
 from rlfleet.common.redis_store import key
+from rlfleet.common.session_slots import ADMIT_LUA
 from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
 from rlfleet.session.state import SessionState
 
-# KEYS: session hash, open zset, turn lease. ARGV: session_id, now, stale cutoff, max open, ttl, lease
-# token ("" = none), lease ms, field/value pairs... With a token the new session starts with its
-# first turn's lease taken (an OpenSession that generates the first turn too).
-_CREATE = """
+# KEYS: session hash, open zset, turn lease[, admission inflight, counts]. ARGV: session_id, now, stale
+# cutoff, max open, ttl, lease token ("" = none), lease ms, now ms, the admission policy, the
+# gateway's advert and the adapter routes keys ("" = no admission here), field/value pairs... With
+# a token the new session starts with its first turn's lease taken (an OpenSession that generates
+# the first turn too). With the admission keys the session is admitted here, by the gateway's own
+# rules (rlfleet.common.session_slots) on what the gateway advertises, instead of by an Admit round
+# trip to the gateway: 'stale:<retry ms>' or 'inflight_limit:<retry ms>' when refused, 'no_advert'
+# when no gateway advertised yet. The three keys this server may only read go as ARGV: a script's
+# declared KEYS count as written (Redis 7 ACLs), so a read-only key cannot be one.
+_CREATE = ADMIT_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 'exists' end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[3])
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then return 'full' end
-redis.call('HSET', KEYS[1], 'rev', 1, unpack(ARGV, 8))
+if ARGV[9] ~= '' then
+  local advert = redis.call('HMGET', ARGV[10], 'engines_min_version', 'role', 'lease_ms', 'retry_after_ms')
+  if not advert[3] then return 'no_advert' end
+  local now_ms = tonumber(ARGV[8])
+  local outcome = admit(KEYS[4], KEYS[5], ARGV[9], ARGV[11], ARGV[1], now_ms, now_ms - tonumber(advert[3]),
+                        tonumber(advert[1]), advert[2])
+  if outcome ~= 'admitted' then return outcome .. ':' .. advert[4] end
+end
+redis.call('HSET', KEYS[1], 'rev', 1, unpack(ARGV, 12))
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 if ARGV[6] ~= '' then redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[7]) end
@@ -150,20 +166,32 @@ class SessionStore:
         raw = await self.redis.hgetall(self._key(session_id))
         return SessionState.from_fields(raw) if raw else None
 
-    async def create(self, state: SessionState, turn_token: str = "", lease_s: float = 0.0) -> bool:
-        """Stores a new open session; False when one with this id exists already (a retried open).
-        `turn_token`: the new session's turn lease is taken under it (for `lease_s`)."""
+    async def create(self, state: SessionState, turn_token: str = "", lease_s: float = 0.0,
+                     admit: bool = False) -> str:
+        """Stores a new open session: 'created', 'exists' (one with this id exists already: a retried
+        open), or with `admit` 'no_advert' (no gateway advertised admission yet: admit through it).
+        `turn_token`: the new session's turn lease is taken under it (for `lease_s`). `admit`: the
+        session is admitted in the same script; SessionsExhausted with the gateway's reason if not."""
         now = time.time()
+        run = self.run_id
+        readable = ([session_slots.policy_key(run), session_slots.fleet_key(run), adapter_routes_key(run)] if admit
+                    else ["", "", ""])
         args = [state.session_id, now, now - self.ttl_s, self.max_open, self.ttl_s, turn_token,
-                int(lease_s * 1000), *_pairs(state.fields())]
+                int(lease_s * 1000), int(now * 1000), *readable, *_pairs(state.fields())]
         keys = [self._key(state.session_id), self._open_key, self._key(state.session_id) + ":turn"]
+        if admit:
+            keys += [session_slots.inflight_key(run), session_slots.counts_key(run)]
         outcome = (await self._create(keys=keys, args=args)).decode()
         if outcome == "full":
             raise SessionsExhausted(f"{self.max_open} sessions are open on this run (max_open_sessions); "
                                     "close some or retry later", reason="max_open_sessions")
+        reason, _, retry_ms = outcome.partition(":")
+        if retry_ms:  # refused by admission: as the gateway's Admit says it
+            raise SessionsExhausted(f"the gateway refused a new session: {reason} (retry after {retry_ms} ms)",
+                                    reason=reason, retry_after_s=int(retry_ms) / 1000)
         if outcome == "created":
             state.rev = 1
-        return outcome == "created"
+        return outcome
 
     async def commit(self, state: SessionState, end_turn: str = "", release: bool = False) -> None:
         """Writes the state if nobody changed it since it was loaded; raises ConcurrentSessionCall otherwise.
