@@ -1,6 +1,7 @@
 """The agent loop: one episode of one task, from a fresh sandbox to a published trajectory.
 
-    open the session (admission refusals retried) and create the sandbox (unless the tools run in-process)
+    open the session, its first turn generated in the same call (admission refusals retried), and
+    create the sandbox (unless the tools run in-process)
     until a final answer, max_turns + 1 turns, the token budget or the time limit:
         Generate (with the last observation) -> parse the turn's first tag -> run the tool in the sandbox
     Verify (the verifier reads the session and sandbox itself; the client never gives a reward)
