@@ -16,6 +16,8 @@ psutil) before and after `--episodes` episodes and prints the CPU milliseconds p
 the services, NATS, Redis, the worker (this process: the agent loop, its gRPC clients, the task
 queue) and the engine (the model's stand-in, left out of the total). CPU seconds, not wall time,
 because they hold on a machine other work shares: the median over the repeats is printed.
+`--profile DIR` also records each Python process with py-spy during the first repeat (collapsed
+stacks; py-spy is not a dependency: `.venv/bin/pip install py-spy -c requirements/lock.txt`).
 """
 
 from __future__ import annotations
