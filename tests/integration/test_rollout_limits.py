@@ -78,6 +78,28 @@ async def test_admission_refuses_a_session_beyond_the_inflight_budget_until_one_
         await sessions.AbortSession(pb.AbortSessionRequest(session_id=session_id))
 
 
+async def test_without_the_gateways_advert_a_session_is_admitted_through_the_gateway(rollout, stubs, policy):
+    """The session server admits in its create script by what the gateway advertises; with no advert
+    (a gateway that never wrote one, a lost key) it asks the gateway's Admit, by the same rules."""
+    import redis.asyncio as aioredis
+
+    from rlfleet.common.session_slots import fleet_key
+
+    sessions, _gateway = stubs
+    await policy(max_inflight_sessions=1)
+    redis = aioredis.Redis.from_url(rollout.redis_url)
+    try:
+        assert await redis.delete(fleet_key(rollout.run_id)) == 1  # the gateway writes it again next health round
+        first = await sessions.OpenSession(prompt())
+        error = await refused(sessions.OpenSession, prompt())
+        assert error.code() == Code.RESOURCE_EXHAUSTED and "inflight_limit" in error.details()
+        await sessions.AbortSession(pb.AbortSessionRequest(session_id=first.session_id))  # gives the slot back
+        again = await sessions.OpenSession(prompt())
+        await sessions.AbortSession(pb.AbortSessionRequest(session_id=again.session_id))
+    finally:
+        await redis.aclose()
+
+
 async def test_admission_refuses_new_sessions_while_the_fleet_is_too_stale(stubs, policy):
     sessions, _gateway = stubs
     status = await policy(trainer_version=5, max_staleness=2)  # the engine serves version 0

@@ -281,6 +281,37 @@ async def test_opening_with_the_same_session_id_again_returns_the_same_session(r
     await sessions.AbortSession(pb.AbortSessionRequest(session_id=first.session_id))
 
 
+async def test_the_first_turn_comes_with_the_open_as_a_generate_would_make_it_and_a_retry_answers_it(
+        rollout, sessions):
+    plain = await open_chat(sessions)
+    turn = await sessions.Generate(pb.GenerateRequest(session_id=plain.session_id))
+    session_id = unique_run_id("first-turn")
+    opened = await open_chat(sessions, session_id=session_id, first_turn=True)
+    assert opened.HasField("first_turn") and not plain.HasField("first_turn")
+    first = opened.first_turn
+    # the same seed and prompt: the same tokens and everything else a Generate answers; the log-probs
+    # to float rounding only (the engine's prefix cache: two plain Generates of one prompt, one
+    # prefilled cold and one from the cache, differ the same way)
+    assert list(first.logprobs) == pytest.approx(list(turn.logprobs), abs=1e-5)
+    same = [pb.GenerateResponse(), pb.GenerateResponse()]
+    for copy, reply in zip(same, (first, turn), strict=True):
+        copy.CopyFrom(reply)
+        del copy.logprobs[:]
+    assert same[0] == same[1] and first.token_ids and first.span_index == 1
+    stored = await sessions.GetSession(pb.GetSessionRequest(session_id=session_id))
+    assert stored.spans[1].kind == common_pb2.SPAN_KIND_GENERATED
+    assert stored.token_ids[stored.spans[1].start:] == first.token_ids
+    again = await open_chat(sessions, session_id=session_id, first_turn=True)  # a retried open: no second turn
+    assert again == opened
+    assert len((await sessions.GetSession(pb.GetSessionRequest(session_id=session_id))).spans) == 2
+    # the episode goes on as any other: the turn lease the open took was given back
+    observation = pb.AppendObservationRequest(text="\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n")
+    second = await sessions.Generate(pb.GenerateRequest(session_id=session_id, observation=observation))
+    assert second.span_index == 3
+    for sid in (plain.session_id, session_id):
+        await sessions.AbortSession(pb.AbortSessionRequest(session_id=sid))
+
+
 async def engine_generated_tokens(rollout) -> int:
     from rlfleet.engine.testing import http_call
 
@@ -416,5 +447,8 @@ async def test_an_idle_session_is_expired_published_released_and_answered_as_exp
             stored = await redis.hgetall(key(rollout.run_id, "session", sid))
             assert stored[b"released"] == b"1" and stored[b"published"] == b"1"
             assert await redis.zscore(key(rollout.run_id, "sessions", "open"), sid) is None
+            # given back by the commit that sealed it: no admission slot, no engine affinity left
+            assert await redis.zscore(key(rollout.run_id, "admission", "inflight"), sid) is None
+            assert await redis.get(key(rollout.run_id, "affinity", sid)) is None
     finally:
         server.stop()

@@ -191,13 +191,17 @@ def test_an_episode_is_one_trace_across_the_worker_and_every_service_it_calls(tr
                 parent = by_id[span["parent_span_id"]]
                 assert parent["kind"] == "CLIENT" and parent["name"].endswith(method)
                 assert parent["pid"] != span["pid"]
-        # session Generate -> gateway Generate -> the engine call, one chain
+        # session Generate (or the OpenSession the first turn comes with) -> gateway Generate -> the
+        # engine call, one chain
+        callers = []
         for gateway in server("GatewayService/Generate"):
             caller = by_id[by_id[gateway["parent_span_id"]]["parent_span_id"]]
-            assert caller["service"] == "rlfleet-session-server" and caller["name"].endswith("SessionService/Generate")
+            callers.append(caller["name"].rpartition("/")[2])
+            assert caller["service"] == "rlfleet-session-server"
             engine_calls = [s for s in trace if s["name"] == "engine POST /generate"
                             and by_id[s["parent_span_id"]]["service"] == "rlfleet-gateway"]
             assert engine_calls
+        assert callers.count("OpenSession") == 1 and set(callers) == {"OpenSession", "Generate"}, callers
         # The tool call: the SDK's tool span is the ancestor of the sandbox's Exec server span.
         [tool] = [s for s in trace if s["name"] == "tool"]
         exec_span = server("SandboxService/Exec")[0]

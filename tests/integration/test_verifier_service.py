@@ -1,9 +1,10 @@
 """The verifier as a real process, with a real sandbox manager and Redis: answers, hidden tests, sessions,
 stored verdicts, audits and bad input.
 
-The session server is the one part not run for real: `StandInSessionServer` below serves fixed
-`Session` messages over the real SessionService proto. It is a STAND-IN UNTIL THE REAL SESSION SERVER
-LANDS (being written concurrently); replace it with the real process then.
+The session server is the one part not run for real: `StoredSessions` below writes fixed `Session`
+messages where the session server keeps them (its Redis hash per session), which is where the
+verifier reads the episode it scores. tests/integration/test_trust.py and test_rollout_sessions.py
+run the real session server in front of it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import shutil
 import subprocess
 import urllib.request
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -23,13 +23,13 @@ import pytest
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as sbx
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
-from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
+from rlfleet.api.session.v1 import session_pb2
 from rlfleet.api.verifier.v1 import verifier_pb2 as pb
 from rlfleet.api.verifier.v1 import verifier_pb2_grpc
 from rlfleet.common.chat import SPECIAL_TOKENS, render_messages
 from rlfleet.common.grpc_server import channel as open_channel
-from rlfleet.common.grpc_server import tls_server_credentials
 from rlfleet.common.processes import BIN, ServiceProcess
+from rlfleet.common.redis_store import key
 from rlfleet.common.rich_errors import error_details
 from rlfleet.common.testing import unique_run_id
 from rlfleet.envkit.suite_format import write_suite
@@ -50,22 +50,23 @@ MINI = {"task_id": "mini-sleepy", "suite": "mini", "split": "train", "prompt": "
         "verifier": {"kind": "unit_tests", "tests": SLOW_TESTS, "timeout_s": 1.5}}
 
 
-# -- the stand-in session server (until the real one lands) ---------------------------------------
+# -- the sessions, where the session server keeps them -------------------------------------------
 
 
-class StandInSessionServer(session_pb2_grpc.SessionServiceServicer):
-    """STAND-IN for the session server: serves the fixed sessions a test puts in `sessions`."""
+class StoredSessions:
+    """Sessions written as the session server's store writes them (rlfleet.session.store: the Session
+    proto and its owner in `rlfleet:<run>:session:<id>`); no owner: only a service or the operator
+    (this test's caller) sees them."""
 
-    def __init__(self) -> None:
-        self.sessions: dict[str, session_pb2.Session] = {}
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        session_pb2_grpc.add_SessionServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_secure_port("127.0.0.1:0", tls_server_credentials())
+    def __init__(self, redis_url: str, run_id: str) -> None:
+        import redis
 
-    def GetSession(self, request, context):
-        if request.session_id not in self.sessions:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"session {request.session_id!r} not found")
-        return self.sessions[request.session_id]
+        self.redis = redis.Redis.from_url(redis_url)
+        self.run_id = run_id
+
+    def __setitem__(self, session_id: str, session: session_pb2.Session) -> None:
+        self.redis.hset(key(self.run_id, "session", session_id),
+                        mapping={"session": session.SerializeToString(), "owner": b""})
 
 
 def train_tokenizer(directory: Path):
@@ -117,14 +118,12 @@ def platform(redis_url, tmp_path_factory):
     write_suite([CODE], suites / "code" / "code-train.jsonl")
     (suites / "mini.jsonl").write_text(json.dumps(MINI) + "\n")
     tokenizer = train_tokenizer(workdir / "tokenizer")
-    sessions = StandInSessionServer()
-    sessions.server.start()
+    sessions = StoredSessions(redis_url, run_id)
     manager = start_sandbox_manager(redis_url, run_id, workdir)
     verifier = None
     try:
         verifier = ServiceProcess("rlfleet-verifier", workdir, config={
-            "redis.url": redis_url, "run_id": run_id, "sandbox_address": manager.address,
-            "session_address": f"127.0.0.1:{sessions.port}", "suites_dir": str(suites),
+            "redis.url": redis_url, "run_id": run_id, "sandbox_address": manager.address, "suites_dir": str(suites),
             "tokenizer_path": str(workdir / "tokenizer")}).start(30.0)
         yield {"verifier": verifier, "manager": manager, "sessions": sessions, "tokenizer": tokenizer,
                "suites": suites, "workdir": workdir}
@@ -132,7 +131,7 @@ def platform(redis_url, tmp_path_factory):
         if verifier is not None:
             assert verifier.stop() == 0, verifier.log()[-2000:]
         assert manager.stop() == 0
-        sessions.server.stop(0)
+        sessions.redis.close()
 
 
 @pytest.fixture
@@ -200,7 +199,7 @@ async def test_a_sandbox_safety_violation_fails_a_right_answer(verifier, sandbox
 async def test_a_session_is_scored_from_its_own_tokens_and_the_verdict_is_stored(platform, verifier):
     task, tokenizer = CALC[2], platform["tokenizer"]
     expression = task.metadata["expression"]
-    platform["sessions"].sessions["s-right"] = make_session(
+    platform["sessions"]["s-right"] = make_session(
         tokenizer, "s-right", task,
         ("assistant", "<calculator>1+1</calculator>"), ("tool", "error: unknown tool 'calculator'; available: calc"),
         ("assistant", f"<calc>{expression}</calc>"), ("tool", answer_of(task)),
@@ -210,7 +209,7 @@ async def test_a_session_is_scored_from_its_own_tokens_and_the_verdict_is_stored
     assert verdict.session_id == "s-right" and verdict.task_id == task.task_id
     assert await verifier.GetVerdict(pb.GetVerdictRequest(session_id="s-right")) == verdict
 
-    platform["sessions"].sessions["s-silent"] = make_session(
+    platform["sessions"]["s-silent"] = make_session(
         tokenizer, "s-silent", task, ("assistant", f"<calc>{expression}</calc>"), ("tool", answer_of(task)),
         ("assistant", "I think I am done."))
     silent = await verifier.Verify(pb.VerifyRequest(session_id="s-silent", suite="calc", task_id=task.task_id))

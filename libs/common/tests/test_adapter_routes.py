@@ -33,3 +33,25 @@ def test_bad_routes_are_refused_before_anything_is_written():
         AdapterRoute("", 1)
     with pytest.raises(ValueError, match="policy version"):
         AdapterRoute("v1", -1)
+
+
+async def test_every_read_sees_the_routes_as_they_are_now(redis_url):
+    """The parse of an unchanged hash is reused, never the routes: a switch shows on the next read
+    (the broker unloads the adapter no role names right after it)."""
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        routes = AdapterRoutes(redis, unique_run_id("ar"))
+        await routes.set(fleet=AdapterRoute("v1", 1))
+        assert await routes.all() == {"fleet": AdapterRoute("v1", 1)}
+        assert await routes.all() == {"fleet": AdapterRoute("v1", 1)}  # unchanged: the same parse
+        await routes.set(fleet=AdapterRoute("v2", 2), canary=AdapterRoute("v3", 3))
+        assert await routes.all() == {"fleet": AdapterRoute("v2", 2), "canary": AdapterRoute("v3", 3)}
+        async with redis.pipeline(transaction=False) as pipe:  # read with other commands, as the gateway does
+            routes.queue_all(pipe)
+            pipe.ping()
+            raw, _pong = await pipe.execute()
+        assert routes.parse(raw) == {"fleet": AdapterRoute("v2", 2), "canary": AdapterRoute("v3", 3)}
+        await routes.set(fleet=None, canary=None)
+        assert await routes.all() == {}
+    finally:
+        await redis.aclose()

@@ -171,6 +171,10 @@ async def test_a_redis_user_only_touches_its_own_keys(redis_url, infra_secrets):
         assert await verifier.get(key(run_id, "verdicts", "s1")) == b"ok"
         with pytest.raises(NoPermissionError):
             await verifier.hset(key(run_id, "session", "s1"), "state", b"forged")  # the session server's
+        # ... which it may read (the episode it scores, where the session server keeps it), never write
+        assert await verifier.hmget(key(run_id, "session", "s1"), "session", "owner") == [None, None]
+        with pytest.raises(NoPermissionError):
+            await verifier.delete(key(run_id, "session", "s1"))
         with pytest.raises(NoPermissionError):
             await verifier.get(key(run_id, "broker", "versions"))
         with pytest.raises(NoPermissionError):
@@ -182,5 +186,14 @@ async def test_a_redis_user_only_touches_its_own_keys(redis_url, infra_secrets):
     session = await connect_redis(redis_as(redis_url, infra_secrets, "session-server"))
     try:
         assert await session.get(key(run_id, "verdicts", "s1")) == b"ok"  # reads verdicts at CloseSession
+        # admits (the create script: a slot, the counts, by the policy, the gateway's advert and the
+        # adapter routes, which it only reads) and gives back a closed session's slot and affinity
+        assert await session.zrem(key(run_id, "admission", "inflight"), "s1") == 0
+        assert await session.hincrby(key(run_id, "admission", "counts"), "admitted", 1) == 1
+        assert await session.getdel(key(run_id, "affinity", "s1")) is None
+        for readable in ("admission:policy", "admission:fleet", "adapter_routes"):
+            assert await session.hgetall(key(run_id, *readable.split(":"))) == {}
+            with pytest.raises(NoPermissionError):
+                await session.hset(key(run_id, *readable.split(":")), "max_inflight_sessions", 0)
     finally:
         await session.aclose()

@@ -400,3 +400,34 @@ async def test_a_turn_on_an_engine_that_lost_its_adapter_goes_to_one_that_holds_
                 await holder.unload_lora_adapter("v4")
     finally:
         restarted.stop()
+
+
+async def test_admission_of_canary_rollouts_counts_the_candidates_adapter_else_the_accepted_one(redis_url, engine_url):
+    """Rollouts routed to the canary: the candidate's adapter version counts; without a candidate,
+    the accepted (fleet) adapter's, as the requests themselves are served (read in the admission script)."""
+    async with running_gateway(redis_url, {"e0": engine_url}, route_pools=["canary"]) as gateway:
+        routes = AdapterRoutes(gateway.redis, gateway.run_id)
+        await routes.set(fleet=AdapterRoute("v4", 4), canary=AdapterRoute("v9", 9))
+        await gateway.stub.SetAdmissionPolicy(pb.AdmissionPolicy(trainer_version=10, max_staleness=2))
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="s"))).admitted  # the candidate, 9
+        await routes.set(canary=None)
+        refused = await gateway.stub.Admit(pb.AdmitRequest(session_id="t"))  # the accepted one, 4
+        assert not refused.admitted and refused.reason == "stale"
+        await routes.set(fleet=AdapterRoute("v8", 8))
+        assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="u"))).admitted
+
+
+async def test_the_admission_advert_follows_the_engines_version(redis_url, engine_url):
+    """What a session server admits by (rlfleet.common.session_slots): the engines' oldest version,
+    the sessions' adapter role, the lease and the retry hint, kept current."""
+    from rlfleet.common.session_slots import fleet_key
+
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:  # the engine's base model is version 3
+        advert = await gateway.redis.hgetall(fleet_key(gateway.run_id))
+        assert advert == {b"engines_min_version": b"3", b"role": b"fleet", b"lease_ms": b"21600000",
+                          b"retry_after_ms": b"500"}
+        await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(
+            engine_id="e0", state=pb.ENGINE_STATE_HEALTHY, policy_version=7))
+        assert (await gateway.redis.hget(fleet_key(gateway.run_id), "engines_min_version")) == b"7"
+        await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(engine_id="e0", state=pb.ENGINE_STATE_DRAINING))
+        assert (await gateway.redis.hget(fleet_key(gateway.run_id), "engines_min_version")) == b""

@@ -30,6 +30,7 @@ import json
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
 from rlfleet.common.redis_store import key, text
@@ -49,10 +50,19 @@ class AdapterRoute:
             raise ValueError(f"an adapter route needs a policy version >= 0, got {self.version}")
 
 
+def routes_key(run_id: str) -> str:
+    """The routes hash (a script that needs a role's version reads it there itself)."""
+    return key(run_id, "adapter_routes")
+
+
 class AdapterRoutes:
     def __init__(self, redis: aioredis.Redis, run_id: str) -> None:
         self.redis = redis
-        self._key = key(run_id, "adapter_routes")
+        self._key = routes_key(run_id)
+        # The last hash read and its parse: the routes change a few times a run, the reads come with
+        # every request, so an unchanged hash is not decoded again. Only the parse is kept, never the
+        # routes themselves: each request still reads the hash (see `queue_all`).
+        self._last: tuple[dict, dict[str, AdapterRoute]] = ({}, {})
 
     async def set(self, **routes: AdapterRoute | None) -> None:
         """Sets (a route) or clears (None) the named roles, all in one transaction: a promotion that
@@ -70,12 +80,31 @@ class AdapterRoutes:
                 pipe.hdel(self._key, *absent)
             await pipe.execute()
 
+    @property
+    def hash_key(self) -> str:
+        """The routes hash (a Redis script that needs a role's version reads it there itself)."""
+        return self._key
+
     async def get(self, role: str) -> AdapterRoute | None:
         return _route(await self.redis.hget(self._key, role))
 
     async def all(self) -> dict[str, AdapterRoute]:
-        raw = await self.redis.hgetall(self._key)
-        return {text(role): route for role, value in raw.items() if (route := _route(value)) is not None}
+        return self.parse(await self.redis.hgetall(self._key))
+
+    def queue_all(self, pipe: Pipeline) -> None:
+        """Adds the read of every route to `pipe` (its reply goes to `parse`): a caller that talks to
+        Redis anyway reads the routes in the same round trip, as fresh as a read of their own."""
+        pipe.hgetall(self._key)
+
+    def parse(self, raw: dict) -> dict[str, AdapterRoute]:
+        """The routes of an HGETALL reply of the routes hash."""
+        last_raw, last = self._last
+        if raw == last_raw:
+            return last
+        # The client never decodes (connect_redis): keys are bytes, though redis types them bytes | str.
+        routes = {text(role): route for role, value in raw.items() if (route := _route(value)) is not None}
+        self._last = (dict(raw), routes)
+        return routes
 
 
 def _route(raw: bytes | str | None) -> AdapterRoute | None:

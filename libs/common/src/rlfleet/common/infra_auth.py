@@ -53,12 +53,23 @@ NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
 
 # Redis key parts (rlfleet:<run>:<part>...) each service reads or writes.
 REDIS_ROLES: dict[str, tuple[str, ...]] = {
-    "session-server": ("session", "sessions", "verdicts"),  # verdicts: read at CloseSession
+    # verdicts: read at CloseSession; admission slots, counts and engine affinities (the gateway's,
+    # rlfleet.common.session_slots): taken by the script that creates a session, given back by the
+    # one that seals it.
+    "session-server": ("session", "sessions", "verdicts", "admission:inflight", "admission:counts", "affinity",
+                       "engine_sessions"),
     "rollout-gateway": ("affinity", "engine_sessions", "admission", "engines", "engine", "adapter_routes"),
     "weight-broker": ("broker", "adapter_routes"),  # adapter routes: the broker writes, the gateway reads
     "sandbox-manager": ("sandbox",),
     "verifier": ("verdicts",),
 }
+# Key parts a service may only read (Redis 7 `%R~`): the verifier reads a session's tokens where the
+# session server keeps them, instead of asking the session server for them over gRPC on every
+# verdict; only the session server writes them, so they are still what it vouches for.
+# The session server admits sessions in its own create script, by the policy the operator sets and
+# what the gateway advertises (rlfleet.common.session_slots), and cannot change either.
+REDIS_READ_ROLES: dict[str, tuple[str, ...]] = {
+    "verifier": ("session",), "session-server": ("admission:policy", "admission:fleet", "adapter_routes")}
 # Which NATS / Redis user each process logs in as.
 NATS_USER_OF = {"session-server": "session-server", "trainer": "trainer", "weight-broker": "weight-broker",
                 "worker": "worker", "rlfleet-run": "operator", "rlfleet-status": "operator",
@@ -225,6 +236,8 @@ def redis_acl(infra: InfraSecrets, run: str = "*", superusers: tuple[str, ...] =
             keys = "~rlfleet:*"
         elif user in REDIS_ROLES:
             keys = " ".join("~" + pattern for pattern in redis_key_patterns(user, run))
+            keys += "".join(f" %R~rlfleet:{run}:{part}" + suffix for part in REDIS_READ_ROLES.get(user, ())
+                            for suffix in ("", ":*"))
         else:
             continue
         lines.append(f"user {user} on #{digest} resetkeys {keys} resetchannels +@all -@dangerous")

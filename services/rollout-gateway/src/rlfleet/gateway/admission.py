@@ -20,38 +20,19 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT
 
 from rlfleet.api.gateway.v1 import gateway_pb2
-from rlfleet.common.redis_store import key
+from rlfleet.common.session_slots import ADMIT_LUA, counts_key, fleet_key, inflight_key, policy_key
 from rlfleet.gateway.errors import InvalidGatewayRequest
 
 REASON_INFLIGHT = "inflight_limit"
 REASON_STALE = "stale"
 
-# KEYS: inflight zset, counts hash, policy hash.
-# ARGV: session_id, now_ms, lease cutoff ms, fleet min version ("" = unknown).
-_ADMIT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-  return 'admitted'
-end
-local policy = redis.call('HMGET', KEYS[3], 'max_inflight_sessions', 'trainer_version', 'max_staleness')
-local max_inflight = tonumber(policy[1]) or 0
-local trainer = tonumber(policy[2]) or 0
-local staleness = tonumber(policy[3]) or -1
-local fleet = tonumber(ARGV[4])
-if staleness >= 0 and fleet ~= nil and fleet < trainer - staleness then
-  redis.call('HINCRBY', KEYS[2], 'refused:stale', 1)
-  return 'stale'
-end
-if max_inflight > 0 and redis.call('ZCARD', KEYS[1]) >= max_inflight then
-  redis.call('HINCRBY', KEYS[2], 'refused:inflight_limit', 1)
-  return 'inflight_limit'
-end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'admitted', 1)
-return 'admitted'
+# KEYS: inflight zset, counts hash, policy hash[, adapter routes hash].
+# ARGV: session_id, now_ms, lease cutoff ms, fleet min version ("" = unknown)[, adapter role].
+_ADMIT = ADMIT_LUA + """
+return admit(KEYS[1], KEYS[2], KEYS[3], KEYS[4] or false, ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
 """
 
 
@@ -67,8 +48,9 @@ class Admission:
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.retry_after_ms = retry_after_ms
-        self.keys = [key(run_id, "admission", "inflight"), key(run_id, "admission", "counts"),
-                     key(run_id, "admission", "policy")]
+        self.keys = [inflight_key(run_id), counts_key(run_id), policy_key(run_id)]
+        self._fleet_key = fleet_key(run_id)
+        self._advertised: tuple | None = None
         self._admit = redis.register_script(_ADMIT)
 
     async def seed_policy(self, max_inflight_sessions: int, max_staleness: int) -> None:
@@ -78,18 +60,43 @@ class Admission:
         await self.redis.hsetnx(policy_key, "trainer_version", 0)
         await self.redis.hsetnx(policy_key, "max_staleness", max_staleness)
 
-    async def admit(self, session_id: str, fleet_min_version: int | None) -> Decision:
+    async def admit(self, session_id: str, fleet_min_version: int | None,
+                    adapter_routes: tuple[str, str] | None = None) -> Decision:
+        """`fleet_min_version`: the engines' oldest version; `adapter_routes` (routes hash, role): the
+        role's adapter version, when it has one, counts instead (read inside the script)."""
         if not session_id:
             raise InvalidGatewayRequest("session_id is required to admit a session", field="session_id")
         now = int(time.time() * 1000)
         fleet = "" if fleet_min_version is None else str(fleet_min_version)
-        outcome = (await self._admit(keys=self.keys, args=[session_id, now, now - self.lease_ms, fleet])).decode()
+        args: list[EncodableT] = [session_id, now, now - self.lease_ms, fleet]
+        keys = self.keys
+        if adapter_routes is not None:
+            keys, args = [*keys, adapter_routes[0]], [*args, adapter_routes[1]]
+        outcome = (await self._admit(keys=keys, args=args)).decode()
         if outcome == "admitted":
             return Decision(True)
         return Decision(False, outcome, self.retry_after_ms)
 
+    async def advertise(self, engines_min_version: int | None, role: str, again: bool = False) -> None:
+        """What a session server needs to admit in its own create script (rlfleet.common.session_slots):
+        written when it changes, and with `again` (each health round) even when not, so that a lost
+        key comes back (every replica of one config writes the same)."""
+        fields = ("" if engines_min_version is None else str(engines_min_version), role, str(self.lease_ms),
+                  str(self.retry_after_ms))
+        if fields == self._advertised and not again:
+            return
+        await self.redis.hset(self._fleet_key, mapping=dict(zip(
+            ("engines_min_version", "role", "lease_ms", "retry_after_ms"), fields, strict=True)))
+        self._advertised = fields
+
     async def release(self, session_id: str) -> bool:
         return bool(await self.redis.zrem(self.keys[0], session_id))
+
+    @property
+    def inflight_key(self) -> str:
+        """The ZSET of admitted sessions: a release is a ZREM of the session from it (Release sends it
+        with the router's forget, one round trip)."""
+        return self.keys[0]
 
     async def set_policy(self, policy: gateway_pb2.AdmissionPolicy) -> None:
         if policy.max_staleness >= 0 and policy.trainer_version < 0:

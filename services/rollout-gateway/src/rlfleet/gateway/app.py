@@ -45,13 +45,22 @@ class RolloutGatewayApp(PeersApp):
         router = Router(redis, config.run_id, self.registry, config.affinity_ttl_s, pools)
         metrics = GatewayMetrics(lambda: list(self.registry.engines.values()), self.registry.busy_seconds,
                                  lambda engine_id: self.registry.local_in_flight.get(engine_id, 0))
-        self.health = HealthChecker(self.registry, config.health_interval_s, config.health_generate)
+        # What a session server needs to admit sessions itself, kept current (rlfleet.common.session_slots).
+        adapters = AdapterRoutes(redis, config.run_id)
+
+        async def advertise(again: bool = False) -> None:
+            await admission.advertise(self.registry.fleet_min_version(router.route_pools), router.role(0), again)
+
+        self.health = HealthChecker(self.registry, config.health_interval_s, config.health_generate,
+                                    after_round=lambda: advertise(again=True))
         # Serve with every engine's state known, but do not let a hung engine hold up the start.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.health.check_all(), timeout=config.connect_timeout_s + 1.0)
         self.health.start()
-        dispatcher = Dispatcher(self.registry, router, metrics, AdapterRoutes(redis, config.run_id))
-        servicer = GatewayServicer(config.run_id, self.registry, router, dispatcher, self.health, admission, metrics)
+        await advertise()
+        dispatcher = Dispatcher(self.registry, router, metrics, adapters, on_version=advertise)
+        servicer = GatewayServicer(config.run_id, self.registry, router, dispatcher, self.health, admission, metrics,
+                                   advertise)
         server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer, SERVICE_NAME)
 
     async def stop(self) -> None:

@@ -33,14 +33,15 @@ from rlfleet.gateway.errors import AdapterNotLoaded, EngineRejectedRequest, NoEn
 from rlfleet.gateway.health import parse_version
 from rlfleet.gateway.metrics import GatewayMetrics
 from rlfleet.gateway.registry import EngineRecord, EngineRegistry
-from rlfleet.gateway.router import Route, Router
+from rlfleet.gateway.router import UNREAD, Route, Router
 
 log = logging.getLogger(__name__)
 
 
 class Dispatcher:
     def __init__(self, registry: EngineRegistry, router: Router, metrics: GatewayMetrics,
-                 adapters: AdapterRoutes | None = None) -> None:
+                 adapters: AdapterRoutes | None = None, on_version=None) -> None:
+        self.on_version = on_version  # awaited when a reply shows an engine at a new version
         self.registry = registry
         self.router = router
         self.metrics = metrics
@@ -59,11 +60,10 @@ class Dispatcher:
         params = sampling_params(request.sampling)
         input_ids = list(request.input_ids)  # one copy out of the proto, checked and sent as is
         validate_input_ids(input_ids)
-        # Read per request, not cached: after a promotion or rollback no new request may still name
-        # the adapter the broker is about to unload.
-        adapter = await self.adapter_for(self.router.role(request.engine_pool))
+        adapter, affinity = await self._adapter_and_affinity(request)
         any_pool = adapter is not None
-        route = await self.router.route(request.session_id, request.engine_pool, any_pool=any_pool)
+        route = await self.router.route(request.session_id, request.engine_pool, any_pool=any_pool,
+                                        affinity=affinity)
         if route.rerouted:
             self._count_reroute(route, "unhealthy")
         try:
@@ -89,18 +89,32 @@ class Dispatcher:
                     tried=(route.engine.engine_id,)) from None
         await self.router.touch(request.session_id, route.engine.engine_id)
         if adapter is None:
-            self._observe(route.engine, result)  # the engine's version is its base model's
+            # The engine's version is its base model's; a new one changes what admission counts.
+            if self._observe(route.engine, result) and self.on_version is not None:
+                await self.on_version()
         else:
             result = served_by_adapter(result, adapter)
         return generate_response(result, route.engine.engine_id, latency, route.rerouted, route.reason)
+
+    async def _adapter_and_affinity(self, request: gateway_pb2.GenerateRequest) -> tuple[AdapterRoute | None, object]:
+        """The request's adapter and its session's affinity, read in one Redis round trip. The routes
+        are read per request, never cached: after a promotion or rollback no new request may still
+        name the adapter the broker is about to unload."""
+        role = self.router.role(request.engine_pool)
+        if self.adapters is None or not request.session_id:
+            return await self.adapter_for(role), UNREAD
+        async with self.router.redis.pipeline(transaction=False) as pipe:
+            self.adapters.queue_all(pipe)
+            self.router.queue_affinity(pipe, request.session_id)
+            raw_routes, affinity = await pipe.execute()
+        return _for_role(self.adapters.parse(raw_routes), role), affinity
 
     async def adapter_for(self, role: str) -> AdapterRoute | None:
         """The role's adapter; the canary role without a candidate of its own gets the accepted one
         (so a rollback is just clearing `canary`)."""
         if self.adapters is None:
             return None
-        routes = await self.adapters.all()
-        return routes.get(role) or (routes.get("fleet") if role == "canary" else None)
+        return _for_role(await self.adapters.all(), role)
 
     async def _forward(self, engine: EngineRecord, input_ids: list[int], params: dict,
                        request: gateway_pb2.GenerateRequest,
@@ -138,12 +152,19 @@ class Dispatcher:
         log.info("session rerouted", extra={"engine_id": route.engine.engine_id, "reason": route.reason})
         self.metrics.reroutes.add(1, {"cause": cause})
 
-    def _observe(self, engine: EngineRecord, result: GenerateResult) -> None:
+    def _observe(self, engine: EngineRecord, result: GenerateResult) -> bool:
+        """Records the reply; whether it showed the engine at another version than known."""
         self.metrics.generated_tokens.add(len(result.output_ids), self._engine_labels(engine.engine_id))
         # The reply carries the engine's version: fresher than the last probe, for staleness checks.
         version = parse_version(result.weight_version)
-        if version >= 0:
+        if version >= 0 and version != engine.policy_version:
             engine.policy_version = version
+            return True
+        return False
+
+
+def _for_role(routes: dict[str, AdapterRoute], role: str) -> AdapterRoute | None:
+    return routes.get(role) or (routes.get("fleet") if role == "canary" else None)
 
 
 def served_by_adapter(result: GenerateResult, adapter: AdapterRoute) -> GenerateResult:

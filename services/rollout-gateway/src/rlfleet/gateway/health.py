@@ -34,8 +34,10 @@ def parse_version(weight_version: str) -> int:
 
 
 class HealthChecker:
-    def __init__(self, registry: EngineRegistry, interval_s: float, generate_probe: bool) -> None:
+    def __init__(self, registry: EngineRegistry, interval_s: float, generate_probe: bool,
+                 after_round=None) -> None:
         self.registry = registry
+        self.after_round = after_round  # awaited after each round (the admission advert)
         self.interval_s = interval_s
         self.generate_probe = generate_probe
         self._task: asyncio.Task | None = None
@@ -69,6 +71,8 @@ class HealthChecker:
     async def check_all(self) -> None:
         await self.registry.refresh()
         await asyncio.gather(*(self.check(record) for record in list(self.registry.engines.values())))
+        if self.after_round is not None:
+            await self.after_round()
 
     async def check(self, record: EngineRecord) -> None:
         client = self.registry.client(record)

@@ -21,17 +21,21 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from rlfleet.api.gateway.v1 import gateway_pb2
-from rlfleet.common.redis_store import key, text
+from rlfleet.common.redis_store import text
+from rlfleet.common.session_slots import affinity_key, engine_sessions_key
 from rlfleet.gateway.errors import NoEngineAvailable
 from rlfleet.gateway.registry import EngineRecord, EngineRegistry
 
 TOUCH_EVERY_S = 60.0
+UNREAD = object()  # `route(affinity=...)`: the caller did not read the affinity key, route reads it
 
-# KEYS: the session's affinity. ARGV: the engine_sessions key prefix, session_id.
-# One round trip for what would otherwise be a GETDEL and then a ZREM on the engine it named.
+# KEYS: the session's affinity[, a ZSET to remove the session from too]. ARGV: the engine_sessions
+# key prefix, session_id. One round trip for what would otherwise be a GETDEL and then a ZREM on the
+# engine it named (and the release of the session's admission slot).
 _FORGET = """
 local engine = redis.call('GETDEL', KEYS[1])
 if engine then redis.call('ZREM', ARGV[1] .. engine, ARGV[2]) end
+if KEYS[2] then redis.call('ZREM', KEYS[2], ARGV[2]) end
 return engine
 """
 
@@ -56,10 +60,10 @@ class Router:
         self._forget = redis.register_script(_FORGET)
 
     def _affinity_key(self, session_id: str) -> str:
-        return key(self.run_id, "affinity", session_id)
+        return affinity_key(self.run_id, session_id)
 
     def _sessions_key(self, engine_id: str) -> str:
-        return key(self.run_id, "engine_sessions", engine_id)
+        return engine_sessions_key(self.run_id, engine_id)
 
     def pools_for(self, pinned: int) -> frozenset[int] | None:
         return frozenset({pinned}) if pinned else self.route_pools
@@ -73,15 +77,22 @@ class Router:
             return "canary" if pinned == canary else "fleet"
         return "canary" if self.route_pools == frozenset({canary}) else "fleet"
 
-    async def route(self, session_id: str, pool: int = 0, *, any_pool: bool = False) -> Route:
+    def queue_affinity(self, pipe, session_id: str) -> None:
+        """Adds the read (and renewal) of the session's affinity to `pipe`; its reply goes to `route`."""
+        pipe.getex(self._affinity_key(session_id), ex=self.ttl_s)
+
+    async def route(self, session_id: str, pool: int = 0, *, any_pool: bool = False,
+                    affinity: object = UNREAD) -> Route:
         """The session's engine while it can serve, otherwise a new one (rerouted, with the reason).
-        `any_pool`: every engine may serve it (its role has an adapter, which every engine holds)."""
+        `any_pool`: every engine may serve it (its role has an adapter, which every engine holds).
+        `affinity`: the reply of `queue_affinity` when the caller read it in a pipeline of its own."""
         pools = None if any_pool else self.pools_for(pool)
         if not session_id:
             return Route(await self.pick(exclude=(), pools=pools))
-        raw = await self.redis.getex(self._affinity_key(session_id), ex=self.ttl_s)
+        raw = await self.redis.getex(self._affinity_key(session_id), ex=self.ttl_s) if affinity is UNREAD else affinity
         if raw is None:
             return await self._assign(session_id, previous=None, reason="", pools=pools)
+        assert isinstance(raw, (bytes, str)), raw  # a GET reply, read here or by the caller
         engine_id = text(raw)
         engine = self.registry.engines.get(engine_id)
         if engine is None:
@@ -114,9 +125,11 @@ class Router:
         self._touched[session_id] = now
         await self.redis.zadd(self._sessions_key(engine_id), {session_id: time.time()})
 
-    async def forget(self, session_id: str) -> None:
-        """The session ended: drop its affinity and its place in its engine's load."""
-        await self._forget(keys=[self._affinity_key(session_id)], args=[self._sessions_prefix, session_id])
+    async def forget(self, session_id: str, release_from: str = "") -> None:
+        """The session ended: drop its affinity and its place in its engine's load, and from the ZSET
+        `release_from` when given (the admission slot), all in one script."""
+        keys = [self._affinity_key(session_id), *([release_from] if release_from else [])]
+        await self._forget(keys=keys, args=[self._sessions_prefix, session_id])
 
     async def session_counts(self, engine_ids: list[str]) -> dict[str, int]:
         cutoff = time.time() - self.ttl_s
@@ -136,6 +149,8 @@ class Router:
         if not candidates:
             raise NoEngineAvailable(_no_engine_message(list(self.registry.engines.values()), exclude),
                                     tried=exclude)
+        if len(candidates) == 1:  # nothing to compare: its load would not change the choice
+            return candidates[0]
         counts = await self.session_counts([e.engine_id for e in candidates])
         loads = {e.engine_id: counts[e.engine_id] + self.registry.local_in_flight.get(e.engine_id, 0)
                  for e in candidates}

@@ -26,7 +26,8 @@ ENGINE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, run_id: str, registry: EngineRegistry, router: Router, dispatcher: Dispatcher,
-                 health: HealthChecker, admission: Admission, metrics: GatewayMetrics) -> None:
+                 health: HealthChecker, admission: Admission, metrics: GatewayMetrics, advertise=None) -> None:
+        self.advertise = advertise  # awaited after a change to the engines (the admission advert)
         self.run_id = run_id
         self.registry = registry
         self.router = router
@@ -48,10 +49,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             draining=request.start_draining)
         record = await self.registry.register(record)
         await self.health.check(record)  # answer with its real state, not "unprobed"
+        await self._advertise()
         return await self._engine_proto(record.engine_id)
 
     async def DeregisterEngine(self, request: gateway_pb2.DeregisterEngineRequest, context):
         await self.registry.deregister(_engine_id(request.engine_id))
+        await self._advertise()
         return gateway_pb2.DeregisterEngineResponse()
 
     async def ListEngines(self, request: gateway_pb2.ListEnginesRequest, context):
@@ -74,6 +77,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.HasField("policy_version"):
             fields["policy_version"] = request.policy_version
         await self.registry.update(engine.engine_id, **fields)
+        await self._advertise()
         log.info("engine state updated", extra={"engine_id": engine.engine_id, "draining": fields["draining"],
                                                 "reason": request.reason})
         return await self._engine_proto(engine.engine_id)
@@ -103,7 +107,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.run_id and request.run_id != self.run_id:
             raise InvalidGatewayRequest(f"this gateway serves run {self.run_id!r}, not {request.run_id!r}",
                                         field="run_id")
-        decision = await self.admission.admit(request.session_id, await self._fleet_version())
+        # The adapter's version is read by the admission script itself: one Redis round trip.
+        adapters = self.dispatcher.adapters
+        decision = await self.admission.admit(
+            request.session_id, self.registry.fleet_min_version(self.router.route_pools),
+            None if adapters is None else (adapters.hash_key, self.router.role(0)))
         self.metrics.admissions.add(1, {"outcome": "admitted" if decision.admitted else decision.reason})
         return gateway_pb2.AdmitResponse(admitted=decision.admitted, reason=decision.reason,
                                          retry_after_ms=decision.retry_after_ms)
@@ -111,8 +119,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Release(self, request: gateway_pb2.ReleaseRequest, context):
         if not request.session_id:
             raise InvalidGatewayRequest("session_id is required", field="session_id")
-        await self.admission.release(request.session_id)
-        await self.router.forget(request.session_id)
+        # The admission slot goes in the router's forget: one Redis round trip for both.
+        await self.router.forget(request.session_id, release_from=self.admission.inflight_key)
         return gateway_pb2.ReleaseResponse()
 
     async def SetAdmissionPolicy(self, request: gateway_pb2.AdmissionPolicy, context):
@@ -123,6 +131,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return await self.admission.status(await self._fleet_version())
 
     # --- helpers --------------------------------------------------------------------------------
+    async def _advertise(self) -> None:
+        if self.advertise is not None:
+            await self.advertise()
+
     async def _fleet_version(self) -> int | None:
         """The policy version new sessions are served: the adapter's when the broker routes their role
         to one (the engines' own version is then the base model's), else the oldest engine's."""

@@ -2,9 +2,12 @@
 
 The state machine, in Redis (see store.py):
 
-    OPEN --(build trajectory, compare-and-set)--> CLOSED|ABORTED + trajectory stored
+    OPEN --(build trajectory, compare-and-set; admission slot and affinity given back in the same
+            script, rlfleet.common.session_slots)--> CLOSED|ABORTED + trajectory stored, released=1
          --(publish, Nats-Msg-Id = trajectory_id)--> published=1
-         --(gateway Release)--> released=1
+
+A session sealed with released=0 (by a server before this one) is released by the gateway's Release
+at its next close, as before.
 
 The trajectory is built and stored before it is published, so a retry after a crash anywhere
 re-publishes the same bytes under the same ID (JetStream drops the duplicate inside its window, and
@@ -121,7 +124,8 @@ class Closer:
         state.session.state = ABORTED if trajectory.status == ABORTED_STATUS else CLOSED
         state.session.trajectory_id = trajectory.trajectory_id
         state.trajectory = trajectory.SerializeToString()
-        await self.store.commit(state)
+        # The same commit gives back the admission slot and the engine affinity (no Release call).
+        await self.store.commit(state, release=True)
         return trajectory
 
     def _sealed(self, state: SessionState, status: common_pb2.TrajectoryStatus) -> common_pb2.Trajectory:
@@ -154,14 +158,19 @@ class Closer:
 
     async def _deliver(self, state: SessionState, trajectory: common_pb2.Trajectory) -> bool:
         published_now = False
+        # What is done here is recorded in one write at the end: a crash before it only repeats it on the
+        # next close (the same bytes under the same Nats-Msg-Id, deduplicated; a release is idempotent).
+        # The sealing commit normally gave the admission slot back already (released=1).
+        done: list[str] = []
         if not state.published:
             with tracer.start_as_current_span(
                     "TRAJECTORIES publish", kind=trace.SpanKind.PRODUCER,
                     attributes={"messaging.system": "nats", "messaging.destination.name": "TRAJECTORIES",
                                 "rlfleet.trajectory_id": trajectory.trajectory_id}) as span:
-                published_now = await self.publisher.publish(trajectory)
+                # The bytes sealed into the session, published as they are (not serialized again).
+                published_now = await self.publisher.publish(trajectory, state.trajectory)
                 span.set_attribute("rlfleet.duplicate", not published_now)
-            await self.store.mark(state.session_id, "published")
+            done.append("published")
             if published_now:
                 status = common_pb2.TrajectoryStatus.Name(trajectory.status).removeprefix("TRAJECTORY_STATUS_")
                 self.metrics.trajectories.add(1, {"status": status.lower()})
@@ -175,5 +184,7 @@ class Closer:
                 log.warning("admission release failed", extra={"session_id": state.session_id, "error": exc.message})
                 self.metrics.release_failures.add(1)
             else:
-                await self.store.mark(state.session_id, "released")
+                done.append("released")
+        if done:
+            await self.store.mark(state.session_id, *done)
         return published_now

@@ -3,7 +3,8 @@ what was wrong. Text is tokenized here, once; token IDs are checked against the 
 
 Size before work: the servicer calls the `*_off_loop` forms, which check sizes on the event loop
 (text and messages against `max_text_chars`, token ids against the room left) and only then render
-and tokenize in a worker thread, so one long request never holds up the other sessions."""
+and tokenize, in a worker thread when the text is long (INLINE_CHARS), so one long request never
+holds up the other sessions."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from rlfleet.api.session.v1 import session_pb2
 from rlfleet.session.errors import InvalidSessionRequest, ObservationOverBudget, SessionNotOpen
 from rlfleet.session.state import SessionState
 from rlfleet.session.text import ChatRenderer, Tokenizer
+
+# Below this many characters a text is rendered and tokenized on the event loop: tens of
+# microseconds, less than the hand-off to a worker thread and back costs (the usual prompt and tool
+# result); a longer one still goes to a thread.
+INLINE_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -42,25 +48,32 @@ class Inputs:
         return min(budget, context) if context else budget
 
     async def prompt_ids_off_loop(self, request: session_pb2.OpenSessionRequest, budget: int) -> list[int]:
-        self._check_sizes(request, "prompt", budget)
+        if self._check_sizes(request, "prompt", budget) <= INLINE_CHARS:
+            return self.prompt_ids(request, budget)
         return await asyncio.to_thread(self.prompt_ids, request, budget)
 
     async def observation_ids_off_loop(self, request: session_pb2.AppendObservationRequest,
                                        state: SessionState) -> list[int]:
-        self._check_sizes(request, "content", state.remaining)
+        if self._check_sizes(request, "content", state.remaining) <= INLINE_CHARS:
+            return self.observation_ids(request, state)
         return await asyncio.to_thread(self.observation_ids, request, state)
 
-    def _check_sizes(self, request, oneof: str, room: int) -> None:
+    def _check_sizes(self, request, oneof: str, room: int) -> int:
+        """Checks the sizes; the characters there are to render and tokenize (0 for token ids)."""
         kind = request.WhichOneof(oneof)
         if kind == "text":
             self._check_text_size(len(request.text), "text")
-        elif kind == "messages":
-            self._check_text_size(sum(len(m.content) for m in request.messages.messages), "messages")
-        elif kind in ("prompt_token_ids", "token_ids"):
+            return len(request.text)
+        if kind == "messages":
+            chars = sum(len(m.content) for m in request.messages.messages)
+            self._check_text_size(chars, "messages")
+            return chars
+        if kind in ("prompt_token_ids", "token_ids"):
             count = len(getattr(request, kind).ids)
             if count > max(room, 0):
                 raise InvalidSessionRequest(f"{kind} has {count} tokens, more than the {room} that fit",
                                             field=kind, limit=max(room, 0), size=count)
+        return 0
 
     def prompt_ids(self, request: session_pb2.OpenSessionRequest, budget: int) -> list[int]:
         kind = request.WhichOneof("prompt")

@@ -16,10 +16,11 @@ class TrajectoryPublisher:
         self.run_id = run_id
         self.timeout_s = timeout_s
 
-    async def publish(self, trajectory: common_pb2.Trajectory) -> bool:
-        """True when this call stored it; False when JetStream already had it (`Nats-Msg-Id` = trajectory ID)."""
+    async def publish(self, trajectory: common_pb2.Trajectory, data: bytes = b"") -> bool:
+        """True when this call stored it; False when JetStream already had it (`Nats-Msg-Id` = trajectory ID).
+        `data`: the trajectory already serialized, when the caller has its bytes."""
         try:
-            return await publish(self.js, "TRAJECTORIES", self.run_id, trajectory.SerializeToString(),
+            return await publish(self.js, "TRAJECTORIES", self.run_id, data or trajectory.SerializeToString(),
                                  msg_type="Trajectory", msg_id=trajectory.trajectory_id, timeout_s=self.timeout_s)
         except (NatsError, TimeoutError) as exc:
             raise PublishFailed(f"publishing trajectory {trajectory.trajectory_id} failed: {exc!r}; "

@@ -62,32 +62,59 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         state = _new_state(session_id, self.run_id, request, budget, self.inputs.metadata(request.metadata))
         state.owner = security.caller().owner
         append_prompt(state, prompt)
-        await self._admit(session_id)
+        lease = uuid.uuid4().hex if request.first_turn else ""
+        # Admitted in the script that creates the session, on what the gateway advertises (no Admit
+        # round trip); through the gateway only while no gateway has advertised yet.
         try:
-            created = await self.store.create(state)
-        except SessionsExhausted:
-            await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
+            outcome = await self.store.create(state, lease, self.turn_lease_s, admit=True)
+        except SessionsExhausted as exc:
+            self.metrics.sessions_refused.add(1, {"reason": exc.reason})
             raise
-        if not created:  # opened concurrently under the same id
+        if outcome == "no_advert":
+            await self._admit(session_id)
+            try:
+                outcome = await self.store.create(state, lease, self.turn_lease_s)
+            except SessionsExhausted:
+                await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
+                raise
+        if outcome != "created":  # opened concurrently under the same id
             return self._reopened(await self.store.load(session_id), request)
         self.metrics.sessions_opened.add(1)
-        return _opened(state)
+        opened = _opened(state)
+        if lease:  # the first turn, under the lease the create took (nobody else knows the session yet)
+            opened.first_turn.CopyFrom(await self._turn(state, session_pb2.GenerateRequest(session_id=session_id),
+                                                        time.monotonic(), lease))
+        return opened
 
     async def Generate(self, request: session_pb2.GenerateRequest, context):
         started = time.monotonic()
-        state = await self._open_session(request.session_id)
-        lease = await self.store.begin_turn(state.session_id, self.turn_lease_s)
+        # The lease is taken and the session read under it in one round trip, so no turn can end
+        # between the read and the lease.
+        state, lease = await self.store.begin_turn_and_load(_session_id(request.session_id), self.turn_lease_s)
+        try:
+            self._check_open(state)
+        except SessionNotOpen:
+            if lease is not None:
+                await self.store.end_turn(state.session_id, lease)
+            raise
         if lease is None:
             raise SessionBusy(f"session {state.session_id!r} is generating a turn already; calls on one "
                               "session must not overlap", session_id=state.session_id)
+        return await self._turn(state, request, started, lease)
+
+    async def _turn(self, state: SessionState, request: session_pb2.GenerateRequest, started: float,
+                    lease: str) -> session_pb2.GenerateResponse:
+        """A turn under `lease`, renewed while it runs and ended by its commit (or here, if it fails)."""
         renewing = asyncio.create_task(self._keep_turn(state.session_id, lease))
+        ended = False
         try:
-            # Loaded again under the lease: a turn that ended between the first load and the lease.
-            state = await self._open_session(request.session_id)
-            return await self._generate(state, request, started)
+            reply = await self._generate(state, request, started, lease)
+            ended = True  # its commit ended the turn
+            return reply
         finally:
             renewing.cancel()
-            await self.store.end_turn(state.session_id, lease)
+            if not ended:
+                await self.store.end_turn(state.session_id, lease)
 
     async def _keep_turn(self, session_id: str, lease: str) -> None:
         """Renews the turn lease while the turn runs; a server that dies stops renewing it."""
@@ -98,14 +125,16 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             except Exception:  # Redis away for a moment: the commit's compare-and-set still guards the session
                 log.warning("renewing a turn lease failed", extra={"session_id": session_id})
 
-    async def _generate(self, state: SessionState, request: session_pb2.GenerateRequest, started: float):
+    async def _generate(self, state: SessionState, request: session_pb2.GenerateRequest, started: float,
+                        lease: str):
+        """The turn; every way out that returns has committed the state, ending the turn `lease`."""
         observed: list[int] = []
         if request.HasField("observation"):
             ids = observed = await self.inputs.observation_ids_off_loop(request.observation, state)
             append_observation(state, ids, time.time())
             self.metrics.observation_tokens.add(len(ids))
             if state.budget_exhausted:  # no room for a turn: keep the observation, generate nothing
-                await self.store.commit(state)
+                await self.store.commit(state, end_turn=lease)
                 return session_pb2.GenerateResponse(total_tokens=state.total_tokens, budget_exhausted=True,
                                                     observation_token_ids=observed)
         sampling = self.inputs.turn_sampling(state, request.sampling if request.HasField("sampling") else None)
@@ -114,7 +143,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         reply = await self.gateway.generate(state.session_id, state.session.token_ids, sampling, request_id,
                                             state.session.metadata.get("engine_pool", ""))
         span_index = append_generated(state, reply, time.time())
-        await self.store.commit(state)
+        await self.store.commit(state, end_turn=lease)
         output = list(reply.output_ids)
         tokenizer = self.inputs.tokenizer
         elapsed = time.monotonic() - started
@@ -180,10 +209,35 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             raise SessionExists(
                 f"session {existing.session_id!r} exists with another prompt or task_id; a retried OpenSession "
                 "must repeat the first one's, a new episode needs a new session_id", session_id=existing.session_id)
+        if request.first_turn and (first := self._first_turn_of(existing)) is not None:
+            opened.first_turn.CopyFrom(first)
         return opened
+
+    def _first_turn_of(self, state: SessionState) -> session_pb2.GenerateResponse | None:
+        """The first turn as its Generate answered it, rebuilt from the session (a retried open)."""
+        spans = state.session.spans
+        if len(spans) < 2 or spans[1].kind != common_pb2.SPAN_KIND_GENERATED:
+            return None
+        span, session = spans[1], state.session
+        output = list(session.token_ids[span.start:span.end])
+        tokenizer = self.inputs.tokenizer
+        first = session_pb2.GenerateResponse(
+            token_ids=output, logprobs=session.rollout_logprobs[span.start:span.end], finish_reason=span.finish_reason,
+            policy_version=span.policy_version, text=tokenizer.decode(output), engine_id=span.engine_id,
+            span_index=1, total_tokens=span.end, budget_exhausted=span.end >= session.max_total_tokens,
+            text_with_special_tokens=tokenizer.decode(output, skip_special_tokens=False))
+        stops = {*tokenizer.stop_token_ids, *state.sampling.stop_token_ids}  # the first turn has no override
+        if span.finish_reason == common_pb2.FINISH_REASON_STOP and output and output[-1] in stops:
+            first.matched_stop_token_id = output[-1]
+        return first
 
     async def _open_session(self, session_id: str) -> SessionState:
         state = await self.store.load(_session_id(session_id))
+        self._check_open(state)
+        return state
+
+    @staticmethod
+    def _check_open(state: SessionState) -> None:
         if state.expired:
             raise SessionNotOpen(
                 f"session {state.session_id!r} expired: no call for session_idle_timeout_s; it was published as "
@@ -192,7 +246,6 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             raise SessionNotOpen(
                 f"session {state.session_id!r} is {state.state_name} (trajectory {state.session.trajectory_id})",
                 session_id=state.session_id, state=state.state_name)
-        return state
 
     async def _admit(self, session_id: str) -> None:
         try:

@@ -12,7 +12,7 @@ from rlfleet.common.peers import PeersApp
 from rlfleet.verifier.config import VerifierConfig
 from rlfleet.verifier.kinds import KIND_NAMES, ScoringConfig
 from rlfleet.verifier.metrics import VerifierMetrics
-from rlfleet.verifier.peers import SandboxPeer, SessionPeer
+from rlfleet.verifier.peers import SandboxPeer, SessionPeer, StoredSessions
 from rlfleet.verifier.servicer import VerifierServicer
 from rlfleet.verifier.suites import SuiteCatalog
 from rlfleet.verifier.transcript import SessionDecoder
@@ -65,7 +65,10 @@ def build_verifier(config: VerifierConfig, redis=None, *, kinds: tuple[str, ...]
     if kinds is None:
         kinds = KIND_NAMES if config.sandbox_address else tuple(k for k in KIND_NAMES if k != "unit_tests")
     return Verifier(SuiteCatalog(config.suites_dir, kinds),
-                    sessions=SessionPeer(config.session_address, "session_address", config.peer_timeout_s),
+                    # With the run's Redis, the session is read where the session server keeps it
+                    # (no round trip through it); without, it is asked for.
+                    sessions=(StoredSessions(redis, config.run_id) if redis is not None
+                              else SessionPeer(config.session_address, "session_address", config.peer_timeout_s)),
                     sandboxes=sandboxes, decoder=SessionDecoder(config.tokenizer_path),
                     scoring=scoring_config(config), redis=redis, run_id=config.run_id, metrics=VerifierMetrics(),
                     parallel_tests=config.parallel_tests)

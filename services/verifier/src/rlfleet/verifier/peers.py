@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Sequence
 
 import grpc
+from redis.exceptions import ResponseError
 
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as sbx
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
@@ -21,10 +23,12 @@ from rlfleet.common.errors import (
     Unavailable,
 )
 from rlfleet.common.grpc_server import channel
+from rlfleet.common.redis_store import key
 from rlfleet.verifier.config import TestSandboxSection
 from rlfleet.verifier.kinds import TestRunRequest, TestRunResult, Violation
 
 log = logging.getLogger(__name__)
+SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")  # the session server's rule for its ids
 
 
 def translate(exc: grpc.aio.AioRpcError, peer: str, what: str) -> Exception:
@@ -71,6 +75,34 @@ class SessionPeer(_Peer):
                                          metadata=security.caller_metadata())
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, f"session {session_id!r}") from None
+
+
+class StoredSessions:
+    """The sessions where the session server keeps them (its Redis hash `rlfleet:<run>:session:<id>`,
+    rlfleet.session.store), read straight from there: one Redis read instead of a GetSession round
+    trip through the session server. The verifier's Redis user may only read those keys, and only
+    the session server writes them, so what is scored is still what the session server vouches for;
+    the owner check is the session server's own (a client sees only its own sessions)."""
+
+    def __init__(self, redis, run_id: str) -> None:
+        self.redis = redis
+        self.run_id = run_id
+
+    async def session(self, session_id: str) -> session_pb2.Session:
+        if not SESSION_ID.match(session_id):
+            raise InvalidArgument(f"session_id must be 1-128 characters of letters, digits and _.:-, got "
+                                  f"{session_id!r}", field="session_id")
+        try:
+            raw, owner = await self.redis.hmget(key(self.run_id, "session", session_id), "session", "owner")
+        except ResponseError:  # not a session's hash (an id that names another kind of key)
+            raw = owner = None
+        # As the session server's store.visible: another client's session is not found, not refused.
+        if raw is None or not security.caller().may_own((owner or b"").decode(), self.run_id):
+            raise NotFound(f"session {session_id!r} not found (session store)")
+        return session_pb2.Session.FromString(raw)
+
+    async def close(self) -> None:
+        pass
 
 
 class SandboxPeer(_Peer):

@@ -32,7 +32,7 @@ from rlfleet.verifier.kinds import (
     default_kinds,
 )
 from rlfleet.verifier.metrics import VerifierMetrics
-from rlfleet.verifier.peers import SandboxPeer, SessionPeer
+from rlfleet.verifier.peers import SandboxPeer, SessionPeer, StoredSessions
 from rlfleet.verifier.protos import verdict_proto
 from rlfleet.verifier.suites import SuiteCatalog
 from rlfleet.verifier.transcript import (
@@ -68,7 +68,7 @@ class LabelledInput:
 
 
 class Verifier:
-    def __init__(self, catalog: SuiteCatalog, *, sessions: SessionPeer, sandboxes: SandboxPeer, decoder: SessionDecoder,
+    def __init__(self, catalog: SuiteCatalog, *, sessions: SessionPeer | StoredSessions, sandboxes: SandboxPeer, decoder: SessionDecoder,
                  scoring: ScoringConfig, redis: Any = None, run_id: str = "",
                  metrics: VerifierMetrics | None = None, audit_workers: int = 4, parallel_tests: int = 32) -> None:
         self.audit_workers = audit_workers

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfleet.api.common.v1 import common_pb2 as rlfleet_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/session/v1/session.proto\x12\x12rlfleet.session.v1\x1a\x1erlfleet/common/v1/common.proto\"\x15\n\x13GetModelInfoRequest\"+\n\x0cSpecialToken\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x05\"\xa4\x02\n\tModelInfo\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\t\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x11\n\tbos_token\x18\x04 \x01(\t\x12\x11\n\teos_token\x18\x05 \x01(\t\x12\x11\n\tpad_token\x18\x06 \x01(\t\x12\x38\n\x0especial_tokens\x18\x07 \x03(\x0b\x32 .rlfleet.session.v1.SpecialToken\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\n \x01(\r\x12\x12\n\nmodel_type\x18\x0b \x01(\t\"\xe3\x03\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12\x37\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x1b.rlfleet.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x08 \x01(\x0b\x32\x1f.rlfleet.common.v1.ChatMessagesH\x00\x12\x33\n\x08sampling\x18\t \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x18\n\x10max_total_tokens\x18\n \x01(\r\x12\x46\n\x08metadata\x18\x0b \x03(\x0b\x32\x34.rlfleet.session.v1.OpenSessionRequest.MetadataEntry\x12\r\n\x05suite\x18\x0c \x01(\t\x12\r\n\x05split\x18\r \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06prompt\"]\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\"\x9d\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x08sampling\x18\x02 \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x41\n\x0bobservation\x18\x03 \x01(\x0b\x32,.rlfleet.session.v1.AppendObservationRequest\"\xeb\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.rlfleet.common.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x12\n\nspan_index\x18\x07 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x08 \x01(\r\x12\x18\n\x10\x62udget_exhausted\x18\t \x01(\x08\x12\x1d\n\x15observation_token_ids\x18\n \x03(\x05\x12 \n\x18text_with_special_tokens\x18\x0b \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x0c \x01(\x05H\x00\x88\x01\x01\x42\x18\n\x16_matched_stop_token_id\"\xcf\x01\n\x18\x41ppendObservationRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.rlfleet.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x04 \x01(\x0b\x32\x1f.rlfleet.common.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\x42\t\n\x07\x63ontent\"\x87\x01\n\x19\x41ppendObservationResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nspan_index\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x13\n\x0btool_wait_s\x18\x04 \x01(\x01\x12\x18\n\x10\x62udget_exhausted\x18\x05 \x01(\x08\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xb1\x03\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .rlfleet.session.v1.SessionState\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x08 \x03(\x02\x12\x11\n\tloss_mask\x18\t \x03(\r\x12&\n\x05spans\x18\n \x03(\x0b\x32\x17.rlfleet.common.v1.Span\x12\x18\n\x10max_total_tokens\x18\x0b \x01(\r\x12\x11\n\tengine_id\x18\x0c \x01(\t\x12\x15\n\rtrajectory_id\x18\r \x01(\t\x12;\n\x08metadata\x18\x0e \x03(\x0b\x32).rlfleet.session.v1.Session.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf3\x01\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x06status\x18\x02 \x01(\x0e\x32#.rlfleet.common.v1.TrajectoryStatus\x12G\n\x08metadata\x18\x03 \x03(\x0b\x32\x35.rlfleet.session.v1.CloseSessionRequest.MetadataEntry\x12\x19\n\x11return_trajectory\x18\x04 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbd\x01\n\x14\x43loseSessionResponse\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12+\n\x07verdict\x18\x02 \x01(\x0b\x32\x1a.rlfleet.common.v1.Verdict\x12\x15\n\rpublished_now\x18\x03 \x01(\x08\x12\x31\n\ntrajectory\x18\x04 \x01(\x0b\x32\x1d.rlfleet.common.v1.Trajectory\x12\x17\n\x0fverdict_missing\x18\x05 \x01(\x08\"9\n\x13\x41\x62ortSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"-\n\x14\x41\x62ortSessionResponse\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t*z\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_OPEN\x10\x01\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x02\x12\x19\n\x15SESSION_STATE_ABORTED\x10\x03\x32\xa9\x05\n\x0eSessionService\x12^\n\x0bOpenSession\x12&.rlfleet.session.v1.OpenSessionRequest\x1a\'.rlfleet.session.v1.OpenSessionResponse\x12U\n\x08Generate\x12#.rlfleet.session.v1.GenerateRequest\x1a$.rlfleet.session.v1.GenerateResponse\x12p\n\x11\x41ppendObservation\x12,.rlfleet.session.v1.AppendObservationRequest\x1a-.rlfleet.session.v1.AppendObservationResponse\x12P\n\nGetSession\x12%.rlfleet.session.v1.GetSessionRequest\x1a\x1b.rlfleet.session.v1.Session\x12\x61\n\x0c\x43loseSession\x12\'.rlfleet.session.v1.CloseSessionRequest\x1a(.rlfleet.session.v1.CloseSessionResponse\x12\x61\n\x0c\x41\x62ortSession\x12\'.rlfleet.session.v1.AbortSessionRequest\x1a(.rlfleet.session.v1.AbortSessionResponse\x12V\n\x0cGetModelInfo\x12\'.rlfleet.session.v1.GetModelInfoRequest\x1a\x1d.rlfleet.session.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/session/v1/session.proto\x12\x12rlfleet.session.v1\x1a\x1erlfleet/common/v1/common.proto\"\x15\n\x13GetModelInfoRequest\"+\n\x0cSpecialToken\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x05\"\xa4\x02\n\tModelInfo\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\t\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x11\n\tbos_token\x18\x04 \x01(\t\x12\x11\n\teos_token\x18\x05 \x01(\t\x12\x11\n\tpad_token\x18\x06 \x01(\t\x12\x38\n\x0especial_tokens\x18\x07 \x03(\x0b\x32 .rlfleet.session.v1.SpecialToken\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\n \x01(\r\x12\x12\n\nmodel_type\x18\x0b \x01(\t\"\xf7\x03\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12\x37\n\x10prompt_token_ids\x18\x07 \x01(\x0b\x32\x1b.rlfleet.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x08 \x01(\x0b\x32\x1f.rlfleet.common.v1.ChatMessagesH\x00\x12\x33\n\x08sampling\x18\t \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x18\n\x10max_total_tokens\x18\n \x01(\r\x12\x46\n\x08metadata\x18\x0b \x03(\x0b\x32\x34.rlfleet.session.v1.OpenSessionRequest.MetadataEntry\x12\r\n\x05suite\x18\x0c \x01(\t\x12\r\n\x05split\x18\r \x01(\t\x12\x12\n\nfirst_turn\x18\x0e \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06prompt\"\x97\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\x12\x38\n\nfirst_turn\x18\x04 \x01(\x0b\x32$.rlfleet.session.v1.GenerateResponse\"\x9d\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x08sampling\x18\x02 \x01(\x0b\x32!.rlfleet.common.v1.SamplingParams\x12\x41\n\x0bobservation\x18\x03 \x01(\x0b\x32,.rlfleet.session.v1.AppendObservationRequest\"\xeb\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.rlfleet.common.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x12\n\nspan_index\x18\x07 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x08 \x01(\r\x12\x18\n\x10\x62udget_exhausted\x18\t \x01(\x08\x12\x1d\n\x15observation_token_ids\x18\n \x03(\x05\x12 \n\x18text_with_special_tokens\x18\x0b \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x0c \x01(\x05H\x00\x88\x01\x01\x42\x18\n\x16_matched_stop_token_id\"\xcf\x01\n\x18\x41ppendObservationRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.rlfleet.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x04 \x01(\x0b\x32\x1f.rlfleet.common.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\x42\t\n\x07\x63ontent\"\x87\x01\n\x19\x41ppendObservationResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nspan_index\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x13\n\x0btool_wait_s\x18\x04 \x01(\x01\x12\x18\n\x10\x62udget_exhausted\x18\x05 \x01(\x08\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xb1\x03\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .rlfleet.session.v1.SessionState\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x08 \x03(\x02\x12\x11\n\tloss_mask\x18\t \x03(\r\x12&\n\x05spans\x18\n \x03(\x0b\x32\x17.rlfleet.common.v1.Span\x12\x18\n\x10max_total_tokens\x18\x0b \x01(\r\x12\x11\n\tengine_id\x18\x0c \x01(\t\x12\x15\n\rtrajectory_id\x18\r \x01(\t\x12;\n\x08metadata\x18\x0e \x03(\x0b\x32).rlfleet.session.v1.Session.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf3\x01\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x06status\x18\x02 \x01(\x0e\x32#.rlfleet.common.v1.TrajectoryStatus\x12G\n\x08metadata\x18\x03 \x03(\x0b\x32\x35.rlfleet.session.v1.CloseSessionRequest.MetadataEntry\x12\x19\n\x11return_trajectory\x18\x04 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbd\x01\n\x14\x43loseSessionResponse\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12+\n\x07verdict\x18\x02 \x01(\x0b\x32\x1a.rlfleet.common.v1.Verdict\x12\x15\n\rpublished_now\x18\x03 \x01(\x08\x12\x31\n\ntrajectory\x18\x04 \x01(\x0b\x32\x1d.rlfleet.common.v1.Trajectory\x12\x17\n\x0fverdict_missing\x18\x05 \x01(\x08\"9\n\x13\x41\x62ortSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"-\n\x14\x41\x62ortSessionResponse\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t*z\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_OPEN\x10\x01\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x02\x12\x19\n\x15SESSION_STATE_ABORTED\x10\x03\x32\xa9\x05\n\x0eSessionService\x12^\n\x0bOpenSession\x12&.rlfleet.session.v1.OpenSessionRequest\x1a\'.rlfleet.session.v1.OpenSessionResponse\x12U\n\x08Generate\x12#.rlfleet.session.v1.GenerateRequest\x1a$.rlfleet.session.v1.GenerateResponse\x12p\n\x11\x41ppendObservation\x12,.rlfleet.session.v1.AppendObservationRequest\x1a-.rlfleet.session.v1.AppendObservationResponse\x12P\n\nGetSession\x12%.rlfleet.session.v1.GetSessionRequest\x1a\x1b.rlfleet.session.v1.Session\x12\x61\n\x0c\x43loseSession\x12\'.rlfleet.session.v1.CloseSessionRequest\x1a(.rlfleet.session.v1.CloseSessionResponse\x12\x61\n\x0c\x41\x62ortSession\x12\'.rlfleet.session.v1.AbortSessionRequest\x1a(.rlfleet.session.v1.AbortSessionResponse\x12V\n\x0cGetModelInfo\x12\'.rlfleet.session.v1.GetModelInfoRequest\x1a\x1d.rlfleet.session.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSION_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_SESSIONSTATE']._serialized_start=2927
-  _globals['_SESSIONSTATE']._serialized_end=3049
+  _globals['_SESSIONSTATE']._serialized_start=3006
+  _globals['_SESSIONSTATE']._serialized_end=3128
   _globals['_GETMODELINFOREQUEST']._serialized_start=88
   _globals['_GETMODELINFOREQUEST']._serialized_end=109
   _globals['_SPECIALTOKEN']._serialized_start=111
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO']._serialized_start=157
   _globals['_MODELINFO']._serialized_end=449
   _globals['_OPENSESSIONREQUEST']._serialized_start=452
-  _globals['_OPENSESSIONREQUEST']._serialized_end=935
-  _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_start=878
-  _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_end=925
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=937
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1030
-  _globals['_GENERATEREQUEST']._serialized_start=1033
-  _globals['_GENERATEREQUEST']._serialized_end=1190
-  _globals['_GENERATERESPONSE']._serialized_start=1193
-  _globals['_GENERATERESPONSE']._serialized_end=1556
-  _globals['_APPENDOBSERVATIONREQUEST']._serialized_start=1559
-  _globals['_APPENDOBSERVATIONREQUEST']._serialized_end=1766
-  _globals['_APPENDOBSERVATIONRESPONSE']._serialized_start=1769
-  _globals['_APPENDOBSERVATIONRESPONSE']._serialized_end=1904
-  _globals['_GETSESSIONREQUEST']._serialized_start=1906
-  _globals['_GETSESSIONREQUEST']._serialized_end=1945
-  _globals['_SESSION']._serialized_start=1948
-  _globals['_SESSION']._serialized_end=2381
-  _globals['_SESSION_METADATAENTRY']._serialized_start=878
-  _globals['_SESSION_METADATAENTRY']._serialized_end=925
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=2384
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=2627
-  _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._serialized_start=878
-  _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._serialized_end=925
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2630
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2819
-  _globals['_ABORTSESSIONREQUEST']._serialized_start=2821
-  _globals['_ABORTSESSIONREQUEST']._serialized_end=2878
-  _globals['_ABORTSESSIONRESPONSE']._serialized_start=2880
-  _globals['_ABORTSESSIONRESPONSE']._serialized_end=2925
-  _globals['_SESSIONSERVICE']._serialized_start=3052
-  _globals['_SESSIONSERVICE']._serialized_end=3733
+  _globals['_OPENSESSIONREQUEST']._serialized_end=955
+  _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_start=898
+  _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_end=945
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=958
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1109
+  _globals['_GENERATEREQUEST']._serialized_start=1112
+  _globals['_GENERATEREQUEST']._serialized_end=1269
+  _globals['_GENERATERESPONSE']._serialized_start=1272
+  _globals['_GENERATERESPONSE']._serialized_end=1635
+  _globals['_APPENDOBSERVATIONREQUEST']._serialized_start=1638
+  _globals['_APPENDOBSERVATIONREQUEST']._serialized_end=1845
+  _globals['_APPENDOBSERVATIONRESPONSE']._serialized_start=1848
+  _globals['_APPENDOBSERVATIONRESPONSE']._serialized_end=1983
+  _globals['_GETSESSIONREQUEST']._serialized_start=1985
+  _globals['_GETSESSIONREQUEST']._serialized_end=2024
+  _globals['_SESSION']._serialized_start=2027
+  _globals['_SESSION']._serialized_end=2460
+  _globals['_SESSION_METADATAENTRY']._serialized_start=898
+  _globals['_SESSION_METADATAENTRY']._serialized_end=945
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2463
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2706
+  _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._serialized_start=898
+  _globals['_CLOSESESSIONREQUEST_METADATAENTRY']._serialized_end=945
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2709
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2898
+  _globals['_ABORTSESSIONREQUEST']._serialized_start=2900
+  _globals['_ABORTSESSIONREQUEST']._serialized_end=2957
+  _globals['_ABORTSESSIONRESPONSE']._serialized_start=2959
+  _globals['_ABORTSESSIONRESPONSE']._serialized_end=3004
+  _globals['_SESSIONSERVICE']._serialized_start=3131
+  _globals['_SESSIONSERVICE']._serialized_end=3812
 # @@protoc_insertion_point(module_scope)

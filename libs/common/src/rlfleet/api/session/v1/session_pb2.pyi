@@ -58,7 +58,7 @@ class ModelInfo(_message.Message):
     def __init__(self, tokenizer_json: _Optional[str] = ..., tokenizer_config_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., pad_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., model_type: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "run_id", "task_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "messages", "sampling", "max_total_tokens", "metadata", "suite", "split")
+    __slots__ = ("session_id", "run_id", "task_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "messages", "sampling", "max_total_tokens", "metadata", "suite", "split", "first_turn")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class OpenSessionRequest(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SUITE_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TURN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     run_id: str
     task_id: str
@@ -92,17 +93,20 @@ class OpenSessionRequest(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     suite: str
     split: str
-    def __init__(self, session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_total_tokens: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., suite: _Optional[str] = ..., split: _Optional[str] = ...) -> None: ...
+    first_turn: bool
+    def __init__(self, session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_total_tokens: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., suite: _Optional[str] = ..., split: _Optional[str] = ..., first_turn: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "max_total_tokens")
+    __slots__ = ("session_id", "prompt_token_ids", "max_total_tokens", "first_turn")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TURN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_total_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
+    first_turn: GenerateResponse
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_total_tokens: _Optional[int] = ..., first_turn: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "sampling", "observation")
