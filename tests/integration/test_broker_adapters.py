@@ -58,38 +58,60 @@ class LoraTrainer:
         return self.version
 
 
+class LoraFleet:
+    """The broker of one run over engines c0 (canary pool) and f0 (fleet pool), and its adapter routes."""
+
+    def __init__(self, run: str, store: DirectoryWeightStore, store_root, urls: dict[str, str], redis_url) -> None:
+        config = WeightBrokerConfig(run_id=run, weight_store=str(store_root), consume_policy_stream=False,
+                                    engines=[{"engine_id": e, "url": url, "pool": "canary" if e == "c0" else "fleet",
+                                              "kind": "cpu"} for e, url in urls.items()])
+        self.store = store
+        self.redis = aioredis.from_url(redis_url)
+        self.pools = Pools(config.engines, None, EngineTimeouts(weights_s=60))
+        self.broker = Broker(config, VersionRegistry(self.redis, run), store, self.pools, None, BrokerMetrics())
+        self.routes = AdapterRoutes(self.redis, run)
+
+    async def publish(self, version: int) -> None:
+        await self.broker.announce(policy_version(self.store.manifest(version)))
+        await self.broker.reconcile_once()
+
+    async def serve_base(self) -> None:
+        """Version 0, the base, loaded in full from the store and accepted."""
+        await self.publish(0)
+        await self.broker.promote(0, "base")
+        await self.broker.reconcile_once()
+
+    async def accept_one_adapter_and_offer_another(self, trainer: LoraTrainer) -> None:
+        """v1 trained and accepted (the fleet's), v2 trained and the candidate (the canary's)."""
+        await self.publish(trainer.step_and_publish())
+        await self.broker.promote(1, "gate passed")
+        await self.publish(trainer.step_and_publish())
+
+    async def routed(self) -> dict[str, int]:
+        return {r: x.version for r, x in (await self.routes.all()).items()}
+
+    async def updates(self) -> dict[str, int]:
+        return {e.engine_id: e.updates for e in (await self.broker.status()).engines}
+
+    async def close(self) -> None:
+        await self.pools.close()
+        await self.redis.aclose()
+
+
 async def test_trained_adapters_are_served_beside_each_other_and_switched_without_a_weight_copy(
         model_dir, store_root, engines, redis_url):
     run = unique_run_id("la")
     store = DirectoryWeightStore(store_root, run, base_dir=str(model_dir))
     trainer = LoraTrainer(model_dir, store)
-    config = WeightBrokerConfig(run_id=run, weight_store=str(store_root), consume_policy_stream=False,
-                                engines=[{"engine_id": e, "url": p.url, "pool": "canary" if e == "c0" else "fleet",
-                                          "kind": "cpu"} for e, p in engines.items()])
-    redis = aioredis.from_url(redis_url)
-    pools = Pools(config.engines, None, EngineTimeouts(weights_s=60))
-    broker = Broker(config, VersionRegistry(redis, run), store, pools, None, BrokerMetrics())
-    routes = AdapterRoutes(redis, run)
+    fleet = LoraFleet(run, store, store_root, {e: p.url for e, p in engines.items()}, redis_url)
     clients = {e: EngineClient(p.url) for e, p in engines.items()}
-
-    async def publish(version: int) -> None:
-        await broker.announce(policy_version(store.manifest(version)))
-        await broker.reconcile_once()
-
-    async def updates() -> dict[str, int]:
-        return {e.engine_id: e.updates for e in (await broker.status()).engines}
-
     try:
-        await publish(0)  # the base, loaded in full from the store
-        await broker.promote(0, "base")
-        await broker.reconcile_once()
+        await fleet.serve_base()
         assert {e: await c.weight_version() for e, c in clients.items()} == {"c0": "0", "f0": "0"}
-        base_loads = await updates()
+        base_loads = await fleet.updates()
 
-        await publish(trainer.step_and_publish())
-        await broker.promote(1, "gate passed")
-        await publish(trainer.step_and_publish())
-        assert {r: x.version for r, x in (await routes.all()).items()} == {"canary": 2, "fleet": 1}
+        await fleet.accept_one_adapter_and_offer_another(trainer)
+        assert await fleet.routed() == {"canary": 2, "fleet": 1}
         # Both adapters on both engines at once; each gives the log-probs of its peft-merged model.
         for client in clients.values():
             for version in (1, 2):
@@ -101,19 +123,18 @@ async def test_trained_adapters_are_served_beside_each_other_and_switched_withou
         accepted = (await clients["f0"].generate(PROMPT, GREEDY, lora_path="v1")).output_logprobs
         assert candidate != accepted
 
-        assert await broker.rollback(0, "regression set failed") == 1
-        await broker.reconcile_once()
-        assert {r: x.version for r, x in (await routes.all()).items()} == {"canary": 1, "fleet": 1}
-        status = await broker.status()
+        assert await fleet.broker.rollback(0, "regression set failed") == 1
+        await fleet.broker.reconcile_once()
+        assert await fleet.routed() == {"canary": 1, "fleet": 1}
+        status = await fleet.broker.status()
         assert {(e.engine_id, e.policy_version) for e in status.engines} == {("c0", 1), ("f0", 1)}
         # No base reload, on any engine, since version 0: adapters were loaded, switched and unloaded only.
-        assert await updates() == base_loads
+        assert await fleet.updates() == base_loads
         assert {e: await c.weight_version() for e, c in clients.items()} == {"c0": "0", "f0": "0"}
     finally:
         for client in clients.values():
             await client.close()
-        await pools.close()
-        await redis.aclose()
+        await fleet.close()
 
 
 async def test_an_engine_restarted_on_its_address_gets_both_adapters_back_within_a_round(
@@ -126,34 +147,20 @@ async def test_an_engine_restarted_on_its_address_gets_both_adapters_back_within
     trainer = LoraTrainer(model_dir, store)
     procs = {e: EngineProcess(model_dir, tmp_path / e, weight_store_root=store_root, engine_id=e,
                               weight_version="0").start() for e in ("c0", "f0")}  # fmt: skip
-    config = WeightBrokerConfig(run_id=run, weight_store=str(store_root), consume_policy_stream=False,
-                                engines=[{"engine_id": e, "url": p.url, "pool": "canary" if e == "c0" else "fleet",
-                                          "kind": "cpu"} for e, p in procs.items()])
-    redis = aioredis.from_url(redis_url)
-    pools = Pools(config.engines, None, EngineTimeouts(weights_s=60))
-    broker = Broker(config, VersionRegistry(redis, run), store, pools, None, BrokerMetrics())
-    routes = AdapterRoutes(redis, run)
+    fleet = LoraFleet(run, store, store_root, {e: p.url for e, p in procs.items()}, redis_url)
     client = EngineClient(procs["f0"].url)
-
-    async def publish(version: int) -> None:
-        await broker.announce(policy_version(store.manifest(version)))
-        await broker.reconcile_once()
 
     async def served() -> dict[str, tuple[list[int], list[float]]]:
         outs = {name: await client.generate(PROMPT, GREEDY, lora_path=name) for name in ("v1", "v2")}
         return {name: (out.output_ids, out.output_logprobs) for name, out in outs.items()}
 
     try:
-        await publish(0)
-        await broker.promote(0, "base")
-        await broker.reconcile_once()
-        await publish(trainer.step_and_publish())
-        await broker.promote(1, "gate passed")
-        await publish(trainer.step_and_publish())
-        assert {r: x.version for r, x in (await routes.all()).items()} == {"canary": 2, "fleet": 1}
+        await fleet.serve_base()
+        await fleet.accept_one_adapter_and_offer_another(trainer)
+        assert await fleet.routed() == {"canary": 2, "fleet": 1}
         before = await served()
         assert before["v1"] != before["v2"]
-        updates = {e.engine_id: e.updates for e in (await broker.status()).engines}
+        updates = await fleet.updates()
 
         port = procs["f0"].port
         procs["f0"].kill()  # SIGKILL, and back on the same address before any broker round
@@ -165,17 +172,16 @@ async def test_an_engine_restarted_on_its_address_gets_both_adapters_back_within
             await client.generate(PROMPT, GREEDY, lora_path="v1")
         assert missing.value.status == 400 and adapter_missing(missing.value)
 
-        await broker.reconcile_once()  # one round
+        await fleet.broker.reconcile_once()  # one round
         assert await client.loaded_adapters() == {"v1": str(store.path(1)), "v2": str(store.path(2))}
-        assert {r: x.version for r, x in (await routes.all()).items()} == {"canary": 2, "fleet": 1}
+        assert await fleet.routed() == {"canary": 2, "fleet": 1}
         assert await served() == before  # same tokens, same log-probs as before the kill
         # Adapters only: the broker reloaded no base weights (the engine restarted on them).
-        assert {e.engine_id: e.updates for e in (await broker.status()).engines} == updates
-        assert {(e.engine_id, e.state) for e in (await broker.status()).engines} == {("c0", "serving"),
-                                                                                      ("f0", "serving")}
+        assert await fleet.updates() == updates
+        assert {(e.engine_id, e.state) for e in (await fleet.broker.status()).engines} == {("c0", "serving"),
+                                                                                            ("f0", "serving")}
     finally:
         await client.close()
-        await pools.close()
-        await redis.aclose()
+        await fleet.close()
         for proc in procs.values():
             proc.stop()

@@ -205,13 +205,18 @@ async def test_rollback_switches_the_routes_back_to_the_accepted_adapter_and_unl
         assert engine.routes_at_unload[-1] == {"canary": 1, "fleet": 1}
 
 
-async def test_an_adapter_whose_files_fail_their_checksums_is_rejected_and_never_routed(setup):
-    broker, store, routes, engines = setup
+async def serve_an_accepted_adapter(broker, store) -> None:
+    """v0 the base, v1 an adapter on it, accepted (the fleet's route) and served everywhere."""
     await announce(broker, store, 0)
     await broker.promote(0, "base")
     await announce(broker, store, 1)
     await broker.promote(1, "gate passed")
     await broker.reconcile_once()
+
+
+async def test_an_adapter_whose_files_fail_their_checksums_is_rejected_and_never_routed(setup):
+    broker, store, routes, engines = setup
+    await serve_an_accepted_adapter(broker, store)
     write_adapter(store, 2)
     payload = store.path(2) / ADAPTER_FILE
     data = bytearray(payload.read_bytes())
@@ -251,11 +256,7 @@ async def test_a_rollback_to_the_full_base_clears_the_routes_and_unloads_every_a
 
 async def test_an_engine_restarted_without_its_adapters_loads_them_again_in_the_next_round(setup):
     broker, store, routes, engines = setup
-    await announce(broker, store, 0)
-    await broker.promote(0, "base")
-    await announce(broker, store, 1)
-    await broker.promote(1, "gate passed")
-    await broker.reconcile_once()
+    await serve_an_accepted_adapter(broker, store)
     await announce(broker, store, 2)
     assert await routed(routes) == {"canary": 2, "fleet": 1}
     engines["f0"].restart()  # its base version is still the target's: no base reload would forget it

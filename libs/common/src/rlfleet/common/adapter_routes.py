@@ -59,10 +59,6 @@ class AdapterRoutes:
     def __init__(self, redis: aioredis.Redis, run_id: str) -> None:
         self.redis = redis
         self._key = routes_key(run_id)
-        # The last hash read and its parse: the routes change a few times a run, the reads come with
-        # every request, so an unchanged hash is not decoded again. Only the parse is kept, never the
-        # routes themselves: each request still reads the hash (see `queue_all`).
-        self._last: tuple[dict, dict[str, AdapterRoute]] = ({}, {})
 
     async def set(self, **routes: AdapterRoute | None) -> None:
         """Sets (a route) or clears (None) the named roles, all in one transaction: a promotion that
@@ -80,11 +76,6 @@ class AdapterRoutes:
                 pipe.hdel(self._key, *absent)
             await pipe.execute()
 
-    @property
-    def hash_key(self) -> str:
-        """The routes hash (a Redis script that needs a role's version reads it there itself)."""
-        return self._key
-
     async def get(self, role: str) -> AdapterRoute | None:
         return _route(await self.redis.hget(self._key, role))
 
@@ -98,13 +89,7 @@ class AdapterRoutes:
 
     def parse(self, raw: dict) -> dict[str, AdapterRoute]:
         """The routes of an HGETALL reply of the routes hash."""
-        last_raw, last = self._last
-        if raw == last_raw:
-            return last
-        # The client never decodes (connect_redis): keys are bytes, though redis types them bytes | str.
-        routes = {text(role): route for role, value in raw.items() if (route := _route(value)) is not None}
-        self._last = (dict(raw), routes)
-        return routes
+        return {text(role): route for role, value in raw.items() if (route := _route(value)) is not None}
 
 
 def _route(raw: bytes | str | None) -> AdapterRoute | None:

@@ -9,6 +9,7 @@ import re
 import grpc
 
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from rlfleet.common.adapter_routes import routes_key
 from rlfleet.common.engine_client import EngineError
 from rlfleet.common.errors import require_known_enums
 from rlfleet.gateway.admission import Admission
@@ -111,7 +112,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         adapters = self.dispatcher.adapters
         decision = await self.admission.admit(
             request.session_id, self.registry.fleet_min_version(self.router.route_pools),
-            None if adapters is None else (adapters.hash_key, self.router.role(0)))
+            None if adapters is None else (routes_key(self.run_id), self.router.role(0)))
         self.metrics.admissions.add(1, {"outcome": "admitted" if decision.admitted else decision.reason})
         return gateway_pb2.AdmitResponse(admitted=decision.admitted, reason=decision.reason,
                                          retry_after_ms=decision.retry_after_ms)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 
@@ -16,6 +15,7 @@ from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
 from rlfleet.common import security
 from rlfleet.common.chat import CHAT_TEMPLATE
 from rlfleet.common.errors import PermissionDenied, require_known_enums
+from rlfleet.common.stored_sessions import SESSION_ID, SESSION_ID_RULE
 from rlfleet.session.closing import ABORTED_STATUS, VERDICT_MISSING, Closer
 from rlfleet.session.errors import (
     InvalidSessionRequest,
@@ -31,7 +31,6 @@ from rlfleet.session.state import OPEN, SessionState, append_generated, append_o
 from rlfleet.session.store import SessionStore
 
 log = logging.getLogger(__name__)
-SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 CLOSE_STATUSES = set(common_pb2.TrajectoryStatus.values())
 
 
@@ -288,7 +287,7 @@ def model_info(inputs: Inputs) -> session_pb2.ModelInfo:
 def _session_id(session_id: str) -> str:
     if not SESSION_ID.match(session_id):
         raise InvalidSessionRequest(
-            f"session_id must be 1-128 characters of letters, digits and _.:-, got {session_id!r}",
+            f"session_id must be {SESSION_ID_RULE}, got {session_id!r}",
             field="session_id")
     return session_id
 

@@ -29,8 +29,9 @@ import redis.asyncio as aioredis
 from rlfleet.api.session.v1 import session_pb2
 from rlfleet.common import security, session_slots
 from rlfleet.common.adapter_routes import routes_key as adapter_routes_key
-from rlfleet.common.redis_store import binary_hash, key, members, text
+from rlfleet.common.redis_store import binary_hash, key, members
 from rlfleet.common.session_slots import ADMIT_LUA
+from rlfleet.common.stored_sessions import read_session, session_key, visible
 from rlfleet.session.errors import ConcurrentSessionCall, SessionNotFound, SessionsExhausted
 from rlfleet.session.state import SessionState
 
@@ -132,12 +133,10 @@ class SessionStore:
         self._begin_turn = redis.register_script(_BEGIN_TURN)
 
     def _key(self, session_id: str) -> str:
-        return key(self.run_id, "session", session_id)
+        return session_key(self.run_id, session_id)
 
     def visible(self, owner: bytes | str | None) -> bool:
-        """Whether the caller may see a session of `owner`: its own (in this run), or any for a
-        service or the operator. Another caller's session is answered as not found."""
-        return security.caller().may_own(text(owner or b""), self.run_id)
+        return visible(owner, self.run_id)
 
     async def load(self, session_id: str) -> SessionState:
         raw = binary_hash(await self.redis.hgetall(self._key(session_id)))
@@ -157,10 +156,10 @@ class SessionStore:
 
     async def load_session(self, session_id: str) -> session_pb2.Session:
         """Only the token state (what GetSession answers), without the rest of the hash."""
-        raw, owner = await self.redis.hmget(self._key(session_id), "session", "owner")
-        if raw is None or not self.visible(owner):
+        session = await read_session(self.redis, self.run_id, session_id)
+        if session is None:
             raise SessionNotFound(session_id)
-        return session_pb2.Session.FromString(raw)
+        return session
 
     async def find(self, session_id: str) -> SessionState | None:
         raw = binary_hash(await self.redis.hgetall(self._key(session_id)))

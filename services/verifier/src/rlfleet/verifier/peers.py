@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Sequence
 
 import grpc
-from redis.exceptions import ResponseError
 
 from rlfleet.api.sandbox.v1 import sandbox_pb2 as sbx
 from rlfleet.api.sandbox.v1 import sandbox_pb2_grpc
@@ -23,12 +21,11 @@ from rlfleet.common.errors import (
     Unavailable,
 )
 from rlfleet.common.grpc_server import channel
-from rlfleet.common.redis_store import key
+from rlfleet.common.stored_sessions import SESSION_ID, SESSION_ID_RULE, read_session
 from rlfleet.verifier.config import TestSandboxSection
 from rlfleet.verifier.kinds import TestRunRequest, TestRunResult, Violation
 
 log = logging.getLogger(__name__)
-SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")  # the session server's rule for its ids
 
 
 def translate(exc: grpc.aio.AioRpcError, peer: str, what: str) -> Exception:
@@ -90,16 +87,11 @@ class StoredSessions:
 
     async def session(self, session_id: str) -> session_pb2.Session:
         if not SESSION_ID.match(session_id):
-            raise InvalidArgument(f"session_id must be 1-128 characters of letters, digits and _.:-, got "
-                                  f"{session_id!r}", field="session_id")
-        try:
-            raw, owner = await self.redis.hmget(key(self.run_id, "session", session_id), "session", "owner")
-        except ResponseError:  # not a session's hash (an id that names another kind of key)
-            raw = owner = None
-        # As the session server's store.visible: another client's session is not found, not refused.
-        if raw is None or not security.caller().may_own((owner or b"").decode(), self.run_id):
+            raise InvalidArgument(f"session_id must be {SESSION_ID_RULE}, got {session_id!r}", field="session_id")
+        session = await read_session(self.redis, self.run_id, session_id)
+        if session is None:  # as at the session server: another client's session is not found, not refused
             raise NotFound(f"session {session_id!r} not found (session store)")
-        return session_pb2.Session.FromString(raw)
+        return session
 
     async def close(self) -> None:
         pass
