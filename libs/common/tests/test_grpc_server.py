@@ -158,3 +158,44 @@ async def test_a_port_in_use_is_a_startup_error_not_a_traceback(server):
             await srv.start()
     finally:
         await srv.server.stop(0)
+
+
+async def test_a_client_finds_a_restarted_peer_within_seconds_after_a_long_outage():
+    """gRPC's own reconnect backoff grows to 120 s (1 s x 1.6 per try): a client that failed through
+    a 10 s outage would wait another ~6 s after the peer is back. The channel's bound is 2 s."""
+    import asyncio
+    import time
+
+    async def serve(port: int) -> GrpcServer:
+        srv = GrpcServer(GrpcServerConfig(port=port))
+        srv.add(session_pb2_grpc.add_SessionServiceServicer_to_server, Sessions(), SERVICE)
+        await srv.start()
+        return srv
+
+    first = await serve(0)
+    port = first.port
+    async with channel(f"127.0.0.1:{port}") as ch:
+        stub = session_pb2_grpc.SessionServiceStub(ch)
+        await stub.GetSession(session_pb2.GetSessionRequest(session_id="ok"), timeout=5)
+        await first.stop()
+        outage_until = time.monotonic() + 10
+        while time.monotonic() < outage_until:  # every call fails fast, and the backoff grows
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetSession(session_pb2.GetSessionRequest(session_id="ok"), timeout=1)
+            assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            await asyncio.sleep(0.1)
+        second = await serve(port)
+        back = time.monotonic()
+        try:
+            while True:
+                try:
+                    await stub.GetSession(session_pb2.GetSessionRequest(session_id="ok"), timeout=1)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                    assert time.monotonic() - back < 10, "the client did not find the restarted peer"
+                    await asyncio.sleep(0.05)
+            found_after = time.monotonic() - back
+        finally:
+            await second.stop()
+    assert found_after < 3.5, f"the client found its restarted peer only after {found_after:.1f} s"

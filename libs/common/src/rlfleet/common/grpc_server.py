@@ -282,7 +282,7 @@ def blocking_channel(address: str, options: Iterable[tuple[str, Any]] = (),
     if creds.token:
         channel_creds = grpc.composite_channel_credentials(channel_creds,
                                                            grpc.access_token_call_credentials(creds.token))
-    return grpc.secure_channel(address, channel_creds, options=list(options))
+    return grpc.secure_channel(address, channel_creds, options=[*RECONNECT_BACKOFF, *options])
 
 
 class _WrappedChannel:
