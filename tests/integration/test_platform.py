@@ -190,6 +190,10 @@ async def test_killed_nats_and_redis_come_back_on_their_ports_with_their_data(tm
         await publish(js, "POLICY", "sup", b"kept", msg_type="PolicyVersion", msg_id="sup-1")
         redis = await connect_redis(RedisConfig(url=redis_url, **run_dir_login(run_dir, "redis", "sandbox-manager")))
         await redis.set(key("sup", "sandbox", "kept"), "yes")
+        async with redis.pipeline(transaction=True) as pipe:  # a MULTI/EXEC in the append-only file
+            pipe.set(key("sup", "sandbox", "in-a-transaction"), "yes")
+            pipe.hset(key("sup", "sandbox", "lease"), "owner", "me")
+            await pipe.execute()
         for name in ("nats", "redis"):
             os.killpg(state.by_name(name).pid, signal.SIGKILL)
         for name in ("nats", "redis"):
@@ -203,6 +207,9 @@ async def test_killed_nats_and_redis_come_back_on_their_ports_with_their_data(tm
         assert (saved.by_name("nats").url, saved.by_name("redis").url) == (nats_url, redis_url)
         assert all(row.healthy for row in await probe(saved))
         assert await redis.get(key("sup", "sandbox", "kept")) in ("yes", b"yes")  # the client reconnected by itself
+        assert await redis.get(key("sup", "sandbox", "in-a-transaction")) in ("yes", b"yes"), \
+            "a transaction's writes were lost replaying the append-only file"
+        assert await redis.hget(key("sup", "sandbox", "lease"), "owner") in ("me", b"me")
         last = await _eventually_last(js)
         assert last == b"kept", "JetStream kept the message and the client reconnected"
         assert platform.restart_dead() == [], "nothing else is down"

@@ -228,8 +228,13 @@ def redis_key_patterns(role: str, run: str = "*") -> list[str]:
 
 def redis_acl(infra: InfraSecrets, run: str = "*", superusers: tuple[str, ...] = ()) -> str:
     """An ACL file: `default` off, one user per service with its key patterns. Passwords are stored
-    as SHA-256 (`#<hex>`), so the file alone does not give them away."""
-    lines = ["user default off resetkeys resetchannels -@all"]
+    as SHA-256 (`#<hex>`), so the file alone does not give them away.
+
+    `default` is off (no client can log in as it, and connections start unauthenticated) but holds
+    every permission: Redis replays its append-only file as `default`, and EXEC checks the ACL again
+    (Redis 7, redis/redis#14541), so with `-@all` every MULTI/EXEC of the AOF was refused on a
+    restart and its writes were lost (the gateway's engine registry, session state)."""
+    lines = ["user default off allkeys allchannels +@all"]
     for user, credential in infra.redis.items():
         digest = hashlib.sha256(credential.password.encode()).hexdigest()
         if user in superusers:
