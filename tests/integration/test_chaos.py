@@ -50,6 +50,11 @@ max_staleness = 1000
 groups_per_step = 2
 [trainer.optim]
 lr = 1e-4
+# Every finished group is a step: once the small policy's rewards within a group come out equal (its
+# usual state after ~150 steps), dropping such groups slowed the loop to a step every 20-80 s with
+# every process healthy (the "seed-11 stall"), and the kill-to-next-version figures measured that.
+[trainer.group_filter]
+drop_all_equal_rewards = false
 [eval]
 heldout = 8
 regression = 0
@@ -67,9 +72,9 @@ ack_wait_s = 6
 """
 
 
-def Driver(*args: str) -> BackgroundRun:
+def Driver(*args: str, log_path: Path | None = None) -> BackgroundRun:
     """`rlfleet run` in the background."""
-    return BackgroundRun([RLFLEET, "run", *args])
+    return BackgroundRun([RLFLEET, "run", *args], log_path=log_path)
 
 
 def _checkpointed(run_dir: Path):
@@ -152,7 +157,8 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
     config.write_text(CONFIG.format(steps=steps))
     run_dir = tmp_path / "run"
     cache = os.environ.get("CHAOS_MODEL_CACHE") or str(tmp_path / "cache")  # to reuse a warm start across tries
-    driver = Driver(str(config), "--run-dir", str(run_dir), "--model-cache-dir", cache, "--keep-up")
+    driver = Driver(str(config), "--run-dir", str(run_dir), "--model-cache-dir", cache, "--keep-up",
+                    log_path=tmp_path / "driver.log")
     try:
         deadline = time.monotonic() + 900
         while _version(run_dir) < 2:

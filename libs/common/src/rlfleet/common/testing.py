@@ -117,16 +117,23 @@ class BackgroundRun:
     """A long command (an `rlfleet run`) in the background, its output collected line by line, so a
     test can watch it, kill what it starts, and show the end of its output when an assertion fails."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], log_path: Path | None = None) -> None:
         self.lines: list[str] = []
+        self.log_path = log_path  # every line also goes here, to read while it runs
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
+        log = self.log_path.open("a") if self.log_path is not None else None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
+            if log is not None:
+                log.write(line)
+                log.flush()
+        if log is not None:
+            log.close()
 
     def output(self, last: int | None = None) -> str:
         text = "\n".join(self.lines)
