@@ -11,6 +11,7 @@ checksum check; the engine keeps what it had, and the broker brings it to the ve
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -169,6 +170,158 @@ async def test_a_p2p_transfer_that_dies_part_way_is_refused_and_the_engine_loads
     assert reported["f0"].last_transport == broker_pb2.TRANSPORT_P2P
     assert reported["c0"].last_transport in (broker_pb2.TRANSPORT_DISK_FULL, broker_pb2.TRANSPORT_DISK_DELTA)
     assert reported["c0"].policy_version == manifest["version"] and reported["c0"].transport == broker_pb2.TRANSPORT_P2P
+
+
+def send_beside_store(sender, trainer, store_fails: str = ""):
+    """What the trainer service does (`weight_send.beside_store`): the send starts with only the version's
+    number while the store write runs; the write's outcome (the stored version, or its error) follows."""
+    from concurrent.futures import Future
+
+    from rlfleet.api.common.v1 import common_pb2
+    from rlfleet.broker.testing import policy_version
+
+    stored: Future = Future()
+    version = trainer.version + 1
+    partial = common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1, version=version,
+                                       parent_version=version - 1)  # fmt: skip
+
+    def write() -> None:
+        if store_fails:
+            stored.set_exception(OSError(store_fails))
+            return
+        stored.set_result(policy_version(trainer.publish()))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        return version, sender.send(partial, trainer.model.state_dict(), stored)
+    finally:
+        writer.join()
+
+
+class FailsToReach:
+    """A trainer-side sender whose P2P write to one engine fails outright (the peer is unreachable)."""
+
+    def __init__(self, config, victim: str) -> None:
+        from rlfleet.trainer.weight_sender import WeightSender
+
+        class Sender(WeightSender):
+            def _write_peer(self, peer, named, bucket_bytes, summary):
+                if peer.engine_id != victim:
+                    return super()._write_peer(peer, named, bucket_bytes, summary)
+                return broker_pb2.PeerResult(engine_id=peer.engine_id, error="connection refused")
+
+        self.sender = Sender(config)
+
+
+class CorruptsTheBroadcast:
+    """A trainer-side sender whose broadcast carries one tensor with a flipped value (after the
+    checksums were taken), as a corrupted transfer would."""
+
+    def __init__(self, config) -> None:
+        import torch
+
+        from rlfleet.trainer.weight_sender import WeightSender
+
+        class Sender(WeightSender):
+            def _start_broadcast(self, plan, request, named, summary):
+                bad = [(n, t.clone()) for n, t in named]
+                bad[0][1].view(-1)[0] += torch.tensor(1.0, dtype=bad[0][1].dtype)
+                return super()._start_broadcast(plan, request, bad, summary)
+
+        self.sender = Sender(config)
+
+
+async def test_a_p2p_write_that_fails_beside_the_store_write_falls_back_to_the_store(
+    engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes
+):
+    from rlfleet.engine.testing import StoreTrainer
+    from rlfleet.trainer.service_config import WeightSendConfig
+
+    run = unique_run_id("tsf")
+    store = DirectoryWeightStore(store_root, run)
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
+    trainer = StoreTrainer(model_dir, store)
+    for _ in range(2):  # versions 1, 2 in the store only; version 3 is written beside the send
+        trainer.publish()
+        trainer.step()
+    sender = FailsToReach(WeightSendConfig(broker_address=broker.address), victim="c0").sender
+    try:
+        version, summary = await asyncio.to_thread(send_beside_store, sender, trainer)
+    finally:
+        sender.close()
+    assert version == 3 and store.latest_version() == 3 and not summary.error
+    by_engine = {o.engine_id: o for o in summary.outcomes}
+    assert by_engine["f0"].ok and by_engine["f0"].transport == broker_pb2.TRANSPORT_P2P, by_engine["f0"]
+    assert not by_engine["c0"].ok and by_engine["c0"].falls_back and "connection refused" in by_engine["c0"].message
+
+    await both_serve(engines, version, store)  # c0 by the store, bit for bit the same
+    reported = {e.engine_id: e for e in (await status(broker)).engines}
+    assert reported["f0"].last_transport == broker_pb2.TRANSPORT_P2P
+    assert reported["c0"].last_transport in (broker_pb2.TRANSPORT_DISK_FULL, broker_pb2.TRANSPORT_DISK_DELTA)
+
+
+async def test_a_failed_store_write_beside_the_send_rejects_the_version_and_no_engine_serves_it(
+    engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes
+):
+    from rlfleet.engine.testing import StoreTrainer
+    from rlfleet.trainer.service_config import WeightSendConfig
+
+    run = unique_run_id("tss")
+    store = DirectoryWeightStore(store_root, run)
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
+    trainer = StoreTrainer(model_dir, store)
+    for _ in range(3):
+        trainer.publish()
+        trainer.step()
+    before = {n: await weight_version(engines[n].url) for n in engines}
+    sender = WeightSendConfig(broker_address=broker.address)
+    from rlfleet.trainer.weight_sender import WeightSender
+
+    sender = WeightSender(sender)
+    try:
+        version, summary = await asyncio.to_thread(send_beside_store, sender, trainer, "No space left on device")
+    finally:
+        sender.close()
+    assert version == 4 and store.latest_version() == 3
+    assert {o.engine_id for o in summary.outcomes} == {"c0", "f0"}
+    for outcome in summary.outcomes:  # both were written over P2P, and neither flipped it in
+        assert not outcome.ok and "version rejected" in outcome.message and "No space left" in outcome.message
+    assert summary.bytes.get("p2p", 0) > 0
+    assert {n: await weight_version(engines[n].url) for n in engines} == before
+    async with open_channel(broker.address) as channel:
+        listed = await broker_pb2_grpc.BrokerServiceStub(channel).ListVersions(broker_pb2.ListVersionsRequest())
+    (record,) = [r for r in listed.versions if r.version.version == version]
+    assert record.state == broker_pb2.VERSION_STATE_REJECTED and "store write failed" in record.reason, record
+    reported = await status(broker)
+    assert reported.canary_version != version and reported.fleet_version != version
+
+
+async def test_a_corrupted_broadcast_is_refused_from_staging_and_the_engines_load_the_version_from_the_store(
+    engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes, monkeypatch
+):
+    from rlfleet.engine.testing import StoreTrainer
+    from rlfleet.trainer.service_config import WeightSendConfig
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    run = unique_run_id("tsc")
+    store = DirectoryWeightStore(store_root, run)
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "distributed")
+    trainer = StoreTrainer(model_dir, store)
+    for _ in range(4):
+        trainer.publish()
+        trainer.step()
+    sender = CorruptsTheBroadcast(WeightSendConfig(broker_address=broker.address)).sender
+    try:
+        version, summary = await asyncio.to_thread(send_beside_store, sender, trainer)
+    finally:
+        sender.close()
+    assert version == 5
+    assert {o.engine_id for o in summary.outcomes} == {"c0", "f0"}
+    for outcome in summary.outcomes:  # refused by each engine when asked to flip it in: nothing served
+        assert not outcome.ok and outcome.falls_back and "staged weights refused" in outcome.message, outcome
+        assert outcome.transport == broker_pb2.TRANSPORT_DISTRIBUTED
+    await both_serve(engines, version, store)  # then from the store, bit for bit the trainer's
 
 
 async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root, tmp_path, nats_url, redis_url,

@@ -15,6 +15,8 @@ from rlfleet.engine.testing import generate_in_process as in_process
 from rlfleet.engine.testing import http_call as call
 from rlfleet.weights import broadcast as distributed
 
+STAGING_ROUTE = "/rlfleet/update_weights_from_staging"
+
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 11, 12, 13]
@@ -150,6 +152,61 @@ async def test_distributed_update_over_gloo_gives_bit_identical_weights(
         assert status == 200 and reply["success"]
     finally:
         distributed.leave_group(group)
+
+
+async def test_a_staged_broadcast_is_served_only_after_the_flip_and_a_corrupted_one_is_refused(
+    weights_engine, model_dir_v2, monkeypatch, restore_v1
+):
+    """`staged=1`: the engine receives and hashes while it keeps serving v1; the flip
+    (`/rlfleet/update_weights_from_staging`, source distributed) checks the trainer's checksums and is
+    a pointer swap; a broadcast that arrived corrupted is refused there and nothing changes."""
+    from rlfleet.weights.sent import tensor_checksums
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    url = weights_engine.url
+    named = read_checkpoint(model_dir_v2)
+    sums = tensor_checksums(named)
+    flip = {"source": "distributed", "checksums": sums, "checksum_algorithm": "sha256", "pause_mode": "retract"}
+
+    async def broadcast(tensors, version: str) -> dict:
+        port = free_port()
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": "st", "backend": "gloo"}
+        engine_side = asyncio.create_task(call(url, "/init_weights_update_group", init))
+        group = await asyncio.to_thread(distributed.join_group, "127.0.0.1", port, 0, 2, "st", "gloo", 60.0)
+        try:
+            assert (await engine_side)[1]["success"]
+            body = distributed.update_request(named, group_name="st", weight_version=version, flush_cache=True)
+            engine_side = asyncio.create_task(call(url, "/update_weights_from_distributed?staged=1", body))
+            await asyncio.to_thread(distributed.send, group, tensors)
+            status, reply = await engine_side
+            assert status == 200 and reply["success"] and reply["staged"], reply
+            await call(url, "/destroy_weights_update_group", {"group_name": "st"})
+            return reply
+        finally:
+            distributed.leave_group(group)
+
+    status, reply = await call(url, STAGING_ROUTE, flip)
+    assert status == 400 and "nothing is staged" in reply["message"], reply
+
+    corrupted = [t.clone() for _, t in named]
+    corrupted[0].view(-1)[0] += 1
+    reply = await broadcast(corrupted, "v2-bad")
+    assert reply["checksums"][named[0][0]] != sums[named[0][0]]
+    assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v1"  # staged, not served
+    status, reply = await call(url, STAGING_ROUTE, {**flip, "weight_version": "v2-bad"})
+    assert status == 400 and "wrong checksum" in reply["message"] and reply["mismatched"] == [named[0][0]], reply
+    assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v1"
+
+    await broadcast([t for _, t in named], "v2-staged")
+    status, reply = await call(url, STAGING_ROUTE, {**flip, "weight_version": "v2-staged"})
+    assert status == 200 and reply["success"] and reply["pause_mode"] == "retract", reply
+    assert reply["pause_s"] < 0.5 and reply["checksums"] == sums
+    received = await engine_weights(url, [name for name, _ in named])
+    assert all(torch.equal(received[name], tensor) for name, tensor in named)
+    assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v2-staged"
+    status, reply = await call(url, STAGING_ROUTE, flip)  # flipped once: staging is empty again
+    assert status == 400 and "nothing is staged" in reply["message"], reply
 
 
 async def test_a_distributed_update_for_an_unknown_group_is_refused(weights_engine):

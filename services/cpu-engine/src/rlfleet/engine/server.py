@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from rlfleet.weights.errors import PathOutsideStore
 from rlfleet.weights.fsutil import confine
 from rlfleet.weights.p2p import P2PError
 from rlfleet.weights.sent import DEFAULT_ALGORITHM, tensor_checksums
+from rlfleet.weights.sent_checks import mismatched
 from rlfleet.weights.tensor_ipc import TensorPayloadError
 from rlfleet.weights.tensor_ipc import deserialize as deserialize_tensors
 
@@ -71,7 +73,19 @@ HEALTH_TIMEOUT_S = 20.0
 ENGINE_VERSION = f"rlfleet-cpu-engine (SGLang {SGLANG_VERSION} API)"
 STORE_ROUTE = RLFLEET_ROUTES["update_weights_from_store"][1]  # rlfleet-only: SGLang has no such route
 STAGING_ROUTE = RLFLEET_ROUTES["update_weights_from_staging"][1]  # rlfleet-only: P2P staging -> model
+STAGING_SOURCES = ("p2p", "distributed")  # what update_weights_from_staging flips in
 SERVICE_NAME = "rlfleet-cpu-engine"
+
+
+@dataclass
+class StagedBroadcast:
+    """A broadcast received with `staged=1`: cast to fp32, hashed, not yet served."""
+
+    prepared: list[Any]
+    checksums: dict[str, str]
+    algorithm: str
+    nbytes: int
+    version: str | None
 # Routes that do work worth a span; the polled ones (health, load, info, version) are left out.
 TRACED_ROUTES = frozenset(
     {
@@ -141,6 +155,7 @@ class EngineServer:
                                    config.p2p_device)
         # One weight update at a time: a store load prepares against the version held at its start.
         self._weights_lock = asyncio.Lock()
+        self._staged_broadcast: StagedBroadcast | None = None
         # One adapter load or unload at a time. Every name ever loaded, with its path and pinning:
         # SGLang's tokenizer manager keeps the same (`lora_ref_cache`) and reloads an unloaded
         # adapter when a request names it again.
@@ -560,6 +575,7 @@ class EngineServer:
             return _weight_reply(
                 False, f"no weight update group named {name!r}; call init_weights_update_group"
             )
+        staged = request.query.get("staged") in ("1", "true")
         async with self._weights_lock:
             try:
                 # The sender is already broadcasting: receive everything even if a name turns out to be
@@ -569,8 +585,24 @@ class EngineServer:
                 return _weight_reply(False, f"Failed to receive weights over {name!r}: {exc}")
             version = _optional_str(body, "weight_version")
             sums = await asyncio.to_thread(tensor_checksums, named)
+            if staged:
+                return await self._stage_broadcast(named, sums, version)
             return await self._swap(named, version, _pause_mode(request, body), checksums=sums,
                                     checksum_algorithm=DEFAULT_ALGORITHM)
+
+    async def _stage_broadcast(self, named, sums: dict[str, str], version: str | None) -> web.Response:
+        """rlfleet's staged broadcast (query `staged=1`): what arrived is checked against the model and
+        cast to fp32 while the engine keeps serving, then held until `/rlfleet/update_weights_from_staging`
+        (`source` distributed) verifies it against the trainer's checksums and flips it in, or drops it."""
+        try:
+            prepared = await asyncio.to_thread(self.runner.prepare_weights, named)
+        except WeightLoadError as exc:
+            return _weight_reply(False, f"Failed to stage weights: {exc}")
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        self._staged_broadcast = StagedBroadcast(prepared, sums, DEFAULT_ALGORITHM, nbytes, version)
+        return _weight_reply(True, f"Staged {len(prepared)} tensors (version {version}); not served until "
+                                   "update_weights_from_staging", staged=True, checksums=sums,
+                             checksum_algorithm=DEFAULT_ALGORITHM, bytes=nbytes)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         name = str((await _body(request)).get("group_name", "weight_update_group"))
@@ -685,10 +717,18 @@ class EngineServer:
         return web.json_response(endpoint.to_json())
 
     async def update_weights_from_staging(self, request: web.Request) -> web.Response:
-        """rlfleet-only: the version a trainer wrote into the P2P staging buffer, checked tensor by
-        tensor against the trainer's `checksums`, then copied into the model inside a pause of
-        `pause_mode`; a partial or corrupted transfer is refused and nothing changes."""
+        """rlfleet-only: the version staged by a trainer -- written into the P2P staging buffer (`source`
+        p2p, the default) or received by a staged broadcast (`source` distributed) -- checked tensor by
+        tensor against the trainer's `checksums`, then flipped in inside a pause of `pause_mode`; a
+        partial or corrupted transfer is refused and nothing changes. `discard: true` drops a staged
+        broadcast instead (its version was rejected)."""
         body = await _body(request)
+        source = body.get("source", "p2p")
+        if source not in STAGING_SOURCES:
+            return _error(f"unknown staging source {source!r}; expected one of {', '.join(STAGING_SOURCES)}")
+        if body.get("discard"):
+            dropped, self._staged_broadcast = self._staged_broadcast, None
+            return _weight_reply(True, "staged broadcast dropped" if dropped else "nothing was staged")
         checksums, algorithm = body.get("checksums"), body.get("checksum_algorithm", DEFAULT_ALGORITHM)
         if not isinstance(checksums, dict) or not checksums or not isinstance(algorithm, str):
             return _error("update_weights_from_staging needs 'checksums' (name -> hex digest) and "
@@ -696,6 +736,9 @@ class EngineServer:
         mode = body.get("pause_mode", "retract")
         if mode not in PAUSE_MODES:
             return _error(f"unknown pause_mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        version = _optional_str(body, "weight_version")
+        if source == "distributed":
+            return await self._flip_broadcast(checksums, algorithm, version, mode)
         if not self.staging.ready:
             return _weight_reply(False, "nothing is staged: no trainer was given this engine's endpoint "
                                         "(GET /remote_instance_transfer_engine_info)")
@@ -704,8 +747,24 @@ class EngineServer:
                 await asyncio.to_thread(self.staging.verify, checksums, algorithm)
             except P2PError as exc:
                 return _weight_reply(False, f"staged weights refused: {exc}", mismatched=getattr(exc, "names", []))
-            return await self._swap(self.staging.named(), _optional_str(body, "weight_version"), mode,
-                                    bytes=self.staging.nbytes)
+            return await self._swap(self.staging.named(), version, mode, bytes=self.staging.nbytes)
+
+    async def _flip_broadcast(self, checksums: dict[str, str], algorithm: str, version: str | None,
+                              mode: str) -> web.Response:
+        async with self._weights_lock:
+            staged, self._staged_broadcast = self._staged_broadcast, None
+            if staged is None:
+                return _weight_reply(False, "nothing is staged: no staged broadcast arrived "
+                                            "(update_weights_from_distributed?staged=1)")
+            if algorithm != staged.algorithm:
+                return _weight_reply(False, f"the staged broadcast was hashed with {staged.algorithm}, "
+                                            f"not {algorithm}: refused")
+            bad = mismatched(checksums, staged.checksums)
+            if bad:
+                return _weight_reply(False, f"staged weights refused: {len(bad)} tensor(s) arrived with the "
+                                            f"wrong checksum: {', '.join(bad[:5])}", mismatched=bad)
+            return await self._adopt(staged.prepared, version or staged.version, mode, checksums=staged.checksums,
+                                     checksum_algorithm=algorithm, bytes=staged.nbytes)
 
     async def _swap(self, named, version: str | None, mode: str, **extra) -> web.Response:
         """The one step inside the pause: the tensors (already received and checked) into the model.
@@ -715,6 +774,12 @@ class EngineServer:
             prepared = await asyncio.to_thread(self.runner.prepare_weights, named)
         except WeightLoadError as exc:
             return _weight_reply(False, f"Failed to update weights: {exc}")
+        return await self._adopt(prepared, version, mode, **extra)
+
+    async def _adopt(self, prepared, version: str | None, mode: str, **extra) -> web.Response:
+        """The pause: each parameter takes its prepared buffer (a pointer flip). The old buffers are
+        released after the resume, so freeing them is not part of the pause."""
+        old: list[Any] = []
 
         def swap() -> tuple[bool, str, float, int, str]:
             own_pause = self.scheduler.paused is None
@@ -723,6 +788,7 @@ class EngineServer:
             if own_pause:
                 self.scheduler.pause(mode)
             try:
+                old.extend(self.runner.parameter(name).data for name, _ in prepared)
                 success, message = self.scheduler.adopt_weights(prepared, version)
                 if success:
                     self.store.forget()  # no longer the exact bytes of a weight-store version
@@ -732,8 +798,9 @@ class EngineServer:
             return success, message, time.perf_counter() - started, queued, self.scheduler.weight_version
 
         success, message, swap_s, queued, served = await self._call(swap)
+        await asyncio.to_thread(old.clear)
         trace.get_current_span().set_attributes(
-            {"rlfleet.weight_version": served, "rlfleet.tensors": len(named)}
+            {"rlfleet.weight_version": served, "rlfleet.tensors": len(prepared)}
         )
         return _weight_reply(success, message, num_paused_requests=queued, pause_s=swap_s, pause_mode=mode,
                              **(extra if success else {}))

@@ -11,7 +11,8 @@ one an adapter version on it (`WEIGHT_FORMAT_ADAPTER`, `base_version` = the base
 directory, a few percent of the model, which engines load beside the base by name.
 
 With a `WeightSender` (config `weight_send.broker_address`), each version also goes straight to the
-engines the broker names (broadcast, P2P, same-node tensors) after the store write and before the
+engines the broker names (broadcast, P2P, same-node tensors) while the store write runs
+(`weight_send.beside_store`; the broker flips it in only once the store has it) and before the
 announcement, so the broker never races the trainer to load it from the store.
 
 Version numbers are never reused: a version announced after the last checkpoint and then lost in
@@ -25,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from nats.errors import Error as NatsError
@@ -56,15 +58,36 @@ class VersionPublisher:
         """Writes the weights `export()` returns (called on the worker thread) as `version`, sends them
         straight to engines when a sender is set (the broker plans it), and announces the version."""
 
-        def write() -> tuple[dict[str, Any], dict]:
-            state = export()
-            return self.store.write_version(version, state, parent_version=parent if parent >= 0 else None), state
+        def write(state: dict) -> dict[str, Any]:
+            return self.store.write_version(version, state, parent_version=parent if parent >= 0 else None)
 
-        manifest, state = await self.worker.call(write)
-        if self.sender is not None:
-            await self._send(self.policy_version(manifest, parent, step, metrics), state)
+        state = await self.worker.call(export)
+        if self.sender is not None and self.sender.config.beside_store:
+            manifest = await self._send_beside_store(version, parent, step, metrics, state, write)
+        else:
+            manifest = await self.worker.call(write, state)
+            if self.sender is not None:
+                await self._send(self.policy_version(manifest, parent, step, metrics), state)
         del state
         return await self.announce(manifest, parent, step, metrics)
+
+    async def _send_beside_store(self, version: int, parent: int, step: int, metrics: dict[str, float],
+                                 state: dict, write: Callable[[dict], dict[str, Any]]) -> dict[str, Any]:
+        """The send and the store write side by side; the sender reports the stored version (or the
+        write's error, which is raised here after the broker heard of it)."""
+        stored: Future[common_pb2.PolicyVersion] = Future()
+        partial = common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1, run_id=self.run_id,
+                                           version=version, parent_version=parent, step=step)  # fmt: skip
+        sending = asyncio.create_task(self._send(partial, state, stored))
+        try:
+            manifest = await self.worker.call(write, state)
+        except BaseException as exc:
+            stored.set_exception(exc)
+            await sending
+            raise
+        stored.set_result(self.policy_version(manifest, parent, step, metrics))
+        await sending
+        return manifest
 
     async def publish_adapter(self, version: int, parent: int, base_version: int, export: Callable[[], tuple],
                               step: int, metrics: dict[str, float]) -> common_pb2.PolicyVersion:
@@ -78,9 +101,10 @@ class VersionPublisher:
         manifest = await self.worker.call(write)
         return await self.announce(manifest, parent, step, metrics)
 
-    async def _send(self, msg: common_pb2.PolicyVersion, state: dict) -> None:
+    async def _send(self, msg: common_pb2.PolicyVersion, state: dict,
+                    stored: Future[common_pb2.PolicyVersion] | None = None) -> None:
         try:
-            summary = await asyncio.to_thread(self.sender.send, msg, state)  # type: ignore[union-attr]
+            summary = await asyncio.to_thread(self.sender.send, msg, state, stored)  # type: ignore[union-attr]
         except Exception as exc:  # the broker is down or refused: engines catch up from the store
             log.warning("sending version %d to engines failed: %s", msg.version, exc)
             return

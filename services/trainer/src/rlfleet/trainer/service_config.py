@@ -103,6 +103,9 @@ class WeightSendConfig(StrictModel):
         "bfloat16", description="floating tensors are sent in this dtype: the store's served dtype, so "
         "engines updated directly and from the store hold identical weights")
     timeout_s: float = Field(300.0, gt=0, description="longest one direct send (all transports) may take")
+    beside_store: bool = Field(True, description="send while the store write runs (the broker flips nothing in "
+                               "before the store has the version; a failed write rejects it); false = send "
+                               "after the write")
 
 
 class TrainerBackendOptions(BackendOptions):

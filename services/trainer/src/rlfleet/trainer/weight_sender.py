@@ -2,8 +2,8 @@
 broker chose for each (the trainer's half of StartTrainerSync / FinishTrainerSync; the broker's half
 and the whole exchange are described in `rlfleet.broker.trainer_sync`).
 
-After the version is in the weight store (catch-up, audit, rollback), rank 0 -- holding the state
-FSDP2 gathered for the store -- asks the broker for a plan, then at once:
+While the version is written to the weight store (catch-up, audit, rollback; `beside_store`), rank
+0 -- holding the state FSDP2 gathered for the store -- asks the broker for a plan, then at once:
 
 * broadcast: joins the plan's group as rank 0 (gloo for host tensors, NCCL when the weights are on
   a GPU: tensors are broadcast from where they are, never copied to the host for it) and sends every
@@ -12,7 +12,8 @@ FSDP2 gathered for the store -- asks the broker for a plan, then at once:
 * tensor: puts the tensors in shared memory and hands the handles over in the completion report,
   keeping the memory alive until the broker answers (the engines have copied by then);
 
-then reports what went through. Checksums of every tensor go in the request, so each engine's
+then waits for the store write and reports what went through with the stored version (or the
+write's error: the broker then rejects the version and flips nothing in). Checksums of every tensor go in the request, so each engine's
 transfer is verified whatever the transport. A send that fails is logged and reported; training
 never stops for it (the engines catch up from the store).
 """
@@ -24,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ class SendSummary:
     plan_s: float = 0.0  # StartTrainerSync
     transfer_s: float = 0.0  # every transfer, side by side
     finish_s: float = 0.0  # FinishTrainerSync: the engines verified and swapped
+    store_wait_s: float = 0.0  # after the transfers, until the store write beside them was done
     bytes: dict[str, int] = field(default_factory=dict)  # transport -> bytes sent (all engines)
     outcomes: list[Any] = field(default_factory=list)  # EngineSyncOutcome
     error: str = ""
@@ -69,14 +72,20 @@ class WeightSender:
         self._channel.close()
 
     # --- one version ----------------------------------------------------------------------------
-    def send(self, version: common_pb2.PolicyVersion, state: Mapping[str, Any]) -> SendSummary:
-        """Blocking: plan, transfers, report. Never raises for a transfer's failure (it is reported)."""
+    def send(self, version: common_pb2.PolicyVersion, state: Mapping[str, Any],
+             stored: Future[common_pb2.PolicyVersion] | None = None) -> SendSummary:
+        """Blocking: plan, transfers, report. Never raises for a transfer's failure (it is reported).
+
+        With `stored`, the store write runs beside the send: `version` need only carry its number, and
+        `stored` resolves to the version as the store holds it (or raises the write's error), which
+        goes in the report; the broker flips nothing in before it."""
         from rlfleet.weights.sent import served_named, tensor_checksums
 
         started = time.perf_counter()
         summary = SendSummary(version.version)
         named = served_named(state, self.config.dtype)
         request = self._plan_request(version, named, tensor_checksums(named, self.config.checksum_algorithm))
+        request.store_pending = stored is not None
         plan = self._stub.StartTrainerSync(request, timeout=self.config.timeout_s)
         summary.plan_s = time.perf_counter() - started
         if not plan.sync_id:
@@ -102,6 +111,13 @@ class WeightSender:
         except Exception as exc:  # whatever broke, the broker must hear of it to release the engines
             log.exception("sending version %d failed", version.version)
             summary.error = finish.error = f"{type(exc).__name__}: {exc}"
+        if stored is not None:
+            waiting = time.perf_counter()
+            try:
+                finish.stored.CopyFrom(stored.result(self.config.timeout_s))
+            except Exception as exc:  # the write failed (or never finished): the broker rejects the version
+                finish.store_error = f"{type(exc).__name__}: {exc}"
+            summary.store_wait_s = time.perf_counter() - waiting
         try:
             finishing = time.perf_counter()
             reply = self._stub.FinishTrainerSync(finish, timeout=self.config.timeout_s)

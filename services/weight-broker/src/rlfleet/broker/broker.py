@@ -349,6 +349,44 @@ class Broker:
         finally:
             self._hold_rounds(False)
 
+    async def hold_for_trainer(self, wanted) -> list[EngineRef]:
+        """The engines `take_for_trainer` would hold, held before the version is in the store (the
+        trainer writes it beside the send): no target changes until `target_for_trainer`."""
+        self._hold_rounds(True)
+        try:
+            await self._wait_idle(5.0)
+            async with self._lock:
+                pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
+                await self.pools.refresh()
+                engines = [e for p in pools for e in self.pools.members(p) if e.engine_id not in self._busy and wanted(e)]
+                self._claim(e.engine_id for e in engines)
+                return engines
+        finally:
+            self._hold_rounds(False)
+
+    async def target_for_trainer(self, version: int) -> bool:
+        """The stored (and announced) version of a held trainer sync made the target as
+        `take_for_trainer` would; False when the sync policy does not take it."""
+        async with self._lock:
+            if await self._apply_policy(only=version) is None:
+                return False
+            if self.config.auto_promote:
+                await self._accept(version, "auto_promote (sent to every pool)")
+            return True
+
+    async def reject_unstored(self, version: int, reason: str) -> None:
+        """A version the trainer sent but the store never got (or refused): recorded REJECTED, never a target."""
+        async with self._lock:
+            record = await self.registry.get(version)
+            if record is None:
+                record = broker_pb2.VersionRecord(
+                    version=common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1,
+                                                     run_id=self.config.run_id, version=version),
+                    state=State.VERSION_STATE_ANNOUNCED, announced_unix_ms=now_ms())  # fmt: skip
+                await self.registry.put(record)
+            await self.registry.set_state(record, State.VERSION_STATE_REJECTED, reason)
+            log.error("version %d rejected: %s", version, reason)
+
     def release(self, engines) -> None:
         self._release(e.engine_id for e in engines)
 

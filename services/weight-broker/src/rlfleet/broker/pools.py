@@ -65,10 +65,15 @@ class BrokerEngineClient(EngineClient):
                                              abort_all_requests=False)
         return await self._weights("update_weights_from_disk", body)
 
-    async def update_from_distributed(self, body: dict[str, Any], pause_mode: str | None = None) -> dict[str, Any]:
-        """`pause_mode` (CPU engine only): its rlfleet query parameter; SGLang's body has no such field."""
-        return await self._weights("update_weights_from_distributed", body,
-                                   path=_with_pause("update_weights_from_distributed", pause_mode))
+    async def update_from_distributed(self, body: dict[str, Any], pause_mode: str | None = None,
+                                      staged: bool = False) -> dict[str, Any]:
+        """`pause_mode` and `staged` (CPU engine only): its rlfleet query parameters; SGLang's body has no
+        such fields. Staged, the engine only receives and hashes; `update_from_staging(source=
+        "distributed")` flips it in."""
+        path = _with_pause("update_weights_from_distributed", pause_mode)
+        if staged:
+            path = (path + "&" if path else wire.ROUTES["update_weights_from_distributed"][1] + "?") + "staged=1"
+        return await self._weights("update_weights_from_distributed", body, path=path)
 
     async def transfer_engine_info(self, rank: int = 0) -> dict[str, Any]:
         """SGLang's remote-instance endpoint description (where the P2P receive buffer lives)."""
@@ -76,10 +81,13 @@ class BrokerEngineClient(EngineClient):
         return await self._call("remote_instance_transfer_engine_info", None, self.timeouts.control_s, path=path)
 
     async def update_from_staging(self, checksums: dict[str, str], algorithm: str, *, weight_version: str,
-                                  pause_mode: str) -> dict[str, Any]:
+                                  pause_mode: str, source: str = "p2p") -> dict[str, Any]:
         body = wire.update_weights_from_staging(checksums, algorithm, weight_version=weight_version,
-                                                pause_mode=pause_mode)
+                                                pause_mode=pause_mode, source=source)
         return await self._weights("update_weights_from_staging", body)
+
+    async def discard_staged_broadcast(self) -> dict[str, Any]:
+        return await self._weights("update_weights_from_staging", {"source": "distributed", "discard": True})
 
     async def update_from_tensor(self, serialized: list[str], *, weight_version: str, pause_mode: str | None,
                                  abort_all_requests: bool) -> dict[str, Any]:

@@ -1,20 +1,27 @@
 """Trainer-sent weights: the broker's half of StartTrainerSync / FinishTrainerSync.
 
-    trainer: version in the store ──StartTrainerSync(version, tensors + checksums, rendezvous)──▶ broker
-    broker:  sync policy (canary first), each engine's transport, engines held for the trainer
+    trainer: store write starts ──StartTrainerSync(version, tensors + checksums, rendezvous,
+             store_pending)──▶ broker
+    broker:  engines held for the trainer (with store_pending: no target moves yet; else the sync
+             policy, canary first, makes it the target), each engine's transport
              ◀── TrainerSyncPlan: broadcast group (ranks by SGLang's arithmetic), P2P endpoints,
                  same-node tensor engines
-    trainer: broadcasts (the broker has those engines receive), writes into P2P staging, shares tensors
-             ──FinishTrainerSync(which writes went through, tensor handles)──▶ broker
-    broker:  P2P engines verify staging by checksum and swap; tensor engines copy and swap (their
-             checksums checked); broadcast replies' checksums checked; outcomes recorded; engines
-             released ◀── one outcome per engine
+    trainer: broadcasts (the broker has those engines receive into staging), writes into P2P staging,
+             shares tensors -- all beside the store write -- then waits for the write
+             ──FinishTrainerSync(which writes went through, tensor handles, the stored version or
+               the store's error)──▶ broker
+    broker:  store failed: the version is REJECTED, staging dropped, no engine changes. Else the
+             stored version is announced and made the target, then P2P and staged-broadcast engines
+             verify staging by checksum and flip it in (the pause is a pointer swap); tensor engines
+             copy and swap (their checksums checked); outcomes recorded; engines released
+             ◀── one outcome per engine
 
 An engine whose transfer failed, arrived partial or could not be set up is released behind its
 pool's target, so the reconcile loop brings it from the store (delta or full): the store keeps
 every version for exactly this, and for catch-up, audit and rollback. One whose weights changed but
 failed the check is relabelled first (`unverified-<v>`), so the loop never takes it for serving v.
-A sync whose trainer never reports back is settled as failed after `update_timeout_s`.
+A sync whose trainer never reports back is settled as failed after `update_timeout_s` (with
+store_pending, nothing staged is flipped in).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from rlfleet.api.broker.v1 import broker_pb2
 from rlfleet.broker.config import TRAINER_SENT, transport_of
-from rlfleet.broker.errors import BadAnnouncement, UnknownSync
+from rlfleet.broker.errors import BadAnnouncement, UnknownSync, UnknownVersion
 from rlfleet.broker.pools import EngineRef
 from rlfleet.broker.rollout import SyncResult
 from rlfleet.broker.transports import (
@@ -63,6 +70,7 @@ class PendingSync:
     tensors: list[EngineRef] = field(default_factory=list)
     broadcast: list[EngineRef] = field(default_factory=list)
     broadcast_task: asyncio.Task | None = None
+    store_pending: bool = False  # the store write runs beside the transfers: flip nothing before it lands
     watchdog: asyncio.Task | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -85,15 +93,21 @@ class TrainerSyncs:
         b = self.broker
         _check(request)
         version = request.version.version
-        await b.announce(request.version)
-        engines = await b.take_for_trainer(version, lambda e: self.transport(e) in TRAINER_SENT)
-        state = (await b.registry.require(version)).state
+        wanted = lambda e: self.transport(e) in TRAINER_SENT  # noqa: E731
+        if request.store_pending:  # the version becomes a target only once the store has it (finish)
+            engines = await b.hold_for_trainer(wanted)
+            state = broker_pb2.VERSION_STATE_UNSPECIFIED
+        else:
+            await b.announce(request.version)
+            engines = await b.take_for_trainer(version, wanted)
+            state = (await b.registry.require(version)).state
         if not engines:
             return broker_pb2.TrainerSyncPlan(state=state)
         by = {t: [e for e in engines if self.transport(e) == t] for t in TRAINER_SENT}
         checksums = {t.name: t.checksum for t in request.tensors}
         pending = PendingSync(uuid.uuid4().hex, version, checksums, request.checksum_algorithm,
-                              _nbytes(request.tensors), tensors=by["tensor"])  # fmt: skip
+                              _nbytes(request.tensors), tensors=by["tensor"],
+                              store_pending=request.store_pending)  # fmt: skip
         plan = broker_pb2.TrainerSyncPlan(sync_id=pending.sync_id, state=state, bucket_bytes=self.sync.p2p_bucket_bytes,
                                           tensor_engine_ids=[e.engine_id for e in by["tensor"]])  # fmt: skip
         pending.peers = await self._endpoints(by["p2p"], plan)
@@ -145,7 +159,7 @@ class TrainerSyncs:
             f"rlfleet-{self.broker.config.run_id}-v{pending.version}-{pending.sync_id[:6]}",
             request.backend or "gloo", [t.name for t in request.tensors], [t.dtype for t in request.tensors],
             [list(t.shape) for t in request.tensors], tuple(s for s in sizes if s),
-            checksums=pending.checksums, pause_mode=self.sync.pause_mode,
+            checksums=pending.checksums, pause_mode=self.sync.pause_mode, staged=True,
         )  # fmt: skip
         offsets, world = group.ranks(len(pending.broadcast))
         plan.broadcast.CopyFrom(broker_pb2.BroadcastGroup(
@@ -154,7 +168,8 @@ class TrainerSyncs:
         pending.broadcast_task = asyncio.create_task(self._broadcast(pending, group))
 
     async def _broadcast(self, pending: PendingSync, group: BroadcastPlan) -> list[UpdateOutcome]:
-        info = await asyncio.to_thread(VersionInfo.from_store, self.broker.store, pending.version)
+        # The version's number is all Distributed needs of it: the store may not have it yet.
+        info = VersionInfo(pending.version, "", "", None, pending.nbytes, pending.nbytes, None)
         return await Distributed(self.broker.pools, group).update(pending.broadcast, info)
 
     # --- finish ---------------------------------------------------------------------------------
@@ -164,8 +179,12 @@ class TrainerSyncs:
             raise UnknownSync(f"no trainer sync {request.sync_id!r} is open (finished, expired or never started)")
         if pending.watchdog is not None:
             pending.watchdog.cancel()
-        outcomes = await self._outcomes(pending, request)
-        await self._settle(pending, outcomes)
+        refused = await self._stored(pending, request) if pending.store_pending else ""
+        if refused:
+            outcomes = await self._discard(pending, refused)
+        else:
+            outcomes = await self._outcomes(pending, request)
+        await self._settle(pending, outcomes, discarded=bool(refused))
         return broker_pb2.FinishTrainerSyncResponse(outcomes=[_proto(o) for o in outcomes])
 
     async def _outcomes(self, pending: PendingSync, request: broker_pb2.FinishTrainerSyncRequest
@@ -196,9 +215,42 @@ class TrainerSyncs:
                 return UpdateOutcome(engine.engine_id, pending.version, transport, False,
                                      message=f"no answer within {timeout}s")  # fmt: skip
 
-        direct = await asyncio.gather(*(bounded(one_peer(e), e, "p2p") for e in pending.peers),
-                                      *(bounded(one_tensor(e), e, "tensor") for e in pending.tensors))
-        return [*await self._broadcast_outcomes(pending, request.error), *direct]
+        broadcast, direct = await asyncio.gather(
+            self._flip_broadcast(pending, request.error),
+            asyncio.gather(*(bounded(one_peer(e), e, "p2p") for e in pending.peers),
+                           *(bounded(one_tensor(e), e, "tensor") for e in pending.tensors)))  # fmt: skip
+        return [*broadcast, *direct]
+
+    async def _stored(self, pending: PendingSync, request: broker_pb2.FinishTrainerSyncRequest) -> str:
+        """With the store write beside the send: announces the stored version and makes it a target
+        (the sync policy's choice). Returns why nothing may be flipped in ("" when all may); a failed
+        store write rejects the version."""
+        b = self.broker
+        if request.store_error or not request.HasField("stored"):
+            why = f"the weight store write failed: {request.store_error or 'the trainer reported no stored version'}"
+            await b.reject_unstored(pending.version, why)
+            return f"version rejected: {why}"
+        if request.stored.version != pending.version:
+            return f"the stored version is {request.stored.version}, not {pending.version}"
+        try:
+            await b.announce(request.stored)
+        except (BadAnnouncement, UnknownVersion) as exc:
+            await b.reject_unstored(pending.version, f"its announcement was refused: {exc}")
+            return f"version rejected: the stored version's announcement was refused: {exc}"
+        if not await b.target_for_trainer(pending.version):
+            return "the sync policy did not make it a target"
+        return ""
+
+    async def _discard(self, pending: PendingSync, why: str) -> list[UpdateOutcome]:
+        """Nothing staged is flipped in: every engine keeps what it serves (a staged broadcast is
+        dropped; P2P staging is simply overwritten by the next write; no tensor was handed over)."""
+        client = self.broker.pools.client
+        received = await self._broadcast_outcomes(pending, "")
+        await asyncio.gather(*(client(e).discard_staged_broadcast() for e, o in zip(pending.broadcast, received,
+                                                                                  strict=True)
+                               if o.reply.get("staged")), return_exceptions=True)  # fmt: skip
+        return [UpdateOutcome(e.engine_id, pending.version, self.transport(e), False, message=why)
+                for e in pending.engines]
 
     async def _broadcast_outcomes(self, pending: PendingSync, error: str) -> list[UpdateOutcome]:
         if pending.broadcast_task is None:
@@ -210,11 +262,33 @@ class TrainerSyncs:
             return [UpdateOutcome(e.engine_id, pending.version, "distributed", False, message=why)
                     for e in pending.broadcast]
 
-    async def _settle(self, pending: PendingSync, outcomes: list[UpdateOutcome]) -> None:
+    async def _flip_broadcast(self, pending: PendingSync, error: str) -> list[UpdateOutcome]:
+        """Engines that staged the broadcast verify it against the trainer's checksums and flip it in
+        (a corrupted one is refused there and nothing changes); others answered already."""
+        received = await self._broadcast_outcomes(pending, error)
+        flip = PeerCommit(self.broker.pools, self.sync.pause_mode, source="distributed")
+
+        async def one(engine: EngineRef, outcome: UpdateOutcome) -> UpdateOutcome:
+            if not (outcome.ok and outcome.reply.get("staged")):
+                return outcome
+            flipped = await flip.commit(engine, pending.version, pending.checksums, pending.algorithm, outcome.bytes)
+            if flipped.ok:  # a refused flip changed nothing: no reply that would have it relabelled
+                flipped.reply = {**outcome.reply, **flipped.reply}
+            return flipped
+
+        return list(await asyncio.gather(*(one(e, o) for e, o in zip(pending.broadcast, received, strict=True))))
+
+    async def _settle(self, pending: PendingSync, outcomes: list[UpdateOutcome], discarded: bool = False) -> None:
         b = self.broker
         try:
             for engine, outcome in zip(pending.engines, outcomes, strict=True):
                 b.metrics.record(outcome)
+                if discarded:  # nothing changed on the engine: it serves what it served
+                    previous = await b.registry.engine(engine.engine_id)
+                    kept = None if previous is None or previous.policy_version < 0 else previous.policy_version
+                    log.warning("engine %s keeps version %s: %s", engine.engine_id, kept, outcome.message)
+                    await b.record_engine(engine, SyncResult(engine.engine_id, pending.version, [outcome], kept), kept)
+                    continue
                 b.copies.forget(engine.engine_id)  # weights came from the trainer: no local copy
                 if not outcome.ok and outcome.reply:  # swapped, then failed the check: never "serving v"
                     with contextlib.suppress(EngineError):
@@ -237,8 +311,11 @@ class TrainerSyncs:
             return
         log.error("trainer sync %s (version %d) not finished within %ss: settled as failed", sync_id,
                   pending.version, self.sync.update_timeout_s)  # fmt: skip
-        outcomes = await self._outcomes(pending, broker_pb2.FinishTrainerSyncRequest(
-            sync_id=sync_id, error="the trainer never reported the transfer"))  # fmt: skip
+        why = "the trainer never reported the transfer"
+        if pending.store_pending:  # the store may never get it: nothing staged is flipped in
+            await self._settle(pending, await self._discard(pending, why), discarded=True)
+            return
+        outcomes = await self._outcomes(pending, broker_pb2.FinishTrainerSyncRequest(sync_id=sync_id, error=why))
         await self._settle(pending, outcomes)
 
     async def stop(self) -> None:

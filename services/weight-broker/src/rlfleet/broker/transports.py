@@ -27,7 +27,9 @@ The transport a version takes depends on the engine's kind (`EngineRef.kind`):
   destroyed afterwards. With the trainer's checksums (StartTrainerSync), an engine whose reply's
   checksums (the CPU engine hashes what it received) differ failed.
 * `PeerCommit` (p2p): the trainer wrote the version into the engine's Mooncake staging buffer; the
-  engine verifies staging against the trainer's checksums and only then swaps.
+  engine verifies staging against the trainer's checksums and only then swaps. The same flip takes
+  a staged broadcast in (`source` distributed): with `BroadcastPlan.staged`, a CPU engine only
+  receives and hashes while it serves, so its pause is the pointer flip alone.
 * `TensorHandOver` (tensor): same node, SGLang's `update_weights_from_tensor` with shared-memory handles.
 
 Pause modes: the store transports send theirs in the body (CPU engine) or pause through the gateway;
@@ -261,6 +263,9 @@ class BroadcastPlan:
     # name -> the sender's checksum (TrainerSync): an engine whose reply's checksums differ failed.
     checksums: dict[str, str] = field(default_factory=dict)
     pause_mode: PauseMode = "in_place"
+    # CPU engines only receive and hash (`staged=1`); the caller flips each in (PeerCommit, source
+    # distributed), where a corrupted transfer is refused. SGLang engines swap on arrival.
+    staged: bool = False
 
     def ranks(self, engines: int) -> tuple[list[int], int]:
         """(rank_offset of each engine, world size) by SGLang's rule (rank = rank_offset + tp_rank)."""
@@ -348,8 +353,9 @@ class Distributed:
         else:
             modes = [engine_pause(e, plan.pause_mode) for e in engines]
             replies = await asyncio.gather(
-                *(c.update_from_distributed({**body, "abort_all_requests": abort}, mode)
-                  for c, (mode, abort) in zip(clients, modes, strict=True)),
+                *(c.update_from_distributed({**body, "abort_all_requests": abort}, mode,
+                                            staged=plan.staged and e.kind == "cpu")
+                  for e, c, (mode, abort) in zip(engines, clients, modes, strict=True)),
                 return_exceptions=True)  # fmt: skip
         await asyncio.gather(
             *(c.destroy_weights_update_group(plan.group_name) for c, j in zip(clients, joined, strict=True)
@@ -363,9 +369,11 @@ class Distributed:
             elif isinstance(reply, BaseException):
                 raise reply
             else:
-                outcomes.append(checked(UpdateOutcome(
-                    engine.engine_id, target.version, self.name, True, float(reply.get("pause_s", 0.0)),
-                    plan.nbytes, message=str(reply.get("message", "")), reply=reply), plan.checksums))  # fmt: skip
+                outcome = UpdateOutcome(engine.engine_id, target.version, self.name, True,
+                                        float(reply.get("pause_s", 0.0)), plan.nbytes,
+                                        message=str(reply.get("message", "")), reply=reply)  # fmt: skip
+                # A staged reply is checked by the engine itself when it is flipped in.
+                outcomes.append(outcome if reply.get("staged") else checked(outcome, plan.checksums))
         return outcomes
 
 
@@ -375,15 +383,17 @@ class PeerCommit:
 
     name = "p2p"
 
-    def __init__(self, pools: Pools, pause_mode: PauseMode) -> None:
+    def __init__(self, pools: Pools, pause_mode: PauseMode, source: str = "p2p") -> None:
         self.pools = pools
         self.pause_mode = pause_mode
+        self.source = source  # p2p: Mooncake staging; distributed: a staged broadcast
+        self.name = source
 
     async def commit(self, engine: EngineRef, version: int, checksums: dict[str, str], algorithm: str,
                      sent_bytes: int) -> UpdateOutcome:
         try:
             reply = await self.pools.client(engine).update_from_staging(
-                checksums, algorithm, weight_version=str(version), pause_mode=self.pause_mode)
+                checksums, algorithm, weight_version=str(version), pause_mode=self.pause_mode, source=self.source)
         except EngineError as exc:
             return UpdateOutcome(engine.engine_id, version, self.name, False, message=exc.message,
                                  refused=isinstance(exc, EngineRejected))  # fmt: skip

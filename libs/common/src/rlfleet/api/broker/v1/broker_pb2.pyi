@@ -203,20 +203,22 @@ class StartDistributedSyncResponse(_message.Message):
     def __init__(self, group_name: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[VersionState, str]] = ..., rank_offsets: _Optional[_Iterable[int]] = ..., tp_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartTrainerSyncRequest(_message.Message):
-    __slots__ = ("version", "tensors", "checksum_algorithm", "master_address", "master_port", "backend")
+    __slots__ = ("version", "tensors", "checksum_algorithm", "master_address", "master_port", "backend", "store_pending")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STORE_PENDING_FIELD_NUMBER: _ClassVar[int]
     version: _common_pb2.PolicyVersion
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     checksum_algorithm: str
     master_address: str
     master_port: int
     backend: str
-    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algorithm: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    store_pending: bool
+    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algorithm: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., backend: _Optional[str] = ..., store_pending: _Optional[bool] = ...) -> None: ...
 
 class BroadcastGroup(_message.Message):
     __slots__ = ("group_name", "world_size", "engine_ids", "rank_offsets", "tp_sizes")
@@ -269,18 +271,22 @@ class PeerResult(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., sent: _Optional[bool] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FinishTrainerSyncRequest(_message.Message):
-    __slots__ = ("sync_id", "peers", "serialized_named_tensors", "broadcast_sent", "error")
+    __slots__ = ("sync_id", "peers", "serialized_named_tensors", "broadcast_sent", "error", "stored", "store_error")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_SENT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    STORE_ERROR_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerResult]
     serialized_named_tensors: _containers.RepeatedScalarFieldContainer[str]
     broadcast_sent: bool
     error: str
-    def __init__(self, sync_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerResult, _Mapping]]] = ..., serialized_named_tensors: _Optional[_Iterable[str]] = ..., broadcast_sent: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    stored: _common_pb2.PolicyVersion
+    store_error: str
+    def __init__(self, sync_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerResult, _Mapping]]] = ..., serialized_named_tensors: _Optional[_Iterable[str]] = ..., broadcast_sent: _Optional[bool] = ..., error: _Optional[str] = ..., stored: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., store_error: _Optional[str] = ...) -> None: ...
 
 class EngineSyncOutcome(_message.Message):
     __slots__ = ("engine_id", "transport", "ok", "pause_s", "bytes", "message", "falls_back")
