@@ -40,7 +40,8 @@ sglang-contract:
 # still have errors: `make typecheck-count` counts them per package; add one here once it is clean.
 TYPED := libs/common/src/rlfleet/common libs/weights/src/rlfleet/weights services/rollout-gateway/src/rlfleet/gateway \
          services/sandbox-manager/src/rlfleet/sandbox services/session-server/src/rlfleet/session \
-         services/verifier/src/rlfleet/verifier services/weight-broker/src/rlfleet/broker
+         services/verifier/src/rlfleet/verifier services/weight-broker/src/rlfleet/broker \
+         services/controller/src/rlfleet/controller
 ALL_PACKAGES := $(filter-out %/api,$(wildcard libs/*/src/rlfleet/* services/*/src/rlfleet/*))
 
 lint: install

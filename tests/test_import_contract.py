@@ -67,6 +67,8 @@ LIBS_CONTRACT = "Libraries never import the CLI or a service"
     ("rlfleet.common.service", "import rlfleet.trainer.loop", LIBS_CONTRACT),
     ("rlfleet.verifier.app", "from rlfleet.cli import launcher", "Services never import the CLI"),
     ("rlfleet.cli.rl_loop", "from rlfleet.trainer import learner", "The CLI imports of the services only"),
+    ("rlfleet.controller.app", "from rlfleet.cli import run_client", "The controller imports of the CLI only the loop"),
+    ("rlfleet.broker.app", "from rlfleet.controller import run_control", "Services never import the CLI"),
     ("rlfleet.engine.build_model", "from rlfleet.envkit.corpus import default_corpus",
      "The engine does not import the environment kit"),
     ("rlfleet.weights.tensors", "from rlfleet.weights import torch_io", "No import cycles between"),

@@ -111,10 +111,10 @@ def test_every_toml_the_repo_ships_loads():
 
 
 def test_engine_pools_of_several_engines_by_config(tmp_path):
-    from rlfleet.cli.rl_loop import RLRun
+    from rlfleet.cli.run_client import RunClient
 
     config = run_config(tmp_path, f'run_dir = "{tmp_path}"\n[engines]\ncanary = 2\nfleet = 3\n')
-    platform = RLRun(config).platform_config(tmp_path / "model")
+    platform = RunClient(config).platform_config(tmp_path / "model")
     assert (platform.engines, platform.canary_engines) == (5, 2)
     state = PlatformState("r1", str(tmp_path), 1)
     state.processes = [ProcessRecord("nats", 0, 0, [], "", url="nats://127.0.0.1:1", kind="nats"),
@@ -125,16 +125,16 @@ def test_engine_pools_of_several_engines_by_config(tmp_path):
     assert [(e.engine_id, e.pool) for e in gateway.engines] == [
         ("engine-0", "canary"), ("engine-1", "canary"), ("engine-2", "fleet"), ("engine-3", "fleet"),
         ("engine-4", "fleet")]
-    default = RLRun(run_config(tmp_path, f'run_dir = "{tmp_path}"\n')).platform_config(tmp_path / "model")
+    default = RunClient(run_config(tmp_path, f'run_dir = "{tmp_path}"\n')).platform_config(tmp_path / "model")
     assert (default.engines, default.canary_engines) == (2, 1)
 
 
 def test_restart_policy_reaches_the_launch_and_may_change_on_resume(tmp_path):
-    from rlfleet.cli.rl_loop import RLRun
+    from rlfleet.cli.run_client import RunClient
     from rlfleet.cli.run_state import config_changes
 
     config = run_config(tmp_path, f'run_dir = "{tmp_path}"\n[restart]\nenabled = false\nmax_backoff_s = 3\n')
-    platform = RLRun(config).platform_config(tmp_path / "model")
+    platform = RunClient(config).platform_config(tmp_path / "model")
     assert not platform.restart.enabled and platform.restart.max_backoff_s == 3
     before = run_config(tmp_path, f'run_dir = "{tmp_path}"\n').model_dump(mode="json")
     assert config_changes(before, config.model_dump(mode="json")) == []

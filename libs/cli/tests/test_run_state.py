@@ -14,7 +14,8 @@ from rlfleet.cli.report import (
     TrajectoryRecord,
     summarize,
 )
-from rlfleet.cli.rl_loop import RLRun, RunOptions, main
+from rlfleet.cli.rl_loop import RLRun, RunOptions
+from rlfleet.cli.run_client import main
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import (
     RUN_OUTPUTS,
@@ -88,21 +89,21 @@ def _run(tmp_path, **options) -> RLRun:
 
 def test_resume_needs_a_run_to_resume(tmp_path):
     with pytest.raises(StartupError, match="nothing to resume"):
-        _run(tmp_path, resume=True)._take_over_run_dir()
+        _run(tmp_path, resume=True).take_over_run_dir()
 
 
 def test_an_interrupted_run_is_not_silently_replaced(tmp_path):
     RunState("interrupted", RunConfig(run_dir=str(tmp_path)).model_dump(mode="json"), "a", loop_s=40,
              reason="trainer stopped running").save(tmp_path)
     with pytest.raises(StartupError, match="--resume.*--fresh"):
-        _run(tmp_path)._take_over_run_dir()
-    _run(tmp_path, fresh=True)._take_over_run_dir()  # discarding it is a choice
+        _run(tmp_path).take_over_run_dir()
+    _run(tmp_path, fresh=True).take_over_run_dir()  # discarding it is a choice
 
 
 def test_a_finished_run_is_replaced_by_a_new_one(tmp_path):
     RunState("finished", RunConfig(run_dir=str(tmp_path)).model_dump(mode="json"), "a").save(tmp_path)
     run = _run(tmp_path)
-    run._take_over_run_dir()
+    run.take_over_run_dir()
     assert not run.resuming
 
 
@@ -110,7 +111,7 @@ def test_resuming_with_a_different_training_config_is_refused(tmp_path):
     RunState("interrupted", RunConfig(run_dir=str(tmp_path)).model_dump(mode="json"), "a").save(tmp_path)
     run = RLRun(RunConfig(run_dir=str(tmp_path), group_size=4), RunOptions(resume=True))
     with pytest.raises(StartupError, match="group_size: 8 -> 4"):
-        run._take_over_run_dir()
+        run.take_over_run_dir()
 
 
 def test_resume_restores_the_accepted_version_the_gate_and_the_budget_spent(tmp_path):
@@ -121,7 +122,7 @@ def test_resume_restores_the_accepted_version_the_gate_and_the_budget_spent(tmp_
     RunState("interrupted", config.model_dump(mode="json"), "att", loop_s=95.0, tasks_published=40, last_gated=5,
              accepted_version=5, accepted_eval=asdict(accepted), record=asdict(_record())).save(tmp_path)
     run = RLRun(RunConfig(run_dir=str(tmp_path), budget={"max_minutes": 20}), RunOptions(resume=True))
-    run._take_over_run_dir()
+    run.take_over_run_dir()
     assert run.resuming and run.last_gated == 5 and run.record.accepted_version == 5
     assert run.accepted_eval == accepted
     assert run.state.attempt == "att" and run.state.resumes == [95.0]
@@ -134,7 +135,7 @@ def test_a_live_driver_keeps_its_run_dir(tmp_path):
     RunState("running", RunConfig(run_dir=str(tmp_path)).model_dump(mode="json"), "a", driver_pid=os.getpid(),
              driver_start=start_ticks(os.getpid())).save(tmp_path)
     with pytest.raises(StartupError, match="another `rlfleet run`"):
-        _run(tmp_path, resume=True)._take_over_run_dir()
+        _run(tmp_path, resume=True).take_over_run_dir()
 
 
 def test_contradicting_flags_are_refused(tmp_path):

@@ -24,7 +24,7 @@ from rlfleet.common.rich_errors import error_details
 from rlfleet.common.service import placeholder_servicer
 from rlfleet.common.testing import client_credentials
 
-SERVICES = ("session", "sandbox", "verifier", "gateway", "broker", "trainer")
+SERVICES = ("session", "sandbox", "verifier", "gateway", "broker", "trainer", "controller")
 
 
 def api_modules(name: str):
@@ -118,7 +118,8 @@ async def test_a_token_of_another_run_key_is_refused(every_service, tmp_path):
 ADMIN_RIGHTS = ["/rlfleet.gateway.v1.GatewayService/RegisterEngine", "/rlfleet.gateway.v1.GatewayService/PauseEngines",
                 "/rlfleet.gateway.v1.GatewayService/DeregisterEngine", "/rlfleet.trainer.v1.TrainerService/Pause",
                 "/rlfleet.broker.v1.BrokerService/PublishVersion", "/rlfleet.broker.v1.BrokerService/Promote",
-                "/rlfleet.broker.v1.BrokerService/Rollback", "/rlfleet.verifier.v1.VerifierService/Audit"]
+                "/rlfleet.broker.v1.BrokerService/Rollback", "/rlfleet.verifier.v1.VerifierService/Audit",
+                "/rlfleet.controller.v1.RunControl/StartRun", "/rlfleet.controller.v1.RunControl/StopRun"]
 
 
 @pytest.mark.parametrize("method", ADMIN_RIGHTS)

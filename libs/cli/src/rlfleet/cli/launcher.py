@@ -209,6 +209,7 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
         "verifier": {"redis": redis("verifier"), "sandbox_address": _address(state, "sandbox-manager"),
                      "session_address": _address(state, "session-server"),
                      "suites_dir": str(run_dir / "suites"), **tokenizer},
+        "controller": {"run_dir": str(run_dir)},
         # Version "0": rlfleet's policy versions are integers and the initial weights are version 0.
         "cpu-engine": {"weight_version": "0", "weight_store_root": weights, **served},
     }
@@ -292,11 +293,12 @@ def resolve_model(config: PlatformConfig, run_dir: Path, log: Path, timeout_s: f
 
 
 # Services that need another service's address start after it.
-TIERS = (("sandbox-manager", "rollout-gateway"), ("session-server", "weight-broker"), ("verifier", "trainer"))
+TIERS = (("sandbox-manager", "rollout-gateway"), ("session-server", "weight-broker"), ("verifier", "trainer"),
+         ("controller",))
 SCRIPTS = {
     "sandbox-manager": "rlfleet-sandbox-manager", "rollout-gateway": "rlfleet-gateway",
     "trainer": "rlfleet-trainer", "session-server": "rlfleet-session-server",
-    "weight-broker": "rlfleet-weight-broker", "verifier": "rlfleet-verifier",
+    "weight-broker": "rlfleet-weight-broker", "verifier": "rlfleet-verifier", "controller": "rlfleet-controller",
 }
 
 

@@ -77,7 +77,7 @@ def cmd_up(argv: list[str]) -> int:
 
 
 def cmd_run(argv: list[str]) -> int:
-    from rlfleet.cli.rl_loop import main as run_main
+    from rlfleet.cli.run_client import main as run_main
 
     return run_main(argv)
 

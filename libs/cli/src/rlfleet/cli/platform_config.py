@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 
 from rlfleet.broker.config import WeightBrokerConfig
 from rlfleet.common.config import ProcessConfig, StrictModel, propagate
+from rlfleet.controller.config import ControllerConfig
 from rlfleet.engine.config import EngineConfig
 from rlfleet.gateway.config import RolloutGatewayConfig
 from rlfleet.sandbox.config import SandboxManagerConfig
@@ -25,11 +26,12 @@ from rlfleet.session.config import SessionServerConfig
 from rlfleet.trainer.service_config import TrainerConfig
 from rlfleet.verifier.config import VerifierConfig
 
-ALL_SERVICES = ("sandbox-manager", "rollout-gateway", "trainer", "session-server", "weight-broker", "verifier")
+ALL_SERVICES = ("sandbox-manager", "rollout-gateway", "trainer", "session-server", "weight-broker", "verifier",
+                "controller")
 # The section of the launch config that configures each process.
 SECTIONS = {"sandbox-manager": "sandbox", "rollout-gateway": "gateway", "trainer": "trainer",
             "session-server": "session", "weight-broker": "broker", "verifier": "verifier",
-            "cpu-engine": "engine"}
+            "controller": "controller", "cpu-engine": "engine"}
 
 
 class NatsServerConfig(StrictModel):
@@ -59,6 +61,8 @@ class ServiceSections(StrictModel):
     session: SessionServerConfig = Field(default_factory=SessionServerConfig)
     broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig,
+                                         description="the run's control (`rlfleet run` starts its runs there)")
     engine: EngineConfig = Field(default_factory=EngineConfig,
                                  description="every CPU engine the launch starts")
 

@@ -1,7 +1,5 @@
-"""`rlfleet run CONFIG`: the asynchronous RL loop as one command.
+"""The asynchronous RL loop, as the controller drives it (rlfleet.controller; `rlfleet run` is its client).
 
-    base policy  <- build the default model and SFT-warm-start it (cached)
-    platform     <- NATS, Redis, engines (canary: rollouts + candidates; fleet: accepted versions), services
     baseline     <- evaluate the base policy on the held-out split and the regression set
     loop until the budget (steps or time):
         feeder keeps TASKS topped up | workers run groups of G episodes | the trainer steps on complete
@@ -12,16 +10,14 @@
 `mode = "sync"` runs the same system in lock-step: one step's tasks, wait for the new version to be
 served, repeat.
 
-From the baseline to the final evaluation a platform process that dies is started again on its own
-ports (the launcher's restart policy, `restart.*`) and the run goes on; every background part of
-the loop is supervised (a failure is said and the part started again), every call to a service has
-a deadline, and a stop abandons a gate evaluation at once.
+The loop runs on a platform someone else launched and supervises (the launcher's restart policy,
+compose's, Kubernetes'): every background part of the loop is supervised (a failure is said and the
+part started again), every call to a service has a deadline, and a stop abandons a gate evaluation
+at once.
 
-The run directory holds everything needed to go on after an interruption (Ctrl-C, the driver
-killed, a death with `restart.enabled = false`): `rlfleet run CONFIG --resume` restarts the platform on its durable state
-(or attaches to it when it is still up) and continues from the trainer's last checkpoint, with the
-tasks, trajectories and budget where they were (see run_state.py). A platform left running
-(`--keep-up`, `--up-only`) is attached to by the next `rlfleet run` of the same run directory.
+The run directory holds everything needed to go on after an interruption (a stop, the controller
+killed, a death with `restart.enabled = false`): a resume continues from the trainer's last
+checkpoint, with the tasks, trajectories and budget where they were (see run_state.py).
 """
 
 from __future__ import annotations
@@ -31,25 +27,24 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-import uvloop
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from rlfleet.cli.gate import Decision, decide, interim, merge, slices
-from rlfleet.cli.launcher import Platform, PlatformState, flatten_keys, is_ours, start_ticks, use_run_secrets
+from rlfleet.cli.launcher import PlatformState, flatten_keys, start_ticks
 from rlfleet.cli.loop_parts import (
     Clock,
     CpuSampler,
@@ -60,19 +55,17 @@ from rlfleet.cli.loop_parts import (
     latency_sampler,
     task_messages,
 )
-from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
+from rlfleet.cli.platform_config import SECTIONS
 from rlfleet.cli.report import EpisodeRecord, EvalResult, GateDecision, RunRecord, StepRecord, write_report
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import (
     RunState,
-    clear_run_outputs,
     config_changes,
     eval_from_dict,
     record_from_dict,
 )
 from rlfleet.cli.stop_rules import audit_result, audit_subset, long_tail
-from rlfleet.cli.warm_start import ensure_base_policy
-from rlfleet.common.config import NatsConfig, load_config
+from rlfleet.common.config import NatsConfig
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import channel
 from rlfleet.common.infra_auth import run_dir_login
@@ -101,9 +94,10 @@ class RunOptions:
 
     resume: bool = False    # continue the interrupted run in the run directory
     fresh: bool = False     # discard an interrupted run there and start over
-    keep_up: bool = False   # leave the platform running at the end
-    up_only: bool = False   # bring the platform up for this run and return
+    keep_up: bool = False   # leave the platform running at the end (`rlfleet run`)
+    up_only: bool = False   # bring the platform up for this run and return (`rlfleet run`)
     config_path: str = ""   # for the hints printed
+    attach_only: bool = False  # drive the run on a platform someone else launched and supervises (the controller)
 
 
 @dataclass
@@ -122,13 +116,16 @@ class Peers:
 
 
 class RLRun:
-    def __init__(self, config: RunConfig, options: RunOptions | None = None) -> None:
+    def __init__(self, config: RunConfig, options: RunOptions | None = None,
+                 output: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self.say = output or say  # where the run's progress lines go (the controller streams them)
         self.options = options or RunOptions()
         self.run_dir = Path(config.run_dir or f"runs/{config.run_id}").resolve()
         self.clock = Clock()
         self.record = RunRecord(config.run_id, config.mode, config.model_dump(mode="json"), time.time())
-        self.state = RunState("running", config.model_dump(mode="json"), uuid.uuid4().hex[:12])
+        self.state = RunState("running", config.model_dump(mode="json"), uuid.uuid4().hex[:12],
+                              driven_by="controller" if self.options.attach_only else "rlfleet run")
         self.stop = asyncio.Event()
         self.interrupted = ""  # why the loop stopped before its budget, when it did
         self.accepted_eval = None
@@ -137,7 +134,6 @@ class RLRun:
         self.trainer_dropped: dict[str, float] = {}  # the trainer's dropped trajectories by reason (its /metrics)
         self.last_gated = 0
         self.feeder = None
-        self.platform: Platform | None = None
         self.resuming = False
         self._trainer_mark: tuple[float, float] | None = None  # (data-wait counter, loop time) last read
         self.loop_started = False  # before it, no loop time is spent (warm start, platform, baseline)
@@ -146,49 +142,31 @@ class RLRun:
     # -- the whole run ------------------------------------------------------------------------
 
     async def run(self) -> dict:
-        self._take_over_run_dir()
-        base = await asyncio.to_thread(self._base_policy)
-        platform, owned = await asyncio.to_thread(self._platform, base)
-        self.platform = platform
-        if self.options.up_only:
-            say(f"platform: up for run {self.config.run_id}; `rlfleet run {self._config_arg()}` attaches to it, "
-                f"`rlfleet down --run-dir {self.run_dir}` stops it")
-            return {}
-        done = asyncio.Event()
-        watching = asyncio.create_task(self._watch_processes(platform, done))
+        """The run on the platform launched in the run directory, which its launcher supervises
+        (restarts are not this run's business): the controller drives runs this way."""
+        state = PlatformState.load(self.run_dir)
         try:
-            async with self._connections(platform.state) as peers:
+            async with self._connections(state) as peers:
                 await self._loop(peers)
         except BaseException as exc:
             self.interrupted = self.interrupted or f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            done.set()
-            await _stopped(watching, "the process watch")
             self.record.wall_s = self.record.wall_s or (self.clock.elapsed() if self.loop_started else 0.0)
             self.record.status = "interrupted" if self.interrupted else "finished"
-            self._save_state()
-            if owned and not self.options.keep_up:
-                await asyncio.to_thread(platform.down)
-            else:
-                say(f"platform: left running; stop it with `rlfleet down --run-dir {self.run_dir}`")
+            self.save_state()
         summary = write_report(self.record, self.run_dir)
         self._print_summary(summary)
-        if self.interrupted:
-            say(f"interrupted ({self.interrupted}) after {self.record.wall_s:.0f} s of loop time; "
-                f"continue with: rlfleet run {self._config_arg()} --resume")
         return summary
 
-    def _config_arg(self) -> str:
-        return self.options.config_path or "CONFIG"
-
-    def _take_over_run_dir(self) -> None:
+    def take_over_run_dir(self) -> None:
         """Decides from the run directory whether this is a new run or the continuation of one."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         previous = RunState.load(self.run_dir)
         if previous is not None and previous.status == "running" and previous.driver_pid > 0 \
                 and start_ticks(previous.driver_pid) == previous.driver_start:
-            raise StartupError(f"another `rlfleet run` (pid {previous.driver_pid}) is driving "
+            driver = "`rlfleet run`" if previous.driven_by == "rlfleet run" else previous.driven_by
+            raise StartupError(f"another {driver} (pid {previous.driver_pid}) is driving "
                                f"{self.run_dir}; stop it first")
         if self.options.resume:
             if previous is None:
@@ -218,10 +196,10 @@ class RLRun:
         self.accepted_regression = eval_from_dict(previous.accepted_regression)
         self.record.accepted_version = previous.accepted_version
         self.last_gated = previous.last_gated
-        say(f"resume: {self.run_dir} at {previous.loop_s:.0f} s of loop time, accepted version "
+        self.say(f"resume: {self.run_dir} at {previous.loop_s:.0f} s of loop time, accepted version "
             f"{previous.accepted_version}, {previous.tasks_published} tasks handed out")
 
-    def _save_state(self) -> None:
+    def save_state(self) -> None:
         s = self.state
         s.status = "interrupted" if self.interrupted else ("finished" if self.record.status == "finished" else "running")
         s.reason = self.interrupted
@@ -236,56 +214,6 @@ class RLRun:
         s.record = asdict(self.record)
         s.driver_pid, s.driver_start = self.driver
         s.save(self.run_dir)
-
-    def _base_policy(self) -> Path:
-        cache = Path(self.config.model_cache_dir).resolve() if self.config.model_cache_dir else self.run_dir.parent / ".cache"
-        return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt, say,
-                                  suite=self.config.suite)
-
-    def platform_config(self, base: Path) -> PlatformConfig:
-        """The launch of this run: the engine pools (canary: rollouts and candidates; fleet: the
-        accepted version, `engines.canary` and `engines.fleet` engines each) serving the base
-        policy, and the run's service sections as resolved."""
-        c = self.config
-        sections = {name: section.model_copy(deep=True) for name, section in c.sections().items()}
-        return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=c.engines.canary + c.engines.fleet,
-                              canary_engines=c.engines.canary,
-                              model_path=str(base), log_format="json", restart=c.restart.model_copy(),
-                              start_timeout_s=c.start_timeout_s, **sections)
-
-    def _platform(self, base: Path):
-        """The platform of this run directory: attached to when it is up, else started (returns it and
-        whether this run owns it)."""
-        wanted = self.platform_config(base)
-        try:
-            running = PlatformState.load(self.run_dir)
-        except StartupError:
-            running = None
-        alive = [p for p in running.processes if is_ours(p)] if running else []
-        if alive:
-            down = [p.name for p in running.processes if not is_ours(p)]
-            if down:
-                raise StartupError(f"the platform in {self.run_dir} is partly down ({', '.join(down)}); "
-                                   f"`rlfleet down --run-dir {self.run_dir}` and run again (add --resume to continue)")
-            differs = _platform_differences(running.config, wanted.model_dump(mode="json"))
-            if differs:
-                raise StartupError(f"the platform running in {self.run_dir} was not started for this config "
-                                   f"({'; '.join(differs)}); stop it with `rlfleet down --run-dir {self.run_dir}`, "
-                                   f"or start it for this run with `rlfleet run {self._config_arg()} --up-only`")
-            say(f"platform: attached to the one running in {self.run_dir}")
-            use_run_secrets(self.run_dir, wanted.run_id)  # call its services with the run's operator certificate
-            attached = Platform(wanted)
-            attached.state = running
-            return attached, False
-        if not self.resuming:
-            removed = clear_run_outputs(self.run_dir)
-            if removed:
-                say(f"platform: starting over in {self.run_dir} (removed the previous run's {', '.join(removed)})")
-        say(f"platform: starting in {self.run_dir} ...")
-        platform = Platform(wanted)
-        platform.up()
-        say("platform: healthy (" + ", ".join(p.name for p in platform.state.processes) + ")")
-        return platform, True
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -324,7 +252,7 @@ class RLRun:
             try:
                 await self._baseline(peers, heldout, regression)
             except Stopped:
-                say("baseline: abandoned (stopping)")
+                self.say("baseline: abandoned (stopping)")
                 return
             self.record.started_unix = time.time()
         # Loop time (the budget, every figure's time axis) starts after the baseline evaluation.
@@ -342,7 +270,7 @@ class RLRun:
         # either way they are not counted as in flight, so the loop does not idle waiting for them.
         observer.groups_done = self.feeder.published
         done = observer.latest_version - self.state.start_version
-        say(f"loop: {c.mode}, G={c.group_size}, {c.trainer.groups_per_step} groups/step, "
+        self.say(f"loop: {c.mode}, G={c.group_size}, {c.trainer.groups_per_step} groups/step, "
             f"budget {c.budget.max_steps} steps or {c.budget.max_minutes:g} min"
             + (f" ({done} steps and {self.clock.elapsed():.0f} s done)" if self.resuming else ""))
         self._trainer_mark = None
@@ -367,7 +295,7 @@ class RLRun:
             self.stop.set()
             for name, task in background.items():
                 # The worker lets running groups finish (its drain_timeout_s, 30 s) before it returns.
-                await _stopped(task, name, timeout_s=60.0 if task is background["the rollout worker"] else 15.0)
+                await _stopped(task, name, say=self.say, timeout_s=60.0 if task is background["the rollout worker"] else 15.0)
             await observer.stop()
         await self._measure_trainer_idle(peers)
         if self.interrupted:
@@ -385,14 +313,14 @@ class RLRun:
         trainer = await _rpc(peers.trainer.GetStatus, trainer_pb2.GetStatusRequest(), timeout_s=30)
         self.state.start_version = max(0, trainer.policy_version)
         self.record.accepted_version = self.last_gated = version
-        say(f"baseline: evaluating version {version} on {len(heldout)} held-out and {len(regression)} "
+        self.say(f"baseline: evaluating version {version} on {len(heldout)} held-out and {len(regression)} "
             f"regression tasks ...")
         # A stop during the baseline abandons it (Stopped): a resumed run evaluates it again.
         baseline = await self._unless_stopped(self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet"))
         self.accepted_regression = await self._unless_stopped(
             self._evaluate(peers, regression, version, "regression", "baseline", "fleet")) if regression else None
         self.accepted_eval = baseline
-        say(f"baseline: held-out success {self.accepted_eval.success:.3f}")
+        self.say(f"baseline: held-out success {self.accepted_eval.success:.3f}")
         for result in (self.accepted_eval, self.accepted_regression):
             if result is not None:
                 result.elapsed_s = 0.0  # the start of loop time
@@ -546,7 +474,7 @@ class RLRun:
                 if regression and decision is None else None
         except Stopped:
             self.last_gated = previous  # not decided: a resumed run gates this version again
-            say(f"gate: evaluation of version {version} abandoned (stopping)")
+            self.say(f"gate: evaluation of version {version} abandoned (stopping)")
             return
         decision = decision or decide(self.config.gate, candidate, self.accepted_eval, cand_reg,
                                       self.accepted_regression)
@@ -556,13 +484,13 @@ class RLRun:
         self.record.gate.append(GateDecision(version, decision.accepted, decision.reasons, self.clock.elapsed(),
                                              decision.check_dicts(), decision.tasks, decision.early))
         verdict = "accepted" if decision.accepted else "refused"
-        say(f"gate: version {version} {verdict}:\n  " + "\n  ".join(decision.reasons))
+        self.say(f"gate: version {version} {verdict}:\n  " + "\n  ".join(decision.reasons))
         if decision.accepted:
             await _rpc(peers.broker.Promote, broker_pb2.PromoteRequest(version=version, reason="; ".join(decision.reasons)))
             self.accepted_eval, self.accepted_regression = candidate, cand_reg
             self.record.accepted_version = version
         self._account_long_tail()
-        self._save_state()
+        self.save_state()
 
     async def _evaluate_candidate(self, peers, heldout, version: int) -> tuple[EvalResult, Decision | None]:
         """The candidate on the held-out set in the gate's slices, paired with the accepted version's
@@ -612,12 +540,12 @@ class RLRun:
         report = await _rpc(peers.verifier.Audit, request, timeout_s=c.timeout_s, within_s=2 * c.timeout_s)
         result = audit_result(report, when, c)
         self.record.audits.append(asdict(result))
-        say(result.line())
+        self.say(result.line())
         if not result.breaches:
             return True
         self.record.stop_rule = f"verifier audit {when}: " + "; ".join(result.breaches)
         self.interrupted = f"stop rule: {self.record.stop_rule}"
-        say(f"stop rule: {self.record.stop_rule}; stopping the run (disagreements: "
+        self.say(f"stop rule: {self.record.stop_rule}; stopping the run (disagreements: "
             f"{', '.join(result.disagreements) or '-'})")
         self.stop.set()
         return False
@@ -637,10 +565,10 @@ class RLRun:
         self.record.stop_rule = account.message
         self.record.notes.append(f"stop rule: {account.message}")
         if c.action == "stop":
-            say(f"stop rule: {account.message}; stopping the loop (long_tail.action = \"stop\")")
+            self.say(f"stop rule: {account.message}; stopping the loop (long_tail.action = \"stop\")")
             self.stop.set()
         else:
-            say(f"stop rule: {account.message} (reported only: long_tail.action = \"report\")")
+            self.say(f"stop rule: {account.message} (reported only: long_tail.action = \"report\")")
 
     async def _unless_stopped(self, work):
         """`await work`, abandoned (cancelled, `Stopped` raised) as soon as the stop is set: an
@@ -705,7 +633,7 @@ class RLRun:
             try:
                 status = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
             except grpc.aio.AioRpcError as exc:
-                say(f"[{self.clock.elapsed():5.0f}s] the trainer is not answering ({exc.code().name}); "
+                self.say(f"[{self.clock.elapsed():5.0f}s] the trainer is not answering ({exc.code().name}); "
                     f"see {self.run_dir / 'logs' / 'trainer.log'}")
                 continue
             await self._measure_trainer_idle(peers)
@@ -715,7 +643,7 @@ class RLRun:
             pauses = sorted(self.record.weight_pauses_s[-20:])
             pause = pauses[len(pauses) // 2] * 1000 if pauses else 0.0
             rate = observer.train_trajectories / max(self.clock.elapsed(), 1e-9)
-            say(f"[{self.clock.elapsed():5.0f}s] step {status.step:3d}  v{status.policy_version:<3d} "
+            self.say(f"[{self.clock.elapsed():5.0f}s] step {status.step:3d}  v{status.policy_version:<3d} "
                 f"reward {reward:.2f}  held-out {self.accepted_eval.success:.2f} (accepted v{self.record.accepted_version})  "
                 f"staleness max {stale}  {rate:.1f} traj/s  pause p50 {pause:.0f} ms  "
                 f"trainer idle {self.record.trainer_idle_fraction:.0%}")
@@ -727,7 +655,7 @@ class RLRun:
         accepted = self.record.accepted_version
         if not await self._wait_served(peers, accepted, pool="fleet", until_stopped=False):
             self.record.notes.append(f"the fleet did not serve version {accepted} in time for the final evaluation")
-        say(f"final: evaluating the accepted version {accepted} on the held-out split ...")
+        self.say(f"final: evaluating the accepted version {accepted} on the held-out split ...")
         await self._evaluate(peers, heldout, accepted, "heldout", "final", "fleet")
         if regression:
             await self._evaluate(peers, regression, accepted, "regression", "final", "fleet")
@@ -737,33 +665,12 @@ class RLRun:
 
         try:
             done = await peers.trainer.Checkpoint(trainer_pb2.CheckpointRequest(), timeout=60)
-            say(f"checkpoint: step {done.step}, version {done.policy_version}")
+            self.say(f"checkpoint: step {done.step}, version {done.policy_version}")
         except grpc.aio.AioRpcError as exc:
             # A trainer that is gone keeps its last checkpoint; the steps after it are redone from
             # the trajectories JetStream still holds for it, exactly once.
             self.record.notes.append(f"no checkpoint at the interruption ({exc.code().name}): the trainer "
                                      "resumes from its last one")
-
-    async def _watch_processes(self, platform: Platform, done: asyncio.Event) -> None:
-        """From the baseline to the final evaluation: a platform process that dies is started again
-        on its own ports (the launcher's restart policy) and the run goes on; with restarts turned
-        off, a death stops the run as interrupted (the run directory can resume it)."""
-
-        while not done.is_set():
-            gone = [p.name for p in platform.state.processes if not is_ours(p)]
-            if gone and (not platform.config.restart.enabled or platform.stopping()):
-                self.interrupted = f"{', '.join(gone)} stopped running" + (
-                    " (`rlfleet down`)" if platform.stopping() else "")
-                say(f"[{self.clock.elapsed():5.0f}s] {self.interrupted}; stopping the run (see "
-                    f"{self.run_dir / 'logs'})")
-                self.stop.set()
-                return
-            if gone or platform.restarting():
-                for event in await asyncio.to_thread(platform.restart_dead, wait=False):
-                    say(f"[{self.clock.elapsed():5.0f}s] {event}")
-                    self.record.notes.append(event)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), 0.5)
 
     async def _supervised(self, name: str, part) -> None:
         """Runs one background part of the loop until the stop. A part that fails is said loudly
@@ -778,7 +685,7 @@ class RLRun:
                 raise
             except Exception as exc:
                 line = f"{name} failed ({type(exc).__name__}: {exc}); starting it again in {delay:.1f} s"
-                say(f"[{self.clock.elapsed():5.0f}s] {line}")
+                self.say(f"[{self.clock.elapsed():5.0f}s] {line}")
                 log.error("%s failed", name, exc_info=exc)
                 self.record.notes.append(line)
             with contextlib.suppress(TimeoutError):
@@ -790,47 +697,48 @@ class RLRun:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), every_s)
             if not self.stop.is_set():
-                self._save_state()
+                self.save_state()
 
     def _print_summary(self, summary: dict) -> None:
         rows = summary["baseline_vs_rl"]
-        say("")
-        say(f"run {summary['run_id']} ({summary['mode']}): {summary['steps']} steps in {summary['wall_s']:.0f} s, "
+        self.say("")
+        self.say(f"run {summary['run_id']} ({summary['mode']}): {summary['steps']} steps in {summary['wall_s']:.0f} s, "
             f"accepted version {summary['accepted_version']}")
         for name, row in rows.items():
-            say(f"  {name:12s} held-out success {row['task_success']:.3f}  invalid tool calls/ep "
+            self.say(f"  {name:12s} held-out success {row['task_success']:.3f}  invalid tool calls/ep "
                 f"{row['invalid_tool_calls_per_episode']:.3f}  time {row['time_to_completion_s']:.2f} s  "
                 f"turns {row['interactions_per_episode']:.2f}  safety {row['safety_violations_per_episode']:.3f}")
         for d in summary["gate"]:
             success = next((c for c in d.get("checks", []) if c["name"] == "held-out success"), None)
             interval = f" gain {success['estimate']:+.3f} [{success['low']:+.3f}, {success['high']:+.3f}]" if success else ""
             refused = [c["name"] for c in d.get("checks", []) if not c["passed"]]
-            say(f"  gate v{d['version']:<4d} {'accepted' if d['accepted'] else 'refused '} on {d.get('tasks', 0)} "
+            self.say(f"  gate v{d['version']:<4d} {'accepted' if d['accepted'] else 'refused '} on {d.get('tasks', 0)} "
                 f"paired tasks{' (early)' if d.get('early') else ''}:{interval}"
                 + (f"  refused by: {', '.join(refused)}" if refused else ""))
         for audit in summary["verifier_audits"]:
-            say(f"  verifier audit ({audit['when']}): n {audit['n']}  FP rate {audit['false_positive_rate']:.3f}  "
+            self.say(f"  verifier audit ({audit['when']}): n {audit['n']}  FP rate {audit['false_positive_rate']:.3f}  "
                 f"FN rate {audit['false_negative_rate']:.3f}")
         if summary["long_tail"]:
-            say(f"  long tail: {summary['long_tail']['message']}")
+            self.say(f"  long tail: {summary['long_tail']['message']}")
         if summary["stop_rule"]:
-            say(f"  stop rule: {summary['stop_rule']}")
+            self.say(f"  stop rule: {summary['stop_rule']}")
         episodes = summary.get("episodes") or {}
         if episodes:
             tools = ", ".join(f"{t} {n:.2f}" for t, n in episodes["tool_calls_per_episode"].items())
             phases = episodes["phase_s_per_episode"]
-            say(f"  tool calls per episode ({episodes['episodes']} training episodes): {tools or 'none'}")
-            say(f"  time per episode: sandbox create+destroy {phases['sandbox_create_destroy']:.2f} s, tool execs "
+            self.say(f"  tool calls per episode ({episodes['episodes']} training episodes): {tools or 'none'}")
+            self.say(f"  time per episode: sandbox create+destroy {phases['sandbox_create_destroy']:.2f} s, tool execs "
                 f"{phases['tool_execs']:.2f} s, generation {phases['generation']:.2f} s, verification "
                 f"{phases['verification']:.2f} s (sandbox time p50 {episodes['sandbox_s_per_episode']['p50']:.2f} s)")
             for bucket in episodes["verifier_reasons_over_time"]:
                 reasons = ", ".join(f"{k} {v}" for k, v in sorted(bucket["reasons"].items())) or "none"
-                say(f"  [{bucket['from_s']:5.0f}s] {bucket['passed']}/{bucket['episodes']} passed; failure reasons: "
+                self.say(f"  [{bucket['from_s']:5.0f}s] {bucket['passed']}/{bucket['episodes']} passed; failure reasons: "
                     f"{reasons}")
-        say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
+        self.say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
 
 
-async def _stopped(task: asyncio.Task, what: str, timeout_s: float = 90.0) -> None:
+async def _stopped(task: asyncio.Task, what: str, timeout_s: float = 90.0,
+                   say: Callable[[str], None] = say) -> None:
     """Waits for a background task that was told to stop; one that failed says so (never silently),
     one that does not stop in time is cancelled."""
     try:
@@ -879,7 +787,7 @@ def trainer_dropped(metrics_text: str) -> dict[str, float]:
     return found
 
 
-def _platform_differences(running: dict, wanted: dict) -> list[str]:
+def platform_differences(running: dict, wanted: dict) -> list[str]:
     """What in the running platform's launch config would make it a different platform for this run."""
     keys = ("run_id", "engines", "canary_engines", "model_path", *SECTIONS.values())
     have = dict(flatten_keys({k: running.get(k) for k in keys}))
@@ -888,52 +796,3 @@ def _platform_differences(running: dict, wanted: dict) -> list[str]:
             for key in sorted(set(have) | set(need)) if have.get(key) != need.get(key)]
 
 
-SIGNALLED = "stopped by a signal"
-FLAGS = {"--resume": "resume", "--fresh": "fresh", "--keep-up": "keep_up", "--up-only": "up_only"}
-USAGE = """rlfleet run CONFIG [--resume | --fresh] [--keep-up | --up-only] [config flags]
-
-  --resume    continue the interrupted run in the run directory from its last checkpoint
-  --fresh     discard an interrupted run in the run directory and start over
-  --keep-up   leave the platform running when the run ends (the next run attaches to it)
-  --up-only   bring the platform up for this config and return (a later run attaches to it)
-"""
-
-
-def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(USAGE)
-    options = RunOptions(**{FLAGS[a]: True for a in argv if a in FLAGS})
-    argv = [a for a in argv if a not in FLAGS]
-    if options.resume and options.fresh:
-        raise StartupError("--resume and --fresh contradict each other: choose one")
-    if argv and not argv[0].startswith("-"):
-        options.config_path = argv[0]
-        argv = ["--config", argv[0], *argv[1:]]
-    config = load_config(RunConfig, argv, prog="rlfleet run")
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    run = RLRun(config, options)
-
-    async def go() -> dict:
-        loop = asyncio.get_running_loop()
-        main_task = asyncio.current_task()
-
-        def interrupt() -> None:
-            if run.stop.is_set():  # a second Ctrl-C: stop waiting for the orderly end
-                main_task.cancel()
-                return
-            run.interrupted = run.interrupted or SIGNALLED
-            say("stopping (Ctrl-C again to stop at once) ...")
-            run.stop.set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, interrupt)
-        return await run.run()
-
-
-    try:
-        uvloop.run(go())
-    except asyncio.CancelledError:
-        return 130
-    if run.interrupted:
-        return 130 if run.interrupted == SIGNALLED else 1
-    return 0

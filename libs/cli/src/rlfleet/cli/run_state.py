@@ -61,6 +61,7 @@ class RunState:
     resumes: list[float] = field(default_factory=list)  # loop time of each resume
     driver_pid: int = 0             # the `rlfleet run` writing this state, and its start time: two
     driver_start: int = 0           # drivers on one run directory would hand out tasks twice
+    driven_by: str = "rlfleet run"  # "controller": the controller service drives it, and resumes it on its start
     record: dict[str, Any] = field(default_factory=dict)
 
     def save(self, run_dir: Path) -> None:

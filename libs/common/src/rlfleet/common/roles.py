@@ -18,6 +18,9 @@ from rlfleet.common.security import ENVIRONMENT, OPERATOR, SERVICE, Principal
 ENV_CLIENT = frozenset({ENVIRONMENT, OPERATOR, SERVICE})  # an environment client's own work
 ADMIN = frozenset({OPERATOR, SERVICE})  # the platform's machinery: operators and services
 OPERATOR_ONLY = frozenset({OPERATOR})
+# The run's control: the operator, and the controller service that drives runs for it (it audits the
+# verifier, moves the gateway's admission with each version, hands out tasks and promotes).
+CONTROL = frozenset({OPERATOR, "service:controller"})
 
 
 def _service(name: str, **methods: frozenset[str]) -> dict[str, frozenset[str]]:
@@ -32,12 +35,12 @@ RULES: dict[str, frozenset[str]] = {
                CreateSandbox=ENV_CLIENT, Exec=ENV_CLIENT, WriteFiles=ENV_CLIENT, ReadFiles=ENV_CLIENT,
                ListFiles=ENV_CLIENT, GetSandbox=ENV_CLIENT, DestroySandbox=ENV_CLIENT),
     **_service("rlfleet.verifier.v1.VerifierService",
-               Verify=ENV_CLIENT, GetVerdict=ENV_CLIENT, Audit=OPERATOR_ONLY),
+               Verify=ENV_CLIENT, GetVerdict=ENV_CLIENT, Audit=CONTROL),
     # Engines draw the policy's tokens: registering, pausing or routing them is the platform's.
     **_service("rlfleet.gateway.v1.GatewayService",
                Generate=ADMIN, RegisterEngine=ADMIN, DeregisterEngine=ADMIN, ListEngines=ADMIN,
                PauseEngines=ADMIN, ResumeEngines=ADMIN, UpdateEngineState=ADMIN, Admit=ADMIN, Release=ADMIN,
-               SetAdmissionPolicy=OPERATOR_ONLY, GetAdmissionStatus=ADMIN),
+               SetAdmissionPolicy=CONTROL, GetAdmissionStatus=ADMIN),
     # Only the trainer publishes policy versions; promotion and rollback are operator or service rights.
     **_service("rlfleet.broker.v1.BrokerService",
                PublishVersion=frozenset({OPERATOR, "service:trainer"}), GetStatus=ADMIN, ListVersions=ADMIN,
@@ -47,6 +50,9 @@ RULES: dict[str, frozenset[str]] = {
                FinishTrainerSync=frozenset({OPERATOR, "service:trainer"})),
     **_service("rlfleet.trainer.v1.TrainerService",
                GetStatus=ADMIN, Checkpoint=ADMIN, Pause=ADMIN, Resume=ADMIN),
+    # Starting and stopping a run is the operator's; services may look at it.
+    **_service("rlfleet.controller.v1.RunControl",
+               StartRun=OPERATOR_ONLY, StopRun=OPERATOR_ONLY, GetRun=ADMIN, WatchRun=ADMIN),
 }
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."

@@ -1,0 +1,1 @@
+"""rlfleet controller: the run's control as a service."""

@@ -1,0 +1,42 @@
+"""The controller service process: the RunControl component and its gRPC servicer; the run it was
+driving when it stopped is continued on start."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rlfleet.api.controller.v1 import controller_pb2, controller_pb2_grpc
+from rlfleet.common.config import require
+from rlfleet.common.grpc_server import GrpcServer
+from rlfleet.common.service import App
+from rlfleet.controller.config import ControllerConfig
+from rlfleet.controller.metrics import ControllerMetrics
+from rlfleet.controller.run_control import RunControl
+from rlfleet.controller.servicer import RunControlServicer
+
+SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["RunControl"].full_name
+log = logging.getLogger(__name__)
+
+
+class ControllerApp(App):
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.control: RunControl | None = None
+
+    async def start(self, server: GrpcServer) -> None:
+        require(self.config.run_dir, "run_dir")
+        self.control = RunControl(Path(self.config.run_dir), self.config.run_id, self.config.keep_lines,
+                                  ControllerMetrics())
+        server.add(controller_pb2_grpc.add_RunControlServicer_to_server, RunControlServicer(self.control),
+                   SERVICE_NAME)
+        if self.config.resume_on_start and self.control.resume_on_start():
+            log.info("resumed the run this controller was driving", extra={"run_dir": self.config.run_dir})
+
+    async def stop(self) -> None:
+        if self.control is not None:
+            await self.control.close()
+
+
+def build(config: ControllerConfig) -> ControllerApp:
+    return ControllerApp(config)
