@@ -15,11 +15,12 @@ run: install
 run-code: install
 	$(VENV)/bin/rlfleet run examples/code.toml $(RUN_ARGS)
 
+# The chaos run (tests/integration/test_chaos.py, 3-8 minutes here) is part of it.
 test: install
-	$(PY) -m pytest -m "not gpu and not chaos" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
-# Every service, NATS and Redis SIGKILLed once in one run; prints the recovery table (CHAOS_SEED=random
-# draws the kill order and moments).
+# The chaos run alone: every service, NATS and Redis SIGKILLed once in one run; prints the recovery
+# table (CHAOS_SEED=random draws the kill order and moments).
 chaos: install
 	CHAOS_SEED=$${CHAOS_SEED:-7} $(PY) -m pytest -m chaos -s tests/integration/test_chaos.py $(PYTEST_ARGS)
 
