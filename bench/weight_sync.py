@@ -40,15 +40,17 @@ trainer service run (`rlfleet.broker.transports`, `rlfleet.weights.p2p` / `tenso
   disk_full   the store writes a full checkpoint; the engine pauses, reads and verifies it, swaps
   disk_delta  the store writes a bf16 delta; the engine fetches + decodes it while serving, pauses to swap
   broadcast   the trainer (this process, rank 0) broadcasts bf16 tensors over gloo; the engine
-              receives while serving, hashes what it got, pauses to swap; checksums compared
+              receives into staging while serving, hashes and casts it; the flip checks the
+              trainer's checksums and pauses for the pointer swap alone
   p2p         the trainer writes into the engine's Mooncake staging (tcp on loopback); the engine
-              verifies staging against the trainer's checksums, pauses to copy it in
+              verifies staging against the trainer's checksums and casts it, pauses to swap
   tensor      the trainer puts the tensors in shared memory; update_weights_from_tensor hands over
               the handles, the engine copies + hashes, pauses to swap
 
 For each: `e2e` = from the trainer holding the new version (the optimizer step done) to the engine
-answering that it serves it, including the store write for the disk paths (for the direct ones the
-store write also happens in the trainer service, before the send: shown apart as `store write`);
+answering that it serves it, including the store write: before the load for the disk paths, beside
+the transfer for the direct ones (as the trainer service does: the flip waits for the write; its
+time shown as `store write`);
 `pause` = the engine's own pause (its reply's `pause_s`; the full reload is timed around the whole
 paused load); `moved` = bytes that travelled to the engine for this update.
 
@@ -317,6 +319,7 @@ async def run_transports(name: str, steps: int, workdir: Path) -> list[Transport
     engine = EngineRef(name, engine_proc.url, "fleet", kind="cpu")
     delta, full = DiskDelta(pools), DiskFull(pools, Pauser(pools, None))
     peer, tensor = PeerCommit(pools, "retract"), TensorHandOver(pools, "retract")
+    staged_flip = PeerCommit(pools, "retract", source="distributed")
     agent = TransferAgent()
     p2p = P2PSender(agent)
     rows: list[TransportRow] = []
@@ -326,6 +329,10 @@ async def run_transports(name: str, steps: int, workdir: Path) -> list[Transport
         trainer = await asyncio.to_thread(Trainer, model_dir, store, full_store, 1e-5)
         params_m = sum(p.numel() for p in trainer.model.parameters()) / 1e6
         await asyncio.to_thread(store.write_version, 0, trainer.model.state_dict())
+        beside_stores = {t: DirectoryWeightStore(workdir / "store", f"t-{name}-{t}", full_every=10**6,
+                                                 max_delta_fraction=10.0) for t in ("broadcast", "p2p", "tensor")}
+        for beside_store in beside_stores.values():
+            await asyncio.to_thread(beside_store.write_version, 0, trainer.model.state_dict())
         (first,) = await full.update([engine], VersionInfo.from_store(store, 0))
         assert first.ok, first.message
         endpoint = Endpoint.from_json(await pools.client(engine).transfer_engine_info(0))
@@ -355,31 +362,45 @@ async def run_transports(name: str, steps: int, workdir: Path) -> list[Transport
             (d,) = await delta.update([engine], VersionInfo.from_store(store, version))
             assert d.ok, d.message
             row("disk_delta", time.perf_counter() - started, d.pause_s, d.bytes, write_delta)
-            info = VersionInfo.from_store(store, version)
-            # broadcast
+            # The direct transports, as the trainer service sends (`weight_send.beside_store`): the
+            # transfer into the engine's staging and this version's store write (each transport its
+            # own store, so each writes the version once) side by side; the flip once both are done.
+            def beside(transport: str, version: int = version, state: dict = state) -> asyncio.Task:
+                return asyncio.create_task(asyncio.to_thread(timed, beside_stores[transport].write_version,
+                                                             version, state))
+
+            # broadcast: staged on the engine (update_weights_from_distributed?staged=1), then flipped in
             started = time.perf_counter()
+            writing = beside("broadcast")
             named = served_named(state)
             sums = tensor_checksums(named)
-            outcome = await broadcast_update(pools, engine, named, sums, info)
-            row("broadcast", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_delta)
+            received = await broadcast_update(pools, engine, named, sums, version)
+            write_s = await writing
+            outcome = await staged_flip.commit(engine, version, sums, "sha256", received.bytes)
+            assert outcome.ok, outcome.message
+            row("broadcast", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
             # p2p
             started = time.perf_counter()
+            writing = beside("p2p")
             named = served_named(state)
             sums = tensor_checksums(named)
             by_name = dict(named)
             report = await asyncio.to_thread(p2p.send, {n: by_name[n] for n in endpoint.tensors}, endpoint)
+            write_s = await writing
             outcome = await peer.commit(engine, version, sums, "sha256", report.bytes_sent)
             assert outcome.ok, outcome.message
-            row("p2p", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_delta)
+            row("p2p", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
             # tensor
             started = time.perf_counter()
+            writing = beside("tensor")
             named = served_named(state)
             sums = tensor_checksums(named)
             shared = await asyncio.to_thread(SharedTensors, named)
+            write_s = await writing
             outcome = await tensor.update(engine, version, [shared.payload], sums, nbytes(named))
             shared.close()
             assert outcome.ok, outcome.message
-            row("tensor", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_delta)
+            row("tensor", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
             del state
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
@@ -388,14 +409,21 @@ async def run_transports(name: str, steps: int, workdir: Path) -> list[Transport
     return rows
 
 
-async def broadcast_update(pools, engine, named, sums, info):
-    from rlfleet.broker.transports import BroadcastPlan, Distributed
+def timed(fn, *args) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
+
+
+async def broadcast_update(pools, engine, named, sums, version: int):
+    """The engine receives a staged broadcast (hashed, not yet served); the caller flips it in."""
+    from rlfleet.broker.transports import BroadcastPlan, Distributed, VersionInfo
     from rlfleet.weights import broadcast as distributed
 
     port = free_port()
     plan = BroadcastPlan("127.0.0.1", port, f"bench-{port}", "gloo", [n for n, _ in named],
                          [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named],
-                         checksums=sums, pause_mode="retract")  # fmt: skip
+                         checksums=sums, pause_mode="retract", staged=True)  # fmt: skip
 
     def send() -> None:
         group = distributed.join_group("127.0.0.1", port, 0, 2, plan.group_name, "gloo", 120.0)
@@ -404,12 +432,13 @@ async def broadcast_update(pools, engine, named, sums, info):
         finally:
             distributed.leave_group(group)
 
+    info = VersionInfo(version, "", "", None, plan.nbytes, plan.nbytes, None)
     receiving = asyncio.create_task(Distributed(pools, plan).update([engine], info))
     sender = threading.Thread(target=send)
     sender.start()
     (outcome,) = await receiving
     await asyncio.to_thread(sender.join)
-    assert outcome.ok, outcome.message
+    assert outcome.ok and outcome.reply.get("staged"), outcome.message
     return outcome
 
 

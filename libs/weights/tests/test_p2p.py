@@ -120,3 +120,69 @@ def test_the_endpoint_reads_and_writes_sglangs_remote_instance_shape():
     assert endpoint.to_json() == body
     with pytest.raises(P2PError, match="not a transfer-engine endpoint"):
         Endpoint.from_json({"remote_instance_transfer_engine_info": ["x"]})
+
+
+def _rank(rank: int, port: int, endpoint_json: dict, version: dict[str, torch.Tensor], conn: Any) -> None:
+    """One rank of a two-rank FSDP-style trainer: its dim-0 shards as DTensors, sent by itself."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from rlfleet.weights.p2p import local_shards
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        state = {n: distribute_tensor(t, mesh, [Replicate() if t.dim() == 0 or n == "layer.q.bias" else Shard(0)])
+                 for n, t in version.items()}  # fmt: skip
+        endpoint = Endpoint.from_json(endpoint_json)
+        shards = local_shards(state, endpoint.tensors, dtype=None, rank=rank)
+        sender = P2PSender(TransferAgent(), bucket_bytes=1 << 10)
+        report = sender.send_shards(shards, endpoint)
+        sender.close()
+        dist.barrier()
+        conn.send((rank, report.bytes_sent, {n: sh.byte_offset for n, sh in shards.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_writes_its_own_shard_at_its_offset_and_the_receiver_gets_the_whole_version(receiver):
+    """Two trainer ranks, each holding dim-0 shards (an odd row count too: uneven pieces) and one
+    replicated tensor, write only their own bytes; the receiver verifies the assembled tensors
+    against the whole tensors' checksums."""
+    from rlfleet.common.processes import free_port
+    from rlfleet.weights.codec import checksum
+    from rlfleet.weights.torch_io import byte_view
+
+    conn, endpoint, _ = receiver
+    version = _version(7)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    port = free_port()
+    ranks = [ctx.Process(target=_rank, args=(r, port, endpoint.to_json(), version, child), daemon=True)
+             for r in (0, 1)]  # fmt: skip
+    for p in ranks:
+        p.start()
+    try:
+        reports = {}
+        for _ in ranks:
+            assert parent.poll(120), "a rank did not report"
+            rank, sent, offsets = parent.recv()
+            reports[rank] = (sent, offsets)
+    finally:
+        for p in ranks:
+            p.join(30)
+    whole = sum(t.numel() * t.element_size() for t in version.values())
+    assert reports[0][0] + reports[1][0] == whole  # every byte once, no rank sent the rest's
+    assert reports[1][1]["embed.weight"] == 48 * 32 * 2 and "layer.q.bias" not in reports[1][1]
+    assert reports[1][1]["norm.weight"] == 17 * 2  # 33 rows: 17 on rank 0, 16 on rank 1
+    sums = {n: checksum(byte_view(t), "sha256") for n, t in version.items()}
+    conn.send(("verify", sums, "sha256"))
+    status, got = conn.recv()
+    assert status == "ok", got
+    for name, t in version.items():
+        assert torch.equal(torch.tensor(got[name], dtype=torch.float32), t.float()), name

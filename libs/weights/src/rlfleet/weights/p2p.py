@@ -267,3 +267,82 @@ class P2PSender:
             sent += pending
         checksums = {n: checksum(byte_view(v), self.algorithm) for n, v in self._views.items()}
         return SendReport(sent, time.perf_counter() - started, checksums, self.algorithm)
+
+    def send_shards(self, shards: Mapping[str, Shard], endpoint: Endpoint) -> SendReport:
+        """Writes this rank's pieces of the version (`local_shards`) into the endpoint's staging, each
+        at its byte offset inside the receiver's tensor: every rank of a sharded trainer sends its own
+        bytes, side by side, and no rank gathers the rest. The checksums are the whole tensors' (from
+        whoever holds them, e.g. rank 0's gathered state for the store), so the receiver checks the
+        assembled transfer; the report's are this rank's pieces only."""
+        wrong = [n for n, sh in shards.items() if n not in endpoint.tensors
+                 or sh.byte_offset + sh.tensor.numel() * sh.tensor.element_size() > endpoint.tensors[n].nbytes]
+        if wrong:
+            raise LayoutMismatch(f"{len(wrong)} shard(s) do not fit the receiver's tensors: {wrong[:5]}")
+        started = time.perf_counter()
+        self._pack({n: sh.tensor for n, sh in shards.items()})
+        assert self._flat is not None
+        base, sent = self._flat.data_ptr(), 0
+        sources: list[int] = []
+        destinations: list[int] = []
+        lengths: list[int] = []
+        for name, shard in shards.items():
+            offset, nbytes = self._offsets[name]
+            if not nbytes:
+                continue
+            sources.append(base + offset)
+            destinations.append(endpoint.tensors[name].ptr + shard.byte_offset)
+            lengths.append(nbytes)
+            if sum(lengths) >= self.bucket_bytes:
+                self._agent.write(endpoint.session_id, sources, destinations, lengths)
+                sent += sum(lengths)
+                sources, destinations, lengths = [], [], []
+        if lengths:
+            self._agent.write(endpoint.session_id, sources, destinations, lengths)
+            sent += sum(lengths)
+        checksums = {n: checksum(byte_view(v), self.algorithm) for n, v in self._views.items()}
+        return SendReport(sent, time.perf_counter() - started, checksums, self.algorithm)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's contiguous piece of a tensor: its bytes start `byte_offset` into the whole tensor."""
+
+    tensor: torch.Tensor
+    byte_offset: int
+
+
+def local_shards(state: Mapping[str, Any], names: Any, dtype: torch.dtype | None = torch.bfloat16,
+                 rank: int = 0) -> dict[str, Shard]:
+    """This rank's pieces of `state` (FSDP2's DTensors, sharded on dim 0 or replicated; plain tensors
+    count as replicated) for the tensors in `names`, floating ones cast to `dtype`. A dim-0 shard is a
+    contiguous row range, so its bytes sit at one offset in the receiver's tensor; a replicated tensor
+    is sent by rank 0 alone."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as DimShard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out: dict[str, Shard] = {}
+    wanted = set(names)
+    for name, value in state.items():
+        if name not in wanted:
+            continue
+        if isinstance(value, DTensor):
+            placements = value.placements
+            if not all(isinstance(p, Replicate) or (isinstance(p, DimShard) and p.dim == 0) for p in placements):
+                raise P2PError(f"{name}: placements {placements} are not dim-0 shards or replicas")
+            if all(isinstance(p, Replicate) for p in placements) and rank != 0:
+                continue
+            _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, placements)
+            local, first_row = value.to_local(), int(offset[0]) if len(offset) else 0
+        elif rank != 0:
+            continue
+        else:
+            local, first_row = value, 0
+        local = local.detach()
+        if dtype is not None and local.is_floating_point():
+            local = local.to(dtype)
+        row_values = 1
+        for size in value.shape[1:]:
+            row_values *= size
+        out[name] = Shard(local.contiguous(), first_row * row_values * local.element_size())
+    return out

@@ -791,6 +791,7 @@ class EngineServer:
                 old.extend(self.runner.parameter(name).data for name, _ in prepared)
                 success, message = self.scheduler.adopt_weights(prepared, version)
                 if success:
+                    old.append(self.store.served)  # the store's copy of the old version: freed after too
                     self.store.forget()  # no longer the exact bytes of a weight-store version
             finally:
                 if own_pause:
