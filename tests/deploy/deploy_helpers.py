@@ -49,6 +49,7 @@ CONFIG_MODELS = {
     "verifier": ("rlfleet.verifier.config", "VerifierConfig"),
     "weight-broker": ("rlfleet.broker.config", "WeightBrokerConfig"),
     "trainer": ("rlfleet.trainer.service_config", "TrainerConfig"),
+    "controller": ("rlfleet.controller.config", "ControllerConfig"),
     "worker": ("rlfleet.envkit.worker_config", "WorkerConfig"),
 }
 

@@ -139,7 +139,8 @@ def test_generated_configs_bind_loopback_on_distinct_ports_and_name_their_peers(
         for key, value in data.items():
             if key.endswith("_address") and value:
                 peer = key.removesuffix("_address").replace("_", "-")
-                peer = {"session": "session-server", "sandbox": "sandbox-manager", "gateway": "rollout-gateway"}.get(peer, peer)
+                peer = {"session": "session-server", "sandbox": "sandbox-manager", "gateway": "rollout-gateway",
+                            "broker": "weight-broker"}.get(peer, peer)
                 assert value == f"127.0.0.1:{ports[peer]}", f"{name}.{key}"
     gateway = json.loads((out / "config" / "rollout-gateway.json").read_text())
     assert [e["url"] for e in gateway["engines"]] == [f"http://127.0.0.1:{ports['engine-0']}"]

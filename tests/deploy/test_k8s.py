@@ -405,9 +405,14 @@ GRAPH = {
     ("worker", "verifier", 50051), ("trainer", "trainer", 29400), ("trainer", "trainer", 29500),
     ("trainer", "weight-broker", 50051),  # trainer-sent weights ask the broker for a plan
     ("rollout-gateway", "engine", 30000), ("weight-broker", "engine", 30000),
+    # The run's control: tasks and streams, admission, episodes (its rollout worker and evaluations),
+    # audits, the trainer's status and data-wait counter, versions and promotion.
+    ("controller", "nats", 4222), ("controller", "rollout-gateway", 50051), ("controller", "session-server", 50051),
+    ("controller", "sandbox-manager", 50051), ("controller", "verifier", 50051), ("controller", "trainer", 50051),
+    ("controller", "trainer", 9464), ("controller", "weight-broker", 50051),
 }
 PODS = ("nats", "redis", "rollout-gateway", "session-server", "sandbox-manager", "verifier", "trainer",
-        "weight-broker", "worker", "engine")
+        "weight-broker", "worker", "engine", "controller")
 
 
 def _labels(pod: str) -> dict[str, str]:

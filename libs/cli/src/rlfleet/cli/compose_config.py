@@ -60,7 +60,8 @@ PORTS = ("nats", "nats-monitor", "redis", ENGINE, f"{ENGINE}-metrics",
 RESERVED = {4222, 6379, 8222}  # the host's own NATS/Redis (and NATS monitoring) defaults
 # The gRPC identity (rlfleet.common.security) of each service's container: its entry point's name.
 IDENTITIES = {"rollout-gateway": "gateway", "session-server": "session-server", "sandbox-manager": "sandbox-manager",
-              "verifier": "verifier", "trainer": "trainer", "weight-broker": "weight-broker"}
+              "verifier": "verifier", "trainer": "trainer", "weight-broker": "weight-broker",
+              "controller": "controller"}
 WORKER_CLIENT = "worker"  # the rollout workers' environment-client name (a token, no certificate)
 
 
@@ -130,6 +131,8 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
             section.host, section.port, section.engine_id = "127.0.0.1", ports[name], name
         else:
             section.grpc.host, section.grpc.port = "127.0.0.1", ports[name]
+        if name == "controller":
+            section.trainer_metrics_url = f"http://127.0.0.1:{ports['trainer-metrics']}/metrics"
         write_process_config(out, name, section)
     worker = WorkerConfig(run_id=config.run_id, nats={"url": state.by_name("nats").url, "user": "worker",
                                                       "password_file": f"{SECRETS_MOUNT}/nats-worker.password"},

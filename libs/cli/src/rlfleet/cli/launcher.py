@@ -209,7 +209,14 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
         "verifier": {"redis": redis("verifier"), "sandbox_address": _address(state, "sandbox-manager"),
                      "session_address": _address(state, "session-server"),
                      "suites_dir": str(run_dir / "suites"), **tokenizer},
-        "controller": {"run_dir": str(run_dir)},
+        "controller": {"run_dir": str(run_dir), "nats": nats("controller"),
+                       "gateway_address": gateway, "trainer_address": _address(state, "trainer"),
+                       "broker_address": _address(state, "weight-broker"),
+                       "verifier_address": _address(state, "verifier"),
+                       "session_address": _address(state, "session-server"),
+                       "sandbox_address": _address(state, "sandbox-manager"),
+                       **({"trainer_metrics_url": f"http://127.0.0.1:{port}/metrics"}
+                          if (port := _metrics_port(state, "trainer")) else {})},
         # Version "0": rlfleet's policy versions are integers and the initial weights are version 0.
         "cpu-engine": {"weight_version": "0", "weight_store_root": weights, **served},
     }
@@ -231,6 +238,13 @@ def process_config(name: str, config: PlatformConfig, state: PlatformState, run_
 def write_process_config(run_dir: Path, process: str, config: ProcessConfig) -> Path:
     """`<run_dir>/config/<process>.json`: what the process is started with (`--config`)."""
     return write_json_atomic(run_dir / "config" / f"{process}.json", config.model_dump(mode="json"))
+
+
+def _metrics_port(state: PlatformState, name: str) -> int:
+    try:
+        return state.by_name(name).metrics_port
+    except KeyError:
+        return 0
 
 
 def _address(state: PlatformState, name: str) -> str:

@@ -100,12 +100,44 @@ class RunOptions:
     attach_only: bool = False  # drive the run on a platform someone else launched and supervises (the controller)
 
 
+@dataclass(frozen=True)
+class PlatformView:
+    """Where the loop finds the platform: the services' addresses, the NATS logins of the driver
+    (operator rights: it hands out tasks and follows trajectories and versions) and of its rollout
+    worker, the trainer's metrics page, and the processes whose CPU the report shows. The controller
+    has them from its config (local launches, compose and Kubernetes alike); `of_launch` reads them
+    from a local launch's record."""
+
+    nats: NatsConfig
+    worker_nats: NatsConfig
+    gateway: str
+    trainer: str
+    broker: str
+    verifier: str
+    session: str
+    sandbox: str
+    trainer_metrics_url: str = ""
+    pids: tuple[int, ...] = ()
+
+    @classmethod
+    def of_launch(cls, state: PlatformState) -> PlatformView:
+        url = state.by_name("nats").url
+        trainer = state.by_name("trainer")
+        return cls(nats=NatsConfig(url=url, **run_dir_login(state.run_dir, "nats", "operator")),
+                   worker_nats=NatsConfig(url=url, **run_dir_login(state.run_dir, "nats", "worker")),
+                   gateway=state.by_name("rollout-gateway").address, trainer=trainer.address,
+                   broker=state.by_name("weight-broker").address, verifier=state.by_name("verifier").address,
+                   session=state.by_name("session-server").address, sandbox=state.by_name("sandbox-manager").address,
+                   trainer_metrics_url=f"http://127.0.0.1:{trainer.metrics_port}/metrics" if trainer.metrics_port else "",
+                   pids=tuple(p.pid for p in state.processes))
+
+
 @dataclass
 class Peers:
-    """What the driver talks to: the launch record, NATS (JetStream), the SDK's clients of the
+    """What the driver talks to: the platform's places, NATS (JetStream), the SDK's clients of the
     session server, sandbox manager and verifier, and stubs of the gateway, trainer and broker."""
 
-    state: PlatformState
+    platform: PlatformView
     nc: Any
     js: Any
     clients: Clients
@@ -117,8 +149,9 @@ class Peers:
 
 class RLRun:
     def __init__(self, config: RunConfig, options: RunOptions | None = None,
-                 output: Callable[[str], None] | None = None) -> None:
+                 output: Callable[[str], None] | None = None, platform: PlatformView | None = None) -> None:
         self.config = config
+        self.platform = platform  # where the platform is; None: the launch record in the run directory
         self.say = output or say  # where the run's progress lines go (the controller streams them)
         self.options = options or RunOptions()
         self.run_dir = Path(config.run_dir or f"runs/{config.run_id}").resolve()
@@ -142,11 +175,11 @@ class RLRun:
     # -- the whole run ------------------------------------------------------------------------
 
     async def run(self) -> dict:
-        """The run on the platform launched in the run directory, which its launcher supervises
-        (restarts are not this run's business): the controller drives runs this way."""
-        state = PlatformState.load(self.run_dir)
+        """The run on a platform that someone else launched and supervises (restarts are not this
+        run's business): the controller drives runs this way."""
+        platform = self.platform or PlatformView.of_launch(PlatformState.load(self.run_dir))
         try:
-            async with self._connections(state) as peers:
+            async with self._connections(platform) as peers:
                 await self._loop(peers)
         except BaseException as exc:
             self.interrupted = self.interrupted or f"{type(exc).__name__}: {exc}"
@@ -218,17 +251,14 @@ class RLRun:
     # -- connections ----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _connections(self, state: PlatformState):
+    async def _connections(self, platform: PlatformView):
         """NATS, the SDK's clients and stubs of the gateway, trainer and broker, closed on the way out."""
 
-        channels = [channel(state.by_name(n).address) for n in ("rollout-gateway", "trainer", "weight-broker",
-                                                                 "verifier")]
-        nc = await connect_nats(NatsConfig(url=state.by_name("nats").url,
-                                           **run_dir_login(state.run_dir, "nats", "operator")), "rlfleet-run")
-        clients = Clients.connect(session=state.by_name("session-server").address,
-                                  sandbox=state.by_name("sandbox-manager").address,
-                                  verifier=state.by_name("verifier").address)
-        peers = Peers(state=state, nc=nc, js=nc.jetstream(), clients=clients,
+        channels = [channel(address) for address in (platform.gateway, platform.trainer, platform.broker,
+                                                     platform.verifier)]
+        nc = await connect_nats(platform.nats, "rlfleet-run")
+        clients = Clients.connect(session=platform.session, sandbox=platform.sandbox, verifier=platform.verifier)
+        peers = Peers(platform=platform, nc=nc, js=nc.jetstream(), clients=clients,
                       gateway=gateway_pb2_grpc.GatewayServiceStub(channels[0]),
                       trainer=trainer_pb2_grpc.TrainerServiceStub(channels[1]),
                       broker=broker_pb2_grpc.BrokerServiceStub(channels[2]),
@@ -275,7 +305,7 @@ class RLRun:
             + (f" ({done} steps and {self.clock.elapsed():.0f} s done)" if self.resuming else ""))
         self._trainer_mark = None
         await self._measure_trainer_idle(peers)
-        sampler = CpuSampler([p.pid for p in peers.state.processes], self.record, self.clock)
+        sampler = CpuSampler(list(peers.platform.pids), self.record, self.clock)
         parts = {"the rollout worker": lambda: worker.run(self.stop), "the CPU sampler": lambda: sampler.run(self.stop),
                  "the pause watch": lambda: self._watch_pauses(peers), "the state saver": self._keep_state_saved,
                  "the progress line": lambda: self._progress(peers, observer),
@@ -345,16 +375,15 @@ class RLRun:
         return train, as_messages(heldout), as_messages(regression)
 
     def _worker(self, peers):
-        c, state = self.config, peers.state
+        c, platform = self.config, peers.platform
         delay = latency_sampler(c.rollout.tool_latency, c.seed)
         environments = self._environments()
         if c.rollout.tool_latency.distribution != "none":
             environments = lambda suite, plain=environments: SlowTools(plain(suite), delay)  # noqa: E731
         config = WorkerConfig(run_id=c.run_id,
-                              nats={"url": state.by_name("nats").url, **run_dir_login(state.run_dir, "nats", "worker")},
-                              session_address=state.by_name("session-server").address,
-                              sandbox_address=state.by_name("sandbox-manager").address,
-                              verifier_address=state.by_name("verifier").address,
+                              nats=platform.worker_nats.model_dump(),
+                              session_address=platform.session, sandbox_address=platform.sandbox,
+                              verifier_address=platform.verifier,
                               concurrency=c.rollout.concurrency, tool_runtime=c.rollout.tool_runtime,
                               tool_call_format=c.rollout.tool_call_format,
                               observation_framing=c.rollout.observation_framing, metrics={"enabled": False})
@@ -607,10 +636,11 @@ class RLRun:
         counter, so the baseline evaluation before the loop does not count as idle)."""
 
         try:
-            port = peers.state.by_name("trainer").metrics_port
-            text = await asyncio.to_thread(
-                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3).read().decode())
-        except (OSError, KeyError):
+            url = peers.platform.trainer_metrics_url
+            if not url:
+                return
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=3).read().decode())
+        except OSError:
             return  # a trainer that is gone: its share of the loop is not measured
         self.trainer_dropped = trainer_dropped(text) or self.trainer_dropped
         waited = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

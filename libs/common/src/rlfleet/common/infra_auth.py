@@ -14,7 +14,8 @@ NATS permissions follow the streams in `rlfleet.common.streams` and the worker's
 | trainer        | POLICY                          | TRAJECTORIES                    |
 | weight-broker  | -                               | POLICY                          |
 | worker         | TASKS_DEAD (dead letters)       | TASKS (+ its max-deliveries advisories, get/delete of a lost task) |
-| operator       | TASKS (`rlfleet run`, `rlfleet-submit`) | TRAJECTORIES, POLICY, TASKS_DEAD (watching), stream and consumer info |
+| operator       | TASKS (`rlfleet-submit`) | TRAJECTORIES, POLICY, TASKS_DEAD (watching), stream and consumer info |
+| controller     | TASKS (the run's feed), TASKS_DEAD | the operator's and the worker's: it runs the rollout worker in its process |
 
 Every user may read stream info and create the platform's streams (each process ensures them at
 start, whoever comes first), but only a stream's publisher may update its config: an update could
@@ -49,6 +50,9 @@ NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
     "worker": {"publish": ("TASKS_DEAD",), "consume": ("TASKS",), "read": ("TASKS",), "delete": ("TASKS",),
                "advisories": ("TASKS",)},
     "operator": {"publish": ("TASKS",), "consume": ("TRAJECTORIES", "POLICY", "TASKS_DEAD"), "list": ("TASKS",)},
+    # The run's control: the operator's feed and watch, and the rollout worker it runs in its process.
+    "controller": {"publish": ("TASKS", "TASKS_DEAD"), "consume": ("TASKS", "TRAJECTORIES", "POLICY", "TASKS_DEAD"),
+                   "read": ("TASKS",), "delete": ("TASKS",), "advisories": ("TASKS",), "list": ("TASKS",)},
 }
 
 # Redis key parts (rlfleet:<run>:<part>...) each service reads or writes.
@@ -72,7 +76,7 @@ REDIS_READ_ROLES: dict[str, tuple[str, ...]] = {
     "verifier": ("session",), "session-server": ("admission:policy", "admission:fleet", "adapter_routes")}
 # Which NATS / Redis user each process logs in as.
 NATS_USER_OF = {"session-server": "session-server", "trainer": "trainer", "weight-broker": "weight-broker",
-                "worker": "worker", "rlfleet-run": "operator", "rlfleet-status": "operator",
+                "worker": "worker", "rlfleet-controller": "controller", "rlfleet-run": "operator", "rlfleet-status": "operator",
                 "rlfleet-submit": "operator"}
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rlfleet.api.controller.v1 import controller_pb2
-from rlfleet.cli.rl_loop import RLRun, RunOptions
+from rlfleet.cli.rl_loop import PlatformView, RLRun, RunOptions
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import RunState
 from rlfleet.common.config import format_validation_error
@@ -83,9 +83,10 @@ class ProgressLog:
 class RunControl:
     """At most one run at a time, driven on the platform of `run_dir`."""
 
-    def __init__(self, run_dir: Path, run_id: str, keep_lines: int = 5000,
+    def __init__(self, run_dir: Path, run_id: str, platform: PlatformView | None = None, keep_lines: int = 5000,
                  metrics: ControllerMetrics | None = None) -> None:
         self.run_dir = run_dir.resolve()
+        self.platform = platform  # None: the launch record in the run directory says where it is
         self.run_id = run_id
         self.keep_lines = keep_lines
         self.metrics = metrics or ControllerMetrics()
@@ -114,6 +115,29 @@ class RunControl:
         self.start(config, resume=True, fresh=False, how="resumed")
         return True
 
+    def start_configured(self, path: str) -> None:
+        """Starts the run of a config file (TOML, `rlfleet run`'s format) unless the run directory
+        already holds that run finished, or one to resume or discard (said in the log)."""
+        import tomllib
+
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise StartupError(f"start_run {path}: {exc}") from None
+        config = self.parse_config(json.dumps(data))
+        try:
+            state = RunState.load(self.run_dir)
+        except StartupError as exc:
+            log.error("start_run: %s", exc)
+            return
+        if state is not None and state.status == "finished" and state.config.get("run_id") == config.run_id:
+            log.info("start_run: the run in %s is finished; nothing to start", self.run_dir)
+            return
+        try:
+            self.start(config, resume=False, fresh=False, how="configured")
+        except FailedPrecondition as exc:
+            log.error("start_run: %s", exc)
+
     def parse_config(self, config_json: str) -> RunConfig:
         try:
             data = json.loads(config_json or "{}")
@@ -140,7 +164,8 @@ class RunControl:
             raise AlreadyExists(f"run {self.run_id!r} is already being driven here; WatchRun follows it, "
                                 "StopRun stops it", run_id=self.run_id)
         progress = ProgressLog(self.keep_lines)
-        run = RLRun(config, RunOptions(resume=resume, fresh=fresh, attach_only=True), output=progress.add)
+        run = RLRun(config, RunOptions(resume=resume, fresh=fresh, attach_only=True), output=progress.add,
+                    platform=self.platform)
         try:
             run.take_over_run_dir()
         except StartupError as exc:
