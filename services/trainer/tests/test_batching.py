@@ -91,3 +91,43 @@ def test_padded_and_packed_batches_give_the_per_sequence_log_probs(attn):
         worst = max(float((got - want).abs().max()) for got, want in zip(per_sample, alone, strict=True))
         assert worst <= 1e-5, (batch.layout, worst)
     assert pack_batch(samples, pack_length=48).num_rows < len(samples)
+
+
+def _step_gradients(layout: str, algorithm: str, attn: str, samples: list[TrainSample]):
+    """The per-token log-probs and the gradient of one rl_step (optimizer step and zeroing disabled)."""
+    from rlfleet.trainer.config import BatchConfig, LossConfig
+    from rlfleet.trainer.objectives import rl_step
+
+    ppo = algorithm == "ppo"
+    backend = TorchBackend(TorchBackendConfig(
+        model_config_dict=tiny_qwen2_config(), attn_implementation=attn, value_head=ppo, seed=0,
+        optim={"max_grad_norm": None}, batch={"micro_batch_rows": 2, "layout": layout, "pack_length": 48}))
+    batch_cfg = BatchConfig(layout=layout, pack_length=48, micro_batch_rows=2)
+    batch = pack_batch(samples, 48) if layout == "packed" else pad_batch(samples)
+    logprobs = batch.per_sample(backend.compute_logprobs(batch))
+    backend.optimizer.step = lambda *a, **k: None
+    backend.optimizer.zero_grad = lambda *a, **k: None
+    loss_cfg = LossConfig(algorithm=algorithm, tis_cap=2.0, **({"critic": "shared"} if ppo else {}))
+    metrics = rl_step(backend, samples, loss_cfg, batch_cfg)
+    grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+    return logprobs, grads, metrics
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "ppo"])
+def test_packed_and_padded_steps_give_the_same_log_probs_loss_and_gradient(algorithm, attn):
+    """Packing is a layout, not a different step: in fp32 the per-token log-probs, the loss and every
+    parameter's gradient match the padded batch's (the packed rows hold several samples each, so a
+    mask that let one sample see another would show here)."""
+    samples = make_samples(3, 4, lengths=(4, 20), seed=7)
+    lp_pad, g_pad, m_pad = _step_gradients("padded", algorithm, attn, samples)
+    lp_pack, g_pack, m_pack = _step_gradients("packed", algorithm, attn, samples)
+    assert pack_batch(samples, 48).num_rows <= len(samples) // 2
+    worst = max(float((a - b).abs().max()) for a, b in zip(lp_pack, lp_pad, strict=True))
+    assert worst <= 1e-5, worst
+    assert m_pack["loss"] == pytest.approx(m_pad["loss"], abs=1e-6)
+    assert g_pack.keys() == g_pad.keys() and len(g_pad) > 0
+    for name in g_pad:
+        scale = float(g_pad[name].abs().max()) or 1.0
+        assert float((g_pack[name] - g_pad[name]).abs().max()) <= 1e-5 * max(scale, 1.0), name
+    assert any(float(g.abs().max()) > 0 for g in g_pad.values())

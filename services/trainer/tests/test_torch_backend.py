@@ -61,17 +61,22 @@ def test_training_is_bit_identical_under_a_fixed_seed():
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "ppo"])
 def test_proximal_log_probs_from_the_training_pass_match_a_separate_recomputation(algorithm):
-    """rl_step takes the log-probs before the update from its own (detached) forward pass; a separate
-    no-grad pass over the batch, as it used to run, gives the same step."""
+    """rl_step takes the log-probs before the update from its own (detached) forward pass (PPO: its
+    pre-update pass computes the values alone, no LM head); a separate no-grad pass over the batch,
+    as it used to run, gives the same step."""
     samples = make_samples(2, 4, seed=4)
-    cfg, batch_cfg = LossConfig(algorithm=algorithm, tis_cap=2.0), BatchConfig(pack_length=64, micro_batch_rows=2)
-    fused = backend(optim={"lr": 1e-3})
+    ppo = algorithm == "ppo"
+    extra = {"critic": "shared"} if ppo else {}
+    cfg = LossConfig(algorithm=algorithm, tis_cap=2.0, **extra)
+    batch_cfg = BatchConfig(pack_length=64, micro_batch_rows=2)
+    fused = backend(optim={"lr": 1e-3}, value_head=ppo)
     m_fused = rl_step(fused, samples, cfg, batch_cfg)
-    separate = backend(optim={"lr": 1e-3})
-    batch = with_advantages(pack_batch(samples, 64), cfg)
-    batch = batch.replace(old_logprobs=separate.forward_inference(batch).logprobs)
+    separate = backend(optim={"lr": 1e-3}, value_head=ppo)
+    batch = pack_batch(samples, 64)
+    old = separate.forward_inference(batch, with_values=ppo)
+    batch = with_advantages(batch, cfg, old.values).replace(old_logprobs=old.logprobs)
     m_separate = separate.train_step(batch, RLObjective(cfg))
     for key in ("loss", "clip_frac", "approx_kl"):
         if key in m_separate:

@@ -68,6 +68,13 @@ class TrainingBackend(abc.ABC):
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.forward_inference(batch).logprobs
 
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The value head's values of the whole batch without grad; a backend may skip the LM head."""
+        values = self.forward_inference(batch, with_values=True).values
+        if values is None:
+            raise ValueError("the backend has no value head (set value_head=true)")
+        return values
+
     @abc.abstractmethod
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> Metrics:
         """One optimizer step on the global batch, accumulating gradients over micro-batches."""

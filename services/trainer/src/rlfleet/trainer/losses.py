@@ -151,6 +151,21 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(ent, (1, 0))
 
 
+def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy: bool = True,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logprobs_from_logits` and `entropy_from_logits` from one log-softmax over the vocabulary
+    (the same values; the softmax of [R, L, V] is the costliest op after the LM head). The entropy
+    keeps its graph only with `entropy_grad`; entropy=False skips it (log-probs alone)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    chosen = torch.nn.functional.pad(logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0))
+    if not entropy:
+        return chosen, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        src = logp if entropy_grad else logp.detach()
+        ent = -(src.exp() * src).sum(-1)
+    return chosen, torch.nn.functional.pad(ent, (1, 0))
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
     d = ref_logprobs - logprobs

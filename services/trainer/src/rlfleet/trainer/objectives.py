@@ -4,7 +4,7 @@
 complete groups:
 
     batch = assemble_batch(samples)                      # exact tokens, packed
-    old   = backend.forward_inference(batch)             # PPO, shared critic: values (+ log-probs before the update)
+    values = backend.compute_values(batch)               # PPO, shared critic: values before the update
     values = value_model.values(batch)                   # PPO, separate critic
     batch = with_advantages(batch, loss_cfg, values)     # group-normalised or GAE
     batch.ref_logprobs = reference.compute_logprobs(...) # only with a KL penalty
@@ -113,11 +113,13 @@ def rl_step(backend: TrainingBackend, samples: Sequence[TrainSample], loss_cfg: 
     if separate and value_model is None:
         raise ValueError("PPO with critic = 'separate' needs a value model")
     # `train_step` is one optimizer step (micro-batches accumulate), so the log-probs before the update
-    # are those of its own forward pass; only a shared critic's values need a pass of their own first.
-    old = backend.forward_inference(batch, with_values=True) if ppo and not separate else None
-    if old is not None and recompute_old_logprobs:
-        batch = batch.replace(old_logprobs=old.logprobs)
-    values = value_model.values(batch) if separate else (old.values if old is not None else None)
+    # are those of its own forward pass (or the rollout's, which the trajectory carries); only a shared
+    # critic's values need a pass of their own first, and that pass needs no LM head.
+    values = None
+    if separate:
+        values = value_model.values(batch)
+    elif ppo:
+        values = backend.compute_values(batch)
     batch = with_advantages(batch, loss_cfg, values)
     if reference is not None:
         batch = batch.replace(ref_logprobs=reference.compute_logprobs(batch))

@@ -33,7 +33,7 @@ from rlfleet.trainer import checkpoint, lora
 from rlfleet.trainer.backend import LossFn, MetricReducer, ModelOutputs, TrainingBackend
 from rlfleet.trainer.batching import TrainBatch, shard_rows
 from rlfleet.trainer.config import OptimConfig, TorchBackendConfig
-from rlfleet.trainer.losses import LossNorm, Metrics, entropy_from_logits, logprobs_from_logits
+from rlfleet.trainer.losses import LossNorm, Metrics, logprobs_and_entropy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",
@@ -67,11 +67,11 @@ class PolicyModel(nn.Module):
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                with_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                        attention_mask=attention_mask, use_cache=False).last_hidden_state
-        logits = None if self.values_only else self.lm.get_output_embeddings()(hidden)
+        logits = None if self.values_only or not with_logits else self.lm.get_output_embeddings()(hidden)
         values = self.value_head(hidden).squeeze(-1) if self.value_head is not None else None
         return logits, values
 
@@ -159,16 +159,16 @@ class TorchBackend(TrainingBackend):
 
     # ------------------------------------------------------------ forward
 
-    def _forward(self, mb: TrainBatch, with_values: bool, entropy_grad: bool) -> ModelOutputs:
+    def _forward(self, mb: TrainBatch, with_values: bool, entropy_grad: bool, with_logprobs: bool = True,
+                 with_entropy: bool = True) -> ModelOutputs:
         attention_mask = None if mb.attention_mask is None else mb.attention_mask.to(self.device)
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            logits, values = self.model(mb.input_ids.to(self.device), mb.position_ids.to(self.device), attention_mask)
-        if logits is None:  # a critic
+            logits, values = self.model(mb.input_ids.to(self.device), mb.position_ids.to(self.device), attention_mask,
+                                        with_logits=with_logprobs)
+        if logits is None:  # a critic, or values alone
             logprobs, entropy = torch.zeros(mb.input_ids.shape, device=self.device), None
         else:
-            logprobs = logprobs_from_logits(logits, mb.input_ids.to(self.device))
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = entropy_from_logits(logits)
+            logprobs, entropy = logprobs_and_entropy(logits, mb.input_ids.to(self.device), with_entropy, entropy_grad)
         if with_values:
             if values is None:
                 raise ValueError("the loss needs values but the backend has no value head (set value_head=true)")
@@ -200,8 +200,21 @@ class TorchBackend(TrainingBackend):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    @torch.no_grad()
     def forward_inference(self, batch: TrainBatch, with_values: bool = False) -> ModelOutputs:
+        return self._inference(batch, with_values)
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._inference(batch, with_values=False, with_entropy=False).logprobs
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        # No LM head and no softmax over the vocabulary: PPO's proximal log-probs come from the training pass.
+        values = self._inference(batch, with_values=True, with_logprobs=False).values
+        assert values is not None
+        return values
+
+    @torch.no_grad()
+    def _inference(self, batch: TrainBatch, with_values: bool, with_logprobs: bool = True,
+                   with_entropy: bool = True) -> ModelOutputs:
         self.model.eval()
         chunks, n = self._my_chunks(batch)
         # Filled on the device: NCCL reduces device tensors only.
@@ -213,7 +226,8 @@ class TorchBackend(TrainingBackend):
                 self._dummy_pass(backward=False)
                 continue
             mb = batch.select_rows(chunks[i])
-            out = self._forward(mb, with_values, entropy_grad=False)
+            out = self._forward(mb, with_values, entropy_grad=False, with_logprobs=with_logprobs,
+                                with_entropy=with_entropy)
             idx, width = torch.tensor(chunks[i], device=dev), mb.input_ids.shape[1]
             # A sequence's first token has nothing to be predicted from (packed: it would be the previous sample).
             valid = ((mb.seq_ids >= 0) & (mb.position_ids > 0)).float().to(dev)

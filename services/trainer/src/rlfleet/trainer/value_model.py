@@ -86,7 +86,7 @@ class TorchValueModel(ValueModel):
         return self.backend.step
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
-        return self.backend.forward_inference(batch, with_values=True).values
+        return self.backend.compute_values(batch)
 
     def train_step(self, batch: TrainBatch, cfg: LossConfig) -> Metrics:
         metrics = self.backend.train_step(batch, ValueObjective(cfg))
