@@ -17,7 +17,10 @@ encoding wins per tensor by change density.
 `--lora`: the trainer's own torch backend on the default CPU-engine model (ModelSpec's sizes), GRPO
 steps on the same random groups, once fully fine-tuned and once as a rank-8 LoRA on all seven
 projections; after every step the full run writes a bf16 delta and the LoRA run an adapter version
-to a DirectoryWeightStore. Per step: the bytes each update ships (the store's manifest `bytes`).
+to a DirectoryWeightStore, with the previous version as its parent as the trainer does (so a delta
+of the previous adapter, in the encoding full deltas use). Per step: the bytes each update ships
+(the store's manifest `bytes`): the full delta, the adapter written whole (what shipped before
+adapter deltas) and the adapter as stored.
 
 The full reload reads the just-written file from the page cache straight into
 an engine's buffers, unverified: the best case for a full reload, so the
@@ -266,7 +269,7 @@ DEFAULT_MODEL = dict(model_type="qwen2", vocab_size=768, hidden_size=256, interm
 LORA_LRS = ((5e-5, 5e-4), (1e-6, 1e-5))  # (full, LoRA): calc.toml vs calc-lora.toml; a 50x smaller step
 
 
-def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS) -> None:
+def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS, rank: int = 8) -> None:
     from rlfleet.trainer.config import BatchConfig, LossConfig, TorchBackendConfig
     from rlfleet.trainer.objectives import rl_step
     from rlfleet.trainer.testing import make_samples
@@ -274,13 +277,14 @@ def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS) ->
     from rlfleet.weights import DirectoryWeightStore
 
     spec = DEFAULT_MODEL if model == "default" else {**DEFAULT_MODEL, **MODELS[model], "max_position_embeddings": 256}
-    print(f"model {model}")
-    print(f"{'full lr':>8} {'lora lr':>8} {'st':>2} {'model MB':>8} {'delta KB':>9} {'chg%':>6} {'adapter KB':>10} "
-          f"{'adapter/delta':>13}")
+    print(f"model {model}, LoRA rank {rank} (alpha {2 * rank}) on all seven projections")
+    print(f"{'full lr':>8} {'lora lr':>8} {'st':>2} {'model MB':>8} {'delta KB':>9} {'chg%':>6} {'whole KB':>9} "
+          f"{'whole/delta':>11} {'adapter KB':>10} {'adapter/delta':>13} {'adapter chg%':>12}")
     step_cfg = (LossConfig(), BatchConfig(pack_length=256, micro_batch_rows=4))
     for full_lr, lora_lr in lrs:
         runs = {}
-        for name, lr, lora in (("full", full_lr, {}), ("lora", lora_lr, {"enabled": True, "rank": 8, "alpha": 16.0})):
+        for name, lr, lora in (("full", full_lr, {}), ("lora", lora_lr, {"enabled": True, "rank": rank,
+                                                                           "alpha": 2.0 * rank})):
             backend = TorchBackend(TorchBackendConfig(model_config_dict=spec, seed=0, lora=lora,
                                                       optim={"lr": lr}, batch={"pack_length": 256}))
             store = DirectoryWeightStore(workdir / f"{name}-{full_lr:g}-{lora_lr:g}", "bench", full_every=1000,
@@ -288,6 +292,9 @@ def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS) ->
             base = backend.base_state_for_export() if lora else backend.state_dict_for_export()
             store.write_version(0, base)
             runs[name] = (backend, store)
+            if lora:  # the same adapters written whole (no parent): what each update shipped before deltas
+                whole = DirectoryWeightStore(workdir / f"whole-{full_lr:g}-{lora_lr:g}", "bench")
+                whole.write_version(0, base)
         for step in range(1, steps + 1):
             samples = make_samples(4, 8, lengths=(64, 128), vocab_size=spec["vocab_size"], seed=step)
             manifests = {}
@@ -297,12 +304,18 @@ def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS) ->
                     manifests[name] = store.write_version(step, backend.state_dict_for_export())
                 else:
                     tensors, config = backend.adapter_for_export()
-                    manifests[name] = store.write_adapter(step, tensors, config, base_version=0)
-            delta, adapter = manifests["full"], manifests["lora"]
+                    # As the trainer publishes: the parent is the previous version (the base for the first).
+                    manifests[name] = store.write_adapter(step, tensors, config, base_version=0,
+                                                          parent_version=step - 1)
+                    manifests["whole"] = whole.write_adapter(step, tensors, config, base_version=0)
+            delta, adapter, plain = manifests["full"], manifests["lora"], manifests["whole"]
             changed = 100 * delta["changed_values"] / delta["total_values"]
+            index = runs["lora"][1].index(step)
+            adapter_changed = "-" if index.changed_values is None else f"{index.changed_values / index.total_values:.1%}"
             print(f"{full_lr:>8.0e} {lora_lr:>8.0e} {step:>2} {delta['full_bytes'] / 1e6:>8.2f} "
-                  f"{delta['bytes'] / 1e3:>9.1f} {changed:>5.1f}% {adapter['bytes'] / 1e3:>10.1f} "
-                  f"{adapter['bytes'] / delta['bytes']:>12.1%}", flush=True)
+                  f"{delta['bytes'] / 1e3:>9.1f} {changed:>5.1f}% {plain['bytes'] / 1e3:>9.1f} "
+                  f"{plain['bytes'] / delta['bytes']:>10.1%} {adapter['bytes'] / 1e3:>10.1f} "
+                  f"{adapter['bytes'] / delta['bytes']:>12.1%} {adapter_changed:>12}", flush=True)
 
 
 def main() -> None:
@@ -311,6 +324,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the rows to this file")
     ap.add_argument("--lora", action="store_true", help="only the LoRA adapter vs bf16 delta rows")
     ap.add_argument("--lora-steps", type=int, default=3)
+    ap.add_argument("--lora-rank", type=int, default=8, help="--lora: the adapter's rank (alpha = 2 x rank)")
     ap.add_argument("--lora-model", choices=["default", *MODELS], default="default",
                     help="--lora: the default CPU-engine model, or one of this bench's (100M: calc.toml's lrs only)")
     args = ap.parse_args()
@@ -321,7 +335,7 @@ def main() -> None:
     if args.lora:
         with tempfile.TemporaryDirectory(prefix="weight-delta-bench-") as tmp:
             run_lora(args.lora_steps, Path(tmp), args.lora_model,
-                     LORA_LRS if args.lora_model == "default" else LORA_LRS[:1])
+                     LORA_LRS if args.lora_model == "default" else LORA_LRS[:1], args.lora_rank)
         return
     plan = [("small", 2)] if args.quick else [("small", 5), ("100M", 2)]
     rows: list[Row] = []

@@ -116,3 +116,73 @@ def test_a_full_version_after_adapters_is_written_whole(store):
     assert manifest["kind"] == "full"
     with pytest.raises(VersionNotFound, match="it is a full"):
         store.load_adapter(2)
+
+
+def trained(adapter: dict[str, np.ndarray], rng, step: float = 1e-3) -> dict[str, np.ndarray]:
+    """The adapter after an optimizer step: every value moves a little (as Adam moves it)."""
+    return {k: (v + step * np.sign(rng.standard_normal(v.shape)) * np.abs(v)).astype(np.float32)
+            for k, v in adapter.items()}
+
+
+def test_a_trained_adapter_is_stored_as_a_delta_of_its_parent_and_fetched_as_a_whole_peft_directory(store):
+    rng = np.random.default_rng(8)
+    versions = [adapter_weights(rng)]
+    for _ in range(3):
+        versions.append(trained(versions[-1], rng))
+    store.write_adapter(1, versions[0], CONFIG, base_version=0, parent_version=0)  # the base: whole
+    for v in (2, 3, 4):
+        store.write_adapter(v, versions[v - 1], CONFIG, base_version=0, parent_version=v - 1)
+    whole = DirectoryWeightStore(store.root, "whole")  # the same adapters, each written whole
+    whole.write_version(0, base_weights(np.random.default_rng(0)))
+    whole.write_adapter(4, versions[3], CONFIG, base_version=0)
+    assert store.index(1).adapter_parent is None
+    assert [store.index(v).adapter_parent for v in (2, 3, 4)] == [1, 2, 3]
+    assert store.manifest(4)["bytes"] < whole.manifest(4)["bytes"]  # tiny tensors: headers are most of both
+    assert {p.name for p in store.path(4).iterdir()} == {ADAPTER_CONFIG_FILE, "delta.safetensors", INDEX_FILE}
+    tensors, config = store.load_adapter(4)
+    assert config == CONFIG
+    want = to_served(versions[3])
+    assert all(np.array_equal(tensors[k], want[k]) for k in want)
+    # Loaders get peft's directory, the same tensor bytes as the adapter written whole.
+    path = store.fetch_adapter(4)
+    assert path == store.adapter_path(4) and {p.name for p in path.iterdir()} == {ADAPTER_CONFIG_FILE, ADAPTER_FILE}
+    from rlfleet.weights.safetensors_io import SafetensorsFile
+
+    with SafetensorsFile(path / ADAPTER_FILE) as got, SafetensorsFile(whole.path(4) / ADAPTER_FILE) as ref:
+        assert all(got.read(k).tobytes() == ref.read(k).tobytes() for k in want)
+    assert json.loads((path / ADAPTER_CONFIG_FILE).read_text()) == CONFIG
+    assert np.array_equal(store.load_version(4)["model.layers.0.self_attn.q_proj.weight"],
+                          whole.load_version(4)["model.layers.0.self_attn.q_proj.weight"])
+    # A restarted writer (no memory of the last adapter) still writes a delta, from the store's copy.
+    again = DirectoryWeightStore(store.root, "run")
+    again.write_adapter(5, trained(versions[3], rng), CONFIG, base_version=0, parent_version=4)
+    assert again.index(5).adapter_parent == 4
+
+
+def test_a_damaged_adapter_delta_or_rebuilt_directory_is_caught_and_a_changed_config_is_written_whole(store):
+    rng = np.random.default_rng(9)
+    first = adapter_weights(rng)
+    store.write_adapter(1, first, CONFIG, base_version=0)
+    store.write_adapter(2, trained(first, rng), CONFIG, base_version=0, parent_version=1)
+    rebuilt = store.fetch_adapter(2) / ADAPTER_FILE
+    data = bytearray(rebuilt.read_bytes())
+    data[-3] ^= 0x21
+    rebuilt.write_bytes(bytes(data))
+    with pytest.raises(CorruptAdapter, match="expected"):
+        store.fetch_adapter(2)  # the rebuilt copy is checked on every fetch, not trusted once written
+    payload = store.path(1) / ADAPTER_FILE  # the parent a delta is applied to
+    data = bytearray(payload.read_bytes())
+    data[-5] ^= 0x5A
+    payload.write_bytes(bytes(data))
+    with pytest.raises(CorruptAdapter):
+        store.load_adapter(2)
+    store.write_adapter(3, first, {**CONFIG, "lora_alpha": 16.0}, base_version=0, parent_version=2)
+    assert store.index(3).adapter_parent is None  # another scaling: not a delta of the old one
+    few = DirectoryWeightStore(store.root, "few", full_every=2)
+    few.write_version(0, base_weights(np.random.default_rng(0)))
+    adapters = [first]
+    for _ in range(3):
+        adapters.append(trained(adapters[-1], rng))
+    for v, a in enumerate(adapters, start=1):
+        few.write_adapter(v, a, CONFIG, base_version=0, parent_version=v - 1)
+    assert [few.index(v).adapter_parent for v in (1, 2, 3, 4)] == [None, 1, None, 3]  # full_every counts

@@ -62,6 +62,8 @@ class VersionIndex:
     changed_values: int | None = None
     total_values: int = 0
     adapter_config_checksum: str | None = None  # adapter: sha256 of adapter_config.json
+    # adapter: the adapter version its payload is a delta of (the full deltas' encoding); None: whole
+    adapter_parent: int | None = None
     created_at: float = 0.0
     schema_version: int = SCHEMA_VERSION
 

@@ -6,6 +6,9 @@ Layout, one directory per run and one per version::
     <root>/<run_id>/v000013/   delta: delta.safetensors (zstd frames as U8 tensors), rlfleet_index.json
     <root>/<run_id>/v000014/   adapter: adapter_config.json, adapter_model.safetensors (peft's LoRA
                                directory), rlfleet_index.json; applies to a full base_version (adapter.py)
+    <root>/<run_id>/v000015/   adapter delta: adapter_config.json, delta.safetensors (the full
+                               deltas' encoding, against the adapter version adapter_parent)
+    <root>/<run_id>/adapters/v000015/   the peft directory of an adapter delta, rebuilt for loaders
     <root>/<run_id>/merged/v000014/   an adapter version merged into its base, written on request
     <root>/<run_id>/.tmp-*     a version being written; never read
 
@@ -158,6 +161,7 @@ class DirectoryWeightStore:
         )
         self.run_dir = self.root / run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._last_adapter: _Served | None = None  # the last adapter written: the next one's delta base
         self._last: _Served | None = None
 
     # ------------------------------------------------------------------ paths
@@ -427,6 +431,11 @@ class DirectoryWeightStore:
         index = self.index(version)
         if index.kind != "delta":
             raise VersionNotFound(version, f"no delta at this version (it is a {index.kind})")
+        assert index.base_version is not None  # a delta's index always names its base
+        return self._decode_delta(version, index, index.base_version, CorruptDelta)
+
+    def _decode_delta(self, version: int, index: VersionIndex, base: int,
+                      error: type[CorruptVersion]) -> DecodedDelta:
         try:
             with SafetensorsFile(self._file(version, DELTA_FILE)) as f:
 
@@ -443,7 +452,7 @@ class DirectoryWeightStore:
                             sparse_below=self.config.sparse_below,
                         )
                     except (DecodeError, KeyError, SafetensorsFormatError) as err:
-                        raise CorruptDelta(version, f"{type(err).__name__}: {err}", tensor=e.name) from None
+                        raise error(version, f"{type(err).__name__}: {err}", tensor=e.name) from None
                     return DecodedTensor(
                         e.name,
                         e.dtype,
@@ -458,13 +467,13 @@ class DirectoryWeightStore:
                 decoded = parallel_map(decode, index.tensors, self.config.workers)
                 payload = sum(e.compressed_bytes or 0 for e in index.tensors)
         except FileNotFoundError:
-            raise CorruptDelta(version, f"{DELTA_FILE} missing") from None
+            raise error(version, f"{DELTA_FILE} missing") from None
         except SafetensorsFormatError as e:
-            raise CorruptDelta(version, str(e)) from None
+            raise error(version, str(e)) from None
         return DecodedDelta(
             self.run_id,
             version,
-            index.base_version,  # type: ignore[arg-type]  # a delta's index always names its base
+            base,
             index.checksum,
             {d.name: d for d in decoded},
             payload,
@@ -532,7 +541,11 @@ class DirectoryWeightStore:
         """Publish a LoRA adapter (peft's tensor names, its adapter_config.json as a dict) as
         ``version``, applying to the full version ``base_version``; returns its manifest.
         ``BadAdapter`` when it does not fit the base (names, shapes, DoRA/rsLoRA). ``parent_version``
-        is the trainer's lineage (announced on POLICY), not a storage dependency: an adapter is whole."""
+        is the trainer's lineage (announced on POLICY). When it is an adapter on the same base with the
+        same config, the new one is stored as a delta of it, in the encoding full deltas use (an
+        adapter changes in every value each step, but mostly in its low mantissa bits), unless that is
+        larger than ``max_delta_fraction`` of the adapter or ``full_every`` deltas have been written
+        since a whole adapter; ``fetch_adapter`` rebuilds the peft directory for loaders."""
         latest = self.latest_version()
         if self.path(version).exists():
             raise VersionExists(version)
@@ -545,6 +558,68 @@ class DirectoryWeightStore:
         config = dict(config)
         lora.check_against_base(served, config, {e.name: (e.dtype, tuple(e.shape)) for e in base_index.tensors})
         raw_config = lora.config_bytes(config)
+        parent = self._adapter_parent(parent_version, base_version, raw_config, served)
+        index = self._write_adapter_delta(version, served, raw_config, base_version, parent) if parent else None
+        if index is None:
+            index = self._write_adapter_whole(version, served, raw_config, base_version)
+        log.info("weights v%d: LoRA adapter on v%d (%d bytes%s)", version, base_version, index.total_bytes,
+                 f", a delta of v{index.adapter_parent}" if index.adapter_parent is not None else "")
+        self._last = None  # the next full version is written whole (write_version's parent rule)
+        self._last_adapter = _Served(version, served, index)
+        return self.manifest(version)
+
+    def _adapter_parent(self, parent_version: int | None, base_version: int, raw_config: bytes,
+                        served: ServedTensors) -> _Served | None:
+        """The adapter version the new one can be a delta of, if any (same base, config and layout)."""
+        if parent_version is None:
+            return None
+        try:
+            index = self.index(parent_version)
+        except VersionNotFound:
+            return None
+        if index.kind != "adapter" or index.base_version != base_version:
+            return None
+        if index.adapter_config_checksum != lora.config_checksum(raw_config):
+            return None
+        if self._adapter_deltas_since_whole(index) + 1 >= self.config.full_every:
+            return None
+        if self._last_adapter is not None and self._last_adapter.version == parent_version:
+            parent = self._last_adapter
+        else:  # a restarted trainer: the parent's bytes from the store; unreadable -> whole
+            try:
+                parent = _Served(parent_version, self.load_adapter(parent_version)[0], index)
+            except (CorruptVersion, VersionNotFound) as e:
+                log.warning("weights: parent adapter v%d unreadable (%s); writing it whole", parent_version, e)
+                return None
+        return parent if parent.tensors.layout() == served.layout() else None
+
+    def _adapter_deltas_since_whole(self, index: VersionIndex) -> int:
+        n = 0
+        while index.adapter_parent is not None:
+            n += 1
+            index = self.index(index.adapter_parent)
+        return n
+
+    def _write_adapter_delta(self, version: int, served: ServedTensors, raw_config: bytes, base_version: int,
+                             parent: _Served) -> VersionIndex | None:
+        entries, blobs = writer.encode_delta(parent.tensors, parent.index, served, self.config)
+        if sum(e.compressed_bytes or 0 for e in entries) > self.config.max_delta_fraction * served.nbytes:
+            return None
+        with self._staged(version) as tmp:
+            size = writer.write_delta(tmp, blobs)
+            write_file(tmp / lora.ADAPTER_CONFIG_FILE, raw_config)
+            index = self._new_index(
+                version, "adapter", served, entries, size + len(raw_config), base_version=base_version,
+                full_version=base_version, adapter_parent=parent.version, encoding=writer.delta_encoding(entries),
+                compression="zstd", filter="byteshuffle", payload=DELTA_FILE,
+                changed_values=sum(e.changed or 0 for e in entries),
+                adapter_config_checksum=lora.config_checksum(raw_config),
+            )  # fmt: skip
+            write_file(tmp / INDEX_FILE, index.to_json())
+        return index
+
+    def _write_adapter_whole(self, version: int, served: ServedTensors, raw_config: bytes,
+                             base_version: int) -> VersionIndex:
         with self._staged(version) as tmp:
             names = list(served)
             sums = parallel_map(lambda n: checksum(served[n], self.config.checksum), names, self.config.workers)
@@ -560,9 +635,7 @@ class DirectoryWeightStore:
                 adapter_config_checksum=lora.config_checksum(raw_config),
             )  # fmt: skip
             write_file(tmp / INDEX_FILE, index.to_json())
-        log.info("weights v%d: LoRA adapter on v%d (%d bytes)", version, base_version, index.total_bytes)
-        self._last = None  # the next full version is written whole (write_version's parent rule)
-        return self.manifest(version)
+        return index
 
     def load_adapter(self, version: int, verify: bool = True) -> tuple[ServedTensors, dict[str, Any]]:
         """An adapter version's tensors and adapter_config.json, checked against the index
@@ -570,6 +643,8 @@ class DirectoryWeightStore:
         index = self.index(version)
         if index.kind != "adapter":
             raise VersionNotFound(version, f"no adapter at this version (it is a {index.kind})")
+        if index.adapter_parent is not None:
+            return self._load_adapter_delta(version, index, verify)
         try:
             raw_config = self._file(version, lora.ADAPTER_CONFIG_FILE).read_bytes()
             with SafetensorsFile(self._file(version, lora.ADAPTER_FILE)) as f:
@@ -596,11 +671,73 @@ class DirectoryWeightStore:
             raise lora.CorruptAdapter(version, f"{lora.ADAPTER_CONFIG_FILE}: {e}") from None
         return tensors, config
 
+    def _load_adapter_delta(self, version: int, index: VersionIndex,
+                            verify: bool) -> tuple[ServedTensors, dict[str, Any]]:
+        """An adapter stored as a delta: its parent adapter (rebuilt the same way), then this delta;
+        the result is checked against this version's checksums (zstd frame checksums guard the chain)."""
+        parent = index.adapter_parent
+        assert parent is not None
+        tensors, _ = self.load_adapter(parent, verify=False)
+        tensors = ServedTensors({k: np.array(v) for k, v in tensors.arrays.items()}, tensors.dtypes)
+        try:
+            raw_config = self._file(version, lora.ADAPTER_CONFIG_FILE).read_bytes()
+        except FileNotFoundError:
+            raise lora.CorruptAdapter(version, f"{lora.ADAPTER_CONFIG_FILE} missing") from None
+        if lora.config_checksum(raw_config) != index.adapter_config_checksum:
+            raise lora.CorruptAdapter(version, f"{lora.ADAPTER_CONFIG_FILE} differs from its checksum")
+        decoded = self._decode_delta(version, index, parent, lora.CorruptAdapter)
+        if set(decoded.tensors) != set(tensors.arrays):
+            raise lora.CorruptAdapter(version, f"the delta names other tensors than adapter v{parent}")
+        apply_delta(tensors, decoded, current_version=parent, verify="none", workers=self.config.workers)
+        self._verify(version, index, tensors, lora.CorruptAdapter)  # always: it checks the chain too
+        try:
+            return tensors, json.loads(raw_config)
+        except ValueError as e:
+            raise lora.CorruptAdapter(version, f"{lora.ADAPTER_CONFIG_FILE}: {e}") from None
+
+    def adapter_path(self, version: int) -> Path:
+        """Where ``fetch_adapter`` rebuilds the peft directory of an adapter stored as a delta."""
+        return self.run_dir / "adapters" / f"v{int(version):06d}"
+
     def fetch_adapter(self, version: int) -> Path:
-        """The verified adapter directory of ``version``, for an engine's ``/load_lora_adapter``
-        (``lora_path``): every file is checked against the index first."""
-        self.load_adapter(version, verify=True)
-        return self.path(version)
+        """The verified peft directory of ``version``, for an engine's ``/load_lora_adapter``
+        (``lora_path``): every file is checked against the index first. An adapter stored whole is
+        its version directory; one stored as a delta is rebuilt once (atomically) under
+        ``<run>/adapters/``, and that copy is checked against the version's checksums on every fetch."""
+        index = self.index(version)
+        if index.kind != "adapter" or index.adapter_parent is None:
+            self.load_adapter(version, verify=True)
+            return self.path(version)
+        final = self.adapter_path(version)
+        if not (final / lora.ADAPTER_FILE).is_file():
+            tensors, config = self.load_adapter(version, verify=True)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with staged_dir(final) as tmp:
+                    writer.write_safetensors(tmp / lora.ADAPTER_FILE,
+                                             ((n, tensors.dtypes[n], tensors[n]) for n in tensors),
+                                             metadata={"format": "pt"})  # fmt: skip
+                    write_file(tmp / lora.ADAPTER_CONFIG_FILE, lora.config_bytes(config))
+            except FileExistsError:
+                pass  # another reader got there first: the same bytes
+        self._check_rebuilt_adapter(version, index, final)
+        return final
+
+    def _check_rebuilt_adapter(self, version: int, index: VersionIndex, path: Path) -> None:
+        try:
+            raw_config = (path / lora.ADAPTER_CONFIG_FILE).read_bytes()
+            with SafetensorsFile(path / lora.ADAPTER_FILE) as f:
+                if set(f.entries) != {e.name for e in index.tensors}:
+                    raise lora.CorruptAdapter(version, f"rebuilt {lora.ADAPTER_FILE} holds other tensors")
+                arrays = {e.name: f.read(e.name) for e in index.tensors}
+        except FileNotFoundError as e:
+            raise lora.CorruptAdapter(version, f"rebuilt {Path(e.filename or '?').name} missing") from None
+        except SafetensorsFormatError as e:
+            raise lora.CorruptAdapter(version, f"rebuilt adapter: {e}") from None
+        if lora.config_checksum(raw_config) != index.adapter_config_checksum:
+            raise lora.CorruptAdapter(version, f"rebuilt {lora.ADAPTER_CONFIG_FILE} differs from its checksum")
+        self._verify(version, index, ServedTensors(arrays, {e.name: e.dtype for e in index.tensors}),
+                     lora.CorruptAdapter)  # fmt: skip
 
     def load_merged(self, version: int) -> ServedTensors:
         """An adapter version merged into its (verified) base: a plain model in the served dtype."""
