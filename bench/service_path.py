@@ -13,7 +13,8 @@ each run `--episodes` multi-turn episodes back to back: a chat prompt, then `--t
   gateway, which calls the engine), CloseSession (the trajectory is published on JetStream).
 
 `--compare-plaintext` runs the whole set twice: as deployed (TLS between every process, mutual
-TLS between services, a client token checked on every call) and with the services in plaintext
+TLS between services, NATS and Redis over TLS, a client token checked on every call) and with the
+services, NATS and Redis in plaintext
 without access checks (RLFLEET_INSECURE_PLAINTEXT_FOR_BENCHMARKS=1, benchmarks only), and prints
 what security costs at each concurrency: throughput of the secure service path against the
 plaintext one, and the p50 added per turn of both. The secure run calls as an environment client
@@ -206,7 +207,7 @@ def run_set(args, plaintext: bool) -> dict[int, tuple]:
     from rlfleet.engine.testing import EngineProcess
     from rlfleet.session.testing import gateway_config, session_server_config
 
-    security.ensure_local_credentials()
+    secrets = security.ensure_local_credentials()
 
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
         work = Path(tmp)
@@ -218,8 +219,9 @@ def run_set(args, plaintext: bool) -> dict[int, tuple]:
         print(f"model: qwen2 hidden {config['hidden_size']} x {config['num_hidden_layers']} layers, vocab "
               f"{config['vocab_size']}; engine torch threads {args.threads}; {args.turns} turns x {args.new_tokens} "
               f"new tokens per episode, {args.episodes} episodes per worker", flush=True)
-        nats = start_nats(work / "nats")
-        redis = start_redis(work / "redis")
+        # As deployed, NATS and Redis speak TLS only (Redis mutual TLS); plaintext in the plaintext set.
+        nats = start_nats(work / "nats", tls=None if plaintext else security.server_tls_files(secrets, "nats"))
+        redis = start_redis(work / "redis", tls=None if plaintext else security.server_tls_files(secrets, "redis"))
         processes = []
         try:
             engine = EngineProcess(model, work / "engine", torch_threads=args.threads, max_running_requests=64,

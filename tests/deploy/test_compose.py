@@ -145,7 +145,9 @@ def test_generated_configs_bind_loopback_on_distinct_ports_and_name_their_peers(
     gateway = json.loads((out / "config" / "rollout-gateway.json").read_text())
     assert [e["url"] for e in gateway["engines"]] == [f"http://127.0.0.1:{ports['engine-0']}"]
     trainer = json.loads((out / "config" / "trainer.json").read_text())
-    assert trainer["nats"]["url"] == f"nats://127.0.0.1:{ports['nats']}"
+    assert trainer["nats"]["url"] == f"tls://127.0.0.1:{ports['nats']}"  # NATS and Redis: TLS only
+    session = json.loads((out / "config" / "session-server.json").read_text())
+    assert session["redis"]["url"] == f"rediss://127.0.0.1:{ports['redis']}/0"
     assert trainer["weight_store"] == "/var/lib/rlfleet/run/weights" and trainer["model_path"] == "/models/policy"
 
 
@@ -221,7 +223,7 @@ def mounted_secrets(service: dict) -> dict[str, str]:
 
 def test_each_container_gets_only_its_own_secrets_and_redis_needs_a_password(compose, generated):
     out, _, _ = generated
-    wanted = {"nats": set(), "redis": {"redis.acl"}, "submit": {"nats-operator.password"},
+    wanted = {"nats": set(), "redis": {"redis.acl", "redis.pem"}, "submit": {"nats-operator.password"},
               "rollout-gateway": {"redis-rollout-gateway.password"},
               "session-server": {"nats-session-server.password", "redis-session-server.password"},
               "sandbox-manager": {"redis-sandbox-manager.password"}, "verifier": {"redis-verifier.password"},
@@ -242,6 +244,26 @@ def test_each_container_gets_only_its_own_secrets_and_redis_needs_a_password(com
         assert config["nats"]["password_file"] == f"/run/secrets/nats-{process}.password"
         assert config["nats"]["password"] == ""
     assert not re.search(r"protected-mode\W+no", h.COMPOSE_FILE.read_text())
+
+
+def test_nats_and_redis_serve_tls_only_with_the_runs_certificates(compose, generated):
+    out, _, _ = generated
+    nats = compose["services"]["nats"]
+    command = nats["command"]
+    assert "--tls" in command and command[command.index("--tlscert") + 1] == "/run/secrets/nats.pem"
+    assert command[command.index("--tlscacert") + 1] == "/run/secrets/ca.pem"
+    assert set(mounted_secrets(nats).values()) == {"nats.pem", "ca.pem"}
+    redis = compose["services"]["redis"]["command"]
+    assert redis[redis.index("--port") + 1] == "0", "no plaintext listener"
+    assert redis[redis.index("--tls-auth-clients") + 1] == "yes"
+    assert redis[redis.index("--tls-cert-file") + 1] == "/run/secrets/redis.pem"
+    for name in ("nats", "redis"):  # made by compose-config, from the run's CA, for serving only
+        text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(out / "secrets" / "certs" / f"{name}.pem")],
+                              capture_output=True, text=True, check=True).stdout
+        assert "TLS Web Server Authentication" in text and "Client Authentication" not in text, name
+    submit = compose["services"]["submit"]
+    assert submit["environment"]["RLFLEET_CA_FILE"] == "/run/secrets/ca.pem"
+    assert any(arg.startswith("tls://") for arg in submit["command"])
 
 
 def test_every_grpc_container_gets_its_own_certificate_and_the_ca_and_none_the_ca_key(compose, generated):

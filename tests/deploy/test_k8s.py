@@ -8,12 +8,13 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import deploy_helpers as h
 import pytest
 import yaml
 
-from rlfleet.cli.compose_config import IDENTITIES, write_secrets
+from rlfleet.cli.compose_config import IDENTITIES, write_secrets, write_tls_secrets
 from rlfleet.common.config import ConfigError, env_overrides, resolve
 
 HPA_SERVICES = ("session-server", "rollout-gateway", "verifier", "sandbox-manager")
@@ -167,7 +168,7 @@ def test_peer_addresses_name_existing_services(overlay, rendered):
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     for container in h.all_containers(objects):
         for key, value in h.resolve_env(container, objects).items():
-            for host, port in re.findall(r"(?:dns:///|nats://|redis://|http://)([a-z][\w-]*):(\d+)", value):
+            for host, port in re.findall(r"(?:dns:///|nats://|tls://|redis://|rediss://|http://)([a-z][\w-]*):(\d+)", value):
                 assert host in services, f"{container['name']}: {key} names {host}, not a Service"
                 ports = {p["port"] for p in services[host]["spec"]["ports"]}
                 assert int(port) in ports, f"{container['name']}: {key}: {host} has no port {port}"
@@ -366,9 +367,16 @@ def test_nats_server_accepts_the_rendered_config(overlay, rendered, tmp_path):
     if nats is None:
         pytest.skip("nats-server is not installed")
     conf = tmp_path / "nats.conf"
-    conf.write_text(h.by_kind_name(rendered[overlay])[("ConfigMap", "nats-config")]["data"]["nats.conf"])
+    text = h.by_kind_name(rendered[overlay])[("ConfigMap", "nats-config")]["data"]["nats.conf"]
+    assert "/etc/nats/tls/nats.pem" in text, "NATS serves TLS only"
+    # the rlfleet-tls items mounted at /etc/nats/tls, here in tmp_path/tls (`-t` loads the certificate)
+    conf.write_text(text.replace("/etc/nats/tls/", f"{tmp_path}/tls/"))
     (tmp_path / "auth").mkdir()  # where the rlfleet-infra-auth Secret's nats-auth.conf is mounted
     write_secrets(tmp_path / "secrets", "rlfleet", container_uid=None)
+    write_tls_secrets(tmp_path / "secrets", "rlfleet")
+    (tmp_path / "tls").mkdir()
+    for name in ("certs/nats.pem", "ca.pem"):
+        (tmp_path / "tls" / Path(name).name).write_bytes((tmp_path / "secrets" / name).read_bytes())
     (tmp_path / "auth" / "auth.conf").write_text((tmp_path / "secrets" / "nats-auth.conf").read_text())
     result = subprocess.run([nats, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30,
                             env={"POD_NAME": "nats-0", "PATH": "/usr/bin:/bin"})

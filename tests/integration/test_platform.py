@@ -98,6 +98,14 @@ async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform
     await redis.aclose()
     with pytest.raises(StartupError):
         await connect_redis(RedisConfig(url=redis_url, connect_timeout_s=1))
+    # TLS only: the same logins in plaintext are refused (the CA is the run's; mutual TLS for Redis)
+    assert nats_url.startswith("tls://") and redis_url.startswith("rediss://")
+    with pytest.raises(StartupError):
+        await connect_nats(NatsConfig(url="nats://" + nats_url.split("://", 1)[1], connect_timeout_s=1,
+                                      **run_dir_login(run_dir, "nats", "trainer")), "plaintext")
+    with pytest.raises(StartupError):
+        await connect_redis(RedisConfig(url="redis://" + redis_url.split("://", 1)[1], connect_timeout_s=1,
+                                        **run_dir_login(run_dir, "redis", "session-server")))
 
     secrets = sorted((run_dir / "secrets").iterdir())
     assert secrets and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in secrets)

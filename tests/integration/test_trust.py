@@ -8,13 +8,17 @@ verifier, sandbox manager), each refused with the right status.
   PauseEngines, DeregisterEngine are services' and operators' rights);
 - another client's sandbox is NOT_FOUND;
 - the engine's admin routes want the admin key; a disk load outside the weight store is refused;
-  an engine without a weight-store root does not start.
+  an engine without a weight-store root does not start;
+- a token revoked on one host is refused by a service on another (its own copy of the secrets),
+  through the run's Redis.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import time
 
 import grpc
 import pytest
@@ -25,6 +29,7 @@ from rlfleet.api.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 from rlfleet.api.session.v1 import session_pb2 as pb
 from rlfleet.api.session.v1 import session_pb2_grpc
 from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from rlfleet.common import revocations, security
 from rlfleet.common.grpc_server import channel
 from rlfleet.common.processes import ProcessNotReady, ServiceProcess
 from rlfleet.common.testing import client_credentials, unique_run_id
@@ -190,3 +195,39 @@ async def test_another_clients_sandbox_is_not_found(redis_url, tmp_path):
             await stub.DestroySandbox(sandbox_pb2.DestroySandboxRequest(sandbox_id=box.sandbox_id))
     finally:
         manager.stop()
+
+
+async def test_a_revocation_reaches_a_service_with_its_own_copy_of_the_secrets(redis_url, tmp_path):
+    """As in compose or Kubernetes: the verifier has its own copy of the secrets (the CA certificate,
+    the token key, its certificate; no revoked file, no shared volume) and still refuses a token
+    revoked elsewhere, through the run's Redis, within a few seconds."""
+    run_id = unique_run_id("revoke")
+    origin = security.secrets_dir()
+    mount = tmp_path / "mount"
+    (mount / "certs").mkdir(parents=True)
+    for name in ("ca.pem", "token.key"):
+        shutil.copy(origin / name, mount / name)
+    (mount / "certs" / "verifier.pem").write_bytes(security.identity_pem(origin, "verifier"))
+    (tmp_path / "suites").mkdir()
+    verifier = ServiceProcess("rlfleet-verifier", tmp_path, config={
+        "redis.url": redis_url, "run_id": run_id, "session_address": "127.0.0.1:1",
+        "suites_dir": str(tmp_path / "suites")}, env={**os.environ, security.SECRETS_ENV: str(mount)}).start(30.0)
+    try:
+        creds = client_credentials(run_id, "soon-revoked")
+        token_id = security.TokenBook.load(origin).verify(creds.token).token_id
+        async with channel(verifier.address, credentials=creds) as ch:
+            stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+            request = verifier_pb2.GetVerdictRequest(session_id="no-such-session")
+            assert (await refused(stub.GetVerdict(request, timeout=10))).code() == grpc.StatusCode.NOT_FOUND
+            security.revoke_token(origin, token_id)  # this host's record ...
+            revocations.publish_ids(redis_url, {}, run_id, [token_id])  # ... and every host's
+            deadline = time.monotonic() + 10
+            while True:
+                error = await refused(stub.GetVerdict(request, timeout=10))
+                if error.code() == grpc.StatusCode.UNAUTHENTICATED or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in error.details()
+        assert not (mount / "revoked").exists()  # it learnt it from Redis, not from the file
+    finally:
+        verifier.stop()

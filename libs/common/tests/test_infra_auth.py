@@ -11,6 +11,7 @@ import stat
 import pytest
 from redis.exceptions import NoPermissionError
 
+from rlfleet.common import revocations
 from rlfleet.common.config import NatsConfig, RedisConfig
 from rlfleet.common.errors import StartupError
 from rlfleet.common.infra_auth import (
@@ -197,3 +198,22 @@ async def test_a_redis_user_only_touches_its_own_keys(redis_url, infra_secrets):
                 await session.hset(key(run_id, *readable.split(":")), "max_inflight_sessions", 0)
     finally:
         await session.aclose()
+
+
+async def test_only_the_operator_adds_revocations_and_every_service_reads_them(redis_url, infra_secrets):
+    run_id = unique_run_id("revoked")
+    operator = await connect_redis(redis_as(redis_url, infra_secrets, "operator"))
+    try:
+        await revocations.revoke(operator, run_id, "t1")
+        with pytest.raises(NoPermissionError):
+            await operator.get(key(run_id, "session", "s1"))  # revocations are all it touches
+    finally:
+        await operator.aclose()
+    for user in ("session-server", "rollout-gateway", "weight-broker", "sandbox-manager", "verifier"):
+        service = await connect_redis(redis_as(redis_url, infra_secrets, user))
+        try:
+            assert await revocations.revoked(service, run_id) == {"t1"}, user
+            with pytest.raises(NoPermissionError):
+                await service.srem(revocations.revoked_key(run_id), "t1")  # nobody un-revokes a token
+        finally:
+            await service.aclose()

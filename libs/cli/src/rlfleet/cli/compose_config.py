@@ -86,9 +86,10 @@ def launch_state(config: PlatformConfig, ports: dict[str, int]) -> PlatformState
         return ProcessRecord(name, 0, 0, [], "", kind=kind, **fields)
 
     processes = [
-        record("nats", "nats", address=f"127.0.0.1:{ports['nats']}", url=f"nats://127.0.0.1:{ports['nats']}"),
+        # TLS only, as under `rlfleet up` (certs/nats.pem, certs/redis.pem: write_tls_secrets)
+        record("nats", "nats", address=f"127.0.0.1:{ports['nats']}", url=f"tls://127.0.0.1:{ports['nats']}"),
         record("redis", "redis", address=f"127.0.0.1:{ports['redis']}",
-               url=f"redis://127.0.0.1:{ports['redis']}/0"),
+               url=f"rediss://127.0.0.1:{ports['redis']}/0"),
         record(ENGINE, "engine", address=f"127.0.0.1:{ports[ENGINE]}", url=f"http://127.0.0.1:{ports[ENGINE]}"),
         *(record(name, "service", address=f"127.0.0.1:{ports[name]}") for name in config.services),
     ]
@@ -194,7 +195,7 @@ def write_tls_secrets(directory: Path, run_id: str) -> None:
     here so that no container needs the CA key) and the workers' environment-client token (worker.token).
     Each container gets the CA certificate, the token key and its own certificate; the CA key stays here."""
     security.ensure_secrets(directory, run_id)
-    for identity in IDENTITIES.values():
+    for identity in (*IDENTITIES.values(), *security.INFRA_IDENTITIES):  # NATS and Redis serve TLS too
         security.identity_pem(directory, identity)
     if not (directory / "worker.token").exists():
         token, _ = security.issue_token(directory, run_id, WORKER_CLIENT)

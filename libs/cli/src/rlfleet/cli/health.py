@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from dataclasses import dataclass
 
 from rlfleet.cli.launcher import PlatformState, ProcessRecord, is_ours
@@ -23,15 +24,20 @@ class Health:
     last_restart_unix: float = 0.0
 
 
-async def _ping_line(address: str, expect: tuple[bytes, ...], timeout_s: float, greeting: bool) -> bool:
+async def _ping_line(address: str, expect: tuple[bytes, ...], timeout_s: float, greeting: bool,
+                     tls: ssl.SSLContext | None = None) -> bool:
+    """PING over TLS where `tls` is given: Redis from the first byte, NATS after its plaintext INFO."""
     host, port = address.rsplit(":", 1)
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, int(port), ssl=None if greeting else tls), timeout_s)
     except (TimeoutError, OSError):
         return False
     try:
         if greeting:
             await asyncio.wait_for(reader.readline(), timeout_s)  # NATS greets with INFO first
+            if tls is not None:
+                await asyncio.wait_for(writer.start_tls(tls), timeout_s)
         writer.write(b"PING\r\n")
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), timeout_s)
@@ -74,11 +80,20 @@ async def _probe_one(record: ProcessRecord, timeout_s: float, credentials: secur
         return Health(record.name, record.pid, record.address, False, False, "not running")
     if not record.address:
         return Health(record.name, record.pid, record.address, True, False, "no address yet")
-    if record.kind == "nats":
+    if record.kind in ("nats", "redis"):
         # Both are secured (rlfleet.common.infra_auth): a refusal to an anonymous PING is an answer.
-        healthy = await _ping_line(record.address, (b"PONG", b"Authorization Violation"), timeout_s, greeting=True)
-    elif record.kind == "redis":
-        healthy = await _ping_line(record.address, (b"+PONG", b"-NOAUTH"), timeout_s, greeting=False)
+        # Over TLS when launched so (tls://, rediss://), checked against the run's CA.
+        tls = None
+        if record.url.startswith(("tls://", "rediss://")):
+            try:
+                tls = security.client_ssl_context(credentials=credentials)
+            except (security.StartupError, ssl.SSLError, OSError):
+                return Health(record.name, record.pid, record.address, True, False, "no credentials for its TLS")
+        if record.kind == "nats":
+            healthy = await _ping_line(record.address, (b"PONG", b"Authorization Violation"), timeout_s,
+                                       greeting=True, tls=tls)
+        else:
+            healthy = await _ping_line(record.address, (b"+PONG", b"-NOAUTH"), timeout_s, greeting=False, tls=tls)
     elif record.kind == "engine":
         healthy = await _http_ok(record.address, "/health", timeout_s)
     else:

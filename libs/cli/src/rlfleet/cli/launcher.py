@@ -35,6 +35,7 @@ from rlfleet.common.infra_auth import (
     nats_authorization,
     planned_secrets,
     redis_acl,
+    run_dir_login,
     secrets_dir,
     write_secret,
 )
@@ -63,7 +64,7 @@ class ProcessRecord:
     cmdline: list[str]
     log: str
     address: str = ""       # host:port (gRPC for services, client port for NATS/Redis)
-    url: str = ""           # nats://, redis://, http://
+    url: str = ""           # tls:// (NATS), rediss:// (Redis), http://
     metrics_port: int = 0
     kind: str = "service"   # service | nats | redis | engine | worker
     restarts: int = 0       # times the launcher started it again after it died
@@ -383,17 +384,22 @@ class Platform:
         self.state.processes.append(record)
         self.state.save()
 
+    def _tls_dir(self) -> Path:
+        """Where the CA that signs NATS's and Redis's certificates is: the one every service trusts."""
+        return security.secrets_dir() or security.run_secrets_dir(self.run_dir)
+
     def _start_nats(self) -> None:
         nats = self.config.nats
         authorization = nats_authorization(ensure_infra_secrets(secrets_dir(self.run_dir)), run=self.config.run_id)
         server = NatsServer(self.run_dir / "nats", nats.max_payload_bytes, nats.binary, authorization=authorization,
+                            tls=security.server_tls_files(self._tls_dir(), "nats"),
                             log_path=self.logs / "nats.log", name="nats", new_session=True,
                             log_lines=1).spawn()
         self._children[server.name] = server
         self._record(record_of(server, kind="nats"))
         url = server.wait_url(self.config.start_timeout_s)
         record = self.state.by_name(server.name)
-        record.url, record.address = url, url.removeprefix("nats://")
+        record.url, record.address = url, url.split("://", 1)[-1]
         server.write_conf(_port_of(record.address))  # a restart listens where the clients reconnect to
         self.state.save()
 
@@ -407,9 +413,16 @@ class Platform:
         secrets = secrets_dir(self.run_dir)
         aclfile = secrets / "redis.acl"  # users and key patterns of this run only; `default` off
         write_secret(aclfile, redis_acl(ensure_infra_secrets(secrets), run=self.config.run_id))
-        start_redis(self.run_dir / "redis", timeout_s=min(10.0, self.config.start_timeout_s), aclfile=aclfile,
-                    before_wait=record, appendonly=True, binary=self.config.redis.binary,
-                    log_path=self.logs / "redis.log", name="redis", new_session=True, log_lines=1)
+        server = start_redis(self.run_dir / "redis", timeout_s=min(10.0, self.config.start_timeout_s),
+                             aclfile=aclfile, before_wait=record, appendonly=True, binary=self.config.redis.binary,
+                             tls=security.server_tls_files(self._tls_dir(), "redis"),
+                             log_path=self.logs / "redis.log", name="redis", new_session=True, log_lines=1)
+        # Revocations made while Redis was down (the file is the record) reach every service from here.
+        from rlfleet.common import revocations
+
+        revoked = [t["id"] for t in security.list_tokens(self._tls_dir()) if t["revoked"]]
+        revocations.publish_ids(server.url, run_dir_login(self.run_dir, "redis", "operator"), self.config.run_id,
+                                revoked)
 
     def _start_engines(self) -> None:
         """CPU engines, all loading at once, each with its own log, config file and ready file."""

@@ -23,6 +23,7 @@ import asyncio
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from rlfleet.common.config import ConfigError, load_config
 from rlfleet.common.errors import InvalidArgument, StartupError
@@ -141,6 +142,9 @@ def cmd_token(argv: list[str]) -> int:
     parser.add_argument("--run-id", default="", help="run the token is for (default: the run directory's)")
     parser.add_argument("--expires-in-s", type=float, default=0.0, help="lifetime in seconds; 0 = until revoked")
     parser.add_argument("--json", action="store_true", help="list as JSON")
+    parser.add_argument("--redis-url", default="", help="revoke: the run's Redis, where services on other hosts "
+                        "read revocations (default: the platform launched in --run-dir); login as the operator "
+                        "user from the run directory's secrets or RLFLEET__REDIS__USER / __PASSWORD")
     args = parser.parse_args(argv)
     directory = security.run_secrets_dir(args.run_dir)
     if not (directory / "token.key").exists():
@@ -159,6 +163,7 @@ def cmd_token(argv: list[str]) -> int:
     elif args.action == "revoke":
         security.revoke_token(directory, args.subject)
         print(f"revoked {args.subject}")
+        _revoke_in_redis(Path(args.run_dir), args.subject, args.redis_url)
     else:
         rows = security.list_tokens(directory)
         if args.json:
@@ -167,6 +172,41 @@ def cmd_token(argv: list[str]) -> int:
             state = "revoked" if row["revoked"] else "active"
             print(f"{row['id']}  {row['name']:<24} run={row['run']:<16} {state}")
     return 0
+
+
+def _revoke_in_redis(run_dir: Path, token_id: str, redis_url: str) -> None:
+    """The revocation into the run's Redis too, which every service polls (rlfleet.common.revocations):
+    how containers and pods with their own copy of the secrets learn of it. Best effort: the file is
+    the record, and `rlfleet up` copies it into Redis when it starts Redis again."""
+    import os
+
+    from rlfleet.cli.launcher import PlatformState, use_run_secrets
+    from rlfleet.common import revocations, security
+    from rlfleet.common.infra_auth import run_dir_login
+
+    run_file = security.run_secrets_dir(run_dir) / "run_id"
+    run_id = run_file.read_text().strip() if run_file.exists() else ""
+    if not redis_url:
+        try:
+            state = PlatformState.load(run_dir)
+            redis_url, run_id = state.by_name("redis").url, state.run_id
+        except (StartupError, KeyError, LookupError):
+            print("# no platform is running in the run directory: services sharing it read the file; give "
+                  "--redis-url to tell services on other hosts", file=sys.stderr)
+            return
+    login = run_dir_login(run_dir, "redis", "operator") or {
+        "user": os.environ.get("RLFLEET__REDIS__USER", "operator"),
+        "password": os.environ.get("RLFLEET__REDIS__PASSWORD", ""),
+        "password_file": os.environ.get("RLFLEET__REDIS__PASSWORD_FILE", "")}
+    if security.run_secrets_dir(run_dir).joinpath("ca.key").exists():
+        use_run_secrets(run_dir, run_id)  # the operator's certificate for Redis's mutual TLS
+    try:
+        revocations.publish_ids(redis_url, login, run_id, [token_id])
+    except Exception as exc:  # redis-py's errors and a refused TLS handshake alike
+        print(f"# warning: not recorded in Redis at {redis_url} ({exc}); services on other hosts still accept "
+              "the token", file=sys.stderr)
+        return
+    print(f"# services of run {run_id!r} refuse it within ~{revocations.POLL_S:.0f} s", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

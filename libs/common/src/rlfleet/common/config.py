@@ -70,17 +70,22 @@ class LogConfig(StrictModel):
 
 
 class NatsConfig(StrictModel):
-    url: str = Field("", description="NATS server URL with JetStream, e.g. nats://127.0.0.1:4222")
+    url: str = Field("", description="NATS server URL with JetStream, e.g. tls://127.0.0.1:4222 (TLS, checked "
+                     "against the run's CA; nats:// is plaintext, which the platform's NATS refuses)")
     connect_timeout_s: float = Field(3.0, gt=0, description="give up connecting after this long")
     user: str = Field("", description="NATS user this process logs in as (its subject permissions)")
     password: str = Field("", description="its password; prefer password_file or RLFLEET__NATS__PASSWORD "
                           "(a flag shows in `ps`)")
     password_file: str = Field("", description="file holding the password (a mounted secret, "
                                "<run_dir>/secrets/nats-<user>.password)")
+    ca_file: str = Field("", description="the run's CA certificate to check a tls:// server by; empty: this "
+                         "process's credentials' (RLFLEET_CA_FILE or the secrets directory's ca.pem)")
 
 
 class RedisConfig(StrictModel):
-    url: str = Field("", description="Redis URL, e.g. redis://127.0.0.1:6379/0")
+    url: str = Field("", description="Redis URL, e.g. rediss://127.0.0.1:6379/0 (TLS with this process's "
+                     "certificate, checked against the run's CA; redis:// is plaintext, which the platform's "
+                     "Redis refuses)")
     connect_timeout_s: float = Field(3.0, gt=0, description="give up connecting after this long")
     user: str = Field("", description="Redis ACL user this process logs in as (its key patterns)")
     password: str = Field("", description="its password; prefer password_file or RLFLEET__REDIS__PASSWORD "

@@ -66,14 +66,20 @@ REDIS_ROLES: dict[str, tuple[str, ...]] = {
     "weight-broker": ("broker", "adapter_routes"),  # adapter routes: the broker writes, the gateway reads
     "sandbox-manager": ("sandbox",),
     "verifier": ("verdicts",),
+    # `rlfleet token revoke`: adds to the run's revoked token ids (rlfleet.common.revocations), nothing else.
+    "operator": ("revoked_tokens",),
 }
 # Key parts a service may only read (Redis 7 `%R~`): the verifier reads a session's tokens where the
 # session server keeps them, instead of asking the session server for them over gRPC on every
 # verdict; only the session server writes them, so they are still what it vouches for.
 # The session server admits sessions in its own create script, by the policy the operator sets and
 # what the gateway advertises (rlfleet.common.session_slots), and cannot change either.
+# Every service that verifies tokens reads the run's revocations (rlfleet.common.revocations).
 REDIS_READ_ROLES: dict[str, tuple[str, ...]] = {
-    "verifier": ("session",), "session-server": ("admission:policy", "admission:fleet", "adapter_routes")}
+    "verifier": ("session", "revoked_tokens"),
+    "session-server": ("admission:policy", "admission:fleet", "adapter_routes", "revoked_tokens"),
+    "rollout-gateway": ("revoked_tokens",), "weight-broker": ("revoked_tokens",),
+    "sandbox-manager": ("revoked_tokens",)}
 # Which NATS / Redis user each process logs in as.
 NATS_USER_OF = {"session-server": "session-server", "trainer": "trainer", "weight-broker": "weight-broker",
                 "worker": "worker", "rlfleet-controller": "controller", "rlfleet-run": "operator", "rlfleet-status": "operator",

@@ -298,10 +298,13 @@ class NatsServer(ChildProcess):
     comes back where its clients reconnect to)."""
 
     def __init__(self, directory: Path, max_payload_bytes: int = 8 << 20, binary: str = "",
-                 port: int = -1, authorization: str = "", **kwargs: Any) -> None:
+                 port: int = -1, authorization: str = "", tls: tuple[str, str] | None = None,
+                 **kwargs: Any) -> None:
         self.directory = Path(directory)
         self.port = port
         self.authorization = authorization  # rlfleet.common.infra_auth.nats_authorization; "" = open
+        # (key and certificate PEM, CA certificate): rlfleet.common.security.server_tls_files; TLS only
+        self.tls = tls
         self.ports_dir = self.directory / "ports"
         self.conf = self.directory / "nats.conf"
         self.max_payload_bytes = max_payload_bytes
@@ -325,6 +328,7 @@ class NatsServer(ChildProcess):
                        f"max_payload: {self.max_payload_bytes}\n"
                        f"ports_file_dir: {json.dumps(str(self.ports_dir))}\n"
                        f"jetstream {{ store_dir: {json.dumps(str(self.directory / 'jetstream'))} }}\n"
+                       f"{nats_tls_block(*self.tls) if self.tls else ''}"
                        f"{self.authorization}")
 
     def wait_url(self, timeout_s: float = 15.0) -> str:
@@ -332,22 +336,42 @@ class NatsServer(ChildProcess):
 
         def client_url() -> str | None:
             data = read_json(ports_file)
-            return data["nats"][0] if data and data.get("nats") else None
+            if not data or not data.get("nats"):
+                return None
+            url = data["nats"][0]
+            return "tls://" + url.split("://", 1)[1] if self.tls else url
 
         return wait_until(client_url, timeout_s, self.name, self)
 
 
+def nats_tls_block(pem_file: str, ca_file: str) -> str:
+    """nats-server's `tls {}`: clients must speak TLS (a plaintext one is refused at its first
+    byte); the server's certificate is the run CA's. No client certificate is demanded: workers on
+    other teams' machines hold a login and the CA, not a certificate (the login is what authorizes)."""
+    return (f"tls {{ cert_file: {json.dumps(pem_file)}, key_file: {json.dumps(pem_file)}, "
+            f"ca_file: {json.dumps(ca_file)}, timeout: 5 }}\n")
+
+
+def redis_tls_args(port: int, pem_file: str, ca_file: str) -> list[str]:
+    """redis-server TLS-only on `port` (`--port 0`: no plaintext listener), mutual TLS: a client
+    without a certificate of the run's CA is refused at the handshake, before any password."""
+    return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", pem_file, "--tls-key-file", pem_file,
+            "--tls-ca-cert-file", ca_file, "--tls-auth-clients", "yes"]
+
+
 class RedisServer(ChildProcess):
     """`redis-server` on `port` with its files in `directory`; with `aclfile`
-    (rlfleet.common.infra_auth.redis_acl) only its users get in."""
+    (rlfleet.common.infra_auth.redis_acl) only its users get in; with `tls` (key and certificate
+    PEM, CA certificate: rlfleet.common.security.server_tls_files) only over mutual TLS (rediss://)."""
 
     def __init__(self, directory: Path, port: int, appendonly: bool = False, binary: str = "redis-server",
-                 aclfile: Path | None = None, **kwargs: Any) -> None:
+                 aclfile: Path | None = None, tls: tuple[str, str] | None = None, **kwargs: Any) -> None:
         self.directory = Path(directory)
         self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self.url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}/0"
         log = kwargs.pop("log_path", None) or self.directory / "redis.log"
-        argv = [find_binary(binary), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(self.directory),
+        listen = redis_tls_args(port, *tls) if tls else ["--port", str(port)]
+        argv = [find_binary(binary), "--bind", "127.0.0.1", *listen, "--dir", str(self.directory),
                 "--save", "", "--appendonly", "yes" if appendonly else "no", "--daemonize", "no",
                 "--protected-mode", "yes", *(["--aclfile", str(aclfile)] if aclfile else [])]
         kwargs.setdefault("name", "redis-server")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -29,13 +30,28 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
         if config.user else {}
     client = aioredis.Redis.from_url(url, **login, socket_connect_timeout=config.connect_timeout_s,
                                      socket_timeout=max(config.connect_timeout_s, 10.0), decode_responses=False,
-                                     retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError])
+                                     retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError],
+                                     **tls_options(url))
     try:
         await client.ping()
     except (RedisError, OSError) as exc:
         await client.aclose()
         raise StartupError(f"cannot reach Redis at {without_password(url)}: {exc}") from None
     return client
+
+
+def tls_options(url: str) -> dict[str, Any]:
+    """redis-py's TLS arguments for a rediss:// URL: the run's CA to check the server by and this
+    process's certificate (the platform's Redis demands one: mutual TLS); {} for redis://."""
+    if urlparse(url).scheme != "rediss":
+        return {}
+    from rlfleet.common.security import local_credentials
+
+    creds = local_credentials()
+    if not creds.cert_file:
+        raise StartupError("Redis over TLS needs a service's certificate (RLFLEET_SECRETS_DIR); an environment "
+                           "client has none and never talks to Redis")
+    return {"ssl_ca_data": creds.ca.decode(), "ssl_certfile": creds.cert_file, "ssl_cert_reqs": "required"}
 
 
 def text(raw: bytes | str) -> str:

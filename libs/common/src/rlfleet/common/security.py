@@ -10,7 +10,8 @@ first start of `rlfleet up` / `rlfleet run` (`ensure_secrets`):
   made the first time a process of that identity starts;
 - `token.key`: the HMAC key environment-client tokens are signed with; `tokens.jsonl` lists the
   tokens issued, `revoked` the ids revoked (every process on the run reads the same file, and
-  notices a change within a second).
+  notices a change within a second; processes on other hosts see the same ids through the run's
+  Redis, rlfleet.common.revocations).
 
 Services talk mutual TLS: the client certificate names the caller. An environment client (other
 teams' code, any language) has only the CA certificate and a token, sent as `authorization: Bearer
@@ -33,6 +34,7 @@ import json
 import os
 import secrets
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -55,7 +57,10 @@ ANY_RUN = "*"
 TOKEN_PREFIX = "rlf1"
 # The names services reach each other by: localhost, compose service names, Kubernetes services.
 SERVICE_HOSTS = ("localhost", "session-server", "rollout-gateway", "gateway", "sandbox-manager", "verifier",
-                 "trainer", "weight-broker", "broker", "cpu-engine", "engine")
+                 "trainer", "weight-broker", "broker", "cpu-engine", "engine", "nats", "redis")
+# NATS and Redis: their certificates serve TLS and nothing else (serverAuth only), so the key on the
+# NATS or Redis host is no client certificate a gRPC server would take as a service.
+INFRA_IDENTITIES = ("nats", "redis")
 SERVICE_IPS = ("127.0.0.1", "::1")
 CERT_DAYS = 825
 ENGINE_KEY_FILES = ("engine_api_key", "engine_admin_api_key")
@@ -178,6 +183,7 @@ def identity_pem(directory: str | Path, identity: str) -> bytes:
     path = root / "certs" / f"{identity}.pem"
     if path.exists():
         return path.read_bytes()
+    usage = "serverAuth" if identity in INFRA_IDENTITIES else "serverAuth,clientAuth"
     if not (root / "ca.key").exists():
         raise StartupError(f"{root} has no CA key to sign a certificate for {identity!r}")
     sans = ",".join([*(f"DNS:{h}" for h in _hosts()), *(f"IP:{ip}" for ip in SERVICE_IPS)])
@@ -186,7 +192,7 @@ def identity_pem(directory: str | Path, identity: str) -> bytes:
                  "-keyout", "leaf.key", "-out", "leaf.pem", "-days", str(CERT_DAYS), "-subj", f"/CN={identity}",
                  "-CA", str(root / "ca.pem"), "-CAkey", str(root / "ca.key"),
                  "-addext", f"subjectAltName={sans}", "-addext", "basicConstraints=critical,CA:FALSE",
-                 "-addext", "extendedKeyUsage=serverAuth,clientAuth", cwd=Path(work))
+                 "-addext", f"extendedKeyUsage={usage}", cwd=Path(work))
         pem = (Path(work) / "leaf.key").read_bytes() + (Path(work) / "leaf.pem").read_bytes()
     _write_private(path, pem)
     return pem
@@ -230,6 +236,9 @@ class TokenBook:
     _revoked_stamp: float = -1.0
     _checked_at: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Ids revoked in the run's Redis (rlfleet.common.revocations.watch keeps it current): how a
+    # revocation reaches a container or pod that has its own copy of the secrets.
+    remote_revoked: frozenset[str] = frozenset()
 
     @classmethod
     def load(cls, directory: str | Path) -> TokenBook:
@@ -244,7 +253,7 @@ class TokenBook:
             if len(self._verified) > 10_000:
                 self._verified.clear()
             self._verified[token] = principal
-        if principal.token_id in self._revoked:
+        if principal.token_id in self._revoked or principal.token_id in self.remote_revoked:
             raise Unauthenticated(f"token {principal.token_id} was revoked", right="authenticated")
         return principal
 
@@ -339,6 +348,7 @@ class Credentials:
     cert: bytes = b""
     book: TokenBook | None = None
     identity: str = ""
+    cert_file: str = ""  # the key and certificate as one PEM file: what ssl and redis-py load
 
 
 _identity = "operator"
@@ -377,7 +387,8 @@ def trusted_credentials(directory: str | Path, name: str) -> Credentials:
     book = TokenBook.load(root)
     kind = OPERATOR if name == "operator" else SERVICE
     token = sign_token(book.key, Principal(kind, name, ANY_RUN, f"{kind}-{name}"))
-    return Credentials((root / "ca.pem").read_bytes(), token, key, cert, book, name)
+    return Credentials((root / "ca.pem").read_bytes(), token, key, cert, book, name,
+                       str(root / "certs" / f"{name}.pem"))
 
 
 def client_credentials(token: str, ca: bytes) -> Credentials:
@@ -411,6 +422,41 @@ def _resolve(directory: str, token: str) -> Credentials:
             "--ca-file) and a token (RLFLEET_TOKEN or --token; `rlfleet token issue` makes one); a service "
             f"needs the run's secrets directory ({SECRETS_ENV}; `rlfleet up` makes it)")
     return client_credentials(token, Path(ca_file).read_bytes())
+
+
+def client_ssl_context(ca_file: str = "", credentials: Credentials | None = None) -> ssl.SSLContext:
+    """What a NATS or Redis client of this process connects with: the run's CA (`ca_file`, else this
+    process's credentials') to check the server by, and this process's certificate where it has one
+    (services and the operator; Redis demands it, NATS takes a login instead: workers have none).
+    A process with neither secrets nor a token (`rlfleet-submit` in a container) checks by
+    RLFLEET_CA_FILE. `credentials`: another's than this process's (the operator's of a run directory)."""
+    if credentials is None and not ca_file and not os.environ.get(SECRETS_ENV) and not os.environ.get(TOKEN_ENV):
+        ca_file = os.environ.get(CA_ENV, "")
+    if ca_file:
+        try:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+        except OSError as exc:
+            raise StartupError(f"cannot read the CA certificate {ca_file}: {exc.strerror}") from None
+        cert_file = ""
+        try:
+            cert_file = local_credentials().cert_file
+        except StartupError:
+            pass  # a CA file and no secrets: a client without a certificate of its own
+    else:
+        creds = credentials or local_credentials()
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=creds.ca.decode())
+        cert_file = creds.cert_file
+    if cert_file:
+        context.load_cert_chain(cert_file)
+    return context
+
+
+def server_tls_files(directory: str | Path, identity: str) -> tuple[str, str]:
+    """(key and certificate PEM, CA certificate) that nats-server or redis-server (`identity`)
+    serves TLS with, made in the run's secrets `directory` when missing."""
+    root = Path(directory)
+    identity_pem(root, identity)
+    return str(root / "certs" / f"{identity}.pem"), str(root / "ca.pem")
 
 
 def ensure_local_credentials(directory: str | Path | None = None) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import nats
@@ -70,7 +71,7 @@ async def connect_nats(config: NatsConfig, name: str) -> nats.NATS:
     await _probe(url, config.connect_timeout_s)
     connecting = nats.connect(url, name=name, connect_timeout=config.connect_timeout_s,
                               max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                              error_cb=on_error, **_credentials(config, url))
+                              error_cb=on_error, **_credentials(config, url), **_tls(config, url))
     try:
         # nats-py retries a first connect forever too: a refused login would hang here.
         return await asyncio.wait_for(connecting, 2 * config.connect_timeout_s + 1)
@@ -91,6 +92,16 @@ def _credentials(config: NatsConfig, url: str) -> dict[str, str]:
     if config.user:
         options |= {"user": config.user, "password": read_password(config.password, config.password_file, "NATS")}
     return options
+
+
+def _tls(config: NatsConfig, url: str) -> dict[str, Any]:
+    """A tls:// URL is checked against the run's CA; this process's certificate goes with it where it
+    has one. nats:// stays plaintext (a server that demands TLS then refuses the connection)."""
+    if urlparse(url).scheme != "tls":
+        return {}
+    from rlfleet.common.security import client_ssl_context
+
+    return {"tls": client_ssl_context(config.ca_file)}
 
 
 async def _probe(url: str, timeout_s: float) -> None:

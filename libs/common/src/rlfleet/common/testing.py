@@ -11,12 +11,13 @@ itself (`rlfleet.common.processes`) needs no pytest and is what benchmarks and t
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import pytest
 
@@ -67,21 +68,24 @@ def infra_secrets(tmp_path_factory: pytest.TempPathFactory) -> InfraSecrets:
 
 
 @pytest.fixture(scope="session")
-def nats_server(tmp_path_factory: pytest.TempPathFactory, infra_secrets: InfraSecrets) -> Iterator[NatsServer]:
-    """NATS with the services' users and their subject permissions; nobody gets in without a login."""
-    server = start_nats(tmp_path_factory.mktemp("nats"),
+def nats_server(tmp_path_factory: pytest.TempPathFactory, infra_secrets: InfraSecrets,
+                rlfleet_secrets: Path) -> Iterator[NatsServer]:
+    """NATS with the services' users and their subject permissions, TLS only (the session's CA);
+    nobody gets in without a login."""
+    server = start_nats(tmp_path_factory.mktemp("nats"), tls=security.server_tls_files(rlfleet_secrets, "nats"),
                         authorization=nats_authorization(infra_secrets, superusers=(HARNESS_USER,)))
     yield server
     server.stop(10)
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory, infra_secrets: InfraSecrets) -> Iterator[RedisServer]:
-    """Redis with the services' ACL users; `default` is off."""
+def redis_server(tmp_path_factory: pytest.TempPathFactory, infra_secrets: InfraSecrets,
+                 rlfleet_secrets: Path) -> Iterator[RedisServer]:
+    """Redis with the services' ACL users, `default` off, mutual TLS only (no plaintext port)."""
     directory = tmp_path_factory.mktemp("redis")
     aclfile = directory / "users.acl"
     write_secret(aclfile, redis_acl(infra_secrets, superusers=(HARNESS_USER,)))
-    server = start_redis(directory, aclfile=aclfile)
+    server = start_redis(directory, aclfile=aclfile, tls=security.server_tls_files(rlfleet_secrets, "redis"))
     yield server
     server.stop(10)
 
@@ -93,8 +97,19 @@ def nats_url(nats_server: NatsServer, infra_secrets: InfraSecrets) -> str:
 
 
 @pytest.fixture(scope="session")
-def redis_url(redis_server: RedisServer, infra_secrets: InfraSecrets) -> str:
-    return with_login(redis_server.url, infra_secrets.redis[HARNESS_USER])
+def redis_url(redis_server: RedisServer, infra_secrets: InfraSecrets, rlfleet_secrets: Path) -> str:
+    """The TLS Redis as the harness user. The URL also names the CA and the operator's certificate
+    (redis-py reads ssl_* from the query), so a test's own `Redis.from_url(redis_url)` works as is;
+    services connect by `connect_redis`, which takes them from the process's credentials."""
+    security.identity_pem(rlfleet_secrets, "operator")
+    tls = urlencode({"ssl_ca_certs": str(rlfleet_secrets / "ca.pem"),
+                     "ssl_certfile": str(rlfleet_secrets / "certs" / "operator.pem")})
+    return f"{with_login(redis_server.url, infra_secrets.redis[HARNESS_USER])}?{tls}"
+
+
+def nats_tls() -> ssl.SSLContext:
+    """What a test's own `nats.connect(nats_url, tls=...)` needs for the harness's TLS-only NATS."""
+    return security.client_ssl_context()
 
 
 def with_login(url: str, credential: Credential) -> str:

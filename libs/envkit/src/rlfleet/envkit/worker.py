@@ -245,7 +245,10 @@ class RolloutWorker:
                                            verifier=config.verifier_address, token=worker_token(config),
                                            ca_file=config.ca_file)
             self._own_clients = True
-        self.nc = await connect_nats(config.nats, f"rlfleet-worker-{config.run_id}")
+        # NATS is TLS too, checked against the same CA as the services (a worker holds no certificate).
+        nats_config = config.nats if config.nats.ca_file or not config.ca_file else \
+            config.nats.model_copy(update={"ca_file": config.ca_file})
+        self.nc = await connect_nats(nats_config, f"rlfleet-worker-{config.run_id}")
         js = self.nc.jetstream()
         await ensure_streams(js)
         self.queue = TaskQueue(js, config.run_id, config.consumer, ack_wait_s=config.effective_ack_wait_s,

@@ -19,6 +19,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.processes import ServiceProcess, free_port
+from rlfleet.common.security import client_ssl_context
 from rlfleet.common.streams import ensure_consumer
 
 
@@ -99,7 +100,7 @@ class Rollout:
 
 async def read_trajectories(nats_url: str, run_id: str, wait_s: float = 1.0) -> list:
     """Every trajectory published for `run_id` so far, read with a throwaway consumer."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, tls=client_ssl_context() if nats_url.startswith("tls://") else None)
     durable = f"test-{uuid.uuid4().hex[:12]}"
     try:
         js = nc.jetstream()
