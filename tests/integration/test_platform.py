@@ -28,7 +28,8 @@ SERVICES = {"sandbox-manager": "rlfleet.sandbox.v1.SandboxService",
             "session-server": "rlfleet.session.v1.SessionService",
             "verifier": "rlfleet.verifier.v1.VerifierService",
             "trainer": "rlfleet.trainer.v1.TrainerService",
-            "weight-broker": "rlfleet.broker.v1.BrokerService"}
+            "weight-broker": "rlfleet.broker.v1.BrokerService",
+            "controller": "rlfleet.controller.v1.RunControl"}
 
 
 ENGINES = {"engine-0"}  # the default launch starts one CPU engine

@@ -42,4 +42,5 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def FinishTrainerSync(
         self, request: broker_pb2.FinishTrainerSyncRequest, context
     ) -> broker_pb2.FinishTrainerSyncResponse:
+        require_known_enums(request)
         return await self.broker.trainer_syncs.finish(request)
