@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.common.chat import SPECIAL_TOKENS
@@ -193,7 +195,14 @@ class TrainerProcess(ServiceProcess):
         last: list = []
 
         def holds():
-            last[:] = [self.status()]
+            try:
+                last[:] = [self.status()]
+            except grpc.RpcError as exc:
+                # A trainer starved of CPU (two ranks on two cores) can drop a TLS handshake; the
+                # next poll retries, and `wait_until` still fails at once when the process exits.
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+                return None
             return last[0] if predicate(last[0]) else None
 
         try:
