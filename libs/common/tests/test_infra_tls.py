@@ -104,12 +104,35 @@ async def test_connect_redis_speaks_mutual_tls_with_the_process_certificate(redi
     client = await connect_redis(RedisConfig(url=bare, **credential.redis()))
     try:
         assert await client.ping()
-        assert client.connection_pool.connection_class.__name__ == "SSLConnection"
+        assert issubclass(client.connection_pool.connection_class, aioredis.SSLConnection)
     finally:
         await client.aclose()
     with pytest.raises(StartupError, match="cannot reach Redis"):
         await connect_redis(RedisConfig(url="redis://" + bare.split("://", 1)[1], connect_timeout_s=2,
                                         **credential.redis()))
+
+
+async def test_pooled_redis_connections_share_one_context_that_trusts_only_the_run_ca(redis_url, infra_secrets):
+    """A pool that grows under concurrent commands reuses one SSL context (building one per
+    connection blocked the event loop), and that context still checks what redis-py's did."""
+    import asyncio
+
+    credential = infra_secrets.redis[HARNESS_USER]
+    bare = without_login(redis_url).split("?", 1)[0]
+    client = await connect_redis(RedisConfig(url=bare, **credential.redis()))
+    try:
+        pool = client.connection_pool
+        await asyncio.gather(*(client.blpop(f"rlfleet:tls-test:{i}", timeout=0.2) for i in range(6)))
+        connections = [*pool._available_connections, *pool._in_use_connections]
+        assert len(connections) >= 6  # the blocking pops held a connection each
+        contexts = {id(c.ssl_context.get()) for c in connections}
+        assert len(contexts) == 1
+        context = connections[0].ssl_context.get()
+        assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+        run_ca = ssl.PEM_cert_to_DER_cert(security.local_credentials().ca.decode())
+        assert context.get_ca_certs(binary_form=True) == [run_ca]  # not the system bundle too
+    finally:
+        await client.aclose()
 
 
 async def test_a_client_refuses_a_server_of_another_ca(tmp_path, nats_url):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlparse
@@ -32,6 +34,10 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
                                      socket_timeout=max(config.connect_timeout_s, 10.0), decode_responses=False,
                                      retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError],
                                      **tls_options(url))
+    if urlparse(url).scheme == "rediss":
+        pool = client.connection_pool
+        pool.connection_class = SharedContextSSLConnection
+        pool.connection_kwargs["shared_context"] = _shared_context(pool.connection_kwargs)
     try:
         await client.ping()
     except (RedisError, OSError) as exc:
@@ -52,6 +58,36 @@ def tls_options(url: str) -> dict[str, Any]:
         raise StartupError("Redis over TLS needs a service's certificate (RLFLEET_SECRETS_DIR); an environment "
                            "client has none and never talks to Redis")
     return {"ssl_ca_data": creds.ca.decode(), "ssl_certfile": creds.cert_file, "ssl_cert_reqs": "required"}
+
+
+class SharedContextSSLConnection(aioredis.SSLConnection):
+    """redis-py's TLS connection, on one SSL context per process rather than one per connection.
+
+    redis-py builds a fresh context for every new pooled connection: `ssl.create_default_context()`
+    (which loads the system CA bundle), then our CA and certificate. A pool grows whenever more
+    commands are in flight than it has connections (32 concurrent turns), and each new connection
+    then blocked the event loop for tens of ms: the secure service path's p99 was ~0.6 s against
+    ~45 ms in plaintext. The shared context checks the same things (server certificate against the
+    run's CA, host name, our certificate presented), and trusts only the run's CA, not the system's."""
+
+    def __init__(self, *, shared_context: ssl.SSLContext, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ssl_context.context = shared_context  # RedisSSLContext.get() returns it as built
+
+
+_contexts: dict[tuple[str, str], ssl.SSLContext] = {}
+_contexts_lock = threading.Lock()
+
+
+def _shared_context(options: Mapping[str, Any]) -> ssl.SSLContext:
+    ca, cert_file = options["ssl_ca_data"], options["ssl_certfile"]
+    with _contexts_lock:
+        context = _contexts.get((ca, cert_file))
+        if context is None:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca)
+            context.load_cert_chain(cert_file)
+            _contexts[(ca, cert_file)] = context
+        return context
 
 
 def text(raw: bytes | str) -> str:
