@@ -118,6 +118,9 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config flag for both runs (repeatable)")
     parser.add_argument("--json", type=Path, default=None, help="also write both summaries and the gap here")
+    parser.add_argument("--only", choices=("full", "lora"), default=None,
+                        help="run one arm only (its curve; no gap): the other arm's figure is then one measured "
+                        "before, comparable only while its config and code path are unchanged")
     args = parser.parse_args()
 
     steps = 2 if args.tiny and args.steps == 60 else args.steps
@@ -128,11 +131,17 @@ def main() -> int:
         extra = [*TINY, f"model_cache_dir={runs / 'cache'}", *extra]
     summaries = {}
     for name, config in (("full", args.full), ("lora", args.lora)):
+        if args.only not in (None, name):
+            continue
         summaries[name] = run_one(name, config, steps, runs / name, extra, runs)
 
     print()
     for name, summary in summaries.items():
         print("\n".join(describe(name, summary, steps)))
+    if args.only:
+        if args.json:
+            args.json.write_text(json.dumps({"steps": steps, "summaries": summaries}, indent=2))
+        return 0 if success(summaries[args.only], "rl_accepted") is not None else 1
     full, lora = success(summaries["full"], "rl_accepted"), success(summaries["lora"], "rl_accepted")
     equal = all(s.get("steps") == steps for s in summaries.values())
     gap = None if full is None or lora is None else full - lora

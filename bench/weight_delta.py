@@ -35,6 +35,7 @@ import json
 import os
 import tempfile
 import time
+import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -324,7 +325,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the rows to this file")
     ap.add_argument("--lora", action="store_true", help="only the LoRA adapter vs bf16 delta rows")
     ap.add_argument("--lora-steps", type=int, default=3)
-    ap.add_argument("--lora-rank", type=int, default=8, help="--lora: the adapter's rank (alpha = 2 x rank)")
+    shipped = tomllib.loads((Path(__file__).resolve().parents[1] / "examples" / "calc-lora.toml").read_text())
+    ap.add_argument("--lora-rank", type=int, default=shipped["trainer"]["lora"]["rank"],
+                    help="--lora: the adapter's rank (alpha = 2 x rank; default: examples/calc-lora.toml's)")
     ap.add_argument("--lora-model", choices=["default", *MODELS], default="default",
                     help="--lora: the default CPU-engine model, or one of this bench's (100M: calc.toml's lrs only)")
     args = ap.parse_args()

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import types
 
 import pytest
 
@@ -210,3 +211,15 @@ def test_a_background_part_that_fails_is_said_and_started_again_and_a_stop_aband
 
     asyncio.run(scenario())
     assert "the promotion gate failed" in capsys.readouterr().out
+
+
+def test_a_step_the_trainer_publishes_past_the_step_budget_is_not_counted(tmp_path):
+    # calc-lora's fast steps: version 61 of a 60-step budget arrived before the trainer was stopped,
+    # and the run reported (and evaluated) 61 steps against full fine-tuning's 60.
+    run = _run(tmp_path)
+    run.config.budget.max_steps = 3
+    run.state.start_version = 2
+    version = lambda v: types.SimpleNamespace(version=v, step=v, metrics={"reward_mean": 0.5})  # noqa: E731
+    for v in (3, 4, 4, 5, 6):
+        run._note_step(version(v))
+    assert [s.version for s in run.record.steps] == [3, 4, 5]

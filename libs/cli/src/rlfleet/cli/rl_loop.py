@@ -358,7 +358,11 @@ class RLRun:
     def _note_step(self, version) -> None:
         # POLICY is replayed from its start on every (re)start: only versions not yet recorded are new.
         newest = self.record.steps[-1].version if self.record.steps else self.state.start_version
-        if version.version > newest:
+        # The trainer is stopped only after the budget's last version is seen, so in async mode it can
+        # publish one more step from groups it already held: that step is past the budget, and a run
+        # that counted (and evaluated) it would not be comparable at equal steps.
+        last = self.state.start_version + self.config.budget.max_steps
+        if newest < version.version <= last:
             self.record.steps.append(StepRecord(step=int(version.step), version=int(version.version),
                                                 elapsed_s=self.clock.elapsed(),
                                                 reward_mean=float(version.metrics.get("reward_mean", 0.0)),
