@@ -1,8 +1,8 @@
 """Chaos: one `rlfleet run`, every platform process SIGKILLed once at a random moment, nobody touching it.
 
-The gateway, session server, sandbox manager, verifier, broker, a canary engine (of two), trainer, NATS and
-Redis are each killed once (their whole process group, by the PID platform.json records), in a
-random order, a random 0-3 s after the previous one recovered. The launcher's supervision starts
+The gateway, session server, sandbox manager, verifier, broker, a canary engine (of two), trainer, NATS,
+Redis and the controller are each killed once (their whole process group, by the PID platform.json
+records), in a random order, a random 0-3 s after the previous one recovered. The launcher's supervision starts
 each again on its own ports and the run goes on: it must end on its budget with exit 0, and from
 the TRAJECTORIES stream and the trainer's ledger, no trajectory is lost and none is trained twice.
 For each kill the seconds until the next trained version are printed (the README's recovery figures).
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.chaos, pyte
 RLFLEET = str(Path(sys.executable).parent / "rlfleet")
 RUN_ID = "chaos"
 VICTIMS = ("rollout-gateway", "session-server", "sandbox-manager", "verifier", "weight-broker", "engine-0",
-           "trainer", "nats", "redis")
+           "trainer", "nats", "redis", "controller")
 
 CONFIG = """
 run_id = "chaos"
