@@ -3,7 +3,8 @@
 The static tests need no Docker engine. `test_the_stack_trains_and_compose_restarts_a_killed_container`
 builds the one image (deploy/docker/build.sh), generates the config as `make compose-up` does (free
 ports), brings the stack up with this machine's docker-compose, sees versions advance and trajectories
-trained, kills a container's process and sees compose restart it and the loop go on, then brings it
+trained, kills a container's process and sees compose restart it and the loop go on, waits for the
+controller's run (deploy/compose/run.toml) to reach a promotion-gate decision, then brings it
 down and checks that nothing of its own is left (the cached base and deps images excepted). It skips,
 saying why, only when no Docker engine answers (scripts/install.sh starts dockerd where it can).
 """
@@ -24,13 +25,14 @@ import deploy_helpers as h
 import pytest
 import yaml
 
-from rlfleet.cli.compose_config import IDENTITIES, RESERVED, write_stack
+from rlfleet.cli.compose_config import ENGINES, IDENTITIES, RESERVED, checked_run, write_stack
 from rlfleet.cli.compose_config import choose_ports as compose_ports
 from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
 from rlfleet.common.config import read_toml
 from rlfleet.common.security import split_pem
 
 STACK_TOML = h.COMPOSE_FILE.parent / "rlfleet.toml"
+RUN_TOML = h.COMPOSE_FILE.parent / "run.toml"   # the run the stack's controller drives
 JOBS = {"model-init", "submit"}
 UPSTREAM = {"prometheus", "grafana"}   # the observability profile: upstream images, not ours
 CONFIG_MOUNT = "/var/lib/rlfleet/run/config"
@@ -44,7 +46,7 @@ def stack_config() -> PlatformConfig:
 def generated(tmp_path_factory) -> tuple[Path, dict[str, str], dict[str, int]]:
     out = tmp_path_factory.mktemp("compose")
     ports = compose_ports(None)
-    env = write_stack(stack_config(), out, ports, tasks=50)
+    env = write_stack(stack_config(), out, ports, tasks=50, run_config=RUN_TOML)
     return out, env, ports
 
 
@@ -103,7 +105,7 @@ def test_one_image_host_networking_restart_policies_and_health_checks(compose):
 def test_each_process_runs_with_the_config_file_rlfleet_up_would_write(compose, generated):
     out, _, _ = generated
     written = {p.stem for p in (out / "config").glob("*.json")}
-    assert written == {"engine-0", *ALL_SERVICES, "worker"}
+    assert written == {*ENGINES, *ALL_SERVICES, "worker"}
     run_by_config = {}
     for name, service in ours(compose).items():
         command = service["command"]
@@ -123,14 +125,15 @@ def test_generated_configs_bind_loopback_on_distinct_ports_and_name_their_peers(
     out, _, ports = generated
     assert len(set(ports.values())) == len(ports) and not RESERVED & set(ports.values())
     models = dict(h.CONFIG_MODELS)
-    models["engine-0"] = ("rlfleet.engine.config", "EngineConfig")
+    for engine in ENGINES:
+        models[engine] = ("rlfleet.engine.config", "EngineConfig")
     import importlib
 
     for name, (module, attribute) in models.items():
         data = json.loads((out / "config" / f"{name}.json").read_text())
         config = resolve(getattr(importlib.import_module(module), attribute), data, {}, {})
         assert config.metrics.host == "127.0.0.1" and config.metrics.port == ports[f"{name}-metrics"], name
-        if name == "engine-0":
+        if name in ENGINES:
             assert (config.host, config.port, config.engine_id) == ("127.0.0.1", ports[name], name)
             continue
         if name != "worker":
@@ -143,7 +146,10 @@ def test_generated_configs_bind_loopback_on_distinct_ports_and_name_their_peers(
                             "broker": "weight-broker"}.get(peer, peer)
                 assert value == f"127.0.0.1:{ports[peer]}", f"{name}.{key}"
     gateway = json.loads((out / "config" / "rollout-gateway.json").read_text())
-    assert [e["url"] for e in gateway["engines"]] == [f"http://127.0.0.1:{ports['engine-0']}"]
+    assert [(e["url"], e["pool"]) for e in gateway["engines"]] == [
+        (f"http://127.0.0.1:{ports['engine-0']}", "canary"), (f"http://127.0.0.1:{ports['engine-1']}", "fleet")]
+    broker = json.loads((out / "config" / "weight-broker.json").read_text())
+    assert broker["auto_promote"] is False, "with a canary, only the controller's gate promotes"
     trainer = json.loads((out / "config" / "trainer.json").read_text())
     assert trainer["nats"]["url"] == f"tls://127.0.0.1:{ports['nats']}"  # NATS and Redis: TLS only
     session = json.loads((out / "config" / "session-server.json").read_text())
@@ -157,10 +163,10 @@ def test_volumes_for_nats_redis_the_weight_store_and_checkpoints(compose):
 
     assert mounts("nats")["/data"] == "nats-data" and "-sd" in compose["services"]["nats"]["command"]
     assert mounts("redis")["/data"] == "redis-data" and "--appendonly" in compose["services"]["redis"]["command"]
-    for name in ("trainer", "weight-broker", "engine-0"):
+    for name in ("trainer", "weight-broker", *ENGINES):
         assert mounts(name)["/var/lib/rlfleet/run/weights"] == "weights", name
     assert mounts("trainer")["/var/lib/rlfleet/run/checkpoints"] == "checkpoints"
-    for name in ("trainer", "session-server", "engine-0", "model-init"):
+    for name in ("trainer", "session-server", *ENGINES, "model-init"):
         assert mounts(name)["/models"] == "models", name
     assert mounts("verifier")["/var/lib/rlfleet/run/suites"] == "suites"
     assert mounts("submit")["/var/lib/rlfleet/run/suites"] == "suites"
@@ -289,7 +295,7 @@ def test_every_grpc_container_gets_its_own_certificate_and_the_ca_and_none_the_c
         subject = subprocess.run(["openssl", "x509", "-noout", "-subject"], input=cert, capture_output=True,
                                  timeout=30).stdout.decode()
         assert f"CN = {identity}" in subject or f"CN={identity}" in subject, (name, subject)
-    for name in ("rollout-gateway", "weight-broker", "engine-0"):  # they call or are engines: SGLang's keys
+    for name in ("rollout-gateway", "weight-broker", *ENGINES):  # they call or are engines: SGLang's keys
         assert {"engine_api_key", "engine_admin_api_key"} <= set(mounted_secrets(compose["services"][name])), name
     worker = compose["services"]["worker"]
     assert {"ca.pem", "worker.token"} <= set(mounted_secrets(worker))
@@ -303,6 +309,32 @@ def test_every_grpc_container_gets_its_own_certificate_and_the_ca_and_none_the_c
         command = " ".join(service.get("command", []))
         if any(f"rlfleet-{process} " in command for process in IDENTITIES.values()):
             assert name in IDENTITIES, name
+
+
+def test_the_controller_starts_the_gated_run_and_owns_the_task_feed(compose, generated):
+    out, _, _ = generated
+    controller = json.loads((out / "config" / "controller.json").read_text())
+    assert controller["start_run"] == f"{CONFIG_MOUNT}/run.toml"
+    assert (out / "config" / "run.toml").read_text() == RUN_TOML.read_text()
+    run = checked_run(stack_config(), RUN_TOML.read_text(), str(RUN_TOML))
+    assert run.gate.enabled and run.run_id == "compose" and run.run_dir == "/var/lib/rlfleet/run"
+    # One feeder: the submit job only on request (its profile), never beside the controller's run.
+    assert compose["services"]["submit"].get("profiles") == ["submit"]
+    assert "start_run" not in json.loads((out / "config" / "worker.json").read_text())
+
+
+@pytest.mark.parametrize("text, refused", [
+    ('run_id = "other"\ngroup_size = 4\n', "not the stack's"),
+    ("group_size = 8\n", "not the trainer's"),
+    ('group_size = 4\nrun_dir = "runs/x"\n', "run_dir must be left out"),
+    ("group_size = 4\n[gate]\nevery_versions = 0\n", "every_versions"),
+    ("group_size = [\n", "run.toml"),
+])
+def test_a_run_config_the_controller_would_refuse_is_refused_by_compose_config(text, refused):
+    from rlfleet.common.errors import StartupError
+
+    with pytest.raises(StartupError, match=re.escape(refused)):
+        checked_run(stack_config(), text, "run.toml")
 
 
 def test_port_base_gives_consecutive_ports_and_refuses_the_hosts_nats_and_redis():
@@ -354,6 +386,21 @@ def engine_version(port: int, api_key: str) -> int:
         return -1
 
 
+def controller_run(port: int, secrets: Path):
+    """RunControl.GetRun on the stack's controller (None while it has no run or does not answer)."""
+    import grpc
+
+    from rlfleet.api.controller.v1 import controller_pb2, controller_pb2_grpc
+    from rlfleet.common import security
+    from rlfleet.common.grpc_server import blocking_channel
+
+    with blocking_channel(f"127.0.0.1:{port}", credentials=security.trusted_credentials(secrets, "operator")) as ch:
+        try:
+            return controller_pb2_grpc.RunControlStub(ch).GetRun(controller_pb2.GetRunRequest(), timeout=10)
+        except grpc.RpcError:
+            return None
+
+
 def wait_for(what: str, predicate, timeout_s: float, logs) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -372,7 +419,7 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
     tag = f"rlfleet:compose-test-{uuid.uuid4().hex[:8]}"
     project = f"rlfleet-test-{uuid.uuid4().hex[:8]}"
     ports = compose_ports(None)
-    write_stack(stack_config(), tmp_path, ports, tasks=400, project=project)
+    write_stack(stack_config(), tmp_path, ports, tasks=400, project=project, run_config=RUN_TOML)
     env_file = tmp_path / "compose.env"
     env_file.write_text(env_file.read_text().replace("RLFLEET_IMAGE=rlfleet:dev", f"RLFLEET_IMAGE={tag}"))
     compose = ["docker-compose", "--env-file", str(env_file), "-f", str(h.COMPOSE_FILE), "-p", project]
@@ -390,6 +437,7 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
         up = time.monotonic()
         run(*compose, "up", "-d", timeout=900)
         up_s = time.monotonic() - up
+        up_done = time.monotonic()
 
         trainer = ports["trainer-metrics"]
         api_key = (tmp_path / "secrets" / "engine_api_key").read_text().strip()
@@ -416,7 +464,24 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
         wait_for("the loop goes on: more trajectories trained, a newer version",
                  lambda: metric(trainer, "rlfleet_trainer_trained_trajectories_total") > trained_at_kill
                  and metric(trainer, "rlfleet_trainer_policy_version_number") > version_at_kill, 600, logs)
-        print(f"\ncompose test: build {build_s:.0f} s, up {up_s:.0f} s, total {time.monotonic() - started:.0f} s; "
+
+        # The controller's run, as its own RunControl.GetRun reports it (the operator's credentials
+        # from the stack's secrets): driven by the controller, and its promotion gate has decided.
+        run_info: list = []
+
+        def gated() -> bool:
+            info = controller_run(ports["controller"], tmp_path / "secrets")
+            run_info[:] = [info]
+            return info is not None and info.gate_decisions >= 1
+
+        wait_for("the controller's run reaches a gate decision", gated, 900,
+                 lambda: f"{run_info}\n{run(*compose, 'logs', '--no-color', '--tail', '40', 'controller', check=False).stdout[-8000:]}")
+        gate_s = time.monotonic() - up_done
+        info = run_info[0]
+        assert info.driven_by == "controller" and info.status == "running", info
+        print(f"\ncompose test: build {build_s:.0f} s, up {up_s:.0f} s, first gate decision {gate_s:.0f} s after up "
+              f"(accepted version {info.accepted_version}, {info.steps} steps), "
+              f"total {time.monotonic() - started:.0f} s; "
               f"trainer at version {metric(trainer, 'rlfleet_trainer_policy_version_number'):.0f}")
     finally:
         run(*compose, "down", "--volumes", "--remove-orphans", "--timeout", "20", check=False, timeout=600)

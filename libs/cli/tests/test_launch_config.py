@@ -103,7 +103,8 @@ def test_every_toml_the_repo_ships_loads():
                ROOT / "examples" / "llama.toml": RunConfig,
                ROOT / "examples" / "code.toml": RunConfig,
                ROOT / "services" / "weight-broker" / "examples" / "broker.toml": WeightBrokerConfig,
-               ROOT / "deploy" / "compose" / "rlfleet.toml": PlatformConfig}
+               ROOT / "deploy" / "compose" / "rlfleet.toml": PlatformConfig,
+               ROOT / "deploy" / "compose" / "run.toml": RunConfig}
     assert set(shipped) == {p for p in ROOT.glob("**/*.toml") if p.name != "pyproject.toml"
                             and ".venv" not in p.parts and "runs" not in p.parts}
     for path, model in shipped.items():

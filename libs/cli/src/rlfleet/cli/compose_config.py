@@ -2,7 +2,7 @@
 them (deploy/compose/compose.yaml mounts them).
 
     rlfleet compose-config --out runs/compose [--config deploy/compose/rlfleet.toml] [--port-base N]
-                           [--tasks N] [KEY OVERRIDES as for rlfleet up]
+                           [--tasks N] [--run-config deploy/compose/run.toml] [KEY OVERRIDES as for rlfleet up]
 
 The launch config is `rlfleet up`'s (`PlatformConfig`, the same TOML and flags). Each process's file
 `<out>/config/<process>.json` is made by the launcher's own `process_config`, from a launch state in
@@ -11,6 +11,12 @@ bound to loopback, so nothing leaves 127.0.0.0/8 and peers are addressed as unde
 Paths are the containers' (`/var/lib/rlfleet/run` is the run directory, `/models/policy` the model),
 backed by compose volumes. `<out>/compose.env` holds the ports and the run's few other values for
 compose's variable substitution (`docker-compose --env-file`).
+
+The run: `--run-config` (a run config, `rlfleet run`'s TOML; deploy/compose/run.toml by default) is
+checked here and written to `<out>/config/run.toml`, and the controller's `start_run` names it, so
+the controller drives that run (task feed, evaluations, promotion gate, canary) from its start, as
+`rlfleet run` drives one on `rlfleet up`'s platform. Two engines, as `rlfleet run` launches them: the
+canary (rollouts and the gate's candidates) and the fleet (the accepted version).
 
 NATS and Redis users (rlfleet.common.infra_auth) and the gRPC trust material (rlfleet.common.security:
 the run's CA, every service's certificate, the token key, the engines' api keys, the workers' token)
@@ -42,8 +48,9 @@ from pathlib import Path
 
 from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, write_process_config
 from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
+from rlfleet.cli.run_config import RunConfig
 from rlfleet.common import security
-from rlfleet.common.config import load_config
+from rlfleet.common.config import format_validation_error, load_config
 from rlfleet.common.errors import StartupError
 from rlfleet.common.infra_auth import ensure_infra_secrets, nats_authorization, redis_acl, write_secret
 from rlfleet.common.processes import free_port, write_json_atomic
@@ -53,9 +60,11 @@ RUN_DIR = Path("/var/lib/rlfleet/run")   # the run directory inside every contai
 SECRETS_MOUNT = "/run/secrets"           # where compose mounts a service's secrets
 CONTAINER_UID = 10001                    # deploy/docker/Dockerfile's RLFLEET_UID
 MODEL = Path("/models/policy")           # the model volume's policy
-ENGINE = "engine-0"
+# The canary engine first, then the fleet's (`canary_engines = 1` in deploy/compose/rlfleet.toml).
+ENGINES = ("engine-0", "engine-1")
+RUN_TOML = "run.toml"  # the controller's start_run, beside the processes' configs
 # Every port the stack listens on; `<name>` gRPC (or client) port, `<name>-metrics` Prometheus.
-PORTS = ("nats", "nats-monitor", "redis", ENGINE, f"{ENGINE}-metrics",
+PORTS = ("nats", "nats-monitor", "redis", *ENGINES, *(f"{e}-metrics" for e in ENGINES),
          *ALL_SERVICES, *(f"{s}-metrics" for s in ALL_SERVICES), "worker-metrics")
 RESERVED = {4222, 6379, 8222}  # the host's own NATS/Redis (and NATS monitoring) defaults
 # The gRPC identity (rlfleet.common.security) of each service's container: its entry point's name.
@@ -90,7 +99,7 @@ def launch_state(config: PlatformConfig, ports: dict[str, int]) -> PlatformState
         record("nats", "nats", address=f"127.0.0.1:{ports['nats']}", url=f"tls://127.0.0.1:{ports['nats']}"),
         record("redis", "redis", address=f"127.0.0.1:{ports['redis']}",
                url=f"rediss://127.0.0.1:{ports['redis']}/0"),
-        record(ENGINE, "engine", address=f"127.0.0.1:{ports[ENGINE]}", url=f"http://127.0.0.1:{ports[ENGINE]}"),
+        *(record(e, "engine", address=f"127.0.0.1:{ports[e]}", url=f"http://127.0.0.1:{ports[e]}") for e in ENGINES),
         *(record(name, "service", address=f"127.0.0.1:{ports[name]}") for name in config.services),
     ]
     return PlatformState(config.run_id, str(RUN_DIR), 0, processes)
@@ -108,20 +117,56 @@ def prometheus_config(ports: dict[str, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def checked_run(config: PlatformConfig, text: str, where: str) -> RunConfig:
+    """The run the controller starts, refused here rather than in a container's log: its run_id is
+    the stack's, its run directory the controller's, its groups the trainer's size."""
+    import tomllib
+
+    from pydantic import ValidationError
+
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise StartupError(f"{where}: {exc}") from None
+    data.setdefault("run_id", config.run_id)
+    if data.get("run_dir", str(RUN_DIR)) != str(RUN_DIR):
+        raise StartupError(f"{where}: run_dir must be left out (the controller's is {RUN_DIR})")
+    data["run_dir"] = str(RUN_DIR)
+    try:
+        run = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise StartupError(f"{where}: {format_validation_error(exc)}") from None
+    if run.run_id != config.run_id:
+        raise StartupError(f"{where}: run_id {run.run_id!r} is not the stack's ({config.run_id!r})")
+    if run.group_size != config.trainer.group_size:
+        raise StartupError(f"{where}: group_size {run.group_size} is not the trainer's ({config.trainer.group_size})")
+    return run
+
+
 def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks: int,
-                project: str = "rlfleet") -> dict[str, str]:
-    """Writes every process's config, prometheus.yml and compose.env; returns compose.env's values."""
+                project: str = "rlfleet", run_config: Path | None = None) -> dict[str, str]:
+    """Writes every process's config, prometheus.yml and compose.env; returns compose.env's values.
+    `run_config`: the run the controller starts (checked, copied to config/run.toml); None: none,
+    the controller waits for StartRun."""
     if sorted(config.services) != sorted(ALL_SERVICES):
         raise StartupError(f"the compose stack runs every service ({', '.join(ALL_SERVICES)}); "
                            f"this config lists {config.services}")
-    if config.engines != 1:
-        raise StartupError("the compose stack runs one CPU engine (engines = 1)")
+    if config.engines != len(ENGINES) or config.canary_engines != 1:
+        raise StartupError("the compose stack runs two CPU engines, a canary and the fleet "
+                           "(engines = 2, canary_engines = 1)")
     if config.model_path:
         raise StartupError("the compose stack serves the default model (model_path must be empty)")
     state = launch_state(config, ports)
     write_secrets(out / "secrets", config.run_id)
-    for name in (ENGINE, *ALL_SERVICES):
-        process = "cpu-engine" if name == ENGINE else name
+    start_run = ""
+    if run_config is not None:
+        text = run_config.read_text()
+        checked_run(config, text, str(run_config))
+        (out / "config").mkdir(parents=True, exist_ok=True)
+        (out / "config" / RUN_TOML).write_text(text)
+        start_run = str(RUN_DIR / "config" / RUN_TOML)
+    for name in (*ENGINES, *ALL_SERVICES):
+        process = "cpu-engine" if name in ENGINES else name
         section = process_config(process, config, state, RUN_DIR, Path(f"/tmp/ready-{name}.json"), MODEL)
         for peer in ("nats", "redis"):  # compose mounts each password file as a secret
             login = getattr(section, peer, None)
@@ -134,6 +179,7 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
             section.grpc.host, section.grpc.port = "127.0.0.1", ports[name]
         if name == "controller":
             section.trainer_metrics_url = f"http://127.0.0.1:{ports['trainer-metrics']}/metrics"
+            section.start_run = start_run
         write_process_config(out, name, section)
     worker = WorkerConfig(run_id=config.run_id, nats={"url": state.by_name("nats").url, "user": "worker",
                                                       "password_file": f"{SECRETS_MOUNT}/nats-worker.password"},
@@ -234,12 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-base", type=int, help="consecutive ports from here (default: free ones)")
     parser.add_argument("--project", default="rlfleet", help="compose project name (default rlfleet)")
     parser.add_argument("--tasks", type=int, default=200, help="calc tasks the submit job publishes (default 200)")
+    parser.add_argument("--run-config", default="deploy/compose/run.toml",
+                        help="the run the controller drives from its start (default deploy/compose/run.toml; "
+                        "'' for none: the controller waits for StartRun)")
     known, rest = parser.parse_known_args(argv)
     config = load_config(PlatformConfig, rest, prog="rlfleet compose-config",
                          description="Config files of the docker compose stack, as `rlfleet up` writes them. "
                          "Also: --out DIR, --port-base N, --tasks N.")
     out = Path(known.out)
-    env = write_stack(config, out, choose_ports(known.port_base), known.tasks, known.project)
+    env = write_stack(config, out, choose_ports(known.port_base), known.tasks, known.project,
+                      Path(known.run_config) if known.run_config else None)
     print(f"wrote {out / 'config'} and {out / 'compose.env'} (run {env['RLFLEET_RUN_ID']})")
     return 0
 
