@@ -44,7 +44,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, write_process_config
 from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
@@ -120,10 +123,6 @@ def prometheus_config(ports: dict[str, int]) -> str:
 def checked_run(config: PlatformConfig, text: str, where: str) -> RunConfig:
     """The run the controller starts, refused here rather than in a container's log: its run_id is
     the stack's, its run directory the controller's, its groups the trainer's size."""
-    import tomllib
-
-    from pydantic import ValidationError
-
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
