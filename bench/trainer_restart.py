@@ -3,6 +3,7 @@
     .venv/bin/python bench/trainer_restart.py                    # 3 kills, the default ack_wait
     .venv/bin/python bench/trainer_restart.py --kills 2 --ack-wait-s 6
     .venv/bin/python bench/trainer_restart.py --importtime       # also the startup path's slowest imports
+    .venv/bin/python bench/trainer_restart.py --standby          # a standby promoted, not a cold start
 
 One `rlfleet-trainer` process (real NATS JetStream, weight store, a checkpoint every step; Qwen2,
 hidden 128, 2 layers, vocab 320; groups of 4, 2 groups a step, 1 torch thread) trains two steps,
@@ -10,7 +11,10 @@ then is handed one more group, which it holds unacked (a step needs two). Then, 
 one more group published (post-kill data), the trainer started again in the same directory (its
 checkpoint present). The phases come from the restarted trainer's own `startup phase` log lines
 (rlfleet.trainer.startup), on CLOCK_MONOTONIC like this script's, so each is shown as seconds after
-the kill; "serving" is when its ready file appeared. "first_redelivery" is when the first of the
+the kill; "serving" is when its ready file appeared. With --standby the restart is what the
+launcher does (rlfleet.common.standby): a `--standby` trainer started beside the live one, its
+imports done before the kill, is promoted with SIGUSR1 ("spawn" is then the promotion, "entry"
+the moment it took it). "first_redelivery" is when the first of the
 held messages came back (ack_wait after the dead trainer's last in-progress ack); the version after
 the kill needs the held group, so it is trained after both the restart and the redelivery.
 """
@@ -85,9 +89,10 @@ def print_importtime(top: int) -> None:
         print(f"  {cum / 1e6:7.3f} s  {'  ' * depth}{name}")
 
 
-async def bench(kills: int, ack_wait_s: float | None, workdir: Path) -> None:
+async def bench(kills: int, ack_wait_s: float | None, workdir: Path, standby: bool) -> None:
     from rlfleet.common.config import NatsConfig
     from rlfleet.common.processes import start_nats
+    from rlfleet.common.standby import PROMOTE
     from rlfleet.common.streams import connect_nats, ensure_streams
     from rlfleet.trainer.testing import (
         TrainerProcess,
@@ -121,6 +126,7 @@ async def bench(kills: int, ack_wait_s: float | None, workdir: Path) -> None:
         consumer = f"trainer-{run}"
         rows = []
         for kill in range(kills):
+            spare = await asyncio.to_thread(trainer.standby) if standby else None
             await publish_group(f"held{kill}")
             await wait(lambda: _equals(held_count(js, consumer), G), 60, "held group")
             await asyncio.sleep(0.5)  # past the fetch: the trainer holds the group, as a live one would
@@ -129,15 +135,20 @@ async def bench(kills: int, ack_wait_s: float | None, workdir: Path) -> None:
             await publish_group(f"after{kill}")
             offset = trainer.log_path.stat().st_size
             spawned_at = time.perf_counter()
-            trainer.spawn()
-            serving_at = await wait(lambda: _exists_at(trainer.ready_file), 300, "ready file")
-            marks = await wait(lambda at=offset: _marks_with(trainer.log_path, at, "first_version_published"), 300,
+            if spare is None:
+                trainer.spawn()
+            else:
+                spare.process.send_signal(PROMOTE)
+                trainer = spare
+            serving_at = await wait(lambda path=trainer.ready_file: _exists_at(path), 300, "ready file")
+            marks = await wait(lambda at=offset, path=trainer.log_path: _marks_with(path, at, "first_version_published"),
+                               300,
                                "version after the kill", interval_s=0.1)
             phases, entry = marks
             phases["serving"] = serving_at
             rows.append((killed_at, spawned_at, entry, phases))
             trainer.wait_ready(30)
-        _print(rows, ack_wait_s)
+        _print(rows, ack_wait_s, standby)
         await nc.close()
     finally:
         if trainer is not None:
@@ -158,8 +169,9 @@ async def _marks_with(log_path: Path, offset: int, phase: str):
     return (marks, entry) if phase in marks else None
 
 
-def _print(rows, ack_wait_s: float | None) -> None:
-    print(f"\nack_wait_s: {ack_wait_s if ack_wait_s is not None else 'default'}; seconds after the SIGKILL "
+def _print(rows, ack_wait_s: float | None, standby: bool) -> None:
+    print(f"\n{'a standby promoted' if standby else 'a cold start'}; "
+          f"ack_wait_s: {ack_wait_s if ack_wait_s is not None else 'default'}; seconds after the SIGKILL "
           f"(phase: step from the previous one), {len(rows)} kills")
     header = ["spawn", "entry", *PHASES]
     print(f"{'phase':>28} " + " ".join(f"{f'kill {i + 1}':>14}" for i in range(len(rows))))
@@ -181,12 +193,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--ack-wait-s", type=float, default=None, help="the trainer's; default: its own default")
+    parser.add_argument("--standby", action="store_true", help="promote a standby trainer instead of a cold start")
     parser.add_argument("--importtime", action="store_true", help="also print the startup path's slowest imports")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rlfleet-trainer-restart-"))
     try:
-        asyncio.run(bench(args.kills, args.ack_wait_s, workdir))
+        asyncio.run(bench(args.kills, args.ack_wait_s, workdir, args.standby))
         if args.importtime:
             print_importtime(15)
     finally:

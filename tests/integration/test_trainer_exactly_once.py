@@ -1,7 +1,8 @@
 """Kill -9 the trainer at random moments; every published trajectory is trained exactly once.
 "torch-ppo": PPO with a separate critic, whose own checkpoint (inside the trainer's) must then hold
 exactly one critic step per trained step too. "torch-lora": a LoRA adapter, whose checkpoints hold the
-adapter only and whose versions after the base are adapter versions."""
+adapter only and whose versions after the base are adapter versions. "torch-standby": each restart is a
+standby trainer (started beside the live one, its imports done) promoted, as the launcher restarts it."""
 
 import asyncio
 import random
@@ -27,11 +28,11 @@ G, GROUPS, PER_STEP = 4, 12, 2
 STEPS = GROUPS // PER_STEP
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch-ppo", "torch-lora", pytest.param("megatron", marks=pytest.mark.timeout(900))])
+@pytest.mark.parametrize("backend", ["torch", "torch-ppo", "torch-lora", "torch-standby", pytest.param("megatron", marks=pytest.mark.timeout(900))])
 def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once(tmp_path, nats_url, backend):
     backend, _, variant = backend.partition("-")
-    lora = variant == "lora"
-    loss = "" if lora else variant
+    lora, standby = variant == "lora", variant == "standby"
+    loss = "" if lora or standby else variant
     seed = time.time_ns() % 10**6
     rng = random.Random(seed)
     run = unique_run_id("tk")
@@ -44,8 +45,11 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
             "--consumer.ack-wait-s", "2", "--checkpoint.every", "1", "--optim.lr", "1e-3",
             "--backend.name", backend, "--loss.algorithm", loss or "grpo", *(("--lora.enabled", "true") if lora else ()))
     kills = []
+    spare = None
     for attempt in range(3):
-        trainer = TrainerProcess(tmp_path, nats_url, run, model, *args).start(timeout_s=300)
+        trainer = spare.promote() if spare is not None else \
+            TrainerProcess(tmp_path, nats_url, run, model, *args).start(timeout_s=300)
+        spare = None
         try:
             restored_step = trainer.wait_for(lambda s: s.state != "starting", what="a restore").step
             if attempt < 2:
@@ -56,12 +60,18 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
                 trainer.wait_for(lambda s, after=restored_step, first=attempt == 0:
                                  (s.step > after and (not first or s.last_checkpoint))
                                  or s.trained_trajectories == G * GROUPS, what="a step")
+                if standby:
+                    spare = trainer.standby()
                 time.sleep(rng.uniform(0.0, 0.3))
                 trainer.kill()
                 kills.append(trainer.log().count("-> version"))
                 continue
             status = trainer.wait_for(lambda s: s.trained_trajectories == G * GROUPS and s.queue_depth == 0,
                                       timeout_s=60, what="every trajectory trained and acked")
+        except BaseException:
+            if spare is not None:
+                spare.stop()
+            raise
         finally:
             trainer.stop()
 

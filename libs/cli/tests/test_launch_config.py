@@ -3,15 +3,31 @@ shared fields down, and the launcher writes each process's whole config to one f
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from rlfleet.broker.config import WeightBrokerConfig
-from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, write_process_config
+from rlfleet.cli.launcher import (
+    TIERS,
+    Platform,
+    PlatformState,
+    ProcessRecord,
+    is_ours,
+    mark_stopping,
+    process_config,
+    write_process_config,
+)
 from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.common.config import ConfigError, load_config
+from rlfleet.common.processes import read_json, wait_until
+from rlfleet.common.standby import waiting_pid
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -142,8 +158,6 @@ def test_restart_policy_reaches_the_launch_and_may_change_on_resume(tmp_path):
 
 
 def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_once_stable(tmp_path):
-    from rlfleet.cli.launcher import Platform
-
     platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=[], engines=0,
                                        restart={"first_backoff_s": 1.0, "max_backoff_s": 4.0, "stable_after_s": 30.0}))
     record = ProcessRecord("trainer", 0, 0, [], "")
@@ -156,8 +170,6 @@ def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_once_stabl
 
 
 def test_nothing_is_restarted_while_rlfleet_down_stops_the_platform(tmp_path):
-    from rlfleet.cli.launcher import Platform, mark_stopping
-
     platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=[], engines=0))
     platform.state.processes = [ProcessRecord("trainer", 0, 0, ["/bin/true"], str(tmp_path / "t.log"))]  # not running
     mark_stopping(tmp_path)
@@ -167,8 +179,6 @@ def test_nothing_is_restarted_while_rlfleet_down_stops_the_platform(tmp_path):
 
 @pytest.mark.parametrize("transport", ["disk_delta", "distributed", "p2p", "tensor"])
 def test_one_switch_makes_the_trainer_send_to_the_broker_it_starts_after(tmp_path, transport):
-    from rlfleet.cli.launcher import TIERS
-
     config = PlatformConfig(run_id="r1", broker={"sync": {"transport": transport}})
     state = launched(tmp_path)
     state.processes.append(ProcessRecord("weight-broker", 0, 0, [], "", address="127.0.0.1:5"))
@@ -186,3 +196,75 @@ def test_the_repo_suite_needs_sandboxed_tools_and_gets_a_warm_pool_sized_to_its_
     assert config.sandbox.driver.pool_size == 14
     pinned = run_config(tmp_path, '[rollout]\ntool_runtime = "sandbox"\n[sandbox.driver]\npool_size = 3\n')
     assert pinned.sandbox.driver.pool_size == 3
+
+
+FAKE_SERVICE = """
+import json, os, signal, sys, time
+from rlfleet.common import standby
+config = json.load(open(sys.argv[sys.argv.index("--config") + 1]))
+if standby.requested(sys.argv):  # as a service's script does
+    standby.wait_for_promotion(config["ready_file"], lambda: time.sleep(0.2))
+how = "standby" if "--standby" in sys.argv else "cold"
+with open(config["ready_file"] + ".tmp", "w") as f:
+    json.dump({"grpc_address": config["address"], "how": how}, f)
+os.rename(config["ready_file"] + ".tmp", config["ready_file"])
+time.sleep(600)
+"""
+
+
+def platform_with_a_dead_trainer(tmp_path: Path, service_script: str) -> tuple[Platform, ProcessRecord, Path]:
+    """A launch of one trainer (`service_script`, FAKE_SERVICE or a variant) with a standby, whose
+    trainer is already dead; and the trainer's ready file."""
+    script, config_file, ready = tmp_path / "fake.py", tmp_path / "trainer.json", tmp_path / "trainer.ready.json"
+    script.write_text(service_script)
+    config_file.write_text(json.dumps({"ready_file": str(ready), "address": "127.0.0.1:7"}))
+    gone = subprocess.Popen(["/bin/true"])
+    gone.wait()  # a PID that is no longer ours
+    platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=["trainer"], engines=0,
+                                       restart={"standby": ["trainer"]}))
+    trainer = ProcessRecord("trainer", gone.pid, 1, [sys.executable, str(script), "--config", str(config_file)],
+                            str(tmp_path / "trainer.log"), address="127.0.0.1:7")
+    platform.state.processes = [trainer]
+    return platform, trainer, ready
+
+
+def test_a_dead_trainer_is_taken_over_by_its_standby_and_then_by_a_cold_start_when_the_standby_is_gone(tmp_path):
+    platform, trainer, ready = platform_with_a_dead_trainer(tmp_path, FAKE_SERVICE)
+    try:
+        platform.start_standbys()
+        (standby,) = platform.state.standbys
+        assert standby.kind == "standby" and standby.cmdline[-1] == "--standby" and is_ours(standby)
+        wait_until(lambda: waiting_pid(ready) == standby.pid, 30, "the standby waiting")
+
+        (event,) = platform.restart_dead()
+        assert "trainer restarted from its standby" in event and trainer.restarts == 1
+        assert trainer.pid == standby.pid and is_ours(trainer) and read_json(ready)["how"] == "standby"
+        assert "--standby" not in trainer.cmdline, "its record keeps the plain command line for a cold restart"
+        (second,) = platform.state.standbys
+        assert second.pid != standby.pid and is_ours(second), "a new standby once the promoted one serves"
+
+        os.killpg(second.pid, signal.SIGKILL)
+        os.killpg(trainer.pid, signal.SIGKILL)
+        wait_until(lambda: not is_ours(trainer) and not is_ours(second), 10, "both gone")
+        platform._restart_tries.clear()  # no backoff: this is a test of who restarts it, not when
+        (event,) = platform.restart_dead()
+        assert "from its standby" not in event and read_json(ready)["how"] == "cold" and is_ours(trainer)
+        (third,) = platform.state.standbys
+        assert is_ours(third)
+    finally:
+        started = [*platform.state.processes, *platform.state.standbys]
+        platform.down()
+    assert not any(is_ours(r) for r in started), "`down` stops the standby too"
+
+
+def test_a_standby_still_importing_is_not_promoted_the_restart_is_a_cold_start(tmp_path):
+    importing_a_minute = FAKE_SERVICE.replace("time.sleep(0.2)", "time.sleep(60)")
+    platform, trainer, ready = platform_with_a_dead_trainer(tmp_path, importing_a_minute)
+    try:
+        platform.start_standbys()
+        (importing,) = platform.state.standbys
+        (event,) = platform.restart_dead()
+        assert "from its standby" not in event and read_json(ready)["how"] == "cold" and is_ours(trainer)
+        wait_until(lambda: not is_ours(importing), 10, "the standby that was not ready stopped")
+    finally:
+        platform.down()

@@ -10,6 +10,14 @@ metrics port of a service, an engine's port, NATS's `listen`; Redis has `--port`
 line), so a process that died is started again with its recorded command line and comes back on
 the same addresses its peers already know. Restarts back off exponentially up to a bound, are
 counted in platform.json (count, last exit, time) and shown by `rlfleet status`.
+
+Standbys (`restart.standby`): beside each service named there (by default every one: a cold start is
+mostly imports, the trainer's torch and transformers above all, and under load each second of
+them is several), the launcher keeps a `--standby` process (rlfleet.common.standby) that has done its imports
+and waits; when the service dies its standby is promoted with one signal instead of a cold start,
+and a new standby is started once the promoted one serves. A standby holds no port, stream or
+state, so promoting one is the same restart as a cold one, only sooner; with no standby waiting
+(still importing, dead, or started by another launcher of the platform) the restart is a cold start.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 
 from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
 from rlfleet.cli.warm_start import build_model_command
-from rlfleet.common import security
+from rlfleet.common import security, standby
 from rlfleet.common.config import ConfigError, ProcessConfig, propagate
 from rlfleet.common.errors import StartupError
 from rlfleet.common.infra_auth import (
@@ -79,6 +87,7 @@ class PlatformState:
     run_dir: str
     launcher_pid: int
     processes: list[ProcessRecord] = field(default_factory=list)
+    standbys: list[ProcessRecord] = field(default_factory=list)  # waiting to take over a service that dies
     config: dict[str, Any] = field(default_factory=dict)  # the launch's PlatformConfig, to tell what it runs
 
     def by_name(self, name: str) -> ProcessRecord:
@@ -100,6 +109,7 @@ class PlatformState:
             raise StartupError(f"no platform was launched in {run_dir} ({STATE_FILE} is missing)")
         data = json.loads(path.read_text())
         data["processes"] = [ProcessRecord(**p) for p in data["processes"]]
+        data["standbys"] = [ProcessRecord(**p) for p in data.get("standbys", [])]
         return cls(**data)
 
 
@@ -324,6 +334,9 @@ class Platform:
         unknown = sorted(set(config.services) - set(SCRIPTS))
         if unknown:
             raise StartupError(f"unknown services {unknown}; known: {', '.join(SCRIPTS)}")
+        unknown = sorted(set(config.restart.standby) - set(SCRIPTS))
+        if unknown:
+            raise StartupError(f"restart.standby names unknown services {unknown}; known: {', '.join(SCRIPTS)}")
         self.config = config
         self.run_dir = run_dir_for(config)
         self.logs = self.run_dir / "logs"
@@ -332,6 +345,8 @@ class Platform:
         self.model: Path | None = None
         self._restart_tries: dict[str, tuple[int, float]] = {}  # name -> (restarts since it was last stable, last)
         self._children: dict[str, ChildProcess] = {}  # what this launcher started, to learn how it exited
+        self._standbys: dict[str, ChildProcess] = {}  # service name -> its standby, started by this launcher
+        self._promoted: set[str] = set()  # restarts under way that are promoted standbys
         self._lock = threading.Lock()  # restarts finish on threads of their own
         self._restarting: set[str] = set()
         self._events: list[str] = []
@@ -365,8 +380,8 @@ class Platform:
 
     def down(self) -> list[str]:
         mark_stopping(self.run_dir)
-        killed = stop_processes(self.state.processes, self.config.stop_timeout_s)
-        self.state.processes = []
+        killed = stop_processes(self.state.standbys + self.state.processes, self.config.stop_timeout_s)
+        self.state.processes, self.state.standbys = [], []
         self.state.save()
         return killed
 
@@ -525,13 +540,16 @@ class Platform:
     def _finish_restart(self, record: ProcessRecord, child: ChildProcess) -> None:
         try:
             self._wait_restarted(record, child)
-            event = f"{record.name} restarted ({record.last_exit}; restart {record.restarts}, pid {record.pid})"
+            how = " from its standby" if child.name in self._promoted else ""
+            event = f"{record.name} restarted{how} ({record.last_exit}; restart {record.restarts}, pid {record.pid})"
             record.ready_unix = time.time()
         except StartupError as exc:
             event = self._failed(record, str(exc))
         with self._lock:
             self._events.append(event)
             self._restarting.discard(record.name)
+            self._promoted.discard(record.name)
+            self.start_standbys()  # after the restart, so that its imports never slow the one promoted
             self.state.save()
 
     def stopping(self) -> bool:
@@ -569,9 +587,48 @@ class Platform:
         ready = _ready_file(record)
         if ready is not None:
             ready.unlink(missing_ok=True)  # the one the dead process wrote
-        child = spawn(record.cmdline, Path(record.log), record.name, env=service_env())
+        child = self._promote_standby(record) or spawn(record.cmdline, Path(record.log), record.name,
+                                                           env=service_env())
         record.pid, record.start_ticks = child.pid, start_ticks(child.pid) or 0
         self._children[record.name] = child
+        return child
+
+    def start_standbys(self) -> None:
+        """A standby for each service that has one (restart.standby) and has none alive. For the
+        launcher that supervises (a detached `rlfleet up` returns, and its standbys would only
+        follow it out): `rlfleet run` and a foreground `rlfleet up` call it once the platform serves."""
+        if not self.config.restart.enabled or self.stopping():
+            return
+        for name in self.config.restart.standby:
+            if name not in self.config.services or name in self._restarting:
+                continue
+            current = self._standbys.get(name)
+            if current is not None and current.returncode is None:
+                continue
+            record = self.state.by_name(name)
+            child = spawn([*record.cmdline, standby.FLAG], Path(record.log), f"{name}-standby", env=service_env())
+            self._standbys[name] = child
+            self.state.standbys = [s for s in self.state.standbys if s.name != child.name]
+            self.state.standbys.append(record_of(child, kind="standby"))
+        self.state.save()
+
+    def _promote_standby(self, record: ProcessRecord) -> ChildProcess | None:
+        """The standby of `record`'s service, told to take over; None when none is waiting (one still
+        importing is stopped: a cold start is as quick, and its signal would land too early)."""
+        child = self._standbys.pop(record.name, None)
+        self.state.standbys = [s for s in self.state.standbys if s.name != f"{record.name}-standby"]
+        if child is None or child.returncode is not None:
+            return None
+        ready = _ready_file(record)
+        if ready is None or standby.waiting_pid(ready) != child.pid:
+            child.kill()
+            return None
+        try:
+            os.kill(child.pid, standby.PROMOTE)
+        except ProcessLookupError:
+            return None
+        child.name = record.name
+        self._promoted.add(record.name)
         return child
 
     def _wait_restarted(self, record: ProcessRecord, child: ChildProcess) -> None:

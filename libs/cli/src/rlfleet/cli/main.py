@@ -64,6 +64,7 @@ def cmd_up(argv: list[str]) -> int:
             print(f"\nrunning detached; stop with: rlfleet down --run-dir {platform.run_dir}")
             return 0
         print("\nall healthy. Ctrl-C stops everything; a process that dies is started again.", flush=True)
+        platform.start_standbys()
         # Wake up now and then rather than block once: a test run under load saw a SIGINT that
         # never ended an unbounded wait, while the same signal later ended it at once.
         while not stop.wait(0.5):
@@ -89,8 +90,8 @@ def cmd_down(argv: list[str]) -> int:
     state = PlatformState.load(_run_dir_arg(argv, "rlfleet down"))
     mark_stopping(state.run_dir)  # a running `rlfleet run` stops its run rather than restart these
     names = [p.name for p in state.processes]
-    killed = stop_processes(state.processes, 10.0)
-    state.processes = []
+    killed = stop_processes(state.standbys + state.processes, 10.0)
+    state.processes, state.standbys = [], []
     state.save()
     print(f"stopped {', '.join(names) or 'nothing'}" + (f"; killed: {', '.join(killed)}" if killed else ""))
     return 0

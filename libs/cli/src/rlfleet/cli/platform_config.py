@@ -50,6 +50,10 @@ class RestartPolicy(StrictModel):
     first_backoff_s: float = Field(0.5, ge=0, description="wait before a second try when a restart failed")
     max_backoff_s: float = Field(8.0, gt=0, description="longest wait between tries (doubling up to it)")
     stable_after_s: float = Field(30.0, gt=0, description="a process up this long starts its backoff over")
+    standby: list[str] = Field(["trainer", "controller", "session-server", "rollout-gateway", "verifier",
+                                "weight-broker", "sandbox-manager"],
+                               description="services each kept with a standby beside it (its imports done, "
+                                           "waiting), which takes over at once when the service dies")
 
 
 class ServiceSections(StrictModel):

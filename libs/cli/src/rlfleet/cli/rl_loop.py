@@ -276,7 +276,16 @@ class RLRun:
     async def _loop(self, peers) -> None:
         c = self.config
         train, heldout, regression = self._tasks(peers)
-        if not await self._verifier_trusted(peers, "before the loop"):
+        # A resumed run (a restarted controller) passed its audit before the loop first started, on a
+        # verifier whose config a resume cannot change, and is audited again before every promotion:
+        # auditing again here held the restarted loop's rollouts up for the audit's 40 episodes
+        # (24 s at load ~9), and an audit beside the loop scored episodes failed by a sandbox
+        # manager killed meanwhile as the verifier's errors and stopped the run.
+        audited = self.resuming and any(a.get("when") == "before the loop" and not a.get("breaches")
+                                        for a in self.record.audits)
+        if audited:
+            self.say("verifier audit: passed before the loop; the next is before the next promotion")
+        elif not await self._verifier_trusted(peers, "before the loop"):
             return
         if self.accepted_eval is None:  # a new run, or one interrupted before its baseline was done
             try:

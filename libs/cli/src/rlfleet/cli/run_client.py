@@ -228,6 +228,7 @@ class RunClient:
         launcher's restart policy) and the run goes on; with restarts turned off, a death stops the
         run as interrupted (the run directory can resume it)."""
         started = time.monotonic()
+        await asyncio.to_thread(platform.start_standbys)
         while not done.is_set():
             gone = [p.name for p in platform.state.processes if not is_ours(p)]
             if gone and (not platform.config.restart.enabled or platform.stopping()):

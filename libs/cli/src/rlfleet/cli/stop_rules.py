@@ -3,7 +3,8 @@
 1. Verifier audit. `rlfleet run` sends a fixed subset of the labelled audit set (written by
    `python -m rlfleet.verifier.audit_set write`, labels true by construction: right and wrong
    answers, reference, perturbed and hacking solutions) to the run's own verifier service
-   (`Audit`), before the loop and before each promotion. When a false-positive or false-negative
+   (`Audit`), before the loop and before each promotion (a resumed run that passed its first one
+   goes on to its next promotion's, so that a restart is not held up). When a false-positive or false-negative
    rate, overall or of one suite, passes its threshold, the run stops: a reward the verifier hands
    out wrongly is what the policy learns, and a promotion measured by it means nothing.
 2. Long-tail account. The generated tokens of training trajectories that bought no clean sample

@@ -9,6 +9,9 @@ that it is imported after the config is parsed (`--help` never imports heavy mod
 A process that is not a gRPC service (the CPU engine serves HTTP) goes the same way with
 `run_process`: config (defaults < TOML < environment < flags), logs, then its own coroutine, which
 reports readiness with `write_ready_file`.
+
+With `--standby` a service's script first imports its app and waits to be promoted
+(rlfleet.common.standby): what a supervisor keeps beside a live process to take over at once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
+from rlfleet.common import standby
 from rlfleet.common.config import ConfigError, ProcessConfig, ServiceConfig, load_config
 from rlfleet.common.errors import StartupError, Unimplemented
 from rlfleet.common.grpc_server import GrpcServer
@@ -131,10 +135,35 @@ def run_process(name: str, config_cls: type[C], body: Callable[[C], Coroutine[An
 
 
 def run_service(name: str, config_cls: type[S], factory: Callable[[S], App] | str,
-                argv: list[str] | None = None) -> None:
+                argv: list[str] | None = None, warm_up: Callable[[S], None] | None = None,
+                promoted: Callable[[float], None] | None = None) -> None:
     """Entry point of a service's console script: `run_process` serving the App `factory` builds
-    (a function, or "module:function" to import after the config is parsed)."""
+    (a function, or "module:function" to import after the config is parsed). With `--standby`:
+    first the factory's module and `warm_up(config)`, then a wait for the promotion, whose
+    perf_counter goes to `promoted`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if standby.requested(argv):
+        argv = standby.strip_flag(argv)
+        at = _stand_by(name, config_cls, factory, argv, warm_up)
+        if promoted is not None:
+            promoted(at)
     run_process(name, config_cls, lambda config: serve(name, config, factory), argv)
+
+
+def _stand_by(name: str, config_cls: type[S], factory: Callable[[S], App] | str, argv: list[str],
+              warm_up: Callable[[S], None] | None) -> float:
+    try:
+        config = load_config(config_cls, argv, prog=name)  # for its ready file; read again once promoted
+    except ConfigError as exc:
+        print(f"{name}: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    def imports() -> None:
+        app_factory(factory)
+        if warm_up is not None:
+            warm_up(config)
+
+    return standby.wait_for_promotion(config.ready_file, imports)
 
 
 def placeholder_servicer(base: type, service_full_name: str, issue: str) -> object:

@@ -1,6 +1,8 @@
 """Console script `rlfleet-trainer`: parses config first, imports the service after (instant --help).
 
-Under torchrun, rank 0 runs the service and the other ranks follow it (learner.follow).
+Under torchrun, rank 0 runs the service and the other ranks follow it (learner.follow). With
+`--standby` (one process, not under torchrun) it first imports what training needs and waits to
+be promoted (rlfleet.common.standby, trainer/standby.py).
 """
 
 from __future__ import annotations
@@ -8,9 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
-from rlfleet.common.service import run_service, start_process
-from rlfleet.trainer import startup
-from rlfleet.trainer.service_config import TrainerConfig
+from rlfleet.trainer import standby, startup
 
 NAME = "rlfleet-trainer"
 
@@ -21,6 +21,9 @@ def is_follower() -> bool:
 
 def follow() -> None:
     """A rank >= 1: trains what rank 0 sends until rank 0 closes (or dies, which fails the collective)."""
+    from rlfleet.common.service import start_process
+    from rlfleet.trainer.service_config import TrainerConfig
+
     config = start_process(NAME, TrainerConfig, log_name=f"{NAME}-rank{os.environ['RANK']}")
     if not config.has_model:
         return  # rank 0 only serves status; nothing to follow
@@ -37,7 +40,12 @@ def main() -> None:
     if is_follower():
         follow()
     else:
-        run_service(NAME, TrainerConfig, "rlfleet.trainer.app:build")
+        from rlfleet.common.service import run_service
+        from rlfleet.trainer.service_config import TrainerConfig
+
+        # A standby's start is timed from its promotion.
+        run_service(NAME, TrainerConfig, "rlfleet.trainer.app:build", warm_up=standby.warm_up,
+                    promoted=startup.begin)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,28 @@ class TrainerProcess(ServiceProcess):
             flags += ["--model-path", str(model_path), "--weight-store", str(workdir / "weights")]
         super().__init__([*launcher, script], workdir, *flags, name=name, log_path=workdir / f"{name}.log",
                          ready_file=workdir / f"{name}.ready.json")
+        self._same = (workdir, nats_url, run_id, model_path, args, name, nproc)
+
+    def standby(self, timeout_s: float = 300.0) -> TrainerProcess:
+        """A `--standby` twin (same directory, log and ready file), started and waiting, its imports
+        done (rlfleet.common.standby); `promote` makes it the trainer. Starting it removes this
+        one's ready file, which the promoted twin writes again."""
+        from rlfleet.common import standby
+
+        workdir, nats_url, run_id, model_path, args, name, nproc = self._same
+        twin = TrainerProcess(workdir, nats_url, run_id, model_path, *args, standby.FLAG, name=name, nproc=nproc)
+        twin.spawn()
+        wait_until(lambda: standby.waiting_pid(twin.ready_file) == twin.pid, timeout_s, f"{name} standby", twin)
+        return twin
+
+    def promote(self, timeout_s: float = 300.0) -> TrainerProcess:
+        """A standby told to take over, once it serves."""
+        from rlfleet.common.standby import PROMOTE
+
+        assert self.process is not None
+        self.process.send_signal(PROMOTE)
+        self.wait_ready(timeout_s)
+        return self
 
     def start(self, timeout_s: float = 60.0) -> TrainerProcess:
         super().start(timeout_s)
