@@ -46,6 +46,12 @@ trainer service run (`rlfleet.broker.transports`, `rlfleet.weights.p2p` / `tenso
               verifies staging against the trainer's checksums and casts it, pauses to swap
   tensor      the trainer puts the tensors in shared memory; update_weights_from_tensor hands over
               the handles, the engine copies + hashes, pauses to swap
+  p2p_trainer P2P as the trainer service drives it: the trainer's own sender
+              (`rlfleet.trainer.weight_sender.WeightSender`) asks a weight-broker process for a plan
+              (StartTrainerSync), writes the buckets into a second CPU engine's staging beside the
+              store write, and reports (FinishTrainerSync); the broker has the engine verify by
+              checksum and flip. Its own line breaks the time down: plan / transfer / store wait /
+              finish (verify + flip)
 
 For each: `e2e` = from the trainer holding the new version (the optimizer step done) to the engine
 answering that it serves it, including the store write: before the load for the disk paths, beside
@@ -54,7 +60,9 @@ time shown as `store write`);
 `pause` = the engine's own pause (its reply's `pause_s`; the full reload is timed around the whole
 paused load); `moved` = bytes that travelled to the engine for this update.
 
-    .venv/bin/python bench/weight_sync.py --transports [--transport-steps 2]
+    .venv/bin/python bench/weight_sync.py --transports [--transport-steps 2] [--sizes default,25M,100M]
+
+The trainer-driven leg starts NATS and Redis (TLS, this process's run secrets) for the broker.
 """
 
 from __future__ import annotations
@@ -80,7 +88,8 @@ MODELS = {
     "100M": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4),
 }
-TRANSPORTS = ("disk_full", "disk_delta", "broadcast", "p2p", "tensor")
+TRANSPORTS = ("disk_full", "disk_delta", "broadcast", "p2p", "tensor", "p2p_trainer")
+DIRECT = ("broadcast", "p2p", "tensor", "p2p_trainer")
 
 
 @dataclass
@@ -293,7 +302,7 @@ class TransportRow:
     store_write_ms: float  # this version's store write (its own for the disk paths; the delta write otherwise)
 
 
-async def run_transports(name: str, steps: int, workdir: Path) -> list[TransportRow]:
+async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | None = None) -> list[TransportRow]:
     import torch
 
     from rlfleet.broker.pools import EngineRef, Pools
@@ -323,6 +332,7 @@ async def run_transports(name: str, steps: int, workdir: Path) -> list[Transport
     agent = TransferAgent()
     p2p = P2PSender(agent)
     rows: list[TransportRow] = []
+    stack: list = []
     try:
         store = DirectoryWeightStore(workdir / "store", f"t-{name}", full_every=10**6, max_delta_fraction=10.0)
         full_store = DirectoryWeightStore(workdir / "store", f"t-{name}-full", full_every=1)
@@ -335,6 +345,10 @@ async def run_transports(name: str, steps: int, workdir: Path) -> list[Transport
             await asyncio.to_thread(beside_store.write_version, 0, trainer.model.state_dict())
         (first,) = await full.update([engine], VersionInfo.from_store(store, 0))
         assert first.ok, first.message
+        sent = None
+        if infra is not None:
+            sent = await asyncio.to_thread(TrainerSent, name, model_dir, workdir, infra, trainer.model.state_dict())
+            stack.append(sent)
         endpoint = Endpoint.from_json(await pools.client(engine).transfer_engine_info(0))
         for version in range(1, steps + 1):
             await asyncio.to_thread(trainer.step)
@@ -401,12 +415,116 @@ async def run_transports(name: str, steps: int, workdir: Path) -> list[Transport
             shared.close()
             assert outcome.ok, outcome.message
             row("tensor", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
+            if sent is not None:
+                # p2p_trainer: the trainer service's sender, the broker's plan, the store write beside it
+                started = time.perf_counter()
+                summary, write_s = await asyncio.to_thread(sent.send, version, state)
+                (outcome,) = summary.outcomes
+                assert outcome.ok and outcome.transport == sent.P2P, outcome
+                row("p2p_trainer", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
+                print(f"{'':>22}p2p_trainer: plan {1000 * summary.plan_s:.1f} ms, transfer {1000 * summary.transfer_s:.1f}"
+                      f" ms, store wait {1000 * summary.store_wait_s:.1f} ms, finish (verify + flip) "
+                      f"{1000 * summary.finish_s:.1f} ms; sent {summary.bytes.get('p2p', 0) / 2**20:.2f} MB", flush=True)
             del state
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
+        for item in reversed(stack):
+            item.close()
         await pools.close()
         engine_proc.stop()
     return rows
+
+
+@dataclass
+class Infra:
+    nats_url: str
+    redis_url: str
+
+
+def start_infra(workdir: Path) -> tuple[Infra, list]:
+    """NATS and Redis for the trainer-driven leg's broker, over TLS with this process's run secrets."""
+    from rlfleet.common import security
+    from rlfleet.common.processes import start_nats, start_redis
+
+    secrets = security.ensure_local_credentials()
+    nats = start_nats(workdir / "nats", tls=security.server_tls_files(secrets, "nats"))
+    try:
+        redis = start_redis(workdir / "redis", tls=security.server_tls_files(secrets, "redis"))
+    except BaseException:
+        nats.stop()
+        raise
+    return Infra(nats.url, redis.url), [redis, nats]
+
+
+class TrainerSent:
+    """The trainer-driven P2P leg: a second CPU engine (canary) under a weight-broker process of its own
+    run (`sync.transport p2p`), and the trainer service's `WeightSender` with the store write beside
+    the send, as `VersionPublisher` runs it (`weight_send.beside_store`)."""
+
+    def __init__(self, name: str, model_dir: Path, workdir: Path, infra: Infra, state: dict) -> None:
+        from rlfleet.api.broker.v1 import broker_pb2
+        from rlfleet.broker.testing import BrokerProcess
+        from rlfleet.engine.testing import EngineProcess
+        from rlfleet.trainer.service_config import WeightSendConfig
+        from rlfleet.trainer.weight_sender import WeightSender
+        from rlfleet.weights import DirectoryWeightStore
+
+        self.P2P = broker_pb2.TRANSPORT_P2P
+        self.run = f"t-{name}-sent"
+        self.store = DirectoryWeightStore(workdir / "store", self.run, full_every=10**6, max_delta_fraction=10.0)
+        self.store.write_version(0, state)
+        self.engine = self.broker = self.sender = None
+        try:
+            self.engine = EngineProcess(model_dir, workdir / f"engine-{name}-sent", weight_store_root=workdir / "store",
+                                        engine_id="sent").start(300.0)
+            self.broker = BrokerProcess(
+                workdir / f"broker-{name}", run_id=self.run, weight_store=str(workdir / "store"), auto_promote=True,
+                engines=[{"engine_id": "sent", "url": self.engine.url, "pool": "canary", "kind": "cpu"}],
+                reconcile_interval_s=3600,  # every version comes from the trainer here, none from the store
+                **{"nats.url": infra.nats_url, "redis.url": infra.redis_url, "sync.transport": "p2p"}).start(120.0)
+            self.sender = WeightSender(WeightSendConfig(broker_address=self.broker.address, timeout_s=600.0))
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, version: int, state: dict):
+        """Blocking: the send with the store write beside it; (SendSummary, the write's seconds)."""
+        from concurrent.futures import Future
+
+        from rlfleet.api.common.v1 import common_pb2
+        from rlfleet.broker.testing import policy_version
+
+        stored: Future = Future()
+        write_s = [0.0]
+
+        def write() -> None:
+            started = time.perf_counter()
+            try:
+                manifest = self.store.write_version(version, state)
+            except BaseException as exc:
+                stored.set_exception(exc)
+                return
+            write_s[0] = time.perf_counter() - started
+            stored.set_result(policy_version(manifest))
+
+        writer = threading.Thread(target=write, name=f"store-v{version}")
+        writer.start()
+        partial = common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1, run_id=self.run,
+                                           version=version, parent_version=version - 1, step=version)
+        try:
+            summary = self.sender.send(partial, state, stored)
+        finally:
+            writer.join()
+        if summary.error:
+            raise RuntimeError(f"the trainer's send of version {version} failed: {summary.error}")
+        return summary, write_s[0]
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        for process in (self.broker, self.engine):
+            if process is not None:
+                process.stop()
 
 
 def timed(fn, *args) -> float:
@@ -454,14 +572,15 @@ def print_transport_row(r: TransportRow) -> None:
 def transport_summary(rows: list[TransportRow]) -> None:
     print("\nsummary (medians per model):")
     for model in dict.fromkeys(r.model for r in rows):
+        present = [t for t in TRANSPORTS if any(r.model == model and r.transport == t for r in rows)]
         med = {t: (statistics.median(r.e2e_ms for r in rows if r.model == model and r.transport == t),
                    statistics.median(r.pause_ms for r in rows if r.model == model and r.transport == t),
                    statistics.median(r.moved_mb for r in rows if r.model == model and r.transport == t))
-               for t in TRANSPORTS}  # fmt: skip
+               for t in present}  # fmt: skip
         print(f"  {model:>6}: " + "; ".join(f"{t} e2e {e:.0f} ms pause {p:.1f} ms moved {m:.1f} MB"
                                            for t, (e, p, m) in med.items()))
         dp, de = med["disk_delta"][1], med["disk_delta"][0]
-        for t in ("broadcast", "p2p", "tensor"):
+        for t in (t for t in DIRECT if t in med):
             e, p, _ = med[t]
             print(f"  {'':>6}  {t}: pause {'<=' if p <= dp else '>'} delta's ({p:.1f} vs {dp:.1f} ms); "
                   f"e2e {e / de:.2f}x the delta's")
@@ -477,6 +596,8 @@ def main() -> None:
                         help="every transport side by side (disk full, disk delta, broadcast, P2P, tensor), three sizes")
     parser.add_argument("--transport-steps", type=int, default=2, help="updates per model size with --transports")
     parser.add_argument("--sizes", default="default,25M,100M", help="model sizes with --transports")
+    parser.add_argument("--no-trainer-sent", action="store_true",
+                        help="with --transports: leave out p2p_trainer (no broker, NATS or Redis started)")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -487,8 +608,13 @@ def main() -> None:
         print(TRANSPORT_HEADER)
         trows: list[TransportRow] = []
         with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
-            for name in args.sizes.split(","):
-                trows += asyncio.run(run_transports(name, args.transport_steps, Path(tmp)))
+            infra, servers = start_infra(Path(tmp)) if not args.no_trainer_sent else (None, [])
+            try:
+                for name in args.sizes.split(","):
+                    trows += asyncio.run(run_transports(name, args.transport_steps, Path(tmp), infra))
+            finally:
+                for server in servers:
+                    server.stop()
         transport_summary(trows)
         print(f"\n{len(trows)} updates in {time.monotonic() - started:.0f}s")
         if args.json:

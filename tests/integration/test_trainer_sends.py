@@ -78,6 +78,18 @@ async def status(broker) -> broker_pb2.BrokerStatus:
         return await broker_pb2_grpc.BrokerServiceStub(channel).GetStatus(broker_pb2.GetStatusRequest())
 
 
+async def train_version_1(trainer: TrainerProcess, nats_url: str, run: str, groups: int, timeout_s: float) -> None:
+    """Publishes `groups` groups of trajectories for the trainer and waits for it to make version 1."""
+    nc = await connect_nats(NatsConfig(url=nats_url), "test")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        await publish_trajectories(js, run, trajectory_protos(groups, G, run))
+        await asyncio.to_thread(trainer.wait_for, lambda s: s.policy_version == 1, timeout_s, "version 1")
+    finally:
+        await nc.close()
+
+
 @pytest.mark.parametrize("transport", ["distributed", "p2p", "tensor"])
 async def test_the_trainer_service_sends_each_version_straight_to_two_engines(
     transport, engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes, monkeypatch
@@ -93,14 +105,7 @@ async def test_the_trainer_service_sends_each_version_straight_to_two_engines(
     processes.append(trainer.start())
     await both_serve(engines, 0, store)  # the starting model, sent as version 0
 
-    nc = await connect_nats(NatsConfig(url=nats_url), "test")
-    try:
-        js = nc.jetstream()
-        await ensure_streams(js)
-        await publish_trajectories(js, run, trajectory_protos(1, G, run))
-        await asyncio.to_thread(trainer.wait_for, lambda s: s.policy_version == 1, 120.0, "version 1")
-    finally:
-        await nc.close()
+    await train_version_1(trainer, nats_url, run, 1, 120.0)
     await both_serve(engines, 1, store)
     assert store.latest_version() == 1  # the store has it too: catch-up, audit, rollback
 
@@ -112,6 +117,144 @@ async def test_the_trainer_service_sends_each_version_straight_to_two_engines(
         assert engine.updates >= 2, engine
     _, metrics = await call(f"http://127.0.0.1:{broker.metrics_port}", "/metrics", method="GET")
     assert f'transport="{transport}"' in metrics
+
+
+async def served_checksums(url: str, names) -> dict[str, str]:
+    """The engine's weights as the bf16 bytes it serves, hashed per tensor (as the trainer hashes what it sends)."""
+    import torch
+
+    from rlfleet.engine.testing import read_engine_weights
+    from rlfleet.weights.sent import tensor_checksums
+
+    got = await read_engine_weights(url, names)
+    return tensor_checksums([(n, got[n].to(torch.bfloat16)) for n in names])
+
+
+def store_checksums(store: DirectoryWeightStore, version: int) -> dict[str, str]:
+    import torch
+
+    from rlfleet.weights.sent import tensor_checksums
+
+    served = store.load_version(version)
+    return tensor_checksums([(n, torch.from_numpy(served.to_float32(n).reshape(served[n].shape)).to(torch.bfloat16))
+                             for n in served])
+
+
+class StagingScribbler:
+    """A third party writing garbage into one tensor of an engine's P2P staging, over and over, through
+    Mooncake (the endpoint the engine publishes): whatever the trainer writes there is overwritten, as
+    a transfer corrupted on the way would arrive."""
+
+    def __init__(self, endpoint_json: dict, interval_s: float = 0.002) -> None:
+        import torch
+
+        from rlfleet.weights.p2p import Endpoint, TransferAgent
+
+        self.endpoint = Endpoint.from_json(endpoint_json)
+        self.name, self.target = max(self.endpoint.tensors.items(), key=lambda kv: kv[1].nbytes)
+        self.agent = TransferAgent()
+        self.garbage = torch.full((self.target.nbytes,), 0xA5, dtype=torch.uint8)
+        self.agent.register(self.garbage)
+        self.interval_s = interval_s
+        self.writes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scribbler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.agent.write(self.endpoint.session_id, [self.garbage.data_ptr()], [self.target.ptr],
+                             [self.target.nbytes])
+            self.writes += 1
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> StagingScribbler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10.0)
+        self.agent.unregister(self.garbage)
+
+
+async def test_the_trainer_service_p2p_transfer_corrupted_on_the_way_falls_back_to_the_store_for_that_engine(
+    engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes
+):
+    """The real trainer service sends version 1 over P2P to both engines while a third party keeps
+    overwriting one tensor of c0's staging: c0's checksum check refuses it (its model untouched), the
+    broker brings c0 the version from the store's delta, f0 takes it over P2P, and both then hold the
+    store's bytes exactly (per-tensor checksums equal)."""
+    run = unique_run_id("tsx")
+    store = DirectoryWeightStore(store_root, run)
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
+    trainer = TrainerProcess(tmp_path / "trainer", nats_url, run, None, "--model-path", str(model_dir),
+                             "--weight-store", str(store_root), "--weight-send.broker-address", broker.address,
+                             "--group-size", str(G), "--groups-per-step", "1", "--optim.lr", "1e-3")
+    processes.append(trainer.start())
+    await both_serve(engines, 0, store)
+    status_code, endpoint = await call(engines["c0"].url, "/remote_instance_transfer_engine_info?rank=0",
+                                       method="GET")
+    assert status_code == 200, endpoint
+
+    with StagingScribbler(endpoint) as scribbler:
+        await train_version_1(trainer, nats_url, run, 1, 120.0)
+        await both_serve(engines, 1, store)  # c0 from the store's delta, f0 straight from the trainer
+    assert scribbler.writes > 0
+    assert store.index(1).kind == "delta"
+
+    names = list(store.load_version(1))
+    want = store_checksums(store, 1)
+    for name in engines:  # bit-identical: the store's bytes, checked tensor by tensor
+        assert await served_checksums(engines[name].url, names) == want, name
+    reported = {e.engine_id: e for e in (await status(broker)).engines}
+    assert reported["f0"].last_transport == broker_pb2.TRANSPORT_P2P and reported["f0"].policy_version == 1
+    assert reported["c0"].last_transport == broker_pb2.TRANSPORT_DISK_DELTA, reported["c0"]
+    assert reported["c0"].policy_version == 1 and reported["c0"].transport == broker_pb2.TRANSPORT_P2P
+    _, metrics = await call(f"http://127.0.0.1:{broker.metrics_port}", "/metrics", method="GET")
+    refused = [line for line in metrics.splitlines() if line.startswith("rlfleet_broker_updates_total")
+               and 'transport="p2p"' in line and 'outcome="refused"' in line]
+    assert refused and float(refused[0].rsplit(" ", 1)[1]) >= 1, refused
+    assert "['c0'] fall back to the store" in trainer.log(), trainer.log()[-2000:]
+
+
+@pytest.mark.parametrize("every_rank", [False, True], ids=["rank0-gathers", "every-rank-shards"])
+async def test_the_trainer_service_under_torchrun_sends_p2p_to_two_engines(
+    every_rank, engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes, monkeypatch
+):
+    """Two FSDP2 ranks: rank 0 plans and reports; the P2P bytes come from rank 0's gathered state, or
+    (`weight_send.p2p_every_rank`) each rank writes its own rows. Either way both engines then hold
+    the store's bytes of each version exactly (per-tensor checksums)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    run = unique_run_id("tsr")
+    store = DirectoryWeightStore(store_root, run)
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p",
+                          reconcile_interval_s=60)  # every version must come from the trainer
+    trainer = TrainerProcess(tmp_path / "trainer", nats_url, run, None, "--model-path", str(model_dir),
+                             "--weight-store", str(store_root), "--weight-send.broker-address", broker.address,
+                             "--weight-send.p2p-every-rank", str(every_rank).lower(),
+                             "--group-size", str(G), "--groups-per-step", "2", "--optim.lr", "1e-3", nproc=2)
+    processes.append(trainer.start(timeout_s=180))
+    await both_serve(engines, 0, store)
+    await train_version_1(trainer, nats_url, run, 2, 180.0)
+    await both_serve(engines, 1, store)
+    names = list(store.load_version(1))
+    want = store_checksums(store, 1)
+    for name in engines:
+        assert await served_checksums(engines[name].url, names) == want, name
+    reported = {e.engine_id: e for e in (await status(broker)).engines}
+    for engine in reported.values():
+        assert engine.last_transport == broker_pb2.TRANSPORT_P2P and engine.policy_version == 1, engine
+    log = trainer.log()
+    lines = [line for line in log.splitlines() if "P2P shards written by 2 ranks" in line]
+    if not every_rank:
+        assert not lines
+        return
+    assert len(lines) >= 2, log[-3000:]  # versions 0 and 1
+    last = lines[-1]
+    for engine_id in ("c0", "f0"):
+        part = last.split(f"{engine_id} rank 0 ", 1)[1].split(";")[0]
+        rank0, rank1 = int(part.split(" B")[0]), int(part.split("rank 1 ", 1)[1].split(" B")[0])
+        assert rank0 > 0 and rank1 > 0 and "FAILED" not in part, last
 
 
 class DiesPartWay:

@@ -110,3 +110,50 @@ async def test_p2p_staging_swaps_a_whole_transfer_and_refuses_a_partial_one(engi
     status, reply = await call(engine.url, "/rlfleet/update_weights_from_staging",
                                {"checksums": sums, "checksum_algorithm": "sha256", "pause_mode": "sideways"})
     assert status == 400, reply
+
+
+async def test_a_p2p_flip_naming_the_stores_copy_holds_that_version_so_the_next_update_is_a_delta(
+    engine, v2, model_dir, tmp_path
+):
+    """With `model_path` (the store's copy of the sent version) the engine checks the trainer's checksums
+    against the store's index and, when they are the same, holds that store version: the version after
+    it then loads as a delta (the fallback of a later failed transfer). Checksums that are not the
+    store's leave it holding none (the flip itself still happens: the bytes were the trainer's)."""
+    from rlfleet.weights import DirectoryWeightStore
+
+    store = DirectoryWeightStore(tmp_path / "weights", "sent", full_every=10**6, max_delta_fraction=10.0)
+    first = dict(read_checkpoint(model_dir))
+    store.write_version(0, first)
+    store.write_version(1, {n: t for n, t in v2})
+    assert store.index(1).kind == "delta"
+    _, info = await call(engine.url, "/remote_instance_transfer_engine_info?rank=0", method="GET")
+    endpoint = Endpoint.from_json(info)
+    sender = P2PSender(TransferAgent(), bucket_bytes=1 << 16)
+    v1 = dict(served_named(first))
+
+    # The trainer's bytes of version 1 flipped in, but named as the store's version 0: not held.
+    state = {n: dict(v2)[n] for n in endpoint.tensors}
+    sender.send(state, endpoint)
+    status, reply = await call(engine.url, "/rlfleet/update_weights_from_staging",
+                               {"checksums": tensor_checksums(state.items()), "checksum_algorithm": "sha256",
+                                "weight_version": "x", "model_path": str(store.run_dir / "v000000")})
+    assert status == 200 and reply["success"] and reply["weight_store_version"] is None, reply
+    assert "not the store's version 0" in reply["weight_store_note"], reply
+
+    state = {n: v1[n] for n in endpoint.tensors}
+    sender.send(state, endpoint)
+    status, reply = await call(engine.url, "/rlfleet/update_weights_from_staging",
+                               {"checksums": tensor_checksums(state.items()), "checksum_algorithm": "sha256",
+                                "weight_version": "0", "model_path": store.uri(0)})
+    assert status == 200 and reply["success"] and reply["weight_store_version"] == 0, reply
+    status, reply = await call(engine.url, "/rlfleet/update_weights_from_store",
+                               {"model_path": store.uri(1), "kind": "delta", "weight_version": "1"})
+    assert status == 200 and reply["success"], reply
+    got = await weights_of(engine.url, [n for n, _ in v2])
+    assert all(torch.equal(got[n], t.float()) for n, t in v2)
+
+    status, reply = await call(engine.url, "/rlfleet/update_weights_from_staging",
+                               {"checksums": {"x": "y"}, "checksum_algorithm": "sha256",
+                                "model_path": str(tmp_path / "nowhere" / "v000001")})
+    assert status == 400 and "not a version directory" in reply["error"]["message"], reply
+    sender.close()

@@ -151,11 +151,15 @@ def update_weights_from_tensor(serialized_named_tensors: list[str], *, weight_ve
 
 
 def update_weights_from_staging(checksums: dict[str, str], checksum_algorithm: str, *, weight_version: str,
-                                pause_mode: str, source: str = "p2p") -> dict[str, Any]:
+                                pause_mode: str, source: str = "p2p", model_path: str = "") -> dict[str, Any]:
     """The CPU engine's own commit of a staged transfer (`source` p2p: its Mooncake staging buffer;
-    distributed: a broadcast received with `staged=1`): verify against the trainer's checksums, flip."""
-    return {"checksums": checksums, "checksum_algorithm": checksum_algorithm, "weight_version": weight_version,
+    distributed: a broadcast received with `staged=1`): verify against the trainer's checksums, flip.
+    `model_path`: the store's copy of the version (P2P): the engine then holds it, for later deltas."""
+    body = {"checksums": checksums, "checksum_algorithm": checksum_algorithm, "weight_version": weight_version,
             "pause_mode": pause_mode, "source": source}
+    if model_path:
+        body["model_path"] = model_path
+    return body
 
 
 def sample_bodies() -> list[tuple[str, str | None, dict[str, Any]]]:

@@ -742,12 +742,21 @@ class EngineServer:
         if not self.staging.ready:
             return _weight_reply(False, "nothing is staged: no trainer was given this engine's endpoint "
                                         "(GET /remote_instance_transfer_engine_info)")
+        model_path = _optional_str(body, "model_path")
+        ref = None
+        if model_path:  # the store's copy of the version: once flipped in, the engine holds that version
+            try:
+                ref = self.store.locate(model_path)
+            except StoreLoadError as exc:
+                return _error(f"update_weights_from_staging: {exc}")
         async with self._weights_lock:
             try:
                 await asyncio.to_thread(self.staging.verify, checksums, algorithm)
             except P2PError as exc:
                 return _weight_reply(False, f"staged weights refused: {exc}", mismatched=getattr(exc, "names", []))
-            return await self._swap(self.staging.named(), version, mode, bytes=self.staging.nbytes)
+            named = self.staging.named()
+            adopt = None if ref is None else (lambda: self.store.adopt_sent(ref, named, checksums, algorithm))
+            return await self._swap(named, version, mode, adopt_store=adopt, bytes=self.staging.nbytes)
 
     async def _flip_broadcast(self, checksums: dict[str, str], algorithm: str, version: str | None,
                               mode: str) -> web.Response:
@@ -766,7 +775,7 @@ class EngineServer:
             return await self._adopt(staged.prepared, version or staged.version, mode, checksums=staged.checksums,
                                      checksum_algorithm=algorithm, bytes=staged.nbytes)
 
-    async def _swap(self, named, version: str | None, mode: str, **extra) -> web.Response:
+    async def _swap(self, named, version: str | None, mode: str, adopt_store=None, **extra) -> web.Response:
         """The one step inside the pause: the tensors (already received and checked) into the model.
         An engine already paused (by the gateway or a caller) stays paused: its pauser resumes it."""
 
@@ -774,11 +783,13 @@ class EngineServer:
             prepared = await asyncio.to_thread(self.runner.prepare_weights, named)
         except WeightLoadError as exc:
             return _weight_reply(False, f"Failed to update weights: {exc}")
-        return await self._adopt(prepared, version, mode, **extra)
+        return await self._adopt(prepared, version, mode, adopt_store=adopt_store, **extra)
 
-    async def _adopt(self, prepared, version: str | None, mode: str, **extra) -> web.Response:
+    async def _adopt(self, prepared, version: str | None, mode: str, adopt_store=None, **extra) -> web.Response:
         """The pause: each parameter takes its prepared buffer (a pointer flip). The old buffers are
-        released after the resume, so freeing them is not part of the pause."""
+        released after the resume, so freeing them is not part of the pause. `adopt_store` (after the
+        resume, still under the weights lock): makes the engine hold the store's copy of what it
+        now serves (`StoreWeights.adopt_sent`), so the next store update may be a delta."""
         old: list[Any] = []
 
         def swap() -> tuple[bool, str, float, int, str]:
@@ -800,6 +811,11 @@ class EngineServer:
 
         success, message, swap_s, queued, served = await self._call(swap)
         await asyncio.to_thread(old.clear)
+        if success and adopt_store is not None:
+            why = await asyncio.to_thread(adopt_store)
+            if why:
+                log.warning("version %s flipped in, but the engine holds no store version: %s", served, why)
+            extra = {**extra, "weight_store_version": self.store.held_version, "weight_store_note": why}
         trace.get_current_span().set_attributes(
             {"rlfleet.weight_version": served, "rlfleet.tensors": len(prepared)}
         )

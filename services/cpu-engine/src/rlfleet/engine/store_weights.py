@@ -18,7 +18,9 @@ version it holds (`served`, half the size of the fp32 model) so that a delta can
 applied exactly, and mirrors each swap into the fp32 parameters (bf16 -> fp32 is exact). After a
 store load the fp32 weights are exactly the trainer's bf16 weights. Any other kind of update
 (a plain checkpoint, a broadcast) makes the engine forget which store version it holds, so the
-next store update must be a full one.
+next store update must be a full one -- unless it was a trainer-sent version flipped in from
+staging whose checksums are the store's own for that version (`adopt_sent`): its bytes are then
+that store version's, and the next version can come as a delta (the fallback of a failed transfer).
 
 Every failure before the swap leaves the weights and the weight version untouched and is reported
 as a `StoreLoadError` with the reason (400).
@@ -51,7 +53,7 @@ from rlfleet.weights import (
 )
 from rlfleet.weights.fsutil import confine
 from rlfleet.weights.index import INDEX_FILE
-from rlfleet.weights.tensors import bf16_bits_to_fp32
+from rlfleet.weights.tensors import STORAGE_DTYPES, bf16_bits_to_fp32
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,38 @@ class StoreWeights:
     def held_path(self) -> str | None:
         """The version directory whose exact weights are served (names the run, not just the version)."""
         return None if self.held is None else str(self.held[0] / f"v{self.held[1]:06d}")
+
+    def adopt_sent(self, ref: VersionRef, named: list[tuple[str, torch.Tensor]], checksums: dict[str, str],
+                   algorithm: str) -> str:
+        """After a trainer-sent version was checked against the trainer's `checksums` and swapped in:
+        when the store's index of `ref` lists exactly these tensors with the same checksums (same
+        algorithm, dtype, shape), the bytes served are that store version's, and it becomes the held
+        version (a copy of `named`, the served bytes, is kept for the next delta). Returns "" when
+        adopted, else why not (the engine then holds no store version)."""
+        self.forget()
+        try:
+            index = ref.store.index(ref.version)
+        except WeightStoreError as exc:
+            return str(exc)
+        if index.kind == "adapter":
+            return f"version {ref.version} is an adapter version"
+        if index.checksum != algorithm:
+            return f"the store hashed version {ref.version} with {index.checksum}, the trainer with {algorithm}"
+        sent = dict(named)
+        entries = {e.name: e for e in index.tensors}
+        if set(entries) - set(sent) or set(sent) - set(entries) - set(index.aliases):
+            return f"the store's version {ref.version} and the sent version name different tensors"
+        arrays: dict[str, np.ndarray] = {}
+        for name, entry in entries.items():
+            t = sent[name]
+            if checksums.get(name) != entry.checksum or list(t.shape) != list(entry.shape) \
+                    or STORAGE_DTYPES[entry.dtype].itemsize != t.element_size():
+                return f"{name} is not the store's version {ref.version} (checksum, shape or dtype)"
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            arrays[name] = raw.view(STORAGE_DTYPES[entry.dtype]).reshape(t.shape).copy()
+        self.served = ServedTensors(arrays, {n: e.dtype for n, e in entries.items()}, index.aliases)
+        self.held = ref.key
+        return ""
 
     # --- locating a version ---------------------------------------------------------------------
     def locate(self, model_path: str) -> VersionRef:

@@ -20,10 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlfleet.trainer.config import LoraConfig
 from rlfleet.trainer.service_config import TrainerConfig
+
+if TYPE_CHECKING:
+    from rlfleet.trainer.p2p_shards import ShardWriter
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -52,14 +55,15 @@ def model_limits(model_path: str) -> tuple[int, int]:
 class LearnerCore:
     """What every rank runs: the backend(s) and the collective operations, called by name."""
 
-    COMMANDS = ("train", "save_checkpoint", "load_checkpoint", "export", "export_base", "export_adapter", "noop",
-                "close")
+    COMMANDS = ("train", "save_checkpoint", "load_checkpoint", "export", "export_base", "export_adapter",
+                "send_p2p_shards", "noop", "close")
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.backend = None
         self.reference = None
         self.value_model = None
+        self.shard_writer: ShardWriter | None = None
 
     @property
     def world_size(self) -> int:
@@ -131,10 +135,19 @@ class LearnerCore:
         """LoRA: the adapter's tensors (peft's names) and its adapter_config.json."""
         return self.backend.adapter_for_export()
 
+    def send_p2p_shards(self, peers: list[tuple[str, str]], bucket_bytes: int) -> list | None:
+        """Every rank writes its own shards into each engine's P2P staging; rank 0 gets all results."""
+        from rlfleet.trainer.p2p_shards import ShardWriter, write_and_gather
+
+        writer = self.shard_writer = self.shard_writer or ShardWriter()
+        return write_and_gather(writer, self.backend, peers, bucket_bytes, self.config.weight_send)
+
     def noop(self) -> None:
         """Keeps the followers' wait for the next command under the process group's timeout."""
 
     def close(self) -> None:
+        if self.shard_writer is not None:
+            self.shard_writer.close()
         for b in (self.value_model, self.reference, self.backend):  # the policy's owns the process group
             if b is not None:
                 b.close()
@@ -210,6 +223,24 @@ class Learner:
     def export_adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """On the worker thread (LoRA): the adapter's tensors and adapter_config.json."""
         return self.run("export_adapter")
+
+    @property
+    def sends_own_shards(self) -> bool:
+        """P2P writes from every rank (`weight_send.p2p_every_rank`): torch backend, FSDP2, no LoRA."""
+        return (self.config.weight_send.p2p_every_rank and self.core.world_size > 1
+                and self.config.backend.name == "torch" and not self.config.lora.enabled)
+
+    def send_p2p_shards(self, peers: list, bucket_bytes: int) -> list:
+        """On the worker thread: every rank's shards into the plan's P2P engines; one PeerResult each."""
+        from rlfleet.trainer.p2p_shards import merged
+
+        targets = [(p.engine_id, p.endpoint_json) for p in peers]
+        gathered = self.run("send_p2p_shards", targets, bucket_bytes)
+        log.info("P2P shards written by %d ranks: %s", self.core.world_size, "; ".join(
+            f"{engine_id} " + ", ".join(f"rank {rank} {g[engine_id][1]} B{'' if g[engine_id][0] else ' FAILED'}"
+                                        for rank, g in enumerate(gathered))
+            for engine_id, _ in targets))  # fmt: skip
+        return merged(targets, gathered)
 
     async def keep_alive(self) -> None:
         while True:

@@ -178,7 +178,9 @@ class TrainerLoop:
         """The current version to the store and POLICY: the full policy, or with LoRA the adapter on the
         base version (the base itself, in full, when the store has none yet)."""
         if not self.config.lora.enabled:
-            await self.publisher.publish(self.version, parent, self.learner.export, self.learner.step, metrics)
+            shards = self.learner.send_p2p_shards if self.learner.sends_own_shards else None
+            await self.publisher.publish(self.version, parent, self.learner.export, self.learner.step, metrics,
+                                         shards=shards)
         elif self.lora_base is None:
             await self.publisher.publish(self.version, parent, self.learner.export_base, self.learner.step, metrics)
             self.lora_base = self.version

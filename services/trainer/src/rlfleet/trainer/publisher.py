@@ -52,11 +52,15 @@ class VersionPublisher:
         self.worker = worker
         self.sender = sender  # rlfleet.trainer.weight_sender.WeightSender, or None: the store only
         self.last_send = None
+        self._shards: Callable[[list, int], list] | None = None
 
     async def publish(self, version: int, parent: int, export: Callable[[], dict], step: int,
-                      metrics: dict[str, float]) -> common_pb2.PolicyVersion:
+                      metrics: dict[str, float], shards: Callable[[list, int], list] | None = None
+                      ) -> common_pb2.PolicyVersion:
         """Writes the weights `export()` returns (called on the worker thread) as `version`, sends them
-        straight to engines when a sender is set (the broker plans it), and announces the version."""
+        straight to engines when a sender is set (the broker plans it), and announces the version.
+        `shards` (on the worker thread): every rank writes its own P2P shards (`Learner.send_p2p_shards`)."""
+        self._shards = None if shards is None else self._on_worker(shards)
 
         def write(state: dict) -> dict[str, Any]:
             return self.store.write_version(version, state, parent_version=parent if parent >= 0 else None)
@@ -101,10 +105,20 @@ class VersionPublisher:
         manifest = await self.worker.call(write)
         return await self.announce(manifest, parent, step, metrics)
 
+    def _on_worker(self, fn: Callable[[list, int], list]) -> Callable[[list, int], list]:
+        """`fn` called from the sender's thread but run on the worker thread (where every collective runs)."""
+        loop = asyncio.get_running_loop()
+
+        def call(peers: list, bucket_bytes: int) -> list:
+            return asyncio.run_coroutine_threadsafe(self.worker.call(fn, peers, bucket_bytes), loop).result()
+
+        return call
+
     async def _send(self, msg: common_pb2.PolicyVersion, state: dict,
                     stored: Future[common_pb2.PolicyVersion] | None = None) -> None:
         try:
-            summary = await asyncio.to_thread(self.sender.send, msg, state, stored)  # type: ignore[union-attr]
+            summary = await asyncio.to_thread(self.sender.send, msg, state, stored,  # type: ignore[union-attr]
+                                              self._shards)
         except Exception as exc:  # the broker is down or refused: engines catch up from the store
             log.warning("sending version %d to engines failed: %s", msg.version, exc)
             return

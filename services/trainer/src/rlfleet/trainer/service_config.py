@@ -97,6 +97,9 @@ class WeightSendConfig(StrictModel):
     p2p_hostname: str = Field("127.0.0.1", description="address of this trainer's Mooncake TransferEngine")
     p2p_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake protocol: tcp, or rdma on a fleet")
     p2p_device: str = Field("", description="Mooncake device name(s) for rdma; empty = auto")
+    p2p_every_rank: bool = Field(False, description="under torchrun (torch backend, no LoRA): every rank writes "
+                                 "its own FSDP2 shard into P2P staging instead of rank 0 writing the gathered "
+                                 "state; the writes then follow the store write instead of running beside it")
     checksum_algorithm: Literal["sha256", "blake2b", "crc32"] = Field(
         "sha256", description="per-tensor checksums engines verify the transfer against")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(

@@ -8,7 +8,8 @@ While the version is written to the weight store (catch-up, audit, rollback; `be
 * broadcast: joins the plan's group as rank 0 (gloo for host tensors, NCCL when the weights are on
   a GPU: tensors are broadcast from where they are, never copied to the host for it) and sends every
   tensor in order; the broker has the engines join at SGLang's `rank_offset + tp_rank`;
-* P2P: writes the tensors into each engine's Mooncake staging buffer, `bucket_bytes` per batch;
+* P2P: writes the tensors into each engine's Mooncake staging buffer, `bucket_bytes` per batch
+  (or, with `shards`, every rank writes its own FSDP2 shard: `rlfleet.trainer.p2p_shards`);
 * tensor: puts the tensors in shared memory and hands the handles over in the completion report,
   keeping the memory alive until the broker answers (the engines have copied by then);
 
@@ -24,7 +25,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,12 +74,14 @@ class WeightSender:
 
     # --- one version ----------------------------------------------------------------------------
     def send(self, version: common_pb2.PolicyVersion, state: Mapping[str, Any],
-             stored: Future[common_pb2.PolicyVersion] | None = None) -> SendSummary:
+             stored: Future[common_pb2.PolicyVersion] | None = None,
+             shards: Callable[[list, int], list] | None = None) -> SendSummary:
         """Blocking: plan, transfers, report. Never raises for a transfer's failure (it is reported).
 
         With `stored`, the store write runs beside the send: `version` need only carry its number, and
         `stored` resolves to the version as the store holds it (or raises the write's error), which
-        goes in the report; the broker flips nothing in before it."""
+        goes in the report; the broker flips nothing in before it. With `shards`, the P2P writes are
+        every rank's own: `shards(plan peers, bucket bytes)` returns one PeerResult per peer."""
         from rlfleet.weights.sent import served_named, tensor_checksums
 
         started = time.perf_counter()
@@ -96,8 +99,11 @@ class WeightSender:
         transfer = time.perf_counter()
         try:
             broadcast = self._start_broadcast(plan, request, named, summary)
-            for peer in plan.peers:
-                finish.peers.append(self._write_peer(peer, named, plan.bucket_bytes, summary))
+            if plan.peers and shards is not None:
+                finish.peers.extend(self._write_shards(plan, shards, summary))
+            else:
+                for peer in plan.peers:
+                    finish.peers.append(self._write_peer(peer, named, plan.bucket_bytes, summary))
             if plan.tensor_engine_ids:
                 from rlfleet.weights.tensor_ipc import SharedTensors
 
@@ -178,6 +184,16 @@ class WeightSender:
                 self._p2p.close()
             self._p2p = P2PSender(self._agent, bucket_bytes or 64 << 20, self.config.checksum_algorithm)
         return self._p2p
+
+    def _write_shards(self, plan, shards: Callable[[list, int], list], summary: SendSummary) -> list:
+        try:
+            results = list(shards(list(plan.peers), plan.bucket_bytes or 64 << 20))
+        except Exception as exc:  # the command channel broke: no engine got a whole version
+            log.warning("P2P shard writes of version %d failed: %s", summary.version, exc)
+            return [broker_pb2.PeerResult(engine_id=p.engine_id, error=f"shard writes failed: {exc}")
+                    for p in plan.peers]
+        summary.bytes["p2p"] = summary.bytes.get("p2p", 0) + sum(r.bytes for r in results)
+        return results
 
     def _write_peer(self, peer, named, bucket_bytes: int, summary: SendSummary) -> broker_pb2.PeerResult:
         from rlfleet.weights.p2p import Endpoint, P2PError

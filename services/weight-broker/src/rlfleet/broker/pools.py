@@ -81,9 +81,9 @@ class BrokerEngineClient(EngineClient):
         return await self._call("remote_instance_transfer_engine_info", None, self.timeouts.control_s, path=path)
 
     async def update_from_staging(self, checksums: dict[str, str], algorithm: str, *, weight_version: str,
-                                  pause_mode: str, source: str = "p2p") -> dict[str, Any]:
+                                  pause_mode: str, source: str = "p2p", model_path: str = "") -> dict[str, Any]:
         body = wire.update_weights_from_staging(checksums, algorithm, weight_version=weight_version,
-                                                pause_mode=pause_mode, source=source)
+                                                pause_mode=pause_mode, source=source, model_path=model_path)
         return await self._weights("update_weights_from_staging", body)
 
     async def discard_staged_broadcast(self) -> dict[str, Any]:

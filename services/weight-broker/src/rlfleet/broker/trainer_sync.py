@@ -71,6 +71,7 @@ class PendingSync:
     broadcast: list[EngineRef] = field(default_factory=list)
     broadcast_task: asyncio.Task | None = None
     store_pending: bool = False  # the store write runs beside the transfers: flip nothing before it lands
+    store_uri: str = ""  # the store's copy of the version (known at start, or from the finish's stored version)
     watchdog: asyncio.Task | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -107,7 +108,8 @@ class TrainerSyncs:
         checksums = {t.name: t.checksum for t in request.tensors}
         pending = PendingSync(uuid.uuid4().hex, version, checksums, request.checksum_algorithm,
                               _nbytes(request.tensors), tensors=by["tensor"],
-                              store_pending=request.store_pending)  # fmt: skip
+                              store_pending=request.store_pending,
+                              store_uri="" if request.store_pending else request.version.uri)  # fmt: skip
         plan = broker_pb2.TrainerSyncPlan(sync_id=pending.sync_id, state=state, bucket_bytes=self.sync.p2p_bucket_bytes,
                                           tensor_engine_ids=[e.engine_id for e in by["tensor"]])  # fmt: skip
         pending.peers = await self._endpoints(by["p2p"], plan)
@@ -199,7 +201,8 @@ class TrainerSyncs:
             if result is None or not result.sent:
                 why = (result.error if result is not None else "") or request.error or "the trainer did not send it"
                 return UpdateOutcome(engine.engine_id, pending.version, "p2p", False, message=why)
-            return await peer.commit(engine, pending.version, pending.checksums, pending.algorithm, result.bytes)
+            return await peer.commit(engine, pending.version, pending.checksums, pending.algorithm, result.bytes,
+                                     pending.store_uri)
 
         async def one_tensor(engine: EngineRef) -> UpdateOutcome:
             if not request.serialized_named_tensors:
@@ -232,6 +235,7 @@ class TrainerSyncs:
             return f"version rejected: {why}"
         if request.stored.version != pending.version:
             return f"the stored version is {request.stored.version}, not {pending.version}"
+        pending.store_uri = request.stored.uri
         try:
             await b.announce(request.stored)
         except (BadAnnouncement, UnknownVersion) as exc:

@@ -390,10 +390,13 @@ class PeerCommit:
         self.name = source
 
     async def commit(self, engine: EngineRef, version: int, checksums: dict[str, str], algorithm: str,
-                     sent_bytes: int) -> UpdateOutcome:
+                     sent_bytes: int, store_uri: str = "") -> UpdateOutcome:
+        """`store_uri`: the store's copy of the version (P2P), which the engine then holds as its own
+        (when the checksums match the store's), so the version after can come as a delta."""
         try:
             reply = await self.pools.client(engine).update_from_staging(
-                checksums, algorithm, weight_version=str(version), pause_mode=self.pause_mode, source=self.source)
+                checksums, algorithm, weight_version=str(version), pause_mode=self.pause_mode, source=self.source,
+                model_path=store_uri if self.source == "p2p" else "")
         except EngineError as exc:
             return UpdateOutcome(engine.engine_id, version, self.name, False, message=exc.message,
                                  refused=isinstance(exc, EngineRejected))  # fmt: skip
