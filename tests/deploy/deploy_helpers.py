@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,15 @@ def dockerignored(path: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Kustomize
+
+
+def make_secrets(directory: Path) -> list[dict[str, Any]]:
+    """deploy/k8s/make_secrets.py run as docs/deploy.md says (credentials kept in `directory`): the
+    Secrets it prints."""
+    result = subprocess.run([sys.executable, str(K8S / "make_secrets.py"), str(directory)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return list(yaml.safe_load_all(result.stdout))
 
 
 def kustomization(directory: Path) -> dict[str, Any]:

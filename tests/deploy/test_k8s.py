@@ -14,7 +14,7 @@ import deploy_helpers as h
 import pytest
 import yaml
 
-from rlfleet.cli.compose_config import IDENTITIES, write_secrets, write_tls_secrets
+from rlfleet.cli.compose_config import IDENTITIES
 from rlfleet.common.config import ConfigError, env_overrides, resolve
 
 HPA_SERVICES = ("session-server", "rollout-gateway", "verifier", "sandbox-manager")
@@ -361,26 +361,31 @@ def test_nats_is_jetstream_with_8mb_payloads_and_a_three_node_cluster_on_gpus(re
 
 
 @pytest.mark.parametrize("overlay", h.OVERLAYS)
-def test_nats_server_accepts_the_rendered_config(overlay, rendered, tmp_path):
+def test_nats_server_accepts_the_rendered_config(overlay, rendered, generated_secrets, tmp_path):
     nats = h.tool("nats-server") or (str(h.ROOT / ".venv/bin/nats-server")
                                      if (h.ROOT / ".venv/bin/nats-server").exists() else None)
     if nats is None:
         pytest.skip("nats-server is not installed")
-    conf = tmp_path / "nats.conf"
-    text = h.by_kind_name(rendered[overlay])[("ConfigMap", "nats-config")]["data"]["nats.conf"]
+    objects = h.by_kind_name(rendered[overlay])
+    text = objects[("ConfigMap", "nats-config")]["data"]["nats.conf"]
     assert "/etc/nats/tls/nats.pem" in text, "NATS serves TLS only"
-    # the rlfleet-tls items mounted at /etc/nats/tls, here in tmp_path/tls (`-t` loads the certificate)
-    conf.write_text(text.replace("/etc/nats/tls/", f"{tmp_path}/tls/"))
-    (tmp_path / "auth").mkdir()  # where the rlfleet-infra-auth Secret's nats-auth.conf is mounted
-    write_secrets(tmp_path / "secrets", "rlfleet", container_uid=None)
-    write_tls_secrets(tmp_path / "secrets", "rlfleet")
-    (tmp_path / "tls").mkdir()
-    for name in ("certs/nats.pem", "ca.pem"):
-        (tmp_path / "tls" / Path(name).name).write_bytes((tmp_path / "secrets" / name).read_bytes())
-    (tmp_path / "auth" / "auth.conf").write_text((tmp_path / "secrets" / "nats-auth.conf").read_text())
+    # The pod's /etc/nats here in tmp_path: each Secret item where the StatefulSet mounts it (`-t`
+    # loads the certificates, so an item the config names and the pod does not mount fails here).
+    spec = h.pod_spec(objects[("StatefulSet", "nats")])
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    for volume in spec["volumes"]:
+        if "secret" in volume:
+            data = generated_secrets[0][volume["secret"]["secretName"]]["data"]
+            where = tmp_path / Path(mounts[volume["name"]]).relative_to("/etc/nats")
+            materialize(where, data, {i["key"]: i["path"] for i in volume["secret"]["items"]})
+    conf = tmp_path / "nats.conf"
+    conf.write_text(text.replace("/etc/nats/", f"{tmp_path}/"))
     result = subprocess.run([nats, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30,
                             env={"POD_NAME": "nats-0", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stdout + result.stderr
+    if overlay == "gpu-cluster":  # routes: mutual TLS with the route CA (tests/deploy/test_nats_cluster.py runs it)
+        cluster = text[text.index("cluster {"):]
+        assert "verify: true" in cluster and "/etc/nats/tls/nats-route-ca.pem" in cluster
 
 
 def test_the_nats_helm_values_alternative_parses():
@@ -586,10 +591,7 @@ def test_no_native_grpc_probe_remains(overlay, rendered):
 def generated_secrets(tmp_path_factory):
     """deploy/k8s/make_secrets.py's output, as docs/deploy.md says to run it, and the directory it kept."""
     directory = tmp_path_factory.mktemp("k8s-credentials")
-    result = subprocess.run([sys.executable, str(h.K8S / "make_secrets.py"), str(directory)],
-                            capture_output=True, text=True, timeout=120, cwd=h.ROOT)
-    assert result.returncode == 0, result.stderr
-    return {s["metadata"]["name"]: s for s in yaml.safe_load_all(result.stdout)}, directory
+    return {s["metadata"]["name"]: s for s in h.make_secrets(directory)}, directory
 
 
 def test_generated_secrets_carry_no_ca_key(generated_secrets):

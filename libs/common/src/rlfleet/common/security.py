@@ -61,6 +61,8 @@ SERVICE_HOSTS = ("localhost", "session-server", "rollout-gateway", "gateway", "s
 # NATS and Redis: their certificates serve TLS and nothing else (serverAuth only), so the key on the
 # NATS or Redis host is no client certificate a gRPC server would take as a service.
 INFRA_IDENTITIES = ("nats", "redis")
+# The NATS cluster's routes: their own CA (nats-route-ca.pem / .key) and certificate (certs/nats-route.pem).
+NATS_ROUTE_CA, NATS_ROUTE_IDENTITY = "nats-route-ca", "nats-route"
 SERVICE_IPS = ("127.0.0.1", "::1")
 CERT_DAYS = 825
 ENGINE_KEY_FILES = ("engine_api_key", "engine_admin_api_key")
@@ -153,15 +155,7 @@ def ensure_secrets(directory: str | Path, run_id: str = "") -> Path:
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(root, 0o700)
-    if not (root / "ca.pem").exists():
-        with tempfile.TemporaryDirectory(dir=root) as work:
-            _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                     "-keyout", "ca.key", "-out", "ca.pem", "-days", str(CERT_DAYS),
-                     "-subj", f"/CN=rlfleet run CA {run_id or secrets.token_hex(4)}",
-                     "-addext", "basicConstraints=critical,CA:TRUE",
-                     "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=Path(work))
-            _write_private(root / "ca.key", (Path(work) / "ca.key").read_bytes())
-            _write_private(root / "ca.pem", (Path(work) / "ca.pem").read_bytes())
+    _ensure_ca(root, "ca", f"rlfleet run CA {run_id or secrets.token_hex(4)}")
     if not (root / "token.key").exists():
         _write_private(root / "token.key", secrets.token_hex(32).encode())
     for name in ENGINE_KEY_FILES:  # SGLang's --api-key and --admin-api-key of the run's engines
@@ -172,30 +166,56 @@ def ensure_secrets(directory: str | Path, run_id: str = "") -> Path:
     return root
 
 
+def _ensure_ca(root: Path, stem: str, subject: str) -> None:
+    """`<stem>.pem` / `<stem>.key`: a certificate authority, made unless it exists."""
+    if (root / f"{stem}.pem").exists():
+        return
+    with tempfile.TemporaryDirectory(dir=root) as work:
+        _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                 "-keyout", "ca.key", "-out", "ca.pem", "-days", str(CERT_DAYS), "-subj", f"/CN={subject}",
+                 "-addext", "basicConstraints=critical,CA:TRUE",
+                 "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=Path(work))
+        _write_private(root / f"{stem}.key", (Path(work) / "ca.key").read_bytes())
+        _write_private(root / f"{stem}.pem", (Path(work) / "ca.pem").read_bytes())
+
+
 def _hosts() -> list[str]:
     extra = [h.strip() for h in os.environ.get(HOSTS_ENV, "").split(",") if h.strip()]
     return sorted({*SERVICE_HOSTS, socket.gethostname(), *extra})
 
 
-def identity_pem(directory: str | Path, identity: str) -> bytes:
-    """Key and certificate of `identity`, one PEM file; made (and signed by the CA) when missing."""
+def identity_pem(directory: str | Path, identity: str, ca: str = "ca", hosts: list[str] | None = None) -> bytes:
+    """Key and certificate of `identity`, one PEM file; made (and signed by the CA `ca`, the run's
+    unless told) when missing, with `hosts` (default: the service names) as its SANs."""
     root = Path(directory)
     path = root / "certs" / f"{identity}.pem"
     if path.exists():
         return path.read_bytes()
     usage = "serverAuth" if identity in INFRA_IDENTITIES else "serverAuth,clientAuth"
-    if not (root / "ca.key").exists():
-        raise StartupError(f"{root} has no CA key to sign a certificate for {identity!r}")
-    sans = ",".join([*(f"DNS:{h}" for h in _hosts()), *(f"IP:{ip}" for ip in SERVICE_IPS)])
+    if not (root / f"{ca}.key").exists():
+        raise StartupError(f"{root} has no CA key ({ca}.key) to sign a certificate for {identity!r}")
+    sans = ",".join([*(f"DNS:{h}" for h in (_hosts() if hosts is None else hosts)),
+                     *(f"IP:{ip}" for ip in SERVICE_IPS)])
     with tempfile.TemporaryDirectory(dir=root) as work:
         _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
                  "-keyout", "leaf.key", "-out", "leaf.pem", "-days", str(CERT_DAYS), "-subj", f"/CN={identity}",
-                 "-CA", str(root / "ca.pem"), "-CAkey", str(root / "ca.key"),
+                 "-CA", str(root / f"{ca}.pem"), "-CAkey", str(root / f"{ca}.key"),
                  "-addext", f"subjectAltName={sans}", "-addext", "basicConstraints=critical,CA:FALSE",
                  "-addext", f"extendedKeyUsage={usage}", cwd=Path(work))
         pem = (Path(work) / "leaf.key").read_bytes() + (Path(work) / "leaf.pem").read_bytes()
     _write_private(path, pem)
     return pem
+
+
+def nats_route_pem(directory: str | Path, hosts: list[str]) -> bytes:
+    """Key and certificate the servers of a NATS cluster present to each other on their routes
+    (mutual TLS, `cluster { tls { verify: true } }`), signed by a CA of their own (NATS_ROUTE_CA):
+    with the run's CA a service's client certificate would join the cluster as a route, beneath
+    every subject permission, and a route's certificate would call gRPC as a service. `hosts`: the
+    names the servers reach each other by (the StatefulSet's pods under the headless Service)."""
+    root = Path(directory)
+    _ensure_ca(root, NATS_ROUTE_CA, "rlfleet NATS route CA")
+    return identity_pem(root, NATS_ROUTE_IDENTITY, ca=NATS_ROUTE_CA, hosts=hosts)
 
 
 def split_pem(pem: bytes) -> tuple[bytes, bytes]:
