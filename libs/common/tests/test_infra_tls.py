@@ -131,6 +131,10 @@ async def test_pooled_redis_connections_share_one_context_that_trusts_only_the_r
         assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
         run_ca = ssl.PEM_cert_to_DER_cert(security.local_credentials().ca.decode())
         assert context.get_ca_certs(binary_form=True) == [run_ca]  # not the system bundle too
+        # One DriverInfo for the pool: redis-py would look its own version up per connection.
+        assert len({id(c.driver_info) for c in connections}) == 1
+        assert connections[0].driver_info.formatted_name == "redis-py"
+        assert connections[0].driver_info.lib_version == redis.__version__
     finally:
         await client.aclose()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ssl
 import threading
 from collections.abc import Iterable, Mapping
@@ -11,6 +12,7 @@ from urllib.parse import urlparse
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.driver_info import DriverInfo
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -34,8 +36,11 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
                                      socket_timeout=max(config.connect_timeout_s, 10.0), decode_responses=False,
                                      retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError],
                                      **tls_options(url))
+    pool = client.connection_pool
+    # What every new pooled connection announces (CLIENT SETINFO): made once. Left to redis-py, each
+    # connection of a growing pool looks the version up with importlib.metadata, a scan of sys.path.
+    pool.connection_kwargs["driver_info"] = _driver_info()
     if urlparse(url).scheme == "rediss":
-        pool = client.connection_pool
         pool.connection_class = SharedContextSSLConnection
         pool.connection_kwargs["shared_context"] = _shared_context(pool.connection_kwargs)
     try:
@@ -73,6 +78,11 @@ class SharedContextSSLConnection(aioredis.SSLConnection):
     def __init__(self, *, shared_context: ssl.SSLContext, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ssl_context.context = shared_context  # RedisSSLContext.get() returns it as built
+
+
+@functools.cache
+def _driver_info() -> DriverInfo:
+    return DriverInfo()
 
 
 _contexts: dict[tuple[str, str], ssl.SSLContext] = {}
