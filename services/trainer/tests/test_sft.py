@@ -50,8 +50,13 @@ def test_sft_lowers_the_loss_on_its_demonstrations(model_dir, tmp_path):
     lines = [json.dumps({"messages": conversation(a, b)}) for a in range(3) for b in range(3)]
     lines.append(json.dumps({"token_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1]}))
     data.write_text("\n".join(lines) + "\n")
-    metrics = run_sft(str(model_dir), str(data), str(tmp_path / "out"), epochs=4, lr=1e-2, batch_size=4, seed=0)
+    progress = []
+    metrics = run_sft(str(model_dir), str(data), str(tmp_path / "out"), epochs=4, lr=1e-2, batch_size=4, seed=0,
+                      progress=progress.append)
     assert metrics["samples"] == 10 and metrics["steps"] == 12
+    # 12 steps: a record at every step (a tenth of them rounds up to one), each epoch's last one among them.
+    assert [r["step"] for r in progress] == list(range(1, 13)) and progress[-1]["epoch"] == 4
+    assert all(r["steps"] == 12 and r["epochs"] == 4 for r in progress)
     assert metrics["eval_loss_after"] < 0.7 * metrics["eval_loss_before"], metrics
     assert metrics["epoch_losses"][-1] < metrics["epoch_losses"][0]
     assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
@@ -117,3 +122,21 @@ def test_sft_with_lora_trains_an_adapter_and_saves_it_beside_the_merged_model(mo
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[q], base[q])  # the adapter merged in
     assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not a target
+
+
+def test_scoring_only_the_first_demonstrations_leaves_the_trained_weights_unchanged(model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from rlfleet.trainer import sft
+
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps({"messages": conversation(a, b)}) + "\n" for a in range(3) for b in range(3)))
+    runs = {}
+    for cap in (2, 100):
+        monkeypatch.setattr(sft, "EVAL_SAMPLES", cap)
+        runs[cap] = run_sft(str(model_dir), str(data), str(tmp_path / f"out-{cap}"), epochs=1, lr=1e-2,
+                            batch_size=4, seed=0)
+    assert runs[2]["eval_loss_before"] != runs[100]["eval_loss_before"]  # scored on other samples
+    trained = [load_file(str(tmp_path / f"out-{cap}" / "model.safetensors")) for cap in (2, 100)]
+    assert trained[0].keys() == trained[1].keys()
+    assert all(torch.equal(trained[0][name], trained[1][name]) for name in trained[0])

@@ -73,13 +73,31 @@ def cache_key(model: ModelSpec, warm: WarmStartConfig, system_prompt: bool, suit
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def _run(cmd: list[str], log: Path, what: str, threads: int) -> None:
+def _run(cmd: list[str], log: Path, what: str, threads: int, say=None) -> None:
+    """Runs a build step into `log`; with `say`, the step's progress lines (`{"progress": ...}`, the
+    SFT's) are told as they come, so a long warm start shows how far it is."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RLFLEET_TORCH_THREADS": str(threads)}
-    with open(log, "ab") as out:
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    with open(log, "ab") as out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                   env=env) as child:
+        assert child.stdout is not None
+        for line in child.stdout:
+            out.write(line)
+            out.flush()
+            if say is not None and line.startswith(b'{"progress"'):
+                say(f"base policy: {_progress_line(line)}")
+        code = child.wait()
     if code != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         raise StartupError(f"{what} failed (exit {code}): {' | '.join(tail)} (see {log})")
+
+
+def _progress_line(line: bytes) -> str:
+    try:
+        record = json.loads(line)["progress"]
+        return (f"SFT epoch {record['epoch']}/{record['epochs']}, step {record['step']}/{record['steps']}, "
+                f"loss {record['loss']:.3f}, {record['elapsed_s']:.0f} s")
+    except (ValueError, KeyError, TypeError):
+        return line.decode(errors="replace").strip()
 
 
 def build_model_command(out: Path, seed: int, suite: str = "calc") -> list[str]:
@@ -130,7 +148,7 @@ def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig
         _run([sys.executable, "-m", "rlfleet.trainer.sft", "--model-dir", str(initial), "--data", str(data),
               "--out", str(policy), "--epochs", str(warm.epochs), "--lr", str(warm.lr),
               "--batch-size", str(warm.batch_size), "--seed", str(model.seed)],
-             log, "the SFT warm start", warm.torch_threads)
+             log, "the SFT warm start", warm.torch_threads, say=say)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                      "generation_config.json"):
             if (initial / name).exists() and not (policy / name).exists():
