@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nats
-from nats.errors import TimeoutError as NatsTimeout
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.processes import ServiceProcess, free_port
@@ -110,7 +109,7 @@ async def read_trajectories(nats_url: str, run_id: str, wait_s: float = 1.0) -> 
         while True:
             try:
                 batch = await subscription.fetch(256, timeout=wait_s)
-            except NatsTimeout:
+            except TimeoutError:  # nats-py 2.16 also raises the bare one when its deadline passed early
                 break
             for message in batch:
                 found.append(common_pb2.Trajectory.FromString(message.data))
