@@ -33,7 +33,9 @@ command -v tini >/dev/null 2>&1 || missing+=(tini)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 # Mooncake's TransferEngine (peer-to-peer weight transfer) links libibverbs even when it speaks tcp.
-ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
+# Not `grep -q`: it exits at the first match, ldconfig dies of SIGPIPE, and pipefail reads that as
+# "missing" (an apt-get on every make call).
+ldconfig -p 2>/dev/null | grep 'libibverbs\.so\.1 ' >/dev/null || missing+=(libibverbs1)
 command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
 if [ ${#missing[@]} -gt 0 ]; then
