@@ -50,13 +50,15 @@ trainer service run (`rlfleet.broker.transports`, `rlfleet.weights.p2p` / `tenso
               (`rlfleet.trainer.weight_sender.WeightSender`) asks a weight-broker process for a plan
               (StartTrainerSync), writes the buckets into a second CPU engine's staging beside the
               store write, and reports (FinishTrainerSync); the broker has the engine verify by
-              checksum and flip. Its own line breaks the time down: plan / transfer / store wait /
-              finish (verify + flip)
+              checksum and flip, then the store write's end is confirmed (ConfirmTrainerSync). Its
+              own line breaks the time down: plan / transfer / finish (verify + flip) / store wait
 
 For each: `e2e` = from the trainer holding the new version (the optimizer step done) to the engine
-answering that it serves it, including the store write: before the load for the disk paths, beside
-the transfer for the direct ones (as the trainer service does: the flip waits for the write; its
-time shown as `store write`);
+answering that it serves it. The disk paths include the store write (before the load). The direct
+ones run the store write beside the transfer, as the trainer service does, and flip the version in
+as soon as it arrived and passed its checksums, before the write is done (the broker's default
+`sync.flip_before_stored`): the write competes for the same cores but is not waited for (its time
+shown as `store write`; `--flip-after-stored` waits for it before the flip, the old order);
 `pause` = the engine's own pause (its reply's `pause_s`; the full reload is timed around the whole
 paused load); `moved` = bytes that travelled to the engine for this update.
 
@@ -302,7 +304,8 @@ class TransportRow:
     store_write_ms: float  # this version's store write (its own for the disk paths; the delta write otherwise)
 
 
-async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | None = None) -> list[TransportRow]:
+async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | None = None,
+                         flip_after_stored: bool = False) -> list[TransportRow]:
     import torch
 
     from rlfleet.broker.pools import EngineRef, Pools
@@ -347,7 +350,8 @@ async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | No
         assert first.ok, first.message
         sent = None
         if infra is not None:
-            sent = await asyncio.to_thread(TrainerSent, name, model_dir, workdir, infra, trainer.model.state_dict())
+            sent = await asyncio.to_thread(TrainerSent, name, model_dir, workdir, infra, trainer.model.state_dict(),
+                                           flip_after_stored)
             stack.append(sent)
         endpoint = Endpoint.from_json(await pools.client(engine).transfer_engine_info(0))
         for version in range(1, steps + 1):
@@ -378,53 +382,69 @@ async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | No
             row("disk_delta", time.perf_counter() - started, d.pause_s, d.bytes, write_delta)
             # The direct transports, as the trainer service sends (`weight_send.beside_store`): the
             # transfer into the engine's staging and this version's store write (each transport its
-            # own store, so each writes the version once) side by side; the flip once both are done.
+            # own store, so each writes the version once) side by side; the flip as soon as the
+            # transfer passed its checksums (`sync.flip_before_stored`), or after the write too.
             def beside(transport: str, version: int = version, state: dict = state) -> asyncio.Task:
                 return asyncio.create_task(asyncio.to_thread(timed, beside_stores[transport].write_version,
                                                              version, state))
 
-            # broadcast: staged on the engine (update_weights_from_distributed?staged=1), then flipped in
-            started = time.perf_counter()
-            writing = beside("broadcast")
-            named = served_named(state)
-            sums = tensor_checksums(named)
-            received = await broadcast_update(pools, engine, named, sums, version)
-            write_s = await writing
-            outcome = await staged_flip.commit(engine, version, sums, "sha256", received.bytes)
-            assert outcome.ok, outcome.message
-            row("broadcast", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
-            # p2p
-            started = time.perf_counter()
-            writing = beside("p2p")
-            named = served_named(state)
-            sums = tensor_checksums(named)
-            by_name = dict(named)
-            report = await asyncio.to_thread(p2p.send, {n: by_name[n] for n in endpoint.tensors}, endpoint)
-            write_s = await writing
-            outcome = await peer.commit(engine, version, sums, "sha256", report.bytes_sent)
-            assert outcome.ok, outcome.message
-            row("p2p", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
-            # tensor
-            started = time.perf_counter()
-            writing = beside("tensor")
-            named = served_named(state)
-            sums = tensor_checksums(named)
-            shared = await asyncio.to_thread(SharedTensors, named)
-            write_s = await writing
-            outcome = await tensor.update(engine, version, [shared.payload], sums, nbytes(named))
-            shared.close()
-            assert outcome.ok, outcome.message
-            row("tensor", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
+            async def direct(transport: str, transfer, flip) -> None:
+                """`transfer()` beside the store write, then `flip(transfer's result)`: one row."""
+                started = time.perf_counter()
+                writing = beside(transport)
+                sent = await transfer()
+                if flip_after_stored:
+                    await asyncio.shield(writing)
+                outcome = await flip(sent)
+                e2e = time.perf_counter() - started
+                assert outcome.ok, outcome.message
+                row(transport, e2e, outcome.pause_s, outcome.bytes, await writing)
+
+            async def broadcast_transfer(state: dict = state, version: int = version):
+                named = served_named(state)
+                sums = tensor_checksums(named)
+                return sums, await broadcast_update(pools, engine, named, sums, version)
+
+            async def broadcast_flip(sent, version: int = version):  # staged on the engine, flipped in here
+                sums, received = sent
+                return await staged_flip.commit(engine, version, sums, "sha256", received.bytes)
+
+            async def p2p_transfer(state: dict = state):
+                named = served_named(state)
+                sums = tensor_checksums(named)
+                by_name = dict(named)
+                return sums, await asyncio.to_thread(p2p.send, {n: by_name[n] for n in endpoint.tensors}, endpoint)
+
+            async def p2p_flip(sent, version: int = version):
+                sums, report = sent
+                return await peer.commit(engine, version, sums, "sha256", report.bytes_sent)
+
+            async def tensor_transfer(state: dict = state):
+                named = served_named(state)
+                return named, tensor_checksums(named), await asyncio.to_thread(SharedTensors, named)
+
+            async def tensor_flip(sent, version: int = version):
+                named, sums, shared = sent
+                try:
+                    return await tensor.update(engine, version, [shared.payload], sums, nbytes(named))
+                finally:
+                    shared.close()
+
+            await direct("broadcast", broadcast_transfer, broadcast_flip)
+            await direct("p2p", p2p_transfer, p2p_flip)
+            await direct("tensor", tensor_transfer, tensor_flip)
             if sent is not None:
                 # p2p_trainer: the trainer service's sender, the broker's plan, the store write beside it
                 started = time.perf_counter()
                 summary, write_s = await asyncio.to_thread(sent.send, version, state)
                 (outcome,) = summary.outcomes
                 assert outcome.ok and outcome.transport == sent.P2P, outcome
-                row("p2p_trainer", time.perf_counter() - started, outcome.pause_s, outcome.bytes, write_s)
+                row("p2p_trainer", summary.serving_s, outcome.pause_s, outcome.bytes, write_s)
                 print(f"{'':>22}p2p_trainer: plan {1000 * summary.plan_s:.1f} ms, transfer {1000 * summary.transfer_s:.1f}"
-                      f" ms, store wait {1000 * summary.store_wait_s:.1f} ms, finish (verify + flip) "
-                      f"{1000 * summary.finish_s:.1f} ms; sent {summary.bytes.get('p2p', 0) / 2**20:.2f} MB", flush=True)
+                      f" ms, finish (verify + flip) {1000 * summary.finish_s:.1f} ms, store wait "
+                      f"{1000 * summary.store_wait_s:.1f} ms, confirm {1000 * summary.confirm_s:.1f} ms; "
+                      f"whole send {1000 * (time.perf_counter() - started):.1f} ms; "
+                      f"sent {summary.bytes.get('p2p', 0) / 2**20:.2f} MB", flush=True)
             del state
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
@@ -461,7 +481,8 @@ class TrainerSent:
     run (`sync.transport p2p`), and the trainer service's `WeightSender` with the store write beside
     the send, as `VersionPublisher` runs it (`weight_send.beside_store`)."""
 
-    def __init__(self, name: str, model_dir: Path, workdir: Path, infra: Infra, state: dict) -> None:
+    def __init__(self, name: str, model_dir: Path, workdir: Path, infra: Infra, state: dict,
+                 flip_after_stored: bool = False) -> None:
         from rlfleet.api.broker.v1 import broker_pb2
         from rlfleet.broker.testing import BrokerProcess
         from rlfleet.engine.testing import EngineProcess
@@ -481,7 +502,8 @@ class TrainerSent:
                 workdir / f"broker-{name}", run_id=self.run, weight_store=str(workdir / "store"), auto_promote=True,
                 engines=[{"engine_id": "sent", "url": self.engine.url, "pool": "canary", "kind": "cpu"}],
                 reconcile_interval_s=3600,  # every version comes from the trainer here, none from the store
-                **{"nats.url": infra.nats_url, "redis.url": infra.redis_url, "sync.transport": "p2p"}).start(120.0)
+                **{"nats.url": infra.nats_url, "redis.url": infra.redis_url, "sync.transport": "p2p",
+                   "sync.flip_before_stored": not flip_after_stored}).start(120.0)
             self.sender = WeightSender(WeightSendConfig(broker_address=self.broker.address, timeout_s=600.0))
         except BaseException:
             self.close()
@@ -598,6 +620,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="default,25M,100M", help="model sizes with --transports")
     parser.add_argument("--no-trainer-sent", action="store_true",
                         help="with --transports: leave out p2p_trainer (no broker, NATS or Redis started)")
+    parser.add_argument("--flip-after-stored", action="store_true",
+                        help="with --transports: direct transports flip only once the store write beside them "
+                             "is done (the broker's sync.flip_before_stored = false)")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -611,7 +636,8 @@ def main() -> None:
             infra, servers = start_infra(Path(tmp)) if not args.no_trainer_sent else (None, [])
             try:
                 for name in args.sizes.split(","):
-                    trows += asyncio.run(run_transports(name, args.transport_steps, Path(tmp), infra))
+                    trows += asyncio.run(run_transports(name, args.transport_steps, Path(tmp), infra,
+                                                        args.flip_after_stored))
             finally:
                 for server in servers:
                     server.stop()

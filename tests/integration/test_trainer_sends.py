@@ -17,13 +17,13 @@ import grpc
 import pytest
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
-from rlfleet.broker.testing import BrokerProcess
+from rlfleet.broker.testing import BrokerProcess, policy_version
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.grpc_server import channel as open_channel
 from rlfleet.common.processes import eventually
 from rlfleet.common.streams import connect_nats, ensure_streams
 from rlfleet.common.testing import unique_run_id
-from rlfleet.engine.testing import assert_engine_serves
+from rlfleet.engine.testing import assert_engine_serves, to_served
 from rlfleet.engine.testing import http_call as call
 from rlfleet.trainer.testing import TrainerProcess, publish_trajectories, trajectory_protos, write_tiny_model
 from rlfleet.weights import DirectoryWeightStore
@@ -285,7 +285,6 @@ class DiesPartWay:
 async def test_a_p2p_transfer_that_dies_part_way_is_refused_and_the_engine_loads_the_version_from_the_store(
     engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes
 ):
-    from rlfleet.broker.testing import policy_version
     from rlfleet.engine.testing import StoreTrainer
     from rlfleet.trainer.service_config import WeightSendConfig
 
@@ -315,13 +314,13 @@ async def test_a_p2p_transfer_that_dies_part_way_is_refused_and_the_engine_loads
     assert reported["c0"].policy_version == manifest["version"] and reported["c0"].transport == broker_pb2.TRANSPORT_P2P
 
 
-def send_beside_store(sender, trainer, store_fails: str = ""):
+def send_beside_store(sender, trainer, store_fails: str = "", write_after: threading.Event | None = None):
     """What the trainer service does (`weight_send.beside_store`): the send starts with only the version's
-    number while the store write runs; the write's outcome (the stored version, or its error) follows."""
+    number while the store write runs; the write's outcome (the stored version, or its error) follows.
+    With `write_after`, the write waits for that event."""
     from concurrent.futures import Future
 
     from rlfleet.api.common.v1 import common_pb2
-    from rlfleet.broker.testing import policy_version
 
     stored: Future = Future()
     version = trainer.version + 1
@@ -329,6 +328,8 @@ def send_beside_store(sender, trainer, store_fails: str = ""):
                                        parent_version=version - 1)  # fmt: skip
 
     def write() -> None:
+        if write_after is not None:
+            write_after.wait(120)
         if store_fails:
             stored.set_exception(OSError(store_fails))
             return
@@ -404,19 +405,72 @@ async def test_a_p2p_write_that_fails_beside_the_store_write_falls_back_to_the_s
     assert reported["c0"].last_transport in (broker_pb2.TRANSPORT_DISK_FULL, broker_pb2.TRANSPORT_DISK_DELTA)
 
 
-async def test_a_failed_store_write_beside_the_send_rejects_the_version_and_no_engine_serves_it(
+async def test_with_flip_before_stored_the_engines_serve_a_version_while_its_store_write_still_runs(
     engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes
+):
+    from rlfleet.engine.testing import StoreTrainer
+    from rlfleet.trainer.service_config import WeightSendConfig
+    from rlfleet.trainer.weight_sender import WeightSender
+
+    run = unique_run_id("tsb4")
+    store = DirectoryWeightStore(store_root, run)
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
+    trainer = StoreTrainer(model_dir, store)
+    for _ in range(2):
+        trainer.publish()
+        trainer.step()
+    write_after = threading.Event()
+    sender = WeightSender(WeightSendConfig(broker_address=broker.address))
+    try:
+        sending = asyncio.create_task(asyncio.to_thread(send_beside_store, sender, trainer, "", write_after))
+
+        trainers = to_served(trainer.model.state_dict())
+
+        async def both_on_3() -> bool:  # by their weights: the engines served a version 3 of another run before
+            for name in engines:
+                try:
+                    await assert_engine_serves(engines[name].url, trainers)
+                except AssertionError:
+                    return False
+            return all([await weight_version(engines[n].url) == "3" for n in engines])
+
+        await eventually(both_on_3, 60.0, message="both engines serve version 3 before it is stored")
+        assert store.latest_version() == 2, "the store write has not run yet"
+        assert (await status(broker)).canary_version == 3
+        write_after.set()
+        version, summary = await sending
+    finally:
+        write_after.set()
+        sender.close()
+    assert version == 3 and summary.ok and not summary.reverted and summary.serving_s < summary.seconds
+    assert {o.engine_id for o in summary.outcomes if o.transport == broker_pb2.TRANSPORT_P2P} == {"c0", "f0"}
+    await both_serve(engines, 3, store)  # what they took before the write is the store's version, bit for bit
+    async with open_channel(broker.address) as channel:
+        listed = await broker_pb2_grpc.BrokerServiceStub(channel).ListVersions(broker_pb2.ListVersionsRequest())
+    (record,) = [r for r in listed.versions if r.version.version == 3]
+    assert record.state == broker_pb2.VERSION_STATE_ACCEPTED and record.version.uri, record  # completed by the confirm
+
+
+@pytest.mark.parametrize("flip_before_stored", [False, True])
+async def test_a_failed_store_write_beside_the_send_rejects_the_version_and_no_engine_keeps_serving_it(
+    engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes, flip_before_stored
 ):
     from rlfleet.engine.testing import StoreTrainer
     from rlfleet.trainer.service_config import WeightSendConfig
 
     run = unique_run_id("tss")
     store = DirectoryWeightStore(store_root, run)
-    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p",
+                          **{"sync.flip_before_stored": flip_before_stored, "sync.trainer_wait_s": 0.5})
     trainer = StoreTrainer(model_dir, store)
     for _ in range(3):
-        trainer.publish()
+        manifest = trainer.publish()
         trainer.step()
+    for name in engines:  # the engines are shared with other runs: no label of theirs may pass for this one's
+        await call(engines[name].url, "/update_weight_version", {"new_version": f"before-{run}"})
+    async with open_channel(broker.address) as channel:  # version 3 by the store: what the pools fall back to
+        await broker_pb2_grpc.BrokerServiceStub(channel).PublishVersion(policy_version(manifest))
+    await both_serve(engines, 3, store)
     before = {n: await weight_version(engines[n].url) for n in engines}
     sender = WeightSendConfig(broker_address=broker.address)
     from rlfleet.trainer.weight_sender import WeightSender
@@ -428,10 +482,14 @@ async def test_a_failed_store_write_beside_the_send_rejects_the_version_and_no_e
         sender.close()
     assert version == 4 and store.latest_version() == 3
     assert {o.engine_id for o in summary.outcomes} == {"c0", "f0"}
-    for outcome in summary.outcomes:  # both were written over P2P, and neither flipped it in
-        assert not outcome.ok and "version rejected" in outcome.message and "No space left" in outcome.message
     assert summary.bytes.get("p2p", 0) > 0
-    assert {n: await weight_version(engines[n].url) for n in engines} == before
+    if flip_before_stored:  # both flipped it in at once, then were sent back to version 3 from the store
+        assert all(o.ok for o in summary.outcomes) and sorted(summary.reverted) == ["c0", "f0"], summary
+        await both_serve(engines, 3, store)
+    else:
+        for outcome in summary.outcomes:  # both were written over P2P, and neither flipped it in
+            assert not outcome.ok and "version rejected" in outcome.message and "No space left" in outcome.message
+        assert {n: await weight_version(engines[n].url) for n in engines} == before
     async with open_channel(broker.address) as channel:
         listed = await broker_pb2_grpc.BrokerServiceStub(channel).ListVersions(broker_pb2.ListVersionsRequest())
     (record,) = [r for r in listed.versions if r.version.version == version]
@@ -469,7 +527,6 @@ async def test_a_corrupted_broadcast_is_refused_from_staging_and_the_engines_loa
 
 async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root, tmp_path, nats_url, redis_url,
                                                             processes, model_dir):
-    from rlfleet.broker.testing import policy_version
     from rlfleet.engine.testing import StoreTrainer
 
     run = unique_run_id("tsb")
@@ -492,3 +549,6 @@ async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root,
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.FinishTrainerSync(broker_pb2.FinishTrainerSyncRequest(sync_id="nope"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ConfirmTrainerSync(broker_pb2.ConfirmTrainerSyncRequest(sync_id="nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "awaits its store write" in err.value.details()

@@ -54,6 +54,7 @@ ROUTES: dict[str, tuple[str, str, str | None]] = {
 RLFLEET_ROUTES: dict[str, tuple[str, str, str | None]] = {
     "update_weights_from_store": ("POST", "/rlfleet/update_weights_from_store", None),
     "update_weights_from_staging": ("POST", "/rlfleet/update_weights_from_staging", None),
+    "adopt_store_version": ("POST", "/rlfleet/adopt_store_version", None),
 }
 STORE_KINDS = ("delta", "full")
 # Routes that a server started with `--admin-api-key` guards (the key goes as `Authorization: Bearer`).
@@ -160,6 +161,12 @@ def update_weights_from_staging(checksums: dict[str, str], checksum_algorithm: s
     if model_path:
         body["model_path"] = model_path
     return body
+
+
+def adopt_store_version(model_path: str, *, weight_version: str) -> dict[str, Any]:
+    """The CPU engine's own: it serves `weight_version`, flipped in from a transfer before the store had
+    it; the store's copy is `model_path` now, and the engine holds it when the checksums agree."""
+    return {"model_path": model_path, "weight_version": weight_version}
 
 
 def sample_bodies() -> list[tuple[str, str | None, dict[str, Any]]]:

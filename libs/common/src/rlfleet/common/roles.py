@@ -47,7 +47,8 @@ RULES: dict[str, frozenset[str]] = {
                Promote=ADMIN, Rollback=ADMIN, StartDistributedSync=frozenset({OPERATOR, "service:trainer"}),
                # The trainer sending weights itself: the broker plans, the trainer sends and reports.
                StartTrainerSync=frozenset({OPERATOR, "service:trainer"}),
-               FinishTrainerSync=frozenset({OPERATOR, "service:trainer"})),
+               FinishTrainerSync=frozenset({OPERATOR, "service:trainer"}),
+               ConfirmTrainerSync=frozenset({OPERATOR, "service:trainer"})),
     **_service("rlfleet.trainer.v1.TrainerService",
                GetStatus=ADMIN, Checkpoint=ADMIN, Pause=ADMIN, Resume=ADMIN),
     # Starting and stopping a run is the operator's; services may look at it.

@@ -73,6 +73,7 @@ HEALTH_TIMEOUT_S = 20.0
 ENGINE_VERSION = f"rlfleet-cpu-engine (SGLang {SGLANG_VERSION} API)"
 STORE_ROUTE = RLFLEET_ROUTES["update_weights_from_store"][1]  # rlfleet-only: SGLang has no such route
 STAGING_ROUTE = RLFLEET_ROUTES["update_weights_from_staging"][1]  # rlfleet-only: P2P staging -> model
+ADOPT_ROUTE = RLFLEET_ROUTES["adopt_store_version"][1]  # rlfleet-only: the store's copy of a sent version
 STAGING_SOURCES = ("p2p", "distributed")  # what update_weights_from_staging flips in
 SERVICE_NAME = "rlfleet-cpu-engine"
 
@@ -104,6 +105,7 @@ TRACED_ROUTES = frozenset(
         "/update_weights_from_tensor",
         STORE_ROUTE,
         STAGING_ROUTE,
+        ADOPT_ROUTE,
     }
 )
 # SGLang's auth levels (sglang.srt.utils.auth) of the routes served here that are not NORMAL: with
@@ -126,6 +128,7 @@ ADMIN_ROUTES = frozenset(
         "/remote_instance_transfer_engine_info",
         STORE_ROUTE,
         STAGING_ROUTE,
+        ADOPT_ROUTE,
     }
 )
 
@@ -187,6 +190,7 @@ class EngineServer:
         app.router.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         app.router.add_get("/remote_instance_transfer_engine_info", self.remote_instance_transfer_engine_info)
         app.router.add_post(STAGING_ROUTE, self.update_weights_from_staging)
+        app.router.add_post(ADOPT_ROUTE, self.adopt_store_version)
         app.router.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
         app.router.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
         app.router.add_post("/load_lora_adapter", self.load_lora_adapter)
@@ -755,8 +759,30 @@ class EngineServer:
             except P2PError as exc:
                 return _weight_reply(False, f"staged weights refused: {exc}", mismatched=getattr(exc, "names", []))
             named = self.staging.named()
-            adopt = None if ref is None else (lambda: self.store.adopt_sent(ref, named, checksums, algorithm))
+            if ref is None:  # the store may not have it yet: kept, to be adopted once it has (adopt_store_version)
+                adopt = lambda: self.store.keep_sent(named, checksums, algorithm) or "not in the store yet"  # noqa: E731
+            else:
+                adopt = lambda: self.store.adopt_sent(ref, named, checksums, algorithm)  # noqa: E731
             return await self._swap(named, version, mode, adopt_store=adopt, bytes=self.staging.nbytes)
+
+    async def adopt_store_version(self, request: web.Request) -> web.Response:
+        """`{model_path, weight_version}`: the engine serves `weight_version`, flipped in from P2P staging
+        before the store had it; now that the store does, the engine holds that store version when the
+        checksums agree, so the next store update can be a delta. `success` false (200) says why not."""
+        body = await _body(request)
+        model_path, version = _optional_str(body, "model_path"), _optional_str(body, "weight_version")
+        if not model_path or not version:
+            return _error("adopt_store_version needs 'model_path' and 'weight_version'")
+        try:
+            ref = self.store.locate(model_path)
+        except StoreLoadError as exc:
+            return _error(f"adopt_store_version: {exc}")
+        async with self._weights_lock:
+            if self.scheduler.weight_version != version:
+                return _weight_reply(False, f"the engine serves {self.scheduler.weight_version!r}, not {version!r}")
+            why = await asyncio.to_thread(self.store.adopt, ref)
+        return _weight_reply(not why, why or f"holds store version {ref.version}",
+                             weight_store_version=self.store.held_version)
 
     async def _flip_broadcast(self, checksums: dict[str, str], algorithm: str, version: str | None,
                               mode: str) -> web.Response:

@@ -21,6 +21,8 @@ store load the fp32 weights are exactly the trainer's bf16 weights. Any other ki
 next store update must be a full one -- unless it was a trainer-sent version flipped in from
 staging whose checksums are the store's own for that version (`adopt_sent`): its bytes are then
 that store version's, and the next version can come as a delta (the fallback of a failed transfer).
+A version flipped in before the store had it is kept with its checksums (`keep_sent`) and adopted
+once the store has it (`adopt`, `POST /rlfleet/adopt_store_version`).
 
 Every failure before the swap leaves the weights and the weight version untouched and is reported
 as a `StoreLoadError` with the reason (400).
@@ -92,6 +94,15 @@ class PreparedDelta:
     def payload_bytes(self) -> int:
         return self.decoded.payload_bytes
 
+@dataclass(frozen=True)
+class SentCopy:
+    """A trainer-sent version's served bytes and the trainer's checksums of them."""
+
+    tensors: dict[str, torch.Tensor]
+    checksums: dict[str, str]
+    algorithm: str
+
+
 @dataclass
 class PreparedFull:
     ref: VersionRef
@@ -114,12 +125,13 @@ class StoreWeights:
         self.store_config = WeightStoreConfig(workers=workers)
         self.served: ServedTensors | None = None
         self.held: tuple[Path, int] | None = None  # (run dir, version) of the exact bytes served
+        self.sent: SentCopy | None = None  # a trainer-sent version's bytes, until the store's copy is adopted
         self._stores: dict[Path, DirectoryWeightStore] = {}
 
     # --- what is held ---------------------------------------------------------------------------
     def forget(self) -> None:
         """Another kind of update replaced the weights: no store version is held any more."""
-        self.served, self.held = None, None
+        self.served, self.held, self.sent = None, None, None
 
     @property
     def held_version(self) -> int | None:
@@ -133,10 +145,25 @@ class StoreWeights:
     def adopt_sent(self, ref: VersionRef, named: list[tuple[str, torch.Tensor]], checksums: dict[str, str],
                    algorithm: str) -> str:
         """After a trainer-sent version was checked against the trainer's `checksums` and swapped in:
-        when the store's index of `ref` lists exactly these tensors with the same checksums (same
-        algorithm, dtype, shape), the bytes served are that store version's, and it becomes the held
-        version (a copy of `named`, the served bytes, is kept for the next delta). Returns "" when
-        adopted, else why not (the engine then holds no store version)."""
+        `keep_sent`, then `adopt(ref)` at once. Returns "" when adopted, else why not."""
+        self.keep_sent(named, checksums, algorithm)
+        return self.adopt(ref)
+
+    def keep_sent(self, named: list[tuple[str, torch.Tensor]], checksums: dict[str, str], algorithm: str) -> None:
+        """After a trainer-sent version was checked against the trainer's `checksums` and swapped in: a
+        copy of its served bytes (`named`, which the next transfer overwrites) and the checksums, for
+        `adopt` once the store has the version. The engine holds no store version meanwhile."""
+        self.forget()
+        self.sent = SentCopy({name: t.detach().contiguous().clone() for name, t in named}, dict(checksums), algorithm)
+
+    def adopt(self, ref: VersionRef) -> str:
+        """When the store's index of `ref` lists exactly the kept sent tensors with the same checksums
+        (same algorithm, dtype, shape), the bytes served are that store version's, and it becomes the
+        held version (the copy is kept for the next delta). Returns "" when adopted, else why not (the
+        engine then holds no store version)."""
+        if self.sent is None:
+            return "no trainer-sent version is kept to adopt (another update came after it)"
+        sent, checksums, algorithm = self.sent.tensors, self.sent.checksums, self.sent.algorithm
         self.forget()
         try:
             index = ref.store.index(ref.version)
@@ -146,7 +173,6 @@ class StoreWeights:
             return f"version {ref.version} is an adapter version"
         if index.checksum != algorithm:
             return f"the store hashed version {ref.version} with {index.checksum}, the trainer with {algorithm}"
-        sent = dict(named)
         entries = {e.name: e for e in index.tensors}
         if set(entries) - set(sent) or set(sent) - set(entries) - set(index.aliases):
             return f"the store's version {ref.version} and the sent version name different tensors"

@@ -13,8 +13,11 @@ While the version is written to the weight store (catch-up, audit, rollback; `be
 * tensor: puts the tensors in shared memory and hands the handles over in the completion report,
   keeping the memory alive until the broker answers (the engines have copied by then);
 
-then waits for the store write and reports what went through with the stored version (or the
-write's error: the broker then rejects the version and flips nothing in). Checksums of every tensor go in the request, so each engine's
+then reports what went through. When the plan says `flip_before_stored` (the broker's default) it
+reports at once and the engines flip the version in while the store write goes on; the write's end
+follows in ConfirmTrainerSync (a failed write: the broker rejects the version and sends those
+engines back). Otherwise it first waits for the write and reports the stored version with the rest
+(a failed write: the broker rejects the version and flips nothing in). Checksums of every tensor go in the request, so each engine's
 transfer is verified whatever the transport. A send that fails is logged and reported; training
 never stops for it (the engines catch up from the store).
 """
@@ -48,7 +51,10 @@ class SendSummary:
     plan_s: float = 0.0  # StartTrainerSync
     transfer_s: float = 0.0  # every transfer, side by side
     finish_s: float = 0.0  # FinishTrainerSync: the engines verified and swapped
-    store_wait_s: float = 0.0  # after the transfers, until the store write beside them was done
+    serving_s: float = 0.0  # from the start until FinishTrainerSync answered: the engines serve it
+    store_wait_s: float = 0.0  # after the transfers (or the flip), until the store write beside them was done
+    confirm_s: float = 0.0  # ConfirmTrainerSync, when the engines flipped it in before it was stored
+    reverted: list[str] = field(default_factory=list)  # engines sent back: the store write failed after the flip
     bytes: dict[str, int] = field(default_factory=dict)  # transport -> bytes sent (all engines)
     outcomes: list[Any] = field(default_factory=list)  # EngineSyncOutcome
     error: str = ""
@@ -80,7 +86,8 @@ class WeightSender:
 
         With `stored`, the store write runs beside the send: `version` need only carry its number, and
         `stored` resolves to the version as the store holds it (or raises the write's error), which
-        goes in the report; the broker flips nothing in before it. With `shards`, the P2P writes are
+        goes in the report, or (the plan's flip_before_stored) in the confirmation that follows the
+        flip. With `shards`, the P2P writes are
         every rank's own: `shards(plan peers, bucket bytes)` returns one PeerResult per peer."""
         from rlfleet.weights.sent import served_named, tensor_checksums
 
@@ -117,23 +124,45 @@ class WeightSender:
         except Exception as exc:  # whatever broke, the broker must hear of it to release the engines
             log.exception("sending version %d failed", version.version)
             summary.error = finish.error = f"{type(exc).__name__}: {exc}"
-        if stored is not None:
-            waiting = time.perf_counter()
-            try:
-                finish.stored.CopyFrom(stored.result(self.config.timeout_s))
-            except Exception as exc:  # the write failed (or never finished): the broker rejects the version
-                finish.store_error = f"{type(exc).__name__}: {exc}"
-            summary.store_wait_s = time.perf_counter() - waiting
+        flip_first = stored is not None and plan.flip_before_stored
+        if stored is not None and not flip_first:
+            self._wait_stored(stored, finish, summary)
+        finish.store_follows = flip_first
         try:
             finishing = time.perf_counter()
             reply = self._stub.FinishTrainerSync(finish, timeout=self.config.timeout_s)
             summary.finish_s = time.perf_counter() - finishing
+            summary.serving_s = time.perf_counter() - started
             summary.outcomes = list(reply.outcomes)
         finally:
             if shared is not None:
                 shared.close()
+        if flip_first:
+            assert stored is not None
+            self._confirm(plan.sync_id, stored, summary)
         summary.seconds = time.perf_counter() - started
         return summary
+
+    def _wait_stored(self, stored: Future[common_pb2.PolicyVersion], report: Any, summary: SendSummary) -> None:
+        """The store write's end into `report` (a Finish- or ConfirmTrainerSyncRequest): the stored
+        version, or why the write failed (or never finished), for which the broker rejects the version."""
+        waiting = time.perf_counter()
+        try:
+            report.stored.CopyFrom(stored.result(self.config.timeout_s))
+        except Exception as exc:
+            report.store_error = f"{type(exc).__name__}: {exc}"
+        summary.store_wait_s = time.perf_counter() - waiting
+
+    def _confirm(self, sync_id: str, stored: Future[common_pb2.PolicyVersion], summary: SendSummary) -> None:
+        confirm = broker_pb2.ConfirmTrainerSyncRequest(sync_id=sync_id)
+        self._wait_stored(stored, confirm, summary)
+        confirming = time.perf_counter()
+        reply = self._stub.ConfirmTrainerSync(confirm, timeout=self.config.timeout_s)
+        summary.confirm_s = time.perf_counter() - confirming
+        summary.reverted = list(reply.reverted_engine_ids)
+        if summary.reverted:
+            log.error("version %d: the store write failed after %s flipped it in (%s); the broker sends them back",
+                      summary.version, summary.reverted, confirm.store_error)  # fmt: skip
 
     def _plan_request(self, version, named, checksums) -> broker_pb2.StartTrainerSyncRequest:
         on_gpu = any(t.is_cuda for _, t in named)

@@ -160,6 +160,14 @@ class Broker:
                 targets = await self.registry.targets()
                 await self.registry.set_targets(latest=max(version, targets.latest or version))
                 log.info("version %d announced", version)
+            elif not record.version.uri:  # provisional (served before the store had it): now it has
+                state = record.state
+                record.version.CopyFrom(pv)
+                record.version.run_id = self.config.run_id
+                record.version.uri = record.version.uri or self.store.uri(version)
+                record.state = state
+                await self.registry.put(record)
+                log.info("version %d, served before the store had it, is stored", version)
             # An adapter version always goes by the store (`/load_lora_adapter` names its directory; no
             # trainer sends adapters), so it is never left waiting `trainer_wait_s` for a trainer send.
             if not self._trainer_decides or self.adapters.is_adapter(version):
@@ -374,6 +382,31 @@ class Broker:
                 await self._accept(version, "auto_promote (sent to every pool)")
             return True
 
+    async def target_unstored(self, version: int) -> bool:
+        """A version the trainer sent and engines are about to flip in before the store has it, made
+        the target as `target_for_trainer` would (a provisional record, completed when it is
+        announced); False, and nothing recorded, when the sync policy would not take it."""
+        async with self._lock:
+            if await self.registry.get(version) is None:
+                targets = await self.registry.targets()
+                waiting = {**await self._waiting(targets), version: now_ms()}
+                if self.policy.decide(targets.last_synced, waiting, now_ms()).version != version:
+                    return False
+                await self.registry.put(broker_pb2.VersionRecord(
+                    version=common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1,
+                                                     run_id=self.config.run_id, version=version),
+                    state=State.VERSION_STATE_ANNOUNCED, announced_unix_ms=now_ms()))  # fmt: skip
+                await self.registry.set_targets(latest=max(version, targets.latest or version))
+            if await self._apply_policy(only=version) is None:
+                return False
+            if self.config.auto_promote:
+                await self._accept(version, "auto_promote (sent to every pool)")
+            return True
+
+    async def reject_served(self, version: int, reason: str) -> None:
+        """A version engines served that cannot stay (its store write failed): REJECTED, pools fall back."""
+        await self._reject(version, reason)
+
     async def reject_unstored(self, version: int, reason: str) -> None:
         """A version the trainer sent but the store never got (or refused): recorded REJECTED, never a target."""
         async with self._lock:
@@ -524,6 +557,8 @@ class Broker:
         current = parse_version(current_text)
         if current is not None and current == target and not await self._same_run(engine, current):
             current = None  # the same number, of another run's store
+        if target is not None and current != target and target in self.trainer_syncs.unstored:
+            return  # served straight from the trainer before the store has it: nothing to load yet
         if target is None or current == target:
             await self._record_engine(engine, SyncResult(engine.engine_id, target or -1, serving=current), target)
             if target is not None and engine.draining and (drained or new):

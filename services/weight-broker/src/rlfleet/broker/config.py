@@ -45,6 +45,12 @@ class SyncConfig(StrictModel):
         30.0, gt=0, description="with trainer-sent transports, a version announced this long ago that no "
         "trainer has started sending is synced from the store (a trainer not configured to send)")
     p2p_bucket_bytes: int = Field(64 << 20, ge=1 << 16, description="bytes per P2P write batch")
+    flip_before_stored: bool = Field(
+        True, description="with trainer-sent transports and the store write beside the send: engines flip a "
+        "version in as soon as it arrived and passed its checksums, before the store has it (the store "
+        "write then leaves the update's critical path); a write that fails afterwards rejects the version "
+        "and sends those engines back to their targets from the store. false: nothing is flipped in "
+        "before the store holds the version")
     every_n_versions: int = Field(
         1, ge=1, description="sync a version when it is at least this many versions past the last synced one"
     )

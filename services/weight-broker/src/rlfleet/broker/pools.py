@@ -86,6 +86,11 @@ class BrokerEngineClient(EngineClient):
                                                 pause_mode=pause_mode, source=source, model_path=model_path)
         return await self._weights("update_weights_from_staging", body)
 
+    async def adopt_store_version(self, model_path: str, *, weight_version: str) -> dict[str, Any]:
+        """CPU engine: it now holds the store's copy of the sent version it serves (checksums agreeing)."""
+        return await self._weights("adopt_store_version",
+                                   wire.adopt_store_version(model_path, weight_version=weight_version))
+
     async def discard_staged_broadcast(self) -> dict[str, Any]:
         return await self._weights("update_weights_from_staging", {"source": "distributed", "discard": True})
 

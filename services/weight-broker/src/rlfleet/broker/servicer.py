@@ -44,3 +44,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     ) -> broker_pb2.FinishTrainerSyncResponse:
         require_known_enums(request)
         return await self.broker.trainer_syncs.finish(request)
+
+    async def ConfirmTrainerSync(
+        self, request: broker_pb2.ConfirmTrainerSyncRequest, context
+    ) -> broker_pb2.ConfirmTrainerSyncResponse:
+        require_known_enums(request)
+        return await self.broker.trainer_syncs.confirm(request)

@@ -1,4 +1,4 @@
-"""Trainer-sent weights: the broker's half of StartTrainerSync / FinishTrainerSync.
+"""Trainer-sent weights: the broker's half of StartTrainerSync / FinishTrainerSync / ConfirmTrainerSync.
 
     trainer: store write starts ──StartTrainerSync(version, tensors + checksums, rendezvous,
              store_pending)──▶ broker
@@ -15,6 +15,14 @@
              verify staging by checksum and flip it in (the pause is a pointer swap); tensor engines
              copy and swap (their checksums checked); outcomes recorded; engines released
              ◀── one outcome per engine
+
+With `sync.flip_before_stored` (the default) the store write leaves the critical path: the trainer
+finishes right after its transfers (`store_follows`), the broker makes the version the target as the
+sync policy would (a provisional record: the store does not have it yet) and has the engines verify
+and flip it in at once; the reconcile loop brings no other engine to it until ConfirmTrainerSync
+reports the write. A write that failed (or no confirmation within `update_timeout_s`) rejects the
+version: its pools' targets fall back, and the engines that flipped it in are relabelled
+`unverified-<v>` so that the reconcile loop loads their targets from the store in full.
 
 An engine whose transfer failed, arrived partial or could not be set up is released behind its
 pool's target, so the reconcile loop brings it from the store (delta or full): the store keeps
@@ -72,6 +80,7 @@ class PendingSync:
     broadcast_task: asyncio.Task | None = None
     store_pending: bool = False  # the store write runs beside the transfers: flip nothing before it lands
     store_uri: str = ""  # the store's copy of the version (known at start, or from the finish's stored version)
+    flipped: list[str] = field(default_factory=list)  # flipped in before the store had it: awaiting ConfirmTrainerSync
     watchdog: asyncio.Task | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -85,6 +94,12 @@ class TrainerSyncs:
         self.broker = broker
         self.sync = broker.config.sync
         self.pending: dict[str, PendingSync] = {}
+        self.unconfirmed: dict[str, PendingSync] = {}  # flipped in before stored: awaiting ConfirmTrainerSync
+
+    @property
+    def unstored(self) -> set[int]:
+        """Versions engines serve that the store may not hold yet: no engine is brought to one from it."""
+        return {p.version for p in self.unconfirmed.values()}
 
     def transport(self, engine: EngineRef) -> str:
         return transport_of(self.sync, engine.engine_id, engine.transport)
@@ -111,7 +126,8 @@ class TrainerSyncs:
                               store_pending=request.store_pending,
                               store_uri="" if request.store_pending else request.version.uri)  # fmt: skip
         plan = broker_pb2.TrainerSyncPlan(sync_id=pending.sync_id, state=state, bucket_bytes=self.sync.p2p_bucket_bytes,
-                                          tensor_engine_ids=[e.engine_id for e in by["tensor"]])  # fmt: skip
+                                          tensor_engine_ids=[e.engine_id for e in by["tensor"]],
+                                          flip_before_stored=request.store_pending and self.sync.flip_before_stored)  # fmt: skip
         pending.peers = await self._endpoints(by["p2p"], plan)
         await self._group(by["distributed"], request, pending, plan)
         if not pending.engines:
@@ -181,6 +197,8 @@ class TrainerSyncs:
             raise UnknownSync(f"no trainer sync {request.sync_id!r} is open (finished, expired or never started)")
         if pending.watchdog is not None:
             pending.watchdog.cancel()
+        if request.store_follows:
+            return await self._finish_before_stored(pending, request)
         refused = await self._stored(pending, request) if pending.store_pending else ""
         if refused:
             outcomes = await self._discard(pending, refused)
@@ -223,6 +241,92 @@ class TrainerSyncs:
             asyncio.gather(*(bounded(one_peer(e), e, "p2p") for e in pending.peers),
                            *(bounded(one_tensor(e), e, "tensor") for e in pending.tensors)))  # fmt: skip
         return [*broadcast, *direct]
+
+    async def _finish_before_stored(self, pending: PendingSync, request: broker_pb2.FinishTrainerSyncRequest
+                                    ) -> broker_pb2.FinishTrainerSyncResponse:
+        """The transfers are done and the store write still runs: the version becomes the target now
+        (as the sync policy would make it) and the engines flip it in; ConfirmTrainerSync follows."""
+        if not (pending.store_pending and self.sync.flip_before_stored):
+            why = "store_follows needs a sync started with store_pending while the broker's sync.flip_before_stored is on"
+            outcomes = await self._discard(pending, why)
+            await self._settle(pending, outcomes, discarded=True)
+            raise BadAnnouncement(why)
+        if request.error or not await self.broker.target_unstored(pending.version):
+            why = request.error or "the sync policy did not make it a target"
+            outcomes = await self._discard(pending, why)
+            await self._settle(pending, outcomes, discarded=True)
+            return broker_pb2.FinishTrainerSyncResponse(outcomes=[_proto(o) for o in outcomes])
+        self.unconfirmed[pending.sync_id] = pending  # before any flip: no engine is brought to it from the store
+        outcomes = await self._outcomes(pending, request)
+        pending.flipped = [o.engine_id for o in outcomes if o.ok]
+        await self._settle(pending, outcomes)
+        pending.watchdog = asyncio.create_task(self._expire_unconfirmed(pending.sync_id))
+        return broker_pb2.FinishTrainerSyncResponse(outcomes=[_proto(o) for o in outcomes])
+
+    # --- confirm --------------------------------------------------------------------------------
+    async def confirm(self, request: broker_pb2.ConfirmTrainerSyncRequest) -> broker_pb2.ConfirmTrainerSyncResponse:
+        pending = self.unconfirmed.get(request.sync_id)
+        if pending is None:
+            raise UnknownSync(f"no trainer sync {request.sync_id!r} awaits its store write (never flipped in "
+                              "before stored, confirmed already, or expired)")
+        if request.HasField("stored") and request.stored.version != pending.version:
+            raise BadAnnouncement(f"sync {request.sync_id} is of version {pending.version}, "
+                                  f"not {request.stored.version}")
+        if pending.watchdog is not None:
+            pending.watchdog.cancel()
+        why = ""
+        if request.store_error or not request.HasField("stored"):
+            why = f"the weight store write failed: {request.store_error or 'the trainer reported no stored version'}"
+        else:
+            try:
+                await self.broker.announce(request.stored)
+            except (BadAnnouncement, UnknownVersion) as exc:
+                why = f"its stored version's announcement was refused: {exc}"
+        if why:
+            reverted = await self._revert(pending, why)
+            state = broker_pb2.VERSION_STATE_REJECTED
+        else:
+            await self._adopt_stored(pending, request.stored.uri)
+            self.unconfirmed.pop(pending.sync_id, None)
+            self.broker.wake()
+            reverted, state = [], (await self.broker.registry.require(pending.version)).state
+        return broker_pb2.ConfirmTrainerSyncResponse(state=state, reverted_engine_ids=reverted)
+
+    async def _adopt_stored(self, pending: PendingSync, store_uri: str) -> None:
+        """The P2P engines that flipped the version in before it was stored hold the store's copy now
+        (each checks the checksums), so a later fallback of theirs can be a delta."""
+        client = self.broker.pools.client
+        peers = [e for e in pending.peers if e.engine_id in pending.flipped and e.kind == "cpu"]
+        replies = await asyncio.gather(*(client(e).adopt_store_version(store_uri, weight_version=str(pending.version))
+                                         for e in peers), return_exceptions=True)  # fmt: skip
+        for engine, reply in zip(peers, replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.warning("engine %s holds no store copy of version %d (its next store update is a full "
+                            "load): %s", engine.engine_id, pending.version, reply)  # fmt: skip
+
+    async def _revert(self, pending: PendingSync, why: str) -> list[str]:
+        """A version served before the store had it, that the store will not have: rejected (its pools'
+        targets fall back), and the engines that flipped it in relabelled, so that the reconcile loop
+        takes them for what they are (no version of the store) and loads their targets in full."""
+        log.error("version %d was flipped into %s before the store had it, and %s: sending them back",
+                  pending.version, pending.flipped, why)  # fmt: skip
+        # Relabelled first: until the pop below, the reconcile loop leaves engines alone whose target
+        # is this version, and after it none may take the label for a version of the store.
+        engines = {e.engine_id: e for e in pending.engines}
+        for engine_id in pending.flipped:
+            with contextlib.suppress(EngineError):
+                await self.broker.pools.client(engines[engine_id]).update_weight_version(
+                    f"unverified-{pending.version}")
+        await self.broker.reject_served(pending.version, f"served before stored, then {why}")
+        self.unconfirmed.pop(pending.sync_id, None)
+        self.broker.wake()
+        return list(pending.flipped)
+
+    async def _expire_unconfirmed(self, sync_id: str) -> None:
+        await asyncio.sleep(self.sync.update_timeout_s)
+        pending = self.unconfirmed.get(sync_id)
+        if pending is not None:
+            await self._revert(pending, f"the trainer never confirmed its store write within {self.sync.update_timeout_s}s")
 
     async def _stored(self, pending: PendingSync, request: broker_pb2.FinishTrainerSyncRequest) -> str:
         """With the store write beside the send: announces the stored version and makes it a target
@@ -323,11 +427,12 @@ class TrainerSyncs:
         await self._settle(pending, outcomes)
 
     async def stop(self) -> None:
-        for pending in list(self.pending.values()):
+        for pending in [*self.pending.values(), *self.unconfirmed.values()]:
             for task in (pending.watchdog, pending.broadcast_task):
                 if task is not None:
                     task.cancel()
         self.pending.clear()
+        self.unconfirmed.clear()
 
 
 def _check(request: broker_pb2.StartTrainerSyncRequest) -> None:

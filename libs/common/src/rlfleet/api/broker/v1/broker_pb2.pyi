@@ -243,20 +243,22 @@ class PeerTarget(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., endpoint_json: _Optional[str] = ...) -> None: ...
 
 class TrainerSyncPlan(_message.Message):
-    __slots__ = ("sync_id", "state", "broadcast", "peers", "tensor_engine_ids", "bucket_bytes")
+    __slots__ = ("sync_id", "state", "broadcast", "peers", "tensor_engine_ids", "bucket_bytes", "flip_before_stored")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLIP_BEFORE_STORED_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     state: VersionState
     broadcast: BroadcastGroup
     peers: _containers.RepeatedCompositeFieldContainer[PeerTarget]
     tensor_engine_ids: _containers.RepeatedScalarFieldContainer[str]
     bucket_bytes: int
-    def __init__(self, sync_id: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., broadcast: _Optional[_Union[BroadcastGroup, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., tensor_engine_ids: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    flip_before_stored: bool
+    def __init__(self, sync_id: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., broadcast: _Optional[_Union[BroadcastGroup, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerTarget, _Mapping]]] = ..., tensor_engine_ids: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ..., flip_before_stored: _Optional[bool] = ...) -> None: ...
 
 class PeerResult(_message.Message):
     __slots__ = ("engine_id", "sent", "bytes", "error")
@@ -271,7 +273,7 @@ class PeerResult(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., sent: _Optional[bool] = ..., bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FinishTrainerSyncRequest(_message.Message):
-    __slots__ = ("sync_id", "peers", "serialized_named_tensors", "broadcast_sent", "error", "stored", "store_error")
+    __slots__ = ("sync_id", "peers", "serialized_named_tensors", "broadcast_sent", "error", "stored", "store_error", "store_follows")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +281,7 @@ class FinishTrainerSyncRequest(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     STORE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    STORE_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerResult]
     serialized_named_tensors: _containers.RepeatedScalarFieldContainer[str]
@@ -286,7 +289,26 @@ class FinishTrainerSyncRequest(_message.Message):
     error: str
     stored: _common_pb2.PolicyVersion
     store_error: str
-    def __init__(self, sync_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerResult, _Mapping]]] = ..., serialized_named_tensors: _Optional[_Iterable[str]] = ..., broadcast_sent: _Optional[bool] = ..., error: _Optional[str] = ..., stored: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., store_error: _Optional[str] = ...) -> None: ...
+    store_follows: bool
+    def __init__(self, sync_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerResult, _Mapping]]] = ..., serialized_named_tensors: _Optional[_Iterable[str]] = ..., broadcast_sent: _Optional[bool] = ..., error: _Optional[str] = ..., stored: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., store_error: _Optional[str] = ..., store_follows: _Optional[bool] = ...) -> None: ...
+
+class ConfirmTrainerSyncRequest(_message.Message):
+    __slots__ = ("sync_id", "stored", "store_error")
+    SYNC_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    STORE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    sync_id: str
+    stored: _common_pb2.PolicyVersion
+    store_error: str
+    def __init__(self, sync_id: _Optional[str] = ..., stored: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., store_error: _Optional[str] = ...) -> None: ...
+
+class ConfirmTrainerSyncResponse(_message.Message):
+    __slots__ = ("state", "reverted_engine_ids")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REVERTED_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    state: VersionState
+    reverted_engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[VersionState, str]] = ..., reverted_engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineSyncOutcome(_message.Message):
     __slots__ = ("engine_id", "transport", "ok", "pause_s", "bytes", "message", "falls_back")

@@ -75,6 +75,11 @@ class BrokerServiceStub:
                 request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncResponse.FromString,
                 _registered_method=True)
+        self.ConfirmTrainerSync = channel.unary_unary(
+                '/rlfleet.broker.v1.BrokerService/ConfirmTrainerSync',
+                request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.ConfirmTrainerSyncRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.ConfirmTrainerSyncResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServiceServicer:
@@ -144,6 +149,15 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfirmTrainerSync(self, request, context):
+        """After a FinishTrainerSync with store_follows (the plan's flip_before_stored): the store write's
+        end. The stored version is announced; a failed write rejects the version, and the engines that
+        flipped it in are relabelled and brought back from the store to their pools' targets.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +200,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.FinishTrainerSync,
                     request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncRequest.FromString,
                     response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncResponse.SerializeToString,
+            ),
+            'ConfirmTrainerSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmTrainerSync,
+                    request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.ConfirmTrainerSyncRequest.FromString,
+                    response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.ConfirmTrainerSyncResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +423,33 @@ class BrokerService:
             '/rlfleet.broker.v1.BrokerService/FinishTrainerSync',
             rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncRequest.SerializeToString,
             rlfleet_dot_broker_dot_v1_dot_broker__pb2.FinishTrainerSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmTrainerSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.broker.v1.BrokerService/ConfirmTrainerSync',
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.ConfirmTrainerSyncRequest.SerializeToString,
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.ConfirmTrainerSyncResponse.FromString,
             options,
             channel_credentials,
             insecure,
