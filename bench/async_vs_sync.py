@@ -41,7 +41,8 @@ def mode_config(base: dict, mode: str, args, out_dir: Path) -> dict:
     if args.concurrency:
         config["rollout"]["concurrency"] = args.concurrency
         # Room at admission for the rollouts and the gate's evaluation episodes at once.
-        config["rollout"]["max_inflight_sessions"] = args.concurrency + config.get("eval", {}).get("concurrency", 64)
+        config["rollout"]["max_inflight_sessions"] = (args.concurrency
+                                                      + config.get("eval", {}).get("concurrency", 64))
     config.setdefault("eval", {})["regression"] = 0  # the gate's regression set only slows both modes alike
     config["eval"]["heldout"] = args.heldout
     config.setdefault("gate", {})["every_versions"] = args.eval_every
@@ -95,7 +96,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many versions")
     parser.add_argument("--target", type=float, default=0.45, help="held-out success to time")
     parser.add_argument("--modes", default="async,sync", help="modes to run, in order")
-    parser.add_argument("--out", default=str(ROOT / "runs" / "bench-async-vs-sync"), help="run dirs and results")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "bench-async-vs-sync"),
+                        help="run dirs and results")
     args = parser.parse_args()
 
     base = tomllib.loads(Path(args.config).read_text())
@@ -112,12 +114,16 @@ def main() -> None:
     modes = results["modes"]
     print(f"\nsame workload, {args.steps} steps each; tool latency lognormal(median {args.median_s} s, "
           f"sigma {args.sigma}, cap {args.max_s} s); target held-out success {args.target}")
-    rows = [("trajectories/s", "trajectories_per_s", ".2f"), ("trained tokens/s", "trained_tokens_per_s", ".0f"),
-            ("trainer idle fraction", "trainer_idle_fraction", ".2f"), ("loop wall time (s)", "wall_s", ".0f"),
+    rows = [("trajectories/s", "trajectories_per_s", ".2f"),
+            ("trained tokens/s", "trained_tokens_per_s", ".0f"),
+            ("trainer idle fraction", "trainer_idle_fraction", ".2f"),
+            ("loop wall time (s)", "wall_s", ".0f"),
             ("steps", "steps", "d"), (f"time to held-out {args.target} (s)", "time_to_target_s", ".0f"),
             ("held-out success: baseline", "baseline_success", ".3f"),
-            ("held-out success: final", "final_success", ".3f"), ("best held-out success", "best_heldout_success", ".3f"),
-            ("max staleness", "staleness_max", "d"), ("tool wait p50 / episode (s)", "tool_wait_p50_s", ".2f"),
+            ("held-out success: final", "final_success", ".3f"),
+            ("best held-out success", "best_heldout_success", ".3f"),
+            ("max staleness", "staleness_max", "d"),
+            ("tool wait p50 / episode (s)", "tool_wait_p50_s", ".2f"),
             ("gate wait (s, sync only)", "gate_wait_s", ".0f"), ("peak RSS (MB)", "peak_rss_mb", ".0f")]
     names = list(modes)
     print(f"{'':32s}" + "".join(f"{n:>12s}" for n in names))
@@ -125,7 +131,8 @@ def main() -> None:
         print(f"{label:32s}" + "".join(f"{fmt(modes[n].get(key), spec):>12s}" for n in names))
     if "async" in modes and "sync" in modes:
         a, s = modes["async"], modes["sync"]
-        ratios = {"throughput": a["trajectories_per_s"] / s["trajectories_per_s"] if s["trajectories_per_s"] else None,
+        ratios = {"throughput": a["trajectories_per_s"] / s["trajectories_per_s"]
+                  if s["trajectories_per_s"] else None,
                   "wall_time": s["wall_s"] / a["wall_s"] if a["wall_s"] else None,
                   "time_to_target": (s["time_to_target_s"] / a["time_to_target_s"]
                                      if a["time_to_target_s"] and s["time_to_target_s"] else None)}

@@ -36,8 +36,8 @@ def default_model(seed: int = 0) -> Path:
     target = ROOT / "runs" / ".cache" / f"model-seed{seed}"
     if not (target / "model.safetensors").exists():
         building = target.with_name(target.name + ".bench.tmp")
-        subprocess.run([str(BIN / "rlfleet-build-model"), "--out", str(building), "--seed", str(seed)], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run([str(BIN / "rlfleet-build-model"), "--out", str(building), "--seed", str(seed)],
+                       check=True, stdout=subprocess.DEVNULL)
         building.rename(target)
     return target
 
@@ -53,7 +53,8 @@ async def run_level(info, concurrency: int, episodes: int, group_size: int, seed
     write_for_verifier(tasks, info.suites_dir)
     await publish_tasks(tasks, info.run_id, info.nats_url, group_size, epoch=seed, temperature=temperature,
                         login=info.nats_login("operator"))
-    config = WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url, **info.nats_login("worker")}, session_address=info.session_address,
+    config = WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url, **info.nats_login("worker")},
+                          session_address=info.session_address,
                           sandbox_address=info.sandbox_address, verifier_address=info.verifier_address,
                           concurrency=concurrency, episode_timeout_s=120)
     started = time.perf_counter()
@@ -62,10 +63,12 @@ async def run_level(info, concurrency: int, episodes: int, group_size: int, seed
     done = list(stats.recent)
     return {
         "concurrency": concurrency, "episodes": len(done), "seconds": elapsed, "eps": len(done) / elapsed,
-        "turns": statistics.mean(s.turns for s in done), "tool_calls": statistics.mean(s.tool_calls for s in done),
+        "turns": statistics.mean(s.turns for s in done),
+        "tool_calls": statistics.mean(s.tool_calls for s in done),
         "episode_p50": statistics.median(s.episode_s for s in done),
         "generate_share": sum(s.generate_s for s in done) / max(1e-9, sum(s.episode_s for s in done)),
-        "tool_wait_p50": statistics.median([s.tool_wait_s / s.tool_calls for s in done if s.tool_calls] or [0.0]),
+        "tool_wait_p50": statistics.median([s.tool_wait_s / s.tool_calls for s in done
+                                            if s.tool_calls] or [0.0]),
         "passed": sum(s.passed for s in done), "outcomes": dict(stats.episodes),
     }
 
@@ -73,7 +76,8 @@ async def run_level(info, concurrency: int, episodes: int, group_size: int, seed
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--episodes", type=int, default=32, help="episodes per level (rounded to whole groups)")
+    parser.add_argument("--episodes", type=int, default=32,
+                        help="episodes per level (rounded to whole groups)")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--policy", choices=("cpu", "scripted"), default="cpu")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -100,10 +104,11 @@ def main() -> None:
                 r = asyncio.run(run_level(platform.info, concurrency, args.episodes, args.group_size,
                                           seed=1000 + index, temperature=args.temperature))
                 print(f"concurrency {r['concurrency']:>3}: {r['eps']:6.2f} episodes/s  ({r['episodes']} in "
-                      f"{r['seconds']:.1f}s)  turns/ep {r['turns']:.2f}  tool calls/ep {r['tool_calls']:.2f}  "
+                      f"{r['seconds']:.1f}s)  turns/ep {r['turns']:.2f}  "
+                      f"tool calls/ep {r['tool_calls']:.2f}  "
                       f"episode p50 {r['episode_p50']:.2f}s  generate share {r['generate_share']:.0%}  "
-                      f"tool call p50 {r['tool_wait_p50'] * 1000:.0f}ms  passed {r['passed']}  {r['outcomes']}",
-                      flush=True)
+                      f"tool call p50 {r['tool_wait_p50'] * 1000:.0f}ms  "
+                      f"passed {r['passed']}  {r['outcomes']}", flush=True)
         finally:
             platform.down()
             if engine is not None:

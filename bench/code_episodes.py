@@ -38,7 +38,8 @@ def sft_policy() -> Path:
     from rlfleet.cli.warm_start import ensure_base_policy
     from rlfleet.common.config import load_config
 
-    config = load_config(RunConfig, ["--config", str(ROOT / "examples" / "code.toml")], prog="bench", environ={})
+    config = load_config(RunConfig, ["--config", str(ROOT / "examples" / "code.toml")],
+                         prog="bench", environ={})
     return ensure_base_policy(ROOT / "runs" / ".cache", config.model, config.warm_start, config.system_prompt,
                               suite=config.suite)
 
@@ -53,7 +54,8 @@ async def run_level(info, concurrency: int, episodes: int, group_size: int, seed
     tasks = repo.generate_tasks("train", n_tasks, seed=seed)
     write_for_verifier(tasks, info.suites_dir)
     await publish_tasks(tasks, info.run_id, info.nats_url, group_size, epoch=seed, temperature=1.0)
-    config = WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url}, session_address=info.session_address,
+    config = WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url},
+                          session_address=info.session_address,
                           sandbox_address=info.sandbox_address, verifier_address=info.verifier_address,
                           concurrency=concurrency, episode_timeout_s=120, tool_runtime="sandbox")
     started = time.perf_counter()
@@ -66,7 +68,8 @@ async def run_level(info, concurrency: int, episodes: int, group_size: int, seed
 
     return {"concurrency": concurrency, "episodes": len(done), "seconds": elapsed, "eps": len(done) / elapsed,
             "sandbox": mean([s.sandbox_s for s in done]), "tools": mean([s.tool_wait_s for s in done]),
-            "generation": mean([s.generate_s for s in done]), "verification": mean([s.verify_s for s in done]),
+            "generation": mean([s.generate_s for s in done]),
+            "verification": mean([s.verify_s for s in done]),
             "episode": mean([s.episode_s for s in done]), "tool_calls": mean([s.tool_calls for s in done]),
             "exec_ms": 1000 * sum(s.tool_wait_s for s in done) / max(1, sum(s.tool_calls for s in done)),
             "passed": sum(s.passed for s in done), "outcomes": dict(stats.episodes)}
@@ -76,10 +79,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", choices=("scripted", "sft"), default="scripted")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
-    parser.add_argument("--episodes", type=int, default=32, help="episodes per level (rounded to whole groups)")
+    parser.add_argument("--episodes", type=int, default=32,
+                        help="episodes per level (rounded to whole groups)")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--pool-size", type=int, nargs="+", default=[0],
-                        help="warm-pool sizes to compare; 0: sized to the concurrency (+2), as rlfleet run does")
+                        help="warm-pool sizes to compare; 0: "
+                             "sized to the concurrency (+2), as rlfleet run does")
     args = parser.parse_args()
 
     from rlfleet.common.testing import unique_run_id
@@ -96,8 +101,8 @@ def main() -> None:
             for pool in args.pool_size:
                 for index, concurrency in enumerate(args.concurrency):
                     size = pool or concurrency + 2
-                    platform = LaunchedPlatform(Path(tmp) / f"run-{pool}-{concurrency}", unique_run_id("bench"),
-                                                model, engine_url=url, engines=1,
+                    platform = LaunchedPlatform(Path(tmp) / f"run-{pool}-{concurrency}",
+                                                unique_run_id("bench"), model, engine_url=url, engines=1,
                                                 sections={"sandbox": {"driver.pool_size": size}})
                     started = time.perf_counter()
                     try:
@@ -107,8 +112,9 @@ def main() -> None:
                                                   seed=2000 + index))
                     finally:
                         platform.down()
-                    print(f"{args.policy} pool {size:>3} concurrency {r['concurrency']:>3}: {r['eps']:5.2f} episodes/s "
-                          f"({r['episodes']} in {r['seconds']:.1f}s, platform up {up_s:.0f}s)  per episode: sandbox "
+                    print(f"{args.policy} pool {size:>3} concurrency {r['concurrency']:>3}: "
+                          f"{r['eps']:5.2f} episodes/s ({r['episodes']} in {r['seconds']:.1f}s, "
+                          f"platform up {up_s:.0f}s)  per episode: sandbox "
                           f"{r['sandbox']:.2f}s  tool execs {r['tools']:.2f}s ({r['tool_calls']:.1f} calls, "
                           f"{r['exec_ms']:.0f} ms each)  generation {r['generation']:.2f}s  verification "
                           f"{r['verification']:.2f}s  episode {r['episode']:.2f}s  passed {r['passed']}  "

@@ -91,7 +91,8 @@ def main() -> None:
         n = len(turns)
         mean_len = sum(len(t) for t, _ in turns) / n
         mean_new = sum(len(t) - r for t, r in turns) / n
-        print(f"{n} second turns of {mean_len:.0f} tokens, {mean_new:.0f} of them new; torch threads {args.threads}")
+        print(f"{n} second turns of {mean_len:.0f} tokens, {mean_new:.0f} of them new; "
+              f"torch threads {args.threads}")
         results = {name: timed(fn, args.repeats) * 1000 / n for name, fn in
                    (("scratch", scratch), ("cached", cached), ("batched", batched))}
         for name, ms in results.items():

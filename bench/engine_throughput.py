@@ -98,7 +98,8 @@ def main() -> None:
         config = json.loads((model / "config.json").read_text())
         print(
             f"model: qwen2 hidden {config['hidden_size']} x {config['num_hidden_layers']} layers, "
-            f"vocab {config['vocab_size']} (tokenizer corpus: {corpus}); engine torch threads {args.threads}; "
+            f"vocab {config['vocab_size']} (tokenizer corpus: {corpus}); "
+            f"engine torch threads {args.threads}; "
             f"{args.new_tokens} new tokens per request",
             flush=True,
         )

@@ -67,7 +67,8 @@ async def run_level(info, concurrency: int, episodes: int, group_size: int, seed
     done = list(stats.recent)
     n = len(done)
     return {"episodes": n, "seconds": elapsed, "eps": n / elapsed,
-            "turns": statistics.mean(s.turns for s in done), "tool_calls": statistics.mean(s.tool_calls for s in done),
+            "turns": statistics.mean(s.turns for s in done),
+            "tool_calls": statistics.mean(s.tool_calls for s in done),
             "passed": sum(s.passed for s in done), "outcomes": dict(stats.episodes),
             "cpu_ms": {name: (after[name] - before[name]) * 1000 / n for name in after}}
 
@@ -99,13 +100,15 @@ def stop_profilers(spies: list) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--episodes", type=int, default=256, help="episodes per repeat (rounded to whole groups)")
+    parser.add_argument("--episodes", type=int, default=256,
+                        help="episodes per repeat (rounded to whole groups)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=64, help="episodes run first, not measured")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--profile", type=Path, default=None,
-                        help="py-spy every process but NATS and Redis during the first repeat; collapsed stacks here")
+                        help="py-spy every process but NATS and Redis during the first "
+                             "repeat; collapsed stacks here")
     args = parser.parse_args()
 
     import psutil
@@ -125,7 +128,8 @@ def main() -> None:
             print(f"processes: {', '.join(sorted(processes))}; concurrency {args.concurrency}, group size "
                   f"{args.group_size}, {args.episodes} episodes x {args.repeats} repeats; "
                   f"{psutil.cpu_count()} cpus, load {psutil.getloadavg()[0]:.1f}", flush=True)
-            asyncio.run(run_level(platform.info, args.concurrency, args.warmup, args.group_size, 999, processes))
+            asyncio.run(run_level(platform.info, args.concurrency, args.warmup, args.group_size,
+                                  999, processes))
             runs = []
             for repeat in range(args.repeats):
                 spies = start_profilers(args.profile, processes) if repeat == 0 and args.profile else []
@@ -135,7 +139,8 @@ def main() -> None:
                 runs.append(r)
                 outside = sum(v for k, v in r["cpu_ms"].items() if k != MODEL)
                 print(f"repeat {repeat}: {r['episodes']} episodes in {r['seconds']:.1f}s ({r['eps']:.1f}/s), "
-                      f"turns/ep {r['turns']:.2f}, tool calls/ep {r['tool_calls']:.2f}, passed {r['passed']}, "
+                      f"turns/ep {r['turns']:.2f}, "
+                      f"tool calls/ep {r['tool_calls']:.2f}, passed {r['passed']}, "
                       f"{r['outcomes']}; CPU ms/episode outside the model {outside:.2f}  "
                       + "  ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu_ms"].items())), flush=True)
         finally:
@@ -146,7 +151,8 @@ def main() -> None:
     outside = statistics.median(sum(v for k, v in r["cpu_ms"].items() if k != MODEL) for r in runs)
     print("\nCPU ms per episode (median of repeats), by process:")
     for name in sorted(names, key=lambda n: -median[n]):
-        print(f"  {name:<18} {median[name]:7.2f}" + ("   (the model's stand-in, not counted)" if name == MODEL else ""))
+        print(f"  {name:<18} {median[name]:7.2f}"
+              + ("   (the model's stand-in, not counted)" if name == MODEL else ""))
     print(f"  {'outside the model':<18} {outside:7.2f}   (load average {psutil.getloadavg()[0]:.1f})")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,

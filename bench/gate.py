@@ -40,7 +40,8 @@ def old_gate_rate(gain: float, n_tasks: int, trials: int, seed: int) -> float:
 def main() -> None:
     defaults = RunConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=defaults.eval.heldout, help="held-out tasks per evaluation")
+    parser.add_argument("--tasks", type=int, default=defaults.eval.heldout,
+                        help="held-out tasks per evaluation")
     parser.add_argument("--alpha", type=float, default=defaults.gate.alpha)
     parser.add_argument("--looks", type=int, default=defaults.gate.looks)
     parser.add_argument("--min-gain", type=float, default=defaults.gate.min_success_gain)
@@ -61,8 +62,10 @@ def main() -> None:
         fresh, fresh_tasks = promotion_rate(config, gain=gain, n_tasks=args.tasks, trials=args.trials,
                                             coupled=False, seed=args.seed + 1)
         old = old_gate_rate(gain, args.tasks, args.trials, args.seed + 2)
-        print(f"{gain:>10.3f} {seeded:>17.3f} {seeded_tasks:>10.1f} {fresh:>19.3f} {fresh_tasks:>10.1f} {old:>19.3f}")
-    print(f"(the gain-0 row is the false-promotion rate; the others are power)  {time.monotonic() - began:.0f} s")
+        print(f"{gain:>10.3f} {seeded:>17.3f} {seeded_tasks:>10.1f} {fresh:>19.3f} "
+              f"{fresh_tasks:>10.1f} {old:>19.3f}")
+    print("(the gain-0 row is the false-promotion rate; the others are power)  "
+          f"{time.monotonic() - began:.0f} s")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ async def measure(address: str, n: int) -> list[float]:
     times = []
     try:
         for template in TEMPLATES[:n]:
-            episode = Episode(assistant_texts=["<answer>done</answer>"], files={"solution.py": template.solution})
+            episode = Episode(assistant_texts=["<answer>done</answer>"],
+                              files={"solution.py": template.solution})
             started = time.monotonic()
             verdict = await asyncio.to_thread(kinds.score, code.make_task(template), episode)
             times.append(time.monotonic() - started)

@@ -59,16 +59,19 @@ async def stream(client, names: list[str], stop: asyncio.Event, counts: list[int
 async def swaps(client, url: str, adapters: list[Path], streams: int) -> list[tuple[float, float, float]]:
     from rlfleet.engine.testing import http_call
 
-    status, first = await http_call(url, "/load_lora_adapter", {"lora_name": "v0", "lora_path": str(adapters[0])})
+    status, first = await http_call(url, "/load_lora_adapter",
+                                    {"lora_name": "v0", "lora_path": str(adapters[0])})
     assert status == 200, first
-    print(f"first adapter into an idle engine (its layers hooked on first use): pause {first['pause_s'] * 1e3:.3f} ms")
+    print("first adapter into an idle engine (its layers hooked on first use): "
+          f"pause {first['pause_s'] * 1e3:.3f} ms")
     names, stop, counts = ["v0"], asyncio.Event(), [0]
     workers = [asyncio.create_task(stream(client, names, stop, counts)) for _ in range(streams)]
     await asyncio.sleep(1.0)  # the batch is decoding
     rows = []
     for version, path in enumerate(adapters[1:], start=1):
         started = time.perf_counter()
-        status, reply = await http_call(url, "/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": str(path)})
+        status, reply = await http_call(url, "/load_lora_adapter",
+                                        {"lora_name": f"v{version}", "lora_path": str(path)})
         load_s = time.perf_counter() - started
         assert status == 200, reply
         names.append(f"v{version}")
@@ -112,7 +115,8 @@ def step_gaps(model: Path, adapters: list[Path], rows: int = 4) -> tuple[list[fl
     spec = SamplingSpec(max_new_tokens=900, temperature=0.0, ignore_eos=True)
     scheduler.start()
     for i in range(rows):
-        scheduler.submit(Request(GenerateItem(f"r{i}", PROMPT, spec), runner.eos_token_ids, lambda out: None, first))
+        scheduler.submit(Request(GenerateItem(f"r{i}", PROMPT, spec), runner.eos_token_ids,
+                                 lambda out: None, first))
     time.sleep(1.0)
     windows = []
     for version, path in enumerate(adapters[1:], start=1):
@@ -152,11 +156,13 @@ async def main_async(args) -> None:
     with tempfile.TemporaryDirectory(prefix="lora-swap-") as tmp:
         work = Path(tmp)
         model = await asyncio.to_thread(build_default_model, work / "model")
-        adapters = [await asyncio.to_thread(make_lora_adapter, model, work / f"v{i}", i, 8, 16.0, ALL_PROJECTIONS)
+        adapters = [await asyncio.to_thread(make_lora_adapter, model, work / f"v{i}", i, 8, 16.0,
+                                            ALL_PROJECTIONS)
                     for i in range(args.swaps + 1)]
         params = sum(t.numel() for t in load_file(str(model / "model.safetensors")).values())
         quiet, swapping = await asyncio.to_thread(step_gaps, model, adapters)
-        engine = await asyncio.to_thread(EngineProcess(model, work / "engine", max_prefix_cache_tokens=0).start)
+        engine = await asyncio.to_thread(EngineProcess(model, work / "engine",
+                                                       max_prefix_cache_tokens=0).start)
         try:
             async with EngineClient(engine.url) as client:
                 rows = await swaps(client, engine.url, adapters, args.streams)
@@ -183,7 +189,8 @@ async def main_async(args) -> None:
         print(f"load call median {statistics.median(r[1] for r in rows) * 1e3:.1f} ms (read + check in a "
               f"worker thread, while serving)")
         print(f"decode-step gap, 4 rows, in process: median {statistics.median(quiet) * 1e3:.2f} ms and max "
-              f"{max(quiet) * 1e3:.2f} ms with no swap running ({len(quiet)} steps); during the {len(rows)} swaps "
+              f"{max(quiet) * 1e3:.2f} ms with no swap running ({len(quiet)} steps); "
+              f"during the {len(rows)} swaps "
               f"median {statistics.median(swapping) * 1e3:.2f} ms, max {max(swapping) * 1e3:.2f} ms "
               f"({len(swapping)} steps)")
         for name, rate in rates.items():
@@ -191,7 +198,8 @@ async def main_async(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--swaps", type=int, default=20)
     parser.add_argument("--streams", type=int, default=4, help="requests generating during the swaps")
     asyncio.run(main_async(parser.parse_args()))

@@ -88,10 +88,12 @@ def success(summary: dict, which: str) -> float | None:
 def describe(name: str, summary: dict, steps: int) -> list[str]:
     final = summary.get("baseline_vs_rl", {}).get("rl_accepted", {})
     lines = [
-        f"{name}: exit {summary['_exit_code']}, status {summary.get('status')}, steps {summary.get('steps')}/{steps}, "
+        f"{name}: exit {summary['_exit_code']}, status {summary.get('status')}, "
+        f"steps {summary.get('steps')}/{steps}, "
         f"final version {summary.get('final_version')}, evaluated version {final.get('version')}, "
         f"wall {summary['_bench_wall_s']:.0f} s",
-        f"  held-out success: baseline {_fmt(success(summary, 'baseline'))} -> final {_fmt(success(summary, 'rl_accepted'))}"
+        "  held-out success: "
+        f"baseline {_fmt(success(summary, 'baseline'))} -> final {_fmt(success(summary, 'rl_accepted'))}"
         f" ({final.get('episodes', 0)} episodes)",
         "  curve (version: success): "
         + ", ".join(f"v{p['version']}: {p['success']:.3f}" for p in summary.get("heldout_curve", [])),
@@ -107,11 +109,15 @@ def _fmt(value: float | None) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", type=Path, default=ROOT / "examples" / "calc.toml", help="full fine-tuning config")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", type=Path, default=ROOT / "examples" / "calc.toml",
+                        help="full fine-tuning config")
     parser.add_argument("--lora", type=Path, default=ROOT / "examples" / "calc-lora.toml", help="LoRA config")
-    parser.add_argument("--steps", type=int, default=60, help="trainer steps of each run (default 60, as the configs)")
-    parser.add_argument("--tiny", action="store_true", help="a smoke run: 2 steps, tiny warm start and evaluation "
+    parser.add_argument("--steps", type=int, default=60,
+                        help="trainer steps of each run (default 60, as the configs)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a smoke run: 2 steps, tiny warm start and evaluation "
                         "(shows the bench works; the figures mean nothing)")
     parser.add_argument("--runs-dir", type=Path, default=None,
                         help="where the two run directories go (default: a new temporary directory)")
@@ -119,7 +125,8 @@ def main() -> int:
                         help="a config flag for both runs (repeatable)")
     parser.add_argument("--json", type=Path, default=None, help="also write both summaries and the gap here")
     parser.add_argument("--only", choices=("full", "lora"), default=None,
-                        help="run one arm only (its curve; no gap): the other arm's figure is then one measured "
+                        help="run one arm only (its curve; no gap): "
+                             "the other arm's figure is then one measured "
                         "before, comparable only while its config and code path are unchanged")
     args = parser.parse_args()
 
@@ -147,8 +154,9 @@ def main() -> int:
     gap = None if full is None or lora is None else full - lora
     if gap is not None:
         verdict = "within" if gap <= 0.05 else "NOT within"
-        print(f"\nat {steps} steps{'' if equal else ' (NOT equal: see above)'}: full {full:.3f}, LoRA {lora:.3f}, "
-              f"gap {gap:+.3f} -> {verdict} the aim of 0.05" + (" (smoke run: meaningless)" if args.tiny else ""))
+        print(f"\nat {steps} steps{'' if equal else ' (NOT equal: see above)'}: full {full:.3f}, "
+              f"LoRA {lora:.3f}, gap {gap:+.3f} -> {verdict} the aim of 0.05"
+              + (" (smoke run: meaningless)" if args.tiny else ""))
     if args.json:
         args.json.write_text(json.dumps({"steps": steps, "equal_steps": equal, "gap": gap,
                                          "summaries": summaries}, indent=2))

@@ -42,7 +42,8 @@ def figures(summary: dict) -> dict:
     baseline = summary["baseline_vs_rl"].get("baseline", {})
     b, f = baseline.get("task_success"), final.get("task_success")
     return {"steps": summary["steps"], "final_version": summary["final_version"], "wall_s": summary["wall_s"],
-            "baseline_success": b, "final_success": f, "gain_points": None if b is None or f is None else 100 * (f - b),
+            "baseline_success": b, "final_success": f,
+            "gain_points": None if b is None or f is None else 100 * (f - b),
             "invalid_tool_calls": final.get("invalid_tool_calls_per_episode")}
 
 
@@ -53,17 +54,21 @@ def fmt(value, spec: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="trainer steps per loss")
-    parser.add_argument("--heldout", type=int, default=200, help="held-out tasks in the baseline and final evaluation")
-    parser.add_argument("--max-minutes", type=float, default=60.0, help="time cap per run (generous on purpose)")
+    parser.add_argument("--heldout", type=int, default=200,
+                        help="held-out tasks in the baseline and final evaluation")
+    parser.add_argument("--max-minutes", type=float, default=60.0,
+                        help="time cap per run (generous on purpose)")
     parser.add_argument("--losses", default="grpo,gspo,ppo", help="which, in order")
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench-losses"), help="run dirs and results")
     args = parser.parse_args()
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {name: figures(run_rlfleet(loss_config(name, args, out_dir), name, out_dir)) for name in args.losses.split(",")}
+    results = {name: figures(run_rlfleet(loss_config(name, args, out_dir), name, out_dir))
+               for name in args.losses.split(",")}
     (out_dir / "results.json").write_text(json.dumps({"steps": args.steps, "heldout": args.heldout,
                                                       "losses": results}, indent=2))
-    print(f"\ncalc, {args.steps} trainer steps each, {args.heldout} held-out tasks, gate off (last version evaluated)")
+    print(f"\ncalc, {args.steps} trainer steps each, {args.heldout} held-out tasks, "
+          "gate off (last version evaluated)")
     rows = [("held-out success: baseline (SFT)", "baseline_success", ".3f"),
             ("held-out success: after RL", "final_success", ".3f"), ("gain (points)", "gain_points", "+.1f"),
             ("invalid tool calls / episode", "invalid_tool_calls", ".2f"), ("steps", "steps", "d"),

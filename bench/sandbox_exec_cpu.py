@@ -218,7 +218,8 @@ def main() -> None:
             enforcement = res.pop("_enforcement")
             report[variant] = res
     print(
-        f"sandbox exec CPU, {args.execs} execs per row, python {sys.version.split()[0]}, {os.cpu_count()} cpus"
+        f"sandbox exec CPU, {args.execs} execs per row, "
+        f"python {sys.version.split()[0]}, {os.cpu_count()} cpus"
     )
     print(f"limits via: {enforcement['cgroups']}; accounting: {enforcement['accounting']}")
     cols = ("self_ms", "children_ms", "total_ms", "reported_cpu_ms", "wall_p50_ms", "wall_p90_ms")

@@ -21,8 +21,8 @@ falls on both alike; it prints what security costs at each concurrency: throughp
 service path against the plaintext one (median of the repeats), the p50 added per turn of both,
 and each stack's CPU per turn: what the secure path adds outside the engine, also as a share of
 a plaintext turn's whole CPU (engine included), which is the throughput a CPU-bound machine loses
-to it and, unlike tokens/s, hardly moves with other load. The secure run calls as an environment client (a token
-issued for the run), as a real environment does.
+to it and, unlike tokens/s, hardly moves with other load. The secure run calls as an environment client
+(a token issued for the run), as a real environment does.
 
 Both paths send the engine the same requests (same prompt lengths, same new tokens). Printed per
 concurrency: generated tokens/s of each path and their ratio; the per-turn latency the service
@@ -104,8 +104,10 @@ async def service_level(address: str, prompts: list[list[int]], concurrency: int
                 walls, appends = [], []
                 for turn in range(args.turns):
                     params = sampling(args, index * 1000 + episode * 10 + turn)
-                    request = pb.GenerateRequest(session_id=opened.session_id, sampling=common_pb2.SamplingParams(
-                        max_new_tokens=params["max_new_tokens"], ignore_eos=True, seed=params["sampling_seed"]))
+                    request = pb.GenerateRequest(
+                        session_id=opened.session_id, sampling=common_pb2.SamplingParams(
+                            max_new_tokens=params["max_new_tokens"], ignore_eos=True,
+                            seed=params["sampling_seed"]))
                     started = time.perf_counter()
                     reply = await sessions.Generate(request)
                     walls.append(time.perf_counter() - started)
@@ -147,7 +149,8 @@ class CpuMeter:
     @staticmethod
     def line(before: dict[str, float], after: dict[str, float]) -> str:
         used = {name: after[name] - before[name] for name in after}
-        return ", ".join(f"{name} {value:.1f}" for name, value in used.items()) + f"; total {sum(used.values()):.1f}"
+        return ", ".join(f"{name} {value:.1f}"
+                         for name, value in used.items()) + f"; total {sum(used.values()):.1f}"
 
 
 async def bench(engine_url: str, session_address: str, tokenizer_path: Path, args,
@@ -171,7 +174,8 @@ async def bench(engine_url: str, session_address: str, tokenizer_path: Path, arg
             cpu_before = meter.read() if meter else {}
             service_runs.append(await service_level(session_address, prompts, concurrency, args))
             if meter:
-                print(f"concurrency {concurrency:>3} service run {repeat}: {service_runs[-1].tokens_per_s:8.1f} tok/s, "
+                print(f"concurrency {concurrency:>3} service run {repeat}: "
+                      f"{service_runs[-1].tokens_per_s:8.1f} tok/s, "
                       f"cpu s: {CpuMeter.line(cpu_before, meter.read())}", flush=True)
             if repeat % 2 == 1:
                 direct_runs.append(await direct_level(engine_url, prompts, concurrency, args))
@@ -203,7 +207,8 @@ def prepared_model(args, work: Path, note: str = "") -> tuple[Path, dict]:
         build_default_model(model)
     config = json.loads((model / "config.json").read_text())
     print(f"model: qwen2 hidden {config['hidden_size']} x {config['num_hidden_layers']} layers, vocab "
-          f"{config['vocab_size']}; engine torch threads {args.threads}; {args.turns} turns x {args.new_tokens} "
+          f"{config['vocab_size']}; engine torch threads {args.threads}; "
+          f"{args.turns} turns x {args.new_tokens} "
           f"new tokens per episode, {args.episodes} episodes per worker{note}", flush=True)
     return model, config
 
@@ -216,7 +221,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=2, help="episodes per worker, back to back")
     parser.add_argument("--repeats", type=int, default=2, help="runs per level and path (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="engine torch threads")
-    parser.add_argument("--model", type=Path, default=None, help="model directory (default: build the default)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model directory (default: build the default)")
     parser.add_argument("--compare-plaintext", action="store_true",
                         help="also run with the services in plaintext and print what TLS + auth cost")
     args = parser.parse_args()
@@ -242,25 +248,29 @@ def compare_plaintext(args) -> None:
         started: list = []
         stacks: dict[str, dict] = {}
         try:
-            engine = EngineProcess(model, work / "engine", torch_threads=args.threads, max_running_requests=64,
-                                   weight_version="0", engine_id="e0").start()
+            engine = EngineProcess(model, work / "engine", torch_threads=args.threads,
+                                   max_running_requests=64, weight_version="0", engine_id="e0").start()
             started.append(engine)
             for name in ("secure", "plaintext"):
                 plain = name == "plaintext"
                 here = work / name
                 extra = {security.PLAINTEXT_ENV: "1"} if plain else {}
-                nats = start_nats(here / "nats", tls=None if plain else security.server_tls_files(secrets, "nats"))
+                nats = start_nats(here / "nats",
+                                  tls=None if plain else security.server_tls_files(secrets, "nats"))
                 started.append(nats)
-                redis = start_redis(here / "redis", tls=None if plain else security.server_tls_files(secrets, "redis"))
+                redis = start_redis(here / "redis",
+                                    tls=None if plain else security.server_tls_files(secrets, "redis"))
                 started.append(redis)
                 gateway = ServiceProcess("rlfleet-gateway", here, env=extra, config=gateway_config(
                     redis.url, "bench", [("e0", engine.url)])).start()
                 started.append(gateway)
-                session = ServiceProcess("rlfleet-session-server", here, env=extra, config=session_server_config(
-                    nats.url, redis.url, "bench", gateway.address, str(model),
-                    max_open_sessions=1024, max_total_tokens=config["max_position_embeddings"])).start()
+                session = ServiceProcess(
+                    "rlfleet-session-server", here, env=extra, config=session_server_config(
+                        nats.url, redis.url, "bench", gateway.address, str(model),
+                        max_open_sessions=1024, max_total_tokens=config["max_position_embeddings"])).start()
                 started.append(session)
-                stacks[name] = {"address": session.address, "env": extra or client_env("bench", "bench-client"),
+                stacks[name] = {"address": session.address,
+                                "env": extra or client_env("bench", "bench-client"),
                                 "meter": CpuMeter({"gateway": gateway.pid, "session-server": session.pid,
                                                    "nats": nats.pid, "redis": redis.pid})}
             asyncio.run(compare_levels(model / "tokenizer.json", stacks, engine.pid, args))
@@ -290,7 +300,8 @@ async def compare_levels(tokenizer_path: Path, stacks: dict[str, dict], engine_p
             os.environ.pop(getattr(security, var), None)
         os.environ.update(stacks[name]["env"])
         meter = stacks[name]["meter"]
-        before = {**meter.read(), "client": sum(client.cpu_times()[:2]), "engine": sum(engine.cpu_times()[:2])}
+        before = {**meter.read(), "client": sum(client.cpu_times()[:2]),
+                  "engine": sum(engine.cpu_times()[:2])}
         result = await service_level(stacks[name]["address"], prompts, concurrency, level_args)
         after = {**meter.read(), "client": sum(client.cpu_times()[:2]), "engine": sum(engine.cpu_times()[:2])}
         return result, {k: after[k] - before[k] for k in after}
@@ -307,7 +318,8 @@ async def compare_levels(tokenizer_path: Path, stacks: dict[str, dict], engine_p
                 runs[name].append((result, cpu))
                 turns = len(result.added)
                 services = sum(v for k, v in cpu.items() if k != "engine")
-                print(f"concurrency {concurrency:>3} repeat {repeat} {name:>9}: {result.tokens_per_s:8.1f} tok/s, added "
+                print(f"concurrency {concurrency:>3} repeat {repeat} {name:>9}: "
+                      f"{result.tokens_per_s:8.1f} tok/s, added "
                       f"per turn p50 {percentile(result.added, 0.5) * 1000:6.2f} ms; cpu ms per turn: "
                       + ", ".join(f"{k} {v / turns * 1000:.2f}" for k, v in cpu.items())
                       + f"; all but the engine {services / turns * 1000:.2f}", flush=True)
@@ -319,11 +331,13 @@ async def compare_levels(tokenizer_path: Path, stacks: dict[str, dict], engine_p
             summary[name] = (statistics.median(r.tokens_per_s for r, _ in items), percentile(added, 0.5),
                              statistics.median(services), statistics.median(whole))
         (s_tps, s_p50, s_cpu, _), (p_tps, p_p50, p_cpu, p_whole) = summary["secure"], summary["plaintext"]
-        print(f"security at concurrency {concurrency:>3}: service path {s_tps:8.1f} tok/s secure vs {p_tps:8.1f} "
+        print(f"security at concurrency {concurrency:>3}: "
+              f"service path {s_tps:8.1f} tok/s secure vs {p_tps:8.1f} "
               f"plaintext ({s_tps / p_tps - 1:+.1%}); added per turn p50 {s_p50 * 1000:6.2f} ms secure "
-              f"vs {p_p50 * 1000:6.2f} ms plaintext ({(s_p50 - p_p50) * 1000:+.2f} ms); cpu per turn outside the "
-              f"engine {s_cpu * 1000:.2f} ms secure vs {p_cpu * 1000:.2f} ms plaintext "
-              f"({(s_cpu - p_cpu) * 1000:+.2f} ms, {(s_cpu - p_cpu) / p_whole:+.1%} of the plaintext turn's CPU "
+              f"vs {p_p50 * 1000:6.2f} ms plaintext ({(s_p50 - p_p50) * 1000:+.2f} ms); cpu per turn outside "
+              f"the engine {s_cpu * 1000:.2f} ms secure vs {p_cpu * 1000:.2f} ms plaintext "
+              f"({(s_cpu - p_cpu) * 1000:+.2f} ms, "
+              f"{(s_cpu - p_cpu) / p_whole:+.1%} of the plaintext turn's CPU "
               f"with the engine's)", flush=True)
 
 
@@ -350,12 +364,14 @@ def run_set(args, plaintext: bool) -> dict[int, tuple]:
         work = Path(tmp)
         model, config = prepared_model(args, work)
         # As deployed, NATS and Redis speak TLS only (Redis mutual TLS); plaintext in the plaintext set.
-        nats = start_nats(work / "nats", tls=None if plaintext else security.server_tls_files(secrets, "nats"))
-        redis = start_redis(work / "redis", tls=None if plaintext else security.server_tls_files(secrets, "redis"))
+        nats = start_nats(work / "nats",
+                          tls=None if plaintext else security.server_tls_files(secrets, "nats"))
+        redis = start_redis(work / "redis",
+                            tls=None if plaintext else security.server_tls_files(secrets, "redis"))
         processes = []
         try:
-            engine = EngineProcess(model, work / "engine", torch_threads=args.threads, max_running_requests=64,
-                                   weight_version="0", engine_id="e0").start()
+            engine = EngineProcess(model, work / "engine", torch_threads=args.threads,
+                                   max_running_requests=64, weight_version="0", engine_id="e0").start()
             processes.append(engine)
             gateway = ServiceProcess("rlfleet-gateway", work, config=gateway_config(
                 redis.url, "bench", [("e0", engine.url)])).start()
@@ -369,7 +385,8 @@ def run_set(args, plaintext: bool) -> dict[int, tuple]:
             try:
                 meter = CpuMeter({"engine": engine.pid, "gateway": gateway.pid, "session-server": session.pid,
                                   "nats": nats.pid, "redis": redis.pid, "client": os.getpid()})
-                results = asyncio.run(bench(engine.url, session.address, model / "tokenizer.json", args, meter))
+                results = asyncio.run(bench(engine.url, session.address,
+                                            model / "tokenizer.json", args, meter))
             finally:
                 os.environ.pop(security.TOKEN_ENV, None)
                 os.environ.pop(security.CA_ENV, None)
@@ -380,7 +397,8 @@ def run_set(args, plaintext: bool) -> dict[int, tuple]:
             nats.stop()
     if 32 in results:
         direct, service, _p50, _p99 = results[32]
-        print(f"service path at concurrency 32: {service / direct:.1%} of the engine's throughput (aim >= 90%)")
+        print("service path at concurrency 32: "
+              f"{service / direct:.1%} of the engine's throughput (aim >= 90%)")
     return results
 
 

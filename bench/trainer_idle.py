@@ -73,8 +73,8 @@ async def bench(rates: list[float], phase_s: float, warmup_s: float, workdir: Pa
                                  "--optim.lr", "1e-5").start()
         trainer.wait_for(lambda s: s.state == "waiting_for_data", what="a ready trainer")
         port = trainer.info["metrics_port"]
-        print(f"{'offered traj/s':>14} {'trained traj/s':>14} {'trained tokens/s':>16} {'idle':>6} {'steps':>6} "
-              f"{'step ms':>8} {'ckpt ms':>8} {'publish ms':>10}")
+        print(f"{'offered traj/s':>14} {'trained traj/s':>14} {'trained tokens/s':>16} {'idle':>6} "
+              f"{'steps':>6} {'step ms':>8} {'ckpt ms':>8} {'publish ms':>10}")
         group = 0
         for rate in rates:
             stop = asyncio.Event()
@@ -106,9 +106,11 @@ async def bench(rates: list[float], phase_s: float, warmup_s: float, workdir: Pa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", default="8,16,32,64", help="offered trajectories/s per phase, comma-separated")
+    parser.add_argument("--rates", default="8,16,32,64",
+                        help="offered trajectories/s per phase, comma-separated")
     parser.add_argument("--phase-s", type=float, default=15.0, help="measured seconds per phase")
-    parser.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured seconds at the start of a phase")
+    parser.add_argument("--warmup-s", type=float, default=3.0,
+                        help="unmeasured seconds at the start of a phase")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="trainer-idle-"))
     try:

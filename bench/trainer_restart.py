@@ -36,7 +36,8 @@ G, GROUPS_PER_STEP = 4, 2
 PHASES = ("config_and_service_imports", "peers_connected", "training_imports", "consumer_attached", "serving",
           "model_built", "checkpoint_loaded", "ready", "first_delivery", "first_redelivery",
           "first_version_published")
-STARTUP_MODULES = "rlfleet.trainer.main, rlfleet.trainer.app, rlfleet.trainer.loop, rlfleet.trainer.torch_backend"
+STARTUP_MODULES = ("rlfleet.trainer.main, rlfleet.trainer.app, rlfleet.trainer.loop, "
+                   "rlfleet.trainer.torch_backend")
 
 
 def startup_marks(log_path: Path, offset: int) -> tuple[dict[str, float], float | None]:
@@ -111,10 +112,11 @@ async def bench(kills: int, ack_wait_s: float | None, workdir: Path, standby: bo
         await ensure_streams(js)
 
         async def publish_group(name: str) -> None:
-            await publish_trajectories(js, run, trajectory_protos(1, G, run, lengths=(96, 160), seed=len(name),
-                                                                  prefix=f"{name}-"))
+            await publish_trajectories(js, run, trajectory_protos(1, G, run, lengths=(96, 160),
+                                                                  seed=len(name), prefix=f"{name}-"))
 
-        args = ["--group-size", str(G), "--groups-per-step", str(GROUPS_PER_STEP), "--max-staleness", "100000",
+        args = ["--group-size", str(G), "--groups-per-step", str(GROUPS_PER_STEP),
+                "--max-staleness", "100000",
                 "--checkpoint.every", "1", "--optim.lr", "1e-5", "--log.format", "json"]
         if ack_wait_s is not None:
             args += ["--consumer.ack-wait-s", str(ack_wait_s)]
@@ -141,8 +143,8 @@ async def bench(kills: int, ack_wait_s: float | None, workdir: Path, standby: bo
                 spare.process.send_signal(PROMOTE)
                 trainer = spare
             serving_at = await wait(lambda path=trainer.ready_file: _exists_at(path), 300, "ready file")
-            marks = await wait(lambda at=offset, path=trainer.log_path: _marks_with(path, at, "first_version_published"),
-                               300,
+            marks = await wait(lambda at=offset, path=trainer.log_path:
+                               _marks_with(path, at, "first_version_published"), 300,
                                "version after the kill", interval_s=0.1)
             phases, entry = marks
             phases["serving"] = serving_at
@@ -190,11 +192,15 @@ def _print(rows, ack_wait_s: float | None, standby: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=3)
-    parser.add_argument("--ack-wait-s", type=float, default=None, help="the trainer's; default: its own default")
-    parser.add_argument("--standby", action="store_true", help="promote a standby trainer instead of a cold start")
-    parser.add_argument("--importtime", action="store_true", help="also print the startup path's slowest imports")
+    parser.add_argument("--ack-wait-s", type=float, default=None,
+                        help="the trainer's; default: its own default")
+    parser.add_argument("--standby", action="store_true",
+                        help="promote a standby trainer instead of a cold start")
+    parser.add_argument("--importtime", action="store_true",
+                        help="also print the startup path's slowest imports")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rlfleet-trainer-restart-"))

@@ -20,7 +20,8 @@ import statistics
 import time
 
 MODEL = dict(model_type="qwen2", vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, intermediate_size=704, max_position_embeddings=4096, tie_word_embeddings=False)
+             num_key_value_heads=2, intermediate_size=704, max_position_embeddings=4096,
+             tie_word_embeddings=False)
 
 
 def samples(groups: int, lengths: tuple[int, int], seed: int = 0):

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 MODEL = dict(model_type="qwen2", vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, intermediate_size=704, max_position_embeddings=4096, tie_word_embeddings=False)
+             num_key_value_heads=2, intermediate_size=704, max_position_embeddings=4096,
+             tie_word_embeddings=False)
 
 
 def samples(n: int, lengths: tuple[int, int], seed: int = 0):
@@ -136,7 +137,8 @@ def layout_bench(steps: int) -> None:
         shape = tuple(assemble_batch(data, layout, pack_length).input_ids.shape)
         median = statistics.median(timed_steps(b, data, layout, pack_length, steps))
         label = layout if layout == "padded" else f"packed {pack_length or 'auto'}"
-        print(f"  {label:12s} rows x length {shape!s:12s} {median * 1000:7.0f} ms/step  {tokens / median:7.0f} tokens/s")
+        print(f"  {label:12s} rows x length {shape!s:12s} {median * 1000:7.0f} ms/step  "
+              f"{tokens / median:7.0f} tokens/s")
 
 
 def main() -> None:

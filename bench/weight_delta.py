@@ -216,7 +216,8 @@ def run_model(name: str, steps: int, lrs, workdir: Path, density_log: list) -> l
 
 
 HEADER = (
-    f"{'model':>5} {'lr':>6} {'st':>2} {'full MB':>7} {'xor KB':>8} {'ovw KB':>8} {'stored KB':>9} {'%full':>6} "
+    f"{'model':>5} {'lr':>6} {'st':>2} {'full MB':>7} {'xor KB':>8} {'ovw KB':>8} "
+    f"{'stored KB':>9} {'%full':>6} "
     f"{'chg%':>6} | {'enc xor':>7} {'enc ovw':>7} {'write':>6} | {'fetch':>6} {'prever':>6} | {'swap':>6} "
     f"{'swap+v':>6} | {'reload':>6} {'cold':>6} | {'swap/reload':>11} {'swap/cold':>9}"
 )
@@ -230,7 +231,8 @@ def print_row(r: Row) -> None:
     print(
         f"{r.model:>5} {r.lr:>6.0e} {r.step:>2} {r.full_mb:>7.1f} {r.xor_kb:>8.0f} {r.overwrite_kb:>8.0f} "
         f"{r.stored_kb:>9.0f} {r.stored_pct_of_full:>5.1f}% {r.changed_pct:>5.1f}% | {ms(r.encode_xor_s):>7} "
-        f"{ms(r.encode_overwrite_s):>7} {ms(r.write_s)} | {ms(r.fetch_s)} {ms(r.preverify_s)} | {ms(r.swap_s)} "
+        f"{ms(r.encode_overwrite_s):>7} {ms(r.write_s)} | {ms(r.fetch_s)} "
+        f"{ms(r.preverify_s)} | {ms(r.swap_s)} "
         f"{ms(r.swap_verify_s)} | {ms(r.full_reload_s)} {ms(r.cold_reload_s)} | {r.swap_vs_full:>11.2f} "
         f"{r.swap_vs_cold:>9.3f}",
         flush=True,
@@ -264,7 +266,8 @@ def print_crossover(density_log: list) -> None:
 
 
 # The default CPU-engine model (rlfleet.engine.build_model.ModelSpec), as the trainer builds it.
-DEFAULT_MODEL = dict(model_type="qwen2", vocab_size=768, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+DEFAULT_MODEL = dict(model_type="qwen2", vocab_size=768, hidden_size=256, intermediate_size=704,
+                     num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 LORA_LRS = ((5e-5, 5e-4), (1e-6, 1e-5))  # (full, LoRA): calc.toml vs calc-lora.toml; a 50x smaller step
@@ -277,9 +280,11 @@ def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS, ra
     from rlfleet.trainer.torch_backend import TorchBackend
     from rlfleet.weights import DirectoryWeightStore
 
-    spec = DEFAULT_MODEL if model == "default" else {**DEFAULT_MODEL, **MODELS[model], "max_position_embeddings": 256}
+    spec = DEFAULT_MODEL if model == "default" else {**DEFAULT_MODEL, **MODELS[model],
+                                                     "max_position_embeddings": 256}
     print(f"model {model}, LoRA rank {rank} (alpha {2 * rank}) on all seven projections")
-    print(f"{'full lr':>8} {'lora lr':>8} {'st':>2} {'model MB':>8} {'delta KB':>9} {'chg%':>6} {'whole KB':>9} "
+    print(f"{'full lr':>8} {'lora lr':>8} {'st':>2} {'model MB':>8} {'delta KB':>9} "
+          f"{'chg%':>6} {'whole KB':>9} "
           f"{'whole/delta':>11} {'adapter KB':>10} {'adapter/delta':>13} {'adapter chg%':>12}")
     step_cfg = (LossConfig(), BatchConfig(pack_length=256, micro_batch_rows=4))
     for full_lr, lora_lr in lrs:
@@ -288,8 +293,8 @@ def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS, ra
                                                                            "alpha": 2.0 * rank})):
             backend = TorchBackend(TorchBackendConfig(model_config_dict=spec, seed=0, lora=lora,
                                                       optim={"lr": lr}, batch={"pack_length": 256}))
-            store = DirectoryWeightStore(workdir / f"{name}-{full_lr:g}-{lora_lr:g}", "bench", full_every=1000,
-                                         max_delta_fraction=10.0)
+            store = DirectoryWeightStore(workdir / f"{name}-{full_lr:g}-{lora_lr:g}", "bench",
+                                         full_every=1000, max_delta_fraction=10.0)
             base = backend.base_state_for_export() if lora else backend.state_dict_for_export()
             store.write_version(0, base)
             runs[name] = (backend, store)
@@ -312,7 +317,8 @@ def run_lora(steps: int, workdir: Path, model: str = "default", lrs=LORA_LRS, ra
             delta, adapter, plain = manifests["full"], manifests["lora"], manifests["whole"]
             changed = 100 * delta["changed_values"] / delta["total_values"]
             index = runs["lora"][1].index(step)
-            adapter_changed = "-" if index.changed_values is None else f"{index.changed_values / index.total_values:.1%}"
+            adapter_changed = ("-" if index.changed_values is None
+                               else f"{index.changed_values / index.total_values:.1%}")
             print(f"{full_lr:>8.0e} {lora_lr:>8.0e} {step:>2} {delta['full_bytes'] / 1e6:>8.2f} "
                   f"{delta['bytes'] / 1e3:>9.1f} {changed:>5.1f}% {plain['bytes'] / 1e3:>9.1f} "
                   f"{plain['bytes'] / delta['bytes']:>10.1%} {adapter['bytes'] / 1e3:>10.1f} "
@@ -329,7 +335,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=shipped["trainer"]["lora"]["rank"],
                     help="--lora: the adapter's rank (alpha = 2 x rank; default: examples/calc-lora.toml's)")
     ap.add_argument("--lora-model", choices=["default", *MODELS], default="default",
-                    help="--lora: the default CPU-engine model, or one of this bench's (100M: calc.toml's lrs only)")
+                    help="--lora: the default CPU-engine model, "
+                         "or one of this bench's (100M: calc.toml's lrs only)")
     args = ap.parse_args()
 
     import torch
@@ -350,7 +357,8 @@ def main() -> None:
             rows += run_model(name, steps, LRS, Path(tmp), density_log)
     print_crossover(density_log)
     print(
-        f"\ntotal {time.perf_counter() - t0:.0f} s. Times in ms. fetch, prever: before the pause. swap: the pause "
+        f"\ntotal {time.perf_counter() - t0:.0f} s. Times in ms. fetch, prever: "
+        "before the pause. swap: the pause "
         "after a preverify (best of 3); swap+v: the pause without one (apply, then hash what it wrote); "
         "reload: full checkpoint read into the engine's buffers (best of 3, page cache warm); cold: the same "
         "after evicting the file from the page cache."

@@ -158,7 +158,8 @@ class Trainer:
 
         from rlfleet.broker.distributed_sender import _unique
 
-        return [(n, t.detach().to(torch.bfloat16).contiguous()) for n, t in _unique(self.model.state_dict().items())]
+        return [(n, t.detach().to(torch.bfloat16).contiguous())
+                for n, t in _unique(self.model.state_dict().items())]
 
 
 async def distributed_update(pools, engine, trainer, info) -> tuple[float, float]:
@@ -197,7 +198,8 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
 
     model_dir = await asyncio.to_thread(build, name, workdir / f"model-{name}")
     engine_proc = await asyncio.to_thread(
-        EngineProcess(model_dir, workdir / f"engine-{name}", weight_store_root=workdir / "store").start, 300.0)
+        EngineProcess(model_dir, workdir / f"engine-{name}",
+                      weight_store_root=workdir / "store").start, 300.0)
     pools = Pools([], None, EngineTimeouts(weights_s=600))
     engine = EngineRef(name, engine_proc.url, "fleet", kind="cpu")
     as_sglang = EngineRef(name, engine_proc.url, "fleet", kind="sglang")
@@ -205,7 +207,8 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
     rows: list[Row] = []
     try:
         for lr in lrs:
-            store = DirectoryWeightStore(workdir / "store", f"{name}-{lr:g}", full_every=10**6, max_delta_fraction=10.0)
+            store = DirectoryWeightStore(workdir / "store", f"{name}-{lr:g}", full_every=10**6,
+                                         max_delta_fraction=10.0)
             full_store = DirectoryWeightStore(workdir / "store", f"{name}-{lr:g}-full", full_every=1)
             trainer = await asyncio.to_thread(Trainer, model_dir, store, full_store, lr)
             copies = LocalCopies(store, workdir / "local-copies")
@@ -239,7 +242,8 @@ async def run_model(name: str, steps: int, lrs, workdir: Path) -> list[Row]:
                     name, round(params_m, 1), lr, version, info.full_bytes / 2**20, d.bytes / 1024,
                     100 * d.bytes / info.full_bytes, 100 * (info.changed_fraction or 0),
                     1000 * (reply["fetch_s"] + reply["preverify_s"]), 1000 * d.pause_s, 1000 * dist_pause,
-                    1000 * dist_total, 1000 * f.pause_s, 1000 * rebuilt.pause_s, f.pause_s / max(d.pause_s, 1e-9),
+                    1000 * dist_total, 1000 * f.pause_s, 1000 * rebuilt.pause_s,
+                    f.pause_s / max(d.pause_s, 1e-9),
                     1000 * (ld.reply["fetch_s"] + ld.reply["write_s"]), 1000 * ld.reply["load_call_s"],
                     1000 * (lf.reply["fetch_s"] + lf.reply["write_s"]), 1000 * lf.pause_s,
                 )  # fmt: skip
@@ -258,8 +262,9 @@ HEADER = (f"{'model':>7} {'params':>7} {'lr':>6} {'v':>2} {'full MB':>8} {'delta
 
 
 def print_row(r: Row) -> None:
-    print(f"{r.model:>7} {r.params_m:>6.1f}M {r.lr:>6.0e} {r.version:>2} {r.full_mb:>8.1f} {r.delta_kb:>9.1f} "
-          f"{r.delta_pct:>6.2f}% {r.changed_pct:>7.2f}% {r.delta_prepare_ms:>8.1f} {r.delta_pause_ms:>9.1f} ms "
+    print(f"{r.model:>7} {r.params_m:>6.1f}M {r.lr:>6.0e} {r.version:>2} {r.full_mb:>8.1f} "
+          f"{r.delta_kb:>9.1f} {r.delta_pct:>6.2f}% {r.changed_pct:>7.2f}% {r.delta_prepare_ms:>8.1f} "
+          f"{r.delta_pause_ms:>9.1f} ms "
           f"{r.dist_pause_ms:>5.1f} ms {r.full_pause_ms:>5.0f} ms {r.full_over_delta:>9.1f}x "
           f"{r.rebuilt_pause_ms:>5.0f} ms {r.dist_total_ms:>7.0f} ms | {r.local_stage_ms:>10.1f} ms "
           f"{r.local_load_ms:>5.1f} ms {r.local_full_stage_ms:>7.1f} ms {r.local_full_ms:>7.1f} ms",
@@ -279,9 +284,11 @@ def summary(rows: list[Row]) -> None:
         stage = statistics.median(r.local_stage_ms for r in group)
         local_full = statistics.median(r.local_full_ms for r in group)
         full_stage = statistics.median(r.local_full_stage_ms for r in group)
-        print(f"  {model:>7} lr {lr:.0e}: delta {pct:6.2f}% of full, pause delta {dp:7.1f} ms / dist {dist:7.1f} ms"
+        print(f"  {model:>7} lr {lr:.0e}: delta {pct:6.2f}% of full, "
+              f"pause delta {dp:7.1f} ms / dist {dist:7.1f} ms"
               f" / full {fp:7.0f} ms  (full/delta {fp / dp:6.1f}x)\n"
-              f"  {'':>7} SGLang path, pause: node-local delta load {load:7.1f} ms (staged {stage:6.1f} ms while "
+              f"  {'':>7} SGLang path, pause: "
+              f"node-local delta load {load:7.1f} ms (staged {stage:6.1f} ms while "
               f"serving) vs full reload {local_full:7.1f} ms (staged {full_stage:6.1f} ms) / {fp:7.0f} ms "
               f"(store read inside the pause)")  # fmt: skip
         ok_small &= lr != 1e-6 or pct <= 5.0
@@ -289,7 +296,8 @@ def summary(rows: list[Row]) -> None:
         ok_pause &= dp * 10 < fp
     print(f"\naims: delta <= 5% of full at lr 1e-6: {'met' if ok_small else 'NOT met'}; "
           f"delta smaller than full at every rate: {'met' if ok_smaller else 'NOT met'}; "
-          f"delta pause < 1/10 of a full reload's: {'met' if ok_pause else 'NOT met (see the per-row ratios)'}")
+          "delta pause < 1/10 of a full reload's: "
+          f"{'met' if ok_pause else 'NOT met (see the per-row ratios)'}")
 
 
 @dataclass
@@ -301,7 +309,8 @@ class TransportRow:
     e2e_ms: float
     pause_ms: float
     moved_mb: float
-    store_write_ms: float  # this version's store write (its own for the disk paths; the delta write otherwise)
+    # this version's store write (its own for the disk paths; the delta write otherwise)
+    store_write_ms: float
 
 
 async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | None = None,
@@ -326,7 +335,8 @@ async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | No
 
     model_dir = await asyncio.to_thread(build, name, workdir / f"model-{name}")
     engine_proc = await asyncio.to_thread(
-        EngineProcess(model_dir, workdir / f"engine-{name}", weight_store_root=workdir / "store").start, 300.0)
+        EngineProcess(model_dir, workdir / f"engine-{name}",
+                      weight_store_root=workdir / "store").start, 300.0)
     pools = Pools([], None, EngineTimeouts(weights_s=600))
     engine = EngineRef(name, engine_proc.url, "fleet", kind="cpu")
     delta, full = DiskDelta(pools), DiskFull(pools, Pauser(pools, None))
@@ -337,28 +347,31 @@ async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | No
     rows: list[TransportRow] = []
     stack: list = []
     try:
-        store = DirectoryWeightStore(workdir / "store", f"t-{name}", full_every=10**6, max_delta_fraction=10.0)
+        store = DirectoryWeightStore(workdir / "store", f"t-{name}", full_every=10**6,
+                                     max_delta_fraction=10.0)
         full_store = DirectoryWeightStore(workdir / "store", f"t-{name}-full", full_every=1)
         trainer = await asyncio.to_thread(Trainer, model_dir, store, full_store, 1e-5)
         params_m = sum(p.numel() for p in trainer.model.parameters()) / 1e6
         await asyncio.to_thread(store.write_version, 0, trainer.model.state_dict())
         beside_stores = {t: DirectoryWeightStore(workdir / "store", f"t-{name}-{t}", full_every=10**6,
-                                                 max_delta_fraction=10.0) for t in ("broadcast", "p2p", "tensor")}
+                                                 max_delta_fraction=10.0)
+                         for t in ("broadcast", "p2p", "tensor")}
         for beside_store in beside_stores.values():
             await asyncio.to_thread(beside_store.write_version, 0, trainer.model.state_dict())
         (first,) = await full.update([engine], VersionInfo.from_store(store, 0))
         assert first.ok, first.message
         sent = None
         if infra is not None:
-            sent = await asyncio.to_thread(TrainerSent, name, model_dir, workdir, infra, trainer.model.state_dict(),
-                                           flip_after_stored)
+            sent = await asyncio.to_thread(TrainerSent, name, model_dir, workdir, infra,
+                                           trainer.model.state_dict(), flip_after_stored)
             stack.append(sent)
         endpoint = Endpoint.from_json(await pools.client(engine).transfer_engine_info(0))
         for version in range(1, steps + 1):
             await asyncio.to_thread(trainer.step)
             state = trainer.model.state_dict()
 
-            def row(transport: str, e2e: float, pause: float, moved: int, write: float, version: int = version) -> None:
+            def row(transport: str, e2e: float, pause: float, moved: int, write: float,
+                    version: int = version) -> None:
                 r = TransportRow(name, round(params_m, 1), version, transport, 1000 * e2e, 1000 * pause,
                                  moved / 2**20, 1000 * write)
                 print_transport_row(r)
@@ -413,7 +426,8 @@ async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | No
                 named = served_named(state)
                 sums = tensor_checksums(named)
                 by_name = dict(named)
-                return sums, await asyncio.to_thread(p2p.send, {n: by_name[n] for n in endpoint.tensors}, endpoint)
+                chosen = {n: by_name[n] for n in endpoint.tensors}
+                return sums, await asyncio.to_thread(p2p.send, chosen, endpoint)
 
             async def p2p_flip(sent, version: int = version):
                 sums, report = sent
@@ -440,8 +454,9 @@ async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | No
                 (outcome,) = summary.outcomes
                 assert outcome.ok and outcome.transport == sent.P2P, outcome
                 row("p2p_trainer", summary.serving_s, outcome.pause_s, outcome.bytes, write_s)
-                print(f"{'':>22}p2p_trainer: plan {1000 * summary.plan_s:.1f} ms, transfer {1000 * summary.transfer_s:.1f}"
-                      f" ms, finish (verify + flip) {1000 * summary.finish_s:.1f} ms, store wait "
+                print(f"{'':>22}p2p_trainer: plan {1000 * summary.plan_s:.1f} ms, "
+                      f"transfer {1000 * summary.transfer_s:.1f} ms, "
+                      f"finish (verify + flip) {1000 * summary.finish_s:.1f} ms, store wait "
                       f"{1000 * summary.store_wait_s:.1f} ms, confirm {1000 * summary.confirm_s:.1f} ms; "
                       f"whole send {1000 * (time.perf_counter() - started):.1f} ms; "
                       f"sent {summary.bytes.get('p2p', 0) / 2**20:.2f} MB", flush=True)
@@ -492,14 +507,16 @@ class TrainerSent:
 
         self.P2P = broker_pb2.TRANSPORT_P2P
         self.run = f"t-{name}-sent"
-        self.store = DirectoryWeightStore(workdir / "store", self.run, full_every=10**6, max_delta_fraction=10.0)
+        self.store = DirectoryWeightStore(workdir / "store", self.run, full_every=10**6,
+                                          max_delta_fraction=10.0)
         self.store.write_version(0, state)
         self.engine = self.broker = self.sender = None
         try:
-            self.engine = EngineProcess(model_dir, workdir / f"engine-{name}-sent", weight_store_root=workdir / "store",
-                                        engine_id="sent").start(300.0)
+            self.engine = EngineProcess(model_dir, workdir / f"engine-{name}-sent",
+                                        weight_store_root=workdir / "store", engine_id="sent").start(300.0)
             self.broker = BrokerProcess(
-                workdir / f"broker-{name}", run_id=self.run, weight_store=str(workdir / "store"), auto_promote=True,
+                workdir / f"broker-{name}", run_id=self.run, weight_store=str(workdir / "store"),
+                auto_promote=True,
                 engines=[{"engine_id": "sent", "url": self.engine.url, "pool": "canary", "kind": "cpu"}],
                 reconcile_interval_s=3600,  # every version comes from the trainer here, none from the store
                 **{"nats.url": infra.nats_url, "redis.url": infra.redis_url, "sync.transport": "p2p",
@@ -562,7 +579,8 @@ async def broadcast_update(pools, engine, named, sums, version: int):
 
     port = free_port()
     plan = BroadcastPlan("127.0.0.1", port, f"bench-{port}", "gloo", [n for n, _ in named],
-                         [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named],
+                         [str(t.dtype).removeprefix("torch.") for _, t in named],
+                         [list(t.shape) for _, t in named],
                          checksums=sums, pause_mode="retract", staged=True)  # fmt: skip
 
     def send() -> None:
@@ -587,8 +605,8 @@ TRANSPORT_HEADER = (f"{'model':>6} {'params':>7} {'v':>2} {'transport':>10} {'e2
 
 
 def print_transport_row(r: TransportRow) -> None:
-    print(f"{r.model:>6} {r.params_m:>6.1f}M {r.version:>2} {r.transport:>10} {r.e2e_ms:>9.1f} {r.pause_ms:>9.2f} "
-          f"{r.moved_mb:>9.2f} {r.store_write_ms:>14.1f}", flush=True)
+    print(f"{r.model:>6} {r.params_m:>6.1f}M {r.version:>2} {r.transport:>10} {r.e2e_ms:>9.1f} "
+          f"{r.pause_ms:>9.2f} {r.moved_mb:>9.2f} {r.store_write_ms:>14.1f}", flush=True)
 
 
 def transport_summary(rows: list[TransportRow]) -> None:
@@ -612,17 +630,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="default model only, 2 steps per learning rate")
     parser.add_argument("--steps", type=int, default=3, help="updates per learning rate on the default model")
-    parser.add_argument("--big-steps", type=int, default=1, help="updates per learning rate on the 100M model")
+    parser.add_argument("--big-steps", type=int, default=1,
+                        help="updates per learning rate on the 100M model")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--transports", action="store_true",
-                        help="every transport side by side (disk full, disk delta, broadcast, P2P, tensor), three sizes")
-    parser.add_argument("--transport-steps", type=int, default=2, help="updates per model size with --transports")
+                        help="every transport side by side (disk full, disk delta, "
+                             "broadcast, P2P, tensor), three sizes")
+    parser.add_argument("--transport-steps", type=int, default=2,
+                        help="updates per model size with --transports")
     parser.add_argument("--sizes", default="default,25M,100M", help="model sizes with --transports")
     parser.add_argument("--no-trainer-sent", action="store_true",
                         help="with --transports: leave out p2p_trainer (no broker, NATS or Redis started)")
     parser.add_argument("--flip-after-stored", action="store_true",
-                        help="with --transports: direct transports flip only once the store write beside them "
-                             "is done (the broker's sync.flip_before_stored = false)")
+                        help="with --transports: direct transports flip only once the store write beside "
+                             "them is done (the broker's sync.flip_before_stored = false)")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch

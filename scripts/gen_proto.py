@@ -45,7 +45,8 @@ def generate(dest: Path) -> None:
     for directory in [dest, *(p for p in dest.rglob("*") if p.is_dir())]:
         init = directory / "__init__.py"
         if not init.exists():
-            init.write_text("" if directory != dest else '"""Generated from proto/ by scripts/gen_proto.py. Do not edit."""\n')
+            init.write_text("" if directory != dest
+                            else '"""Generated from proto/ by scripts/gen_proto.py. Do not edit."""\n')
 
 
 def tree_files(root: Path) -> set[str]:
@@ -60,7 +61,8 @@ def differences(a: Path, b: Path) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare with the committed code, write nothing")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,8 @@
 
     python scripts/sglang_contract.py                  # installs into a throwaway venv, writes the snapshot
     python scripts/sglang_contract.py --venv DIR       # reuse (or create) that venv
-    python scripts/sglang_contract.py --version 0.5.24 # a new release: regenerate one file, run tests/contract
+    python scripts/sglang_contract.py --version 0.5.24 # a new release: regenerate one file,
+                                                       # run tests/contract
 
 SGLang's wheel pins a CUDA torch and CUDA kernels, so it cannot be installed as a dependency; it is
 installed with `--no-deps` into a throwaway venv beside the pure-Python packages its HTTP server and
@@ -74,7 +75,8 @@ STRUCTS = [
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", default=DEFAULT_VERSION)
     parser.add_argument("--venv", type=Path, help="venv to install into (default: a throwaway one)")
     parser.add_argument("--out", type=Path, help="default: contracts/sglang-<version>.json")
@@ -100,7 +102,8 @@ def run_in_venv(venv: Path, version: str, out: Path) -> int:
     subprocess.run([*pip, "--no-deps", f"sglang=={version}"], check=True)
     subprocess.run([*pip, "-c", constraints.name, *NEEDS], check=True)
     os.unlink(constraints.name)
-    return subprocess.run([str(python), __file__, "--inside", "--version", version, "--out", str(out)]).returncode
+    return subprocess.run([str(python), __file__, "--inside", "--version", version, "--out",
+                           str(out)]).returncode
 
 
 # --- inside the venv ------------------------------------------------------------------------------
@@ -209,7 +212,8 @@ def _convert(body: dict, cls, fields: dict) -> str | None:
     if cls.__name__ == "GenerateReqInput":  # its sampling_params become SGLang's SamplingParams
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        for params in body["sampling_params"] if isinstance(body["sampling_params"], list) else [body["sampling_params"]]:
+        for params in (body["sampling_params"] if isinstance(body["sampling_params"], list)
+                       else [body["sampling_params"]]):
             try:
                 SamplingParams(**params)
             except TypeError as exc:
@@ -218,7 +222,8 @@ def _convert(body: dict, cls, fields: dict) -> str | None:
         if getattr(cls, "__struct_config__", None) is not None and cls.__struct_config__.array_like:
             msgspec.convert(body, msgspec.defstruct(cls.__name__, [
                 (f.name, f.type, f.default if f.default is not msgspec.NODEFAULT else msgspec.field(
-                    default_factory=f.default_factory) if f.default_factory is not msgspec.NODEFAULT else msgspec.NODEFAULT)
+                    default_factory=f.default_factory) if f.default_factory is not msgspec.NODEFAULT
+                 else msgspec.NODEFAULT)
                 for f in msgspec.structs.fields(cls)], kw_only=True))
             pydantic.TypeAdapter(cls).validate_json(json.dumps(body))
         else:  # GenerateReqInput is a dataclass with pydantic validators: FastAPI's path is the check
@@ -243,7 +248,8 @@ def write_snapshot(version: str, out: Path) -> int:
 
     import sglang
 
-    warnings.filterwarnings("ignore")  # FastAPI's duplicate-operation-id warnings for SGLang's GET|POST routes
+    # FastAPI's duplicate-operation-id warnings for SGLang's GET|POST routes
+    warnings.filterwarnings("ignore")
     http_server, io_struct = _import_sglang()
     assert sglang.__version__ == version, (sglang.__version__, version)
     app = http_server.app
@@ -279,12 +285,13 @@ def write_snapshot(version: str, out: Path) -> int:
 
     load_formats = sorted(member.value for member in LoadFormat)
     # The tokenizer manager fills meta_info; per-token versions are added by a helper module.
-    meta_keys = sorted({key for module in ("sglang.srt.managers.tokenizer_manager", "sglang.srt.utils.weight_versions")
+    meta_keys = sorted({key for module in ("sglang.srt.managers.tokenizer_manager",
+                                           "sglang.srt.utils.weight_versions")
                         for key in _meta_info_keys(inspect.getsource(importlib.import_module(module)))})
 
     # The keys of `/model_info`'s reply, from its handler (rlfleet reads weight_version there).
-    model_info_keys = sorted(set(re.findall(r"^\s*[\"'](\w+)[\"']\s*:", inspect.getsource(http_server.model_info),
-                                            flags=re.M)))
+    model_info_keys = sorted(set(re.findall(r"^\s*[\"'](\w+)[\"']\s*:",
+                                            inspect.getsource(http_server.model_info), flags=re.M)))
     requests = _load_engine_requests()
     bodies = []
     failures = []

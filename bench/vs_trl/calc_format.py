@@ -62,7 +62,8 @@ CALC_RESPONSE_TEMPLATE = {
             "close_pattern": r"</calc>",
             "repeats": True,
             "content": "text",
-            "transform": {"type": "function", "function": {"name": "calc", "arguments": {"expression": "{content}"}}},
+            "transform": {"type": "function",
+                          "function": {"name": "calc", "arguments": {"expression": "{content}"}}},
         },
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
@@ -177,7 +178,8 @@ def evaluate_success(model, tokenizer, tasks: Sequence, *, temperature: float, s
                            last_turn=turn == limits.max_turns, generator=generator)
     finally:
         model.train(was_training)
-    passed = sum(scorer.score(e.task_id, completion_transcript(tokenizer, e.ids[e.start:]), e.truncated).passed
+    passed = sum(scorer.score(e.task_id, completion_transcript(tokenizer, e.ids[e.start:]),
+                              e.truncated).passed
                  for e in episodes)
     return passed / max(len(episodes), 1)
 
@@ -185,7 +187,8 @@ def evaluate_success(model, tokenizer, tasks: Sequence, *, temperature: float, s
 def _render_ids(tokenizer, messages: list[dict]) -> list[int]:
     from rlfleet.common.chat import render_messages
 
-    return tokenizer(render_messages(messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    return tokenizer(render_messages(messages, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
 
 
 def _eval_turn(model, tokenizer, batch: list[_Episode], limits, temperature: float, eos_ids: set[int],
@@ -227,7 +230,8 @@ def _eval_turn(model, tokenizer, batch: list[_Episode], limits, temperature: flo
         episode.ids.extend(tokenizer(framed, add_special_tokens=False)["input_ids"])
 
 
-def _sample(model, input_ids, attention, max_new_tokens: int, temperature: float, eos_ids: set[int], generator):
+def _sample(model, input_ids, attention, max_new_tokens: int, temperature: float,
+            eos_ids: set[int], generator):
     """Plain batched sampling with a KV cache (temperature 0 = greedy); rows that ended keep padding."""
     import torch
 

@@ -47,7 +47,8 @@ class Workload(StrictModel):
     max_s: float = 20.0
 
     def tool_latency(self) -> dict[str, Any]:
-        return {"distribution": self.distribution, "median_s": self.median_s, "sigma": self.sigma, "max_s": self.max_s}
+        return {"distribution": self.distribution, "median_s": self.median_s, "sigma": self.sigma,
+                "max_s": self.max_s}
 
     def describe(self) -> str:
         if self.distribution == "none":
@@ -71,7 +72,8 @@ def lognormal_mean(median_s: float, sigma: float, cap_s: float) -> float:
     return math.exp(mu + sigma**2 / 2) * phi(z - sigma) + cap_s * (1 - phi(z))
 
 
-def workloads(slow_median_s: float = 0.5, slow_sigma: float = 1.0, slow_max_s: float = 20.0) -> dict[str, Workload]:
+def workloads(slow_median_s: float = 0.5, slow_sigma: float = 1.0,
+              slow_max_s: float = 20.0) -> dict[str, Workload]:
     return {"plain": Workload(name="plain"),
             "slow": Workload(name="slow", distribution="lognormal", median_s=slow_median_s, sigma=slow_sigma,
                              max_s=slow_max_s)}
@@ -177,7 +179,8 @@ class SystemResult(StrictModel):
 
 def from_rlfleet_summary(summary: dict[str, Any], system: str, workload: str) -> SystemResult:
     """A `runs/<id>/summary.json` of `rlfleet run` as a result row."""
-    missing = [k for k in ("heldout_curve", "wall_s", "trained_tokens_per_s", "trajectories") if k not in summary]
+    missing = [k for k in ("heldout_curve", "wall_s", "trained_tokens_per_s",
+                           "trajectories") if k not in summary]
     if missing:
         raise KeyError(f"summary.json lacks {', '.join(missing)} (needs the loop's bench fields)")
     trajectories = summary["trajectories"]
@@ -185,14 +188,17 @@ def from_rlfleet_summary(summary: dict[str, Any], system: str, workload: str) ->
     if per_second is None:
         raise KeyError("summary.json lacks trajectories.per_second")
     curve = [{"elapsed_s": float(p["elapsed_s"]), "version": int(p.get("version", 0)),
-              "success": float(p["success"]), "label": str(p.get("label", ""))} for p in summary["heldout_curve"]]
+              "success": float(p["success"]),
+              "label": str(p.get("label", ""))} for p in summary["heldout_curve"]]
     return SystemResult(system=system, workload=workload, wall_s=float(summary["wall_s"]),
-                        completions_per_s=float(per_second), trained_tokens_per_s=float(summary["trained_tokens_per_s"]),
+                        completions_per_s=float(per_second),
+                        trained_tokens_per_s=float(summary["trained_tokens_per_s"]),
                         trainer_idle_fraction=_maybe_float(summary.get("trainer_idle_fraction")),
                         peak_rss_mb=_maybe_float(summary.get("peak_rss_mb")), curve=curve)
 
 
-def from_trl_result(result: dict[str, Any], workload: str, clock: Literal["train", "wall"] = "train") -> SystemResult:
+def from_trl_result(result: dict[str, Any], workload: str,
+                    clock: Literal["train", "wall"] = "train") -> SystemResult:
     """TRL's result row. ``clock="train"``: times and rates on TRL's training clock, which stops while it
     evaluates (the default, in TRL's favour); ``"wall"``: on the wall clock, evaluations included."""
     if clock == "train":
@@ -209,7 +215,8 @@ def from_trl_result(result: dict[str, Any], workload: str, clock: Literal["train
                         completions_per_s=float(result["completions_per_s"]) * scale,
                         trained_tokens_per_s=float(result["trained_tokens_per_s"]) * scale,
                         trainer_idle_fraction=_maybe_float(result.get("trainer_idle_fraction")),
-                        peak_rss_mb=_maybe_float(result.get("peak_rss_mb")), curve=curve, notes=notes, raw=result)
+                        peak_rss_mb=_maybe_float(result.get("peak_rss_mb")), curve=curve,
+                        notes=notes, raw=result)
 
 
 def on_trl_clock(results: list[SystemResult], clock: Literal["train", "wall"]) -> list[SystemResult]:
@@ -265,7 +272,8 @@ def ratios(results: list[SystemResult], target: float) -> dict[str, dict[str, di
                 "time_to_target_speedup": ratio(slow_t, fast_t),
                 # the other system never got there within its wall time: async was at least this much sooner
                 "time_to_target_speedup_at_least": ratio(slow.wall_s, fast_t) if slow_t is None else None,
-                "final_success_gain": None if fast.final is None or slow.final is None else fast.final - slow.final,
+                "final_success_gain": (None if fast.final is None or slow.final is None
+                                       else fast.final - slow.final),
             }
         out[workload] = rows
     return out
@@ -273,15 +281,16 @@ def ratios(results: list[SystemResult], target: float) -> dict[str, dict[str, di
 
 def table(results: list[SystemResult], target: float) -> str:
     """The figures as a fixed-width table, one row per system and workload."""
-    head = (f"{'workload':8s} {'system':6s} {'compl/s':>8s} {'tok/s':>8s} {'to target':>10s} {'baseline':>8s} "
-            f"{'final':>6s} {'best':>6s} {'idle':>6s} {'peak MB':>8s} {'wall s':>7s}")
+    head = (f"{'workload':8s} {'system':6s} {'compl/s':>8s} {'tok/s':>8s} {'to target':>10s} "
+            f"{'baseline':>8s} {'final':>6s} {'best':>6s} {'idle':>6s} {'peak MB':>8s} {'wall s':>7s}")
     lines = [head, "-" * len(head)]
     for r in sorted(results, key=lambda r: (WORKLOADS.index(r.workload) if r.workload in WORKLOADS else 9,
                                              SYSTEMS.index(r.system) if r.system in SYSTEMS else 9)):
         ttt = time_to_target(r.curve, target)
         lines.append(
             f"{r.workload:8s} {r.system:6s} {r.completions_per_s:8.2f} {r.trained_tokens_per_s:8.1f} "
-            f"{_fmt(ttt, '{:9.0f}s', 'not reached'):>10s} {_fmt(r.baseline, '{:.3f}'):>8s} {_fmt(r.final, '{:.3f}'):>6s} "
+            f"{_fmt(ttt, '{:9.0f}s', 'not reached'):>10s} {_fmt(r.baseline, '{:.3f}'):>8s} "
+            f"{_fmt(r.final, '{:.3f}'):>6s} "
             f"{_fmt(r.best, '{:.3f}'):>6s} {_fmt(r.trainer_idle_fraction, '{:.0%}'):>6s} "
             f"{_fmt(r.peak_rss_mb, '{:.0f}'):>8s} {r.wall_s:7.0f}")
     return "\n".join(lines)
@@ -291,7 +300,8 @@ def ratio_lines(rat: dict[str, dict[str, dict[str, float | None]]]) -> str:
     lines = []
     for workload, rows in rat.items():
         for name, row in rows.items():
-            lines.append(f"{workload:8s} rlfleet-{name.replace('/', ' / ')}:  completions/s x{_fmt(row['completions_per_s'], '{:.2f}')}"
+            lines.append(f"{workload:8s} rlfleet-{name.replace('/', ' / ')}:  "
+                         f"completions/s x{_fmt(row['completions_per_s'], '{:.2f}')}"
                          f"  trained tokens/s x{_fmt(row['trained_tokens_per_s'], '{:.2f}')}"
                          f"  time to target {_speedup(row)}"
                          f"  final success {_fmt(row['final_success_gain'], '{:+.3f}')}")
@@ -322,13 +332,15 @@ def plot(results: list[SystemResult], target: float, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [w for w in WORKLOADS if any(r.workload == w for r in results)] or sorted({r.workload for r in results})
+    names = [w for w in WORKLOADS
+             if any(r.workload == w for r in results)] or sorted({r.workload for r in results})
     fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 3.8), squeeze=False)
     colors = {"trl": "tab:orange", "sync": "tab:blue", "async": "tab:green"}
     for ax, workload in zip(axes[0], names, strict=True):
         for r in (r for r in results if r.workload == workload):
             points = sorted(r.curve, key=lambda p: p["elapsed_s"])
-            label = {"trl": "TRL GRPOTrainer", "sync": "rlfleet sync", "async": "rlfleet async"}.get(r.system, r.system)
+            label = {"trl": "TRL GRPOTrainer", "sync": "rlfleet sync",
+                     "async": "rlfleet async"}.get(r.system, r.system)
             ax.plot([p["elapsed_s"] for p in points], [p["success"] for p in points], marker="o", ms=3,
                     label=label, color=colors.get(r.system))
         ax.axhline(target, color="grey", ls="--", lw=0.8, label=f"target {target:.2f}")
@@ -353,7 +365,9 @@ def run_rlfleet(config: dict[str, Any], name: str, out_dir: Path) -> dict:
     print(f"== {name}: rlfleet run {path} (log {log})", flush=True)
     rlfleet = str(Path(sys.executable).parent / "rlfleet")
     with open(log, "w") as out:
-        code = subprocess.run([rlfleet, "run", str(path), "--fresh"], stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run([rlfleet, "run", str(path), "--fresh"], stdout=out,
+                              stderr=subprocess.STDOUT).returncode
     if code != 0:
-        sys.exit(f"{name} run failed (exit {code}); see {log}:\n" + "\n".join(log.read_text().splitlines()[-20:]))
+        sys.exit(f"{name} run failed (exit {code}); see {log}:\n"
+                 + "\n".join(log.read_text().splitlines()[-20:]))
     return json.loads((Path(config["run_dir"]) / "summary.json").read_text())

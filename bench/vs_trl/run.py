@@ -59,29 +59,38 @@ STARTUP_ALLOWANCE_S = 90  # platform start, baseline/final evaluations, shutdown
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/vs_trl/run.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--budget-s", type=float, default=120.0, help="training wall budget of each run (default 120)")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--budget-s", type=float, default=120.0,
+                   help="training wall budget of each run (default 120)")
     p.add_argument("--workloads", default="plain,slow", help="comma list of plain, slow")
     p.add_argument("--systems", default="trl,sync,async", help="comma list of trl, sync, async")
     p.add_argument("--out", type=Path, default=HERE / "results", help="results folder")
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "vs-trl",
                    help="run directories, generated configs and logs (default runs/vs-trl)")
     p.add_argument("--heldout", type=int, default=100, help="held-out tasks per evaluation (all systems)")
-    p.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N versions (all systems)")
-    p.add_argument("--target", type=float, default=None, help="held-out success target (default: mean baseline + --target-gain)")
-    p.add_argument("--target-gain", type=float, default=0.10, help="target above the mean baseline (default 0.10)")
+    p.add_argument("--eval-every", type=int, default=5,
+                   help="held-out evaluation every N versions (all systems)")
+    p.add_argument("--target", type=float, default=None,
+                   help="held-out success target (default: mean baseline + --target-gain)")
+    p.add_argument("--target-gain", type=float, default=0.10,
+                   help="target above the mean baseline (default 0.10)")
     p.add_argument("--latency-median", type=float, default=0.5, help="slow workload: lognormal median, s")
     p.add_argument("--latency-sigma", type=float, default=1.0, help="slow workload: lognormal sigma")
     p.add_argument("--latency-max", type=float, default=20.0, help="slow workload: cap on one draw, s")
-    p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2: the machine)")
+    p.add_argument("--trl-threads", type=int, default=2,
+                   help="torch threads of the TRL process (default 2: the machine)")
     p.add_argument("--trl-clock", choices=("train", "wall"), default="train",
-                   help="TRL's times: train = its clock stops while it evaluates (default, in its favour); wall = not")
+                   help="TRL's times: train = its clock stops while it evaluates (default, in its favour); "
+                        "wall = not")
     p.add_argument("--concurrency", type=int, default=Settings().concurrency,
                    help=f"rlfleet: rollout episodes at once (default {Settings().concurrency})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plan", action="store_true", help="print the runs and the expected total time, run nothing")
+    p.add_argument("--plan", action="store_true",
+                   help="print the runs and the expected total time, run nothing")
     p.add_argument("--report-from", type=Path, default=None,
-                   help="run nothing: print the table and ratios again from a results.json (e.g. with another --target)")
+                   help="run nothing: print the table and ratios again from a results.json "
+                        "(e.g. with another --target)")
     return p.parse_args(argv)
 
 
@@ -89,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     chosen_workloads = _pick(args.workloads, WORKLOADS, "workload")
     chosen_systems = _pick(args.systems, SYSTEMS, "system")
-    settings = Settings(seed=args.seed, heldout=args.heldout, eval_every_steps=args.eval_every, budget_s=args.budget_s,
-                        concurrency=args.concurrency)
+    settings = Settings(seed=args.seed, heldout=args.heldout, eval_every_steps=args.eval_every,
+                        budget_s=args.budget_s, concurrency=args.concurrency)
     loads = workloads(args.latency_median, args.latency_sigma, args.latency_max)
     runs = [(loads[w], s) for w in chosen_workloads for s in chosen_systems]
     estimate = len(runs) * (args.budget_s + STARTUP_ALLOWANCE_S)
@@ -102,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report_from is not None:
         saved = json.loads(args.report_from.read_text())
-        results = [SystemResult.model_validate({k: v for k, v in r.items() if k not in ("baseline", "final", "best")})
+        results = [SystemResult.model_validate({k: v for k, v in r.items()
+                                                if k not in ("baseline", "final", "best")})
                    for r in saved["results"]]
         report(results, Settings.model_validate(saved["settings"]), loads, args, args.out.resolve(),
                saved.get("failures", []))
@@ -156,7 +166,8 @@ def base_policy(cache: Path) -> Path:
     warm-start settings (the defaults), built once and cached under runs/.cache."""
     from rlfleet.cli.warm_start import ModelSpec, WarmStartConfig, ensure_base_policy
 
-    return ensure_base_policy(cache, ModelSpec(), WarmStartConfig(), False, say=lambda t: print(t, flush=True))
+    return ensure_base_policy(cache, ModelSpec(), WarmStartConfig(), False,
+                              say=lambda t: print(t, flush=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,8 +177,8 @@ def run_trl(settings: Settings, workload: Workload, policy: Path, work_root: Pat
             clock: str = "train") -> SystemResult:
     work = work_root / f"{workload.name}-trl"
     work.mkdir(parents=True, exist_ok=True)
-    job = TrlJob(settings=settings, tool_latency=workload.tool_latency(), policy_dir=str(policy), work_dir=work,
-                 torch_threads=threads)
+    job = TrlJob(settings=settings, tool_latency=workload.tool_latency(), policy_dir=str(policy),
+                 work_dir=work, torch_threads=threads)
     (work / "job.json").write_text(job.model_dump_json(indent=2))
     result_path = work / "result.json"
     result_path.unlink(missing_ok=True)
@@ -203,8 +214,8 @@ def _child(cmd: list[str], log: Path, env: dict, budget_s: float) -> int:
     SIGINT then SIGKILL) if it overruns its budget by a wide margin."""
     deadline = time.monotonic() + budget_s + 600
     with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO, text=True,
-                                bufsize=1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO, text=True, bufsize=1)
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
@@ -225,7 +236,8 @@ def _child(cmd: list[str], log: Path, env: dict, budget_s: float) -> int:
 
 
 def _interesting(line: str) -> bool:
-    return line.startswith(("[trl", "base policy", "baseline:", "gate:", "final:", "run ", "loop:", "platform:")) \
+    return line.startswith(("[trl", "base policy", "baseline:", "gate:", "final:", "run ", "loop:",
+                            "platform:")) \
         or ("held-out" in line and line.startswith("["))
 
 
@@ -238,16 +250,19 @@ def report(results: list[SystemResult], settings: Settings, loads: dict[str, Wor
     rat = ratios(results, target)
     print(f"\nheld-out target success {target:.3f} "
           f"({'given' if args.target is not None else f'mean baseline + {args.target_gain:g}'}); "
-          f"budget {settings.budget_s:.0f} s per run; {settings.heldout} held-out tasks every {settings.eval_every_steps} versions")
+          f"budget {settings.budget_s:.0f} s per run; "
+          f"{settings.heldout} held-out tasks every {settings.eval_every_steps} versions")
     print(table(results, target))
     other_clock = "wall" if args.trl_clock == "train" else "train"
     rat_other = ratios(on_trl_clock(results, other_clock), target)
     if rat:
         print(f"\nratios (rlfleet async / other; TRL on its {args.trl_clock} clock):")
         print(ratio_lines(rat))
-        why = "its evaluations included, as rlfleet's are" if other_clock == "wall" else "its evaluations excluded"
+        why = ("its evaluations included, as rlfleet's are" if other_clock == "wall"
+               else "its evaluations excluded")
         print(f"with TRL on its {other_clock} clock ({why}):")
-        print(ratio_lines({w: {k: v for k, v in rows.items() if k == "async/trl"} for w, rows in rat_other.items()}))
+        print(ratio_lines({w: {k: v for k, v in rows.items() if k == "async/trl"}
+                           for w, rows in rat_other.items()}))
     for r in results:
         for note in r.notes:
             print(f"note: {r.workload}/{r.system}: {note}")
@@ -256,8 +271,10 @@ def report(results: list[SystemResult], settings: Settings, loads: dict[str, Wor
     payload = {
         "created_unix": time.time(), "settings": settings.model_dump(), "target": target,
         "workloads": {name: w.model_dump() | {"describe": w.describe()} for name, w in loads.items()},
-        "results": [r.model_dump() | {"baseline": r.baseline, "final": r.final, "best": r.best} for r in results],
-        "trl_clock": args.trl_clock, "ratios": rat, f"ratios_trl_{other_clock}_clock": rat_other, "failures": failures,
+        "results": [r.model_dump() | {"baseline": r.baseline, "final": r.final, "best": r.best}
+                    for r in results],
+        "trl_clock": args.trl_clock, "ratios": rat, f"ratios_trl_{other_clock}_clock": rat_other,
+        "failures": failures,
     }
     write_results(out / "results.json", payload)
     png = plot(results, target, out / "heldout_vs_time.png")

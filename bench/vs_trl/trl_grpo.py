@@ -118,13 +118,15 @@ def run(job: TrlJob) -> dict:
     rewards_seen: list[float] = []
 
     def verifier_reward(prompts, completions, completion_ids, task_id, **_):
-        scores = [scorer.score(tid, completion_transcript(tokenizer, ids), truncated=not ids or ids[-1] not in eos)
+        scores = [scorer.score(tid, completion_transcript(tokenizer, ids),
+                               truncated=not ids or ids[-1] not in eos)
                   for tid, ids in zip(task_id, completion_ids, strict=True)]
         rewards_seen.extend(sc.reward for sc in scores)
         return [sc.reward for sc in scores]
 
     dataset = Dataset.from_list([
-        {"prompt": [m for m in t.chat_messages() if m["role"] != "system"], "task_id": t.task_id} for t in train])
+        {"prompt": [m for m in t.chat_messages() if m["role"] != "system"],
+         "task_id": t.task_id} for t in train])
     batch = s.group_size * s.groups_per_step
     config = GRPOConfig(
         output_dir=str(job.work_dir / "trl-output"), report_to="none", save_strategy="no", logging_steps=1,
@@ -163,7 +165,8 @@ def run(job: TrlJob) -> dict:
         if meter.train_start:
             meter.eval_s += spent
         meter.curve.append({"elapsed_s": round(meter.train_clock(), 2), "wall_s": round(meter.wall(), 2),
-                            "version": version, "success": success, "label": label, "eval_s": round(spent, 2)})
+                            "version": version, "success": success, "label": label,
+                            "eval_s": round(spent, 2)})
         print(f"[trl {meter.train_clock():6.1f}s] step {version:3d} held-out success {success:.3f} "
               f"({label}, eval {spent:.1f} s)", flush=True)
 
@@ -188,7 +191,8 @@ def run(job: TrlJob) -> dict:
         "tool_latency_s": round(meter.tools.get("latency_s", 0.0), 2),
         "reward_mean": sum(rewards_seen) / len(rewards_seen) if rewards_seen else 0.0,
         "peak_rss_mb": round(peak_rss_mb, 1), "heldout_curve": meter.curve,
-        "versions": {"trl": _version("trl"), "transformers": _version("transformers"), "torch": torch.__version__},
+        "versions": {"trl": _version("trl"), "transformers": _version("transformers"),
+                     "torch": torch.__version__},
     }
 
 

@@ -29,7 +29,8 @@ def grpc_serving(address: str, service: str, timeout_s: float) -> tuple[bool, st
     # one), from the secrets directory in RLFLEET_SECRETS_DIR.
     security.adopt_mounted_identity()
     try:
-        opened = grpc.insecure_channel(address) if security.plaintext() else grpc_server.blocking_channel(address)
+        opened = (grpc.insecure_channel(address) if security.plaintext()
+                  else grpc_server.blocking_channel(address))
     except StartupError as exc:
         return False, f"{address}: {exc}"
     with opened as channel:

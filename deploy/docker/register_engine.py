@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rlfleet-register-engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gateway", default=env("GATEWAY_ADDRESS", ""),
                         help="gateway gRPC target, e.g. dns:///rollout-gateway:50051 (env GATEWAY_ADDRESS)")
-    parser.add_argument("--engine-id", default=env("ENGINE_ID", ""), help="unique engine name (env ENGINE_ID)")
+    parser.add_argument("--engine-id", default=env("ENGINE_ID", ""),
+                        help="unique engine name (env ENGINE_ID)")
     parser.add_argument("--url", default=env("ENGINE_URL", ""),
                         help="engine base URL reachable from the gateway (env ENGINE_URL)")
     parser.add_argument("--kind", choices=sorted(KINDS), default=env("ENGINE_KIND", "sglang"),

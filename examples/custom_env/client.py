@@ -65,7 +65,8 @@ def framed(observation: str, reply: session_pb2.GenerateResponse) -> str:
     """The observation as the ChatML template renders it after the assistant's turn. A turn that ended
     on its own (STOP) already holds the model's <|im_end|>; one cut at max_new_tokens is closed here."""
     closed = reply.finish_reason == common_pb2.FINISH_REASON_STOP
-    return ("\n" if closed else IM_END + "\n") + f"{IM_START}tool\n{observation}{IM_END}\n{IM_START}assistant\n"
+    return (("\n" if closed else IM_END + "\n")
+            + f"{IM_START}tool\n{observation}{IM_END}\n{IM_START}assistant\n")
 
 
 def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials:
@@ -81,24 +82,29 @@ async def episode(args: argparse.Namespace) -> dict:
     session_id = f"custom-{uuid.uuid4().hex}"
     creds = credentials(args)
     async with grpc.aio.secure_channel(args.session, creds) as s_ch, \
-            grpc.aio.secure_channel(args.sandbox, creds) as b_ch, grpc.aio.secure_channel(args.verifier, creds) as v_ch:
+            grpc.aio.secure_channel(args.sandbox, creds) as b_ch, \
+            grpc.aio.secure_channel(args.verifier, creds) as v_ch:
         sessions = session_pb2_grpc.SessionServiceStub(s_ch)
         sandboxes = sandbox_pb2_grpc.SandboxServiceStub(b_ch)
         verifier = verifier_pb2_grpc.VerifierServiceStub(v_ch)
 
-        box = await sandboxes.CreateSandbox(sandbox_pb2.CreateSandboxRequest(session_id=session_id), timeout=30)
+        box = await sandboxes.CreateSandbox(sandbox_pb2.CreateSandboxRequest(session_id=session_id),
+                                            timeout=30)
         opened = False
         try:
             messages = [common_pb2.ChatMessage(role="system", content=SYSTEM),
                         common_pb2.ChatMessage(role="user", content=args.question)]
             await sessions.OpenSession(session_pb2.OpenSessionRequest(
                 session_id=session_id, run_id=args.run_id, task_id=args.task_id, group_id=session_id,
-                group_size=1, suite=args.suite, split="train", messages=common_pb2.ChatMessages(messages=messages),
-                sampling=common_pb2.SamplingParams(max_new_tokens=48, temperature=args.temperature)), timeout=60)
+                group_size=1, suite=args.suite, split="train",
+                messages=common_pb2.ChatMessages(messages=messages),
+                sampling=common_pb2.SamplingParams(max_new_tokens=48,
+                                                   temperature=args.temperature)), timeout=60)
             opened = True
             turns = tool_calls = 0
             for _ in range(args.max_turns + 1):
-                reply = await sessions.Generate(session_pb2.GenerateRequest(session_id=session_id), timeout=120)
+                reply = await sessions.Generate(session_pb2.GenerateRequest(session_id=session_id),
+                                                timeout=120)
                 turns += 1
                 call = TAG.search(reply.text)
                 if call is None or call["tool"] == "answer" or reply.budget_exhausted:
@@ -107,14 +113,16 @@ async def episode(args: argparse.Namespace) -> dict:
                     result = await sandboxes.Exec(sandbox_pb2.ExecRequest(
                         sandbox_id=box.sandbox_id, argv=["python3", "-I", "-S", "-c", CALCULATOR],
                         stdin=call["args"].encode(), timeout_seconds=5), timeout=30)
-                    observation = result.stdout.decode(errors="replace").strip() or f"error: exit {result.exit_code}"
+                    observation = (result.stdout.decode(errors="replace").strip()
+                                   or f"error: exit {result.exit_code}")
                     tool_calls += 1
                 else:
                     observation = f"error: unknown tool {call['tool']!r}; available: calc"
                 await sessions.AppendObservation(session_pb2.AppendObservationRequest(
                     session_id=session_id, text=framed(observation, reply)), timeout=30)
             verdict = await verifier.Verify(verifier_pb2.VerifyRequest(
-                session_id=session_id, suite=args.suite, task_id=args.task_id, sandbox_id=box.sandbox_id), timeout=120)
+                session_id=session_id, suite=args.suite, task_id=args.task_id,
+                sandbox_id=box.sandbox_id), timeout=120)
             closed = await sessions.CloseSession(session_pb2.CloseSessionRequest(
                 session_id=session_id, status=common_pb2.TRAJECTORY_STATUS_COMPLETED), timeout=30)
             opened = False
@@ -123,9 +131,10 @@ async def episode(args: argparse.Namespace) -> dict:
                     "reasons": [common_pb2.ReasonCode.Name(r.code) for r in verdict.reasons]}
         finally:
             if opened:  # something failed mid-episode: never leave the session open
-                await sessions.AbortSession(session_pb2.AbortSessionRequest(session_id=session_id,
-                                                                            reason="client error"), timeout=30)
-            await sandboxes.DestroySandbox(sandbox_pb2.DestroySandboxRequest(sandbox_id=box.sandbox_id), timeout=30)
+                await sessions.AbortSession(
+                    session_pb2.AbortSessionRequest(session_id=session_id, reason="client error"), timeout=30)
+            await sandboxes.DestroySandbox(sandbox_pb2.DestroySandboxRequest(sandbox_id=box.sandbox_id),
+                                           timeout=30)
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ spec.loader.exec_module(bench)
 
 
 def _args(**kw):
-    defaults = dict(median_s=0.3, sigma=1.0, max_s=10.0, heldout=100, eval_every=5, steps=30, max_minutes=25.0,
-                    concurrency=0)
+    defaults = dict(median_s=0.3, sigma=1.0, max_s=10.0, heldout=100, eval_every=5, steps=30,
+                    max_minutes=25.0, concurrency=0)
     return SimpleNamespace(**(defaults | kw))
 
 
@@ -34,7 +34,8 @@ def test_both_modes_get_the_same_workload_and_only_the_mode_differs(tmp_path):
     assert a["mode"] == "async" and s["mode"] == "sync"
     for key in ("model", "warm_start", "trainer", "eval", "gate", "budget", "group_size", "rollout"):
         assert without_run_id(a[key]) == without_run_id(s[key]), key
-    assert a["rollout"]["tool_latency"] == {"distribution": "lognormal", "median_s": 0.3, "sigma": 1.0, "max_s": 10.0}
+    assert a["rollout"]["tool_latency"] == {"distribution": "lognormal", "median_s": 0.3, "sigma": 1.0,
+                                            "max_s": 10.0}
     assert a["budget"]["max_steps"] == 30 and a["eval"]["regression"] == 0
 
 
@@ -53,7 +54,8 @@ def test_time_to_target_is_the_first_evaluation_reaching_it():
 
 
 def test_figures_come_from_the_summary():
-    summary = {"steps": 30, "wall_s": 200.0, "trajectories": {"per_second": 9.5}, "trained_tokens_per_s": 700.0,
+    summary = {"steps": 30, "wall_s": 200.0, "trajectories": {"per_second": 9.5},
+               "trained_tokens_per_s": 700.0,
                "trainer_idle_fraction": 0.08, "gate_wait_s": 0.0, "staleness": {"max": 5},
                "tool_wait_s": {"p50": 0.4, "p99": 6.0}, "peak_rss_mb": 2100.0,
                "baseline_vs_rl": {"baseline": {"task_success": 0.3}, "rl_accepted": {"task_success": 0.55}},

@@ -31,7 +31,8 @@ from common import (  # noqa: E402
 )
 
 
-def _result(system: str, workload: str, curve: list[tuple[float, float]], cps: float = 1.0, tps: float = 10.0):
+def _result(system: str, workload: str, curve: list[tuple[float, float]], cps: float = 1.0,
+            tps: float = 10.0):
     points = [{"elapsed_s": t, "version": i, "success": s, "label": "baseline" if i == 0 else "candidate"}
               for i, (t, s) in enumerate(curve)]
     return SystemResult(system=system, workload=workload, wall_s=curve[-1][0], completions_per_s=cps,
@@ -48,10 +49,12 @@ def test_generated_rlfleet_config_is_a_valid_run_config_with_the_shared_settings
 
     settings = Settings(budget_s=90, heldout=50, eval_every_steps=5, lr=3e-5)
     load = workloads(slow_median_s=0.4, slow_sigma=1.5, slow_max_s=8)[workload]
-    text = to_toml(rlfleet_config(settings, load, mode, f"vs-trl-{workload}-{mode}", tmp_path / "run", tmp_path / "cache"))
+    text = to_toml(rlfleet_config(settings, load, mode, f"vs-trl-{workload}-{mode}", tmp_path / "run",
+                                  tmp_path / "cache"))
     config = RunConfig.model_validate(tomllib.loads(text))  # unknown keys are errors there
     assert config.mode == mode
-    assert config.group_size == settings.group_size and config.trainer.groups_per_step == settings.groups_per_step
+    assert (config.group_size == settings.group_size
+            and config.trainer.groups_per_step == settings.groups_per_step)
     assert config.trainer.optim.lr == 3e-5 and config.rollout.temperature == settings.temperature
     assert config.budget.max_minutes == pytest.approx(1.5)
     assert config.eval.heldout == 50 and config.gate.every_versions == 5
@@ -61,7 +64,8 @@ def test_generated_rlfleet_config_is_a_valid_run_config_with_the_shared_settings
     if workload == "plain":
         assert latency.distribution == "none"
     else:
-        assert (latency.distribution, latency.median_s, latency.sigma, latency.max_s) == ("lognormal", 0.4, 1.5, 8)
+        assert ((latency.distribution, latency.median_s, latency.sigma, latency.max_s)
+                == ("lognormal", 0.4, 1.5, 8))
 
 
 def test_toml_writer_round_trips_nested_tables_and_strings_with_quotes():
@@ -88,7 +92,8 @@ def test_time_to_target_is_the_first_evaluation_at_or_above_the_target():
 
 
 def test_default_target_is_the_mean_baseline_plus_the_gain():
-    runs = [_result("trl", "plain", [(0, 0.30), (10, 0.5)]), _result("async", "plain", [(0, 0.26), (10, 0.4)])]
+    runs = [_result("trl", "plain", [(0, 0.30), (10, 0.5)]),
+            _result("async", "plain", [(0, 0.26), (10, 0.4)])]
     assert default_target(runs, 0.1) == pytest.approx(0.38)
     with pytest.raises(ValueError):
         default_target([SystemResult(system="trl", workload="plain", wall_s=1, completions_per_s=1,
@@ -114,7 +119,8 @@ def test_ratios_divide_async_by_each_other_system_per_workload():
 
 
 def test_a_system_that_never_reaches_the_target_has_no_speedup_and_shows_not_reached():
-    runs = [_result("trl", "plain", [(0, 0.3), (100, 0.32)]), _result("async", "plain", [(0, 0.3), (50, 0.45)])]
+    runs = [_result("trl", "plain", [(0, 0.3), (100, 0.32)]),
+            _result("async", "plain", [(0, 0.3), (50, 0.45)])]
     row = ratios(runs, 0.4)["plain"]["async/trl"]
     assert row["time_to_target_speedup"] is None
     assert row["time_to_target_speedup_at_least"] == pytest.approx(100 / 50)  # TRL's whole run / async's time
@@ -163,10 +169,10 @@ def test_a_summary_without_the_bench_fields_is_refused_with_their_names():
 def test_a_trl_result_keeps_its_training_clock_and_says_evaluation_was_excluded():
     result = {"wall_s": 120.0, "wall_with_eval_s": 150.0, "eval_s": 30.0, "completions_per_s": 3.0,
               "trained_tokens_per_s": 90.0, "trainer_idle_fraction": 0.8, "peak_rss_mb": 700.0,
-              "heldout_curve": [{"elapsed_s": 0.0, "wall_s": 0.0, "version": 0, "success": 0.25, "label": "baseline",
-                                 "eval_s": 3.0},
-                                {"elapsed_s": 120.0, "wall_s": 150.0, "version": 9, "success": 0.3, "label": "final",
-                                 "eval_s": 3.0}]}
+              "heldout_curve": [{"elapsed_s": 0.0, "wall_s": 0.0, "version": 0, "success": 0.25,
+                                 "label": "baseline", "eval_s": 3.0},
+                                {"elapsed_s": 120.0, "wall_s": 150.0, "version": 9, "success": 0.3,
+                                 "label": "final", "eval_s": 3.0}]}
     row = from_trl_result(result, "plain")
     assert row.system == "trl" and row.wall_s == 120.0 and row.final == 0.3
     assert row.completions_per_s == 3.0 and time_to_target(row.curve, 0.3) == 120.0
@@ -177,7 +183,8 @@ def test_a_trl_result_keeps_its_training_clock_and_says_evaluation_was_excluded(
 
 
 def test_the_plot_is_written(tmp_path):
-    runs = [_result("trl", "plain", [(0, 0.3), (100, 0.35)]), _result("async", "plain", [(0, 0.3), (50, 0.45)])]
+    runs = [_result("trl", "plain", [(0, 0.3), (100, 0.35)]),
+            _result("async", "plain", [(0, 0.3), (50, 0.45)])]
     path = common.plot(runs, 0.4, tmp_path / "p.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -226,7 +233,8 @@ def test_a_calc_call_renders_and_parses_as_the_suite_writes_it(tokenizer):
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     plain = [{"role": m["role"], "content": m["content"] or "<calc>37*48+5</calc>"} for m in messages]
     assert rendered == render_messages(plain, add_generation_prompt=False)  # what rlfleet's sessions hold
-    prompt = tokenizer(render_messages(plain[:1], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(render_messages(plain[:1], add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]
     ids = tokenizer("<calc>37*48+5</calc><|im_end|>", add_special_tokens=False)["input_ids"]
     parsed = parse_response(tokenizer, ids, prefix=prompt)
     assert parsed["tool_calls"][0]["function"] == {"name": "calc", "arguments": {"expression": "37*48+5"}}
@@ -292,10 +300,13 @@ def test_an_rlfleet_run_is_started_on_the_generated_config_and_read_back(tmp_pat
     fake.write_text(FAKE_RLFLEET.format(python=sys.executable))
     fake.chmod(0o755)
     settings = Settings(budget_s=30)
-    rows = [run.run_rlfleet(settings, workloads()["slow"], mode, tmp_path / "work", tmp_path / "cache", str(fake))
+    rows = [run.run_rlfleet(settings, workloads()["slow"], mode, tmp_path / "work",
+                            tmp_path / "cache", str(fake))
             for mode in ("sync", "async")]
-    assert [(r.system, r.workload, r.completions_per_s) for r in rows] == [("sync", "slow", 1.0), ("async", "slow", 4.0)]
-    assert json.loads((tmp_path / "work" / "slow-async" / "summary.json").read_text())["latency"] == "lognormal"
+    assert ([(r.system, r.workload, r.completions_per_s) for r in rows]
+            == [("sync", "slow", 1.0), ("async", "slow", 4.0)])
+    assert (json.loads((tmp_path / "work" / "slow-async" / "summary.json").read_text())["latency"]
+            == "lognormal")
     assert "gate: version 5" in (tmp_path / "work" / "vs-trl-slow-async.log").read_text()
     assert ratios(rows, 0.45)["slow"]["async/sync"]["time_to_target_speedup"] == pytest.approx(4.0)
 
@@ -307,7 +318,8 @@ def test_a_failed_rlfleet_run_is_an_error_naming_its_log(tmp_path):
     fake.write_text(f"#!{sys.executable}\nimport sys\nprint('boom')\nsys.exit(3)\n")
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match=r"exited with 3; see .*vs-trl-plain-sync\.log"):
-        run.run_rlfleet(Settings(budget_s=30), workloads()["plain"], "sync", tmp_path, tmp_path / "cache", str(fake))
+        run.run_rlfleet(Settings(budget_s=30), workloads()["plain"], "sync", tmp_path,
+                        tmp_path / "cache", str(fake))
 
 
 def test_without_trl_the_trl_runs_are_skipped_with_a_message(monkeypatch, capsys):
@@ -321,7 +333,8 @@ def test_without_trl_the_trl_runs_are_skipped_with_a_message(monkeypatch, capsys
 def test_plan_prints_the_runs_and_the_total_time(capsys):
     import run
 
-    assert run.main(["--plan", "--budget-s", "100", "--workloads", "plain,slow", "--systems", "trl,async"]) == 0
+    assert run.main(["--plan", "--budget-s", "100", "--workloads", "plain,slow", "--systems",
+                     "trl,async"]) == 0
     out = capsys.readouterr().out
     assert "4 runs x 100 s budget" in out and "lognormal(median 0.5 s, sigma 1, cap 20 s)" in out
 
@@ -338,14 +351,17 @@ def test_trl_frames_a_tool_result_exactly_as_rlfleet_sessions_do(tokenizer, tmp_
     spec = ModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1, max_position_embeddings=256)
     model = build_model(spec, len(tokenizer), seed=0)
-    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=2,
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                      per_device_train_batch_size=2,
                       num_generations=2, max_steps=1, gradient_checkpointing=False)
-    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
-                          train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "What is 1+2?"}]}] * 2),
+    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+                          args=args, train_dataset=Dataset.from_list(
+                              [{"prompt": [{"role": "user", "content": "What is 1+2?"}]}] * 2),
                           processing_class=tokenizer, tools=[make_calc_tool(lambda: 0.0, lambda s: None)])
     suffix = trainer._get_tool_suffix_ids([{"role": "tool", "name": "calc", "content": "1781"}])
     # rlfleet's ChatMLFraming after a turn that ended with <|im_end|>:
-    assert tokenizer.decode(suffix, skip_special_tokens=False) == "\n<|im_start|>tool\n1781<|im_end|>\n<|im_start|>assistant\n"
+    assert (tokenizer.decode(suffix, skip_special_tokens=False)
+            == "\n<|im_start|>tool\n1781<|im_end|>\n<|im_start|>assistant\n")
 
 
 class _ScriptedPolicy:
@@ -371,7 +387,8 @@ class _ScriptedPolicy:
 
         ids = input_ids.tolist()
         if past_key_values is None:
-            self.rows = [[t for t, m in zip(row, mask, strict=True) if m] for row, mask in zip(ids, attention_mask.tolist(), strict=True)]
+            self.rows = [[t for t, m in zip(row, mask, strict=True) if m]
+                         for row, mask in zip(ids, attention_mask.tolist(), strict=True)]
         else:
             for row, new in zip(self.rows, ids, strict=True):
                 row.extend(new)
@@ -379,8 +396,10 @@ class _ScriptedPolicy:
         for i, row in enumerate(self.rows):
             text = self.tokenizer.decode(row, skip_special_tokens=False)
             turn_start = text.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")
-            target = self.tokenizer(self.reply(text[:turn_start]) + "<|im_end|>", add_special_tokens=False)["input_ids"]
-            done = len(self.tokenizer(text[turn_start:], add_special_tokens=False)["input_ids"]) if text[turn_start:] else 0
+            target = self.tokenizer(self.reply(text[:turn_start]) + "<|im_end|>",
+                                    add_special_tokens=False)["input_ids"]
+            done = (len(self.tokenizer(text[turn_start:], add_special_tokens=False)["input_ids"])
+                    if text[turn_start:] else 0)
             logits[i, 0, target[min(done, len(target) - 1)]] = 0.0
         return SimpleNamespace(logits=logits, past_key_values="kept by the stand-in")
 
@@ -403,10 +422,10 @@ def test_heldout_evaluation_runs_the_agent_loop_and_scores_with_the_verifier(tok
     from rlfleet.envkit.suites import calc
 
     tasks = calc.generate_tasks("heldout", 6, seed=0)
-    right = evaluate_success(_ScriptedPolicy(tokenizer, _ideal_reply), tokenizer, tasks, temperature=0.0, seed=0,
-                             batch_size=4)
-    wrong = evaluate_success(_ScriptedPolicy(tokenizer, lambda c: _ideal_reply(c, wrong_by=1)), tokenizer, tasks,
-                             temperature=0.0, seed=0)
+    right = evaluate_success(_ScriptedPolicy(tokenizer, _ideal_reply), tokenizer, tasks,
+                             temperature=0.0, seed=0, batch_size=4)
+    wrong = evaluate_success(_ScriptedPolicy(tokenizer, lambda c: _ideal_reply(c, wrong_by=1)),
+                             tokenizer, tasks, temperature=0.0, seed=0)
     chatty = evaluate_success(_ScriptedPolicy(tokenizer, lambda c: "<calc>1+1</calc>"), tokenizer, tasks,
                               temperature=0.0, seed=0)  # calls the tool every turn, never answers
     assert (right, wrong, chatty) == (1.0, 0.0, 0.0)
@@ -417,8 +436,10 @@ def test_a_saved_results_file_is_reported_again_with_ratios_on_both_trl_clocks(t
 
     trl = {"wall_s": 120.0, "wall_with_eval_s": 150.0, "eval_s": 30.0, "completions_per_s": 3.0,
            "trained_tokens_per_s": 90.0, "trainer_idle_fraction": 0.8, "peak_rss_mb": 700.0,
-           "heldout_curve": [{"elapsed_s": 0.0, "wall_s": 0.0, "version": 0, "success": 0.25, "label": "baseline"},
-                             {"elapsed_s": 100.0, "wall_s": 125.0, "version": 9, "success": 0.4, "label": "final"}]}
+           "heldout_curve": [{"elapsed_s": 0.0, "wall_s": 0.0, "version": 0, "success": 0.25,
+                              "label": "baseline"},
+                             {"elapsed_s": 100.0, "wall_s": 125.0, "version": 9, "success": 0.4,
+                              "label": "final"}]}
     rows = [from_trl_result(trl, "plain"), _result("async", "plain", [(0, 0.25), (110, 0.4)], cps=2.7)]
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps({"settings": {}, "results": [r.model_dump() for r in rows], "failures": []}))
@@ -430,4 +451,5 @@ def test_a_saved_results_file_is_reported_again_with_ratios_on_both_trl_clocks(t
     assert "with TRL on its wall clock" in out
     assert "completions/s x1.12" in out and "time to target x1.14 sooner" in out
     written = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert written["ratios_trl_wall_clock"]["plain"]["async/trl"]["completions_per_s"] == pytest.approx(2.7 / 2.4)
+    assert (written["ratios_trl_wall_clock"]["plain"]["async/trl"]["completions_per_s"]
+            == pytest.approx(2.7 / 2.4))

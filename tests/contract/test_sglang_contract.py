@@ -54,7 +54,8 @@ def test_every_body_field_is_a_field_of_sglangs_struct(snapshot):
     """SGLang drops unknown JSON fields silently (so `pause_mode` was lost): none may be sent."""
     for path, request_type, body in wire.sample_bodies():
         fields = snapshot["structs"][request_type]
-        assert set(body) <= set(fields), f"{path}: {sorted(set(body) - set(fields))} are not {request_type} fields"
+        assert set(body) <= set(fields), \
+            f"{path}: {sorted(set(body) - set(fields))} are not {request_type} fields"
         required = {name for name, spec in fields.items() if spec["required"]}
         assert required <= set(body), f"{path}: {request_type} requires {sorted(required - set(body))}"
 
@@ -70,7 +71,8 @@ def test_every_sampling_parameter_the_gateway_sends_is_one_of_sglangs(snapshot):
     sent = sampling_params(proto)
     fields = snapshot["structs"]["SamplingParams"]
     assert set(sent) <= set(fields), sorted(set(sent) - set(fields))
-    assert "sampling_seed" in sent  # effective only with --enable-deterministic-inference (the k8s overlay sets it)
+    # effective only with --enable-deterministic-inference (the k8s overlay sets it)
+    assert "sampling_seed" in sent
 
 
 def test_every_body_converted_into_sglangs_struct_when_the_snapshot_was_written(snapshot):
@@ -109,7 +111,8 @@ def test_admin_routes_match_sglangs_auth_levels(snapshot):
 
 
 def test_nothing_calls_an_engine_route_outside_the_wire_module():
-    """Every engine call goes through rlfleet.common.engine_requests, so the checks above cover all of them."""
+    """Every engine call goes through rlfleet.common.engine_requests, so the checks above cover all of
+    them."""
     offenders = []
     pattern = re.compile(r"_request\(\s*\"(GET|POST)\"")
     for source in [*ROOT.glob("libs/*/src/**/*.py"), *ROOT.glob("services/*/src/**/*.py")]:

@@ -222,8 +222,9 @@ def render(directory: Path) -> list[dict[str, Any]]:
         for patch in load_yaml_docs(directory / path):
             matches = [o for o in objects if o["kind"] == patch["kind"]
                        and o["metadata"]["name"] == patch["metadata"]["name"]]
-            assert len(matches) == 1, f"{directory / path}: patch {patch['kind']}/{patch['metadata']['name']} " \
-                                      f"matches {len(matches)} objects"
+            assert len(matches) == 1, (
+                f"{directory / path}: patch {patch['kind']}/{patch['metadata']['name']} "
+                f"matches {len(matches)} objects")
             index = objects.index(matches[0])
             objects[index] = strategic_merge(matches[0], patch)
     if "namespace" in spec:

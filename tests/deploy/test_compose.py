@@ -60,7 +60,8 @@ def interpolated(compose_env: dict[str, str]) -> dict:
     if docker_compose is None:
         pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose)")
     env_file = Path(compose_env["RLFLEET_CONFIG_DIR"]).parent / "compose.env"
-    result = subprocess.run([docker_compose, "--env-file", str(env_file), "-f", str(h.COMPOSE_FILE), "config"],
+    result = subprocess.run([docker_compose, "--env-file", str(env_file), "-f",
+                             str(h.COMPOSE_FILE), "config"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
@@ -142,27 +143,31 @@ def test_generated_configs_bind_loopback_on_distinct_ports_and_name_their_peers(
         for key, value in data.items():
             if key.endswith("_address") and value:
                 peer = key.removesuffix("_address").replace("_", "-")
-                peer = {"session": "session-server", "sandbox": "sandbox-manager", "gateway": "rollout-gateway",
-                            "broker": "weight-broker"}.get(peer, peer)
+                peer = {"session": "session-server", "sandbox": "sandbox-manager",
+                        "gateway": "rollout-gateway", "broker": "weight-broker"}.get(peer, peer)
                 assert value == f"127.0.0.1:{ports[peer]}", f"{name}.{key}"
     gateway = json.loads((out / "config" / "rollout-gateway.json").read_text())
     assert [(e["url"], e["pool"]) for e in gateway["engines"]] == [
-        (f"http://127.0.0.1:{ports['engine-0']}", "canary"), (f"http://127.0.0.1:{ports['engine-1']}", "fleet")]
+        (f"http://127.0.0.1:{ports['engine-0']}", "canary"),
+        (f"http://127.0.0.1:{ports['engine-1']}", "fleet")]
     broker = json.loads((out / "config" / "weight-broker.json").read_text())
     assert broker["auto_promote"] is False, "with a canary, only the controller's gate promotes"
     trainer = json.loads((out / "config" / "trainer.json").read_text())
     assert trainer["nats"]["url"] == f"tls://127.0.0.1:{ports['nats']}"  # NATS and Redis: TLS only
     session = json.loads((out / "config" / "session-server.json").read_text())
     assert session["redis"]["url"] == f"rediss://127.0.0.1:{ports['redis']}/0"
-    assert trainer["weight_store"] == "/var/lib/rlfleet/run/weights" and trainer["model_path"] == "/models/policy"
+    assert (trainer["weight_store"] == "/var/lib/rlfleet/run/weights"
+            and trainer["model_path"] == "/models/policy")
 
 
 def test_volumes_for_nats_redis_the_weight_store_and_checkpoints(compose):
     def mounts(name):
-        return {v.split(":")[1]: v.split(":")[0] for v in compose["services"][name].get("volumes", []) if ":" in v}
+        return {v.split(":")[1]: v.split(":")[0]
+                for v in compose["services"][name].get("volumes", []) if ":" in v}
 
     assert mounts("nats")["/data"] == "nats-data" and "-sd" in compose["services"]["nats"]["command"]
-    assert mounts("redis")["/data"] == "redis-data" and "--appendonly" in compose["services"]["redis"]["command"]
+    assert (mounts("redis")["/data"] == "redis-data"
+            and "--appendonly" in compose["services"]["redis"]["command"])
     for name in ("trainer", "weight-broker", *ENGINES):
         assert mounts(name)["/var/lib/rlfleet/run/weights"] == "weights", name
     assert mounts("trainer")["/var/lib/rlfleet/run/checkpoints"] == "checkpoints"
@@ -170,7 +175,8 @@ def test_volumes_for_nats_redis_the_weight_store_and_checkpoints(compose):
         assert mounts(name)["/models"] == "models", name
     assert mounts("verifier")["/var/lib/rlfleet/run/suites"] == "suites"
     assert mounts("submit")["/var/lib/rlfleet/run/suites"] == "suites"
-    assert set(compose["volumes"]) >= {"nats-data", "redis-data", "weights", "models", "suites", "checkpoints"}
+    assert set(compose["volumes"]) >= {"nats-data", "redis-data", "weights", "models", "suites",
+                                       "checkpoints"}
 
 
 def test_infrastructure_binds_loopback_on_generated_ports(compose):
@@ -190,7 +196,8 @@ def test_dependencies_wait_for_health_or_completion(compose):
                 assert wanted == "service_completed_successfully", f"{name} -> {target}"
             else:
                 assert wanted == "service_healthy", f"{name} -> {target}"
-                assert "healthcheck" in services[target], f"{name} waits for {target}, which has no healthcheck"
+                assert "healthcheck" in services[target], \
+                    f"{name} waits for {target}, which has no healthcheck"
 
 
 def test_the_sandbox_manager_gets_what_bubblewrap_needs_and_a_root_per_replica(compose):
@@ -222,7 +229,8 @@ def mounted_secrets(service: dict) -> dict[str, str]:
     """{path under /run/secrets: compose secret} of one container (short and long syntax)."""
     found = {}
     for item in service.get("secrets", []):
-        source, target = (item, item) if isinstance(item, str) else (item["source"], item.get("target") or item["source"])
+        source, target = ((item, item) if isinstance(item, str)
+                          else (item["source"], item.get("target") or item["source"]))
         found[target] = source
     return found
 
@@ -236,7 +244,8 @@ def test_each_container_gets_only_its_own_secrets_and_redis_needs_a_password(com
               "worker": {"nats-worker.password"}, "trainer": {"nats-trainer.password"},
               "weight-broker": {"nats-weight-broker.password", "redis-weight-broker.password"}}
     for name, secrets in wanted.items():
-        infra = {s for s in mounted_secrets(compose["services"][name]).values() if s.startswith(("nats-", "redis"))}
+        infra = {s for s in mounted_secrets(compose["services"][name]).values()
+                 if s.startswith(("nats-", "redis"))}
         assert infra == secrets, name
     assert not compose["services"]["model-init"].get("secrets")
     redis = compose["services"]["redis"]["command"]
@@ -264,7 +273,8 @@ def test_nats_and_redis_serve_tls_only_with_the_runs_certificates(compose, gener
     assert redis[redis.index("--tls-auth-clients") + 1] == "yes"
     assert redis[redis.index("--tls-cert-file") + 1] == "/run/secrets/redis.pem"
     for name in ("nats", "redis"):  # made by compose-config, from the run's CA, for serving only
-        text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(out / "secrets" / "certs" / f"{name}.pem")],
+        text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in",
+                               str(out / "secrets" / "certs" / f"{name}.pem")],
                               capture_output=True, text=True, check=True).stdout
         assert "TLS Web Server Authentication" in text and "Client Authentication" not in text, name
     submit = compose["services"]["submit"]
@@ -296,7 +306,8 @@ def test_every_grpc_container_gets_its_own_certificate_and_the_ca_and_none_the_c
                                  timeout=30).stdout.decode()
         assert f"CN = {identity}" in subject or f"CN={identity}" in subject, (name, subject)
     for name in ("rollout-gateway", "weight-broker", *ENGINES):  # they call or are engines: SGLang's keys
-        assert {"engine_api_key", "engine_admin_api_key"} <= set(mounted_secrets(compose["services"][name])), name
+        assert ({"engine_api_key", "engine_admin_api_key"}
+                <= set(mounted_secrets(compose["services"][name]))), name
     worker = compose["services"]["worker"]
     assert {"ca.pem", "worker.token"} <= set(mounted_secrets(worker))
     config = json.loads((out / "config" / "worker.json").read_text())
@@ -350,18 +361,21 @@ def test_port_base_gives_consecutive_ports_and_refuses_the_hosts_nats_and_redis(
 def docker_ready() -> str:
     """'' when a Docker engine answers, else why not."""
     if h.tool("docker") is None or h.tool("docker-compose") is None:
-        return "docker / docker-compose are not installed (scripts/install.sh installs docker.io and docker-compose)"
-    result = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-                            timeout=30)
+        return ("docker / docker-compose are not installed "
+                "(scripts/install.sh installs docker.io and docker-compose)")
+    result = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
+                            capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
-        return f"no Docker engine answers (scripts/install.sh starts dockerd as root): {result.stderr.strip()[-300:]}"
+        return ("no Docker engine answers (scripts/install.sh starts dockerd as root): "
+                f"{result.stderr.strip()[-300:]}")
     return ""
 
 
 def run(*cmd: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
 
 
@@ -394,7 +408,8 @@ def controller_run(port: int, secrets: Path):
     from rlfleet.common import security
     from rlfleet.common.grpc_server import blocking_channel
 
-    with blocking_channel(f"127.0.0.1:{port}", credentials=security.trusted_credentials(secrets, "operator")) as ch:
+    with blocking_channel(f"127.0.0.1:{port}",
+                          credentials=security.trusted_credentials(secrets, "operator")) as ch:
         try:
             return controller_pb2_grpc.RunControlStub(ch).GetRun(controller_pb2.GetRunRequest(), timeout=10)
         except grpc.RpcError:
@@ -444,7 +459,8 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
         wait_for("the trainer publishes version 2 after training trajectories",
                  lambda: metric(trainer, "rlfleet_trainer_policy_version_number") >= 2
                  and metric(trainer, "rlfleet_trainer_trained_trajectories_total") > 0, 600, logs)
-        wait_for("the engine serves a trained version", lambda: engine_version(ports["engine-0"], api_key) >= 1, 300, logs)
+        wait_for("the engine serves a trained version",
+                 lambda: engine_version(ports["engine-0"], api_key) >= 1, 300, logs)
 
         # A crash, as the kernel delivers it: SIGKILL to the container's main process (not `docker
         # stop`, after which compose would rightly leave it stopped).
@@ -460,7 +476,8 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
             state = json.loads(run("docker", "inspect", victim[0]).stdout)[0]
             return state["RestartCount"] >= 1 and state["State"].get("Health", {}).get("Status") == "healthy"
 
-        wait_for("compose restarts the killed worker and it is healthy again", restarted_and_healthy, 180, logs)
+        wait_for("compose restarts the killed worker and it is healthy again",
+                 restarted_and_healthy, 180, logs)
         wait_for("the loop goes on: more trajectories trained, a newer version",
                  lambda: metric(trainer, "rlfleet_trainer_trained_trajectories_total") > trained_at_kill
                  and metric(trainer, "rlfleet_trainer_policy_version_number") > version_at_kill, 600, logs)
@@ -475,11 +492,12 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
             return info is not None and info.gate_decisions >= 1
 
         wait_for("the controller's run reaches a gate decision", gated, 900,
-                 lambda: f"{run_info}\n{run(*compose, 'logs', '--no-color', '--tail', '40', 'controller', check=False).stdout[-8000:]}")
+                 lambda: f"{run_info}\n{run(*compose, 'logs', '--no-color', '--tail', '40', 'controller', check=False).stdout[-8000:]}")  # noqa: E501, RUF100
         gate_s = time.monotonic() - up_done
         info = run_info[0]
         assert info.driven_by == "controller" and info.status == "running", info
-        print(f"\ncompose test: build {build_s:.0f} s, up {up_s:.0f} s, first gate decision {gate_s:.0f} s after up "
+        print(f"\ncompose test: build {build_s:.0f} s, up {up_s:.0f} s, "
+              f"first gate decision {gate_s:.0f} s after up "
               f"(accepted version {info.accepted_version}, {info.steps} steps), "
               f"total {time.monotonic() - started:.0f} s; "
               f"trainer at version {metric(trainer, 'rlfleet_trainer_policy_version_number'):.0f}")

@@ -73,7 +73,8 @@ def test_healthcheck_passes_while_serving_and_fails_when_not(health_server):
     assert result.returncode == 1 and "NOT_SERVING" in result.stderr
 
 
-def test_healthcheck_presents_the_one_certificate_a_container_has_and_needs_no_ca_key(health_server, tmp_path):
+def test_healthcheck_presents_the_one_certificate_a_container_has_and_needs_no_ca_key(
+        health_server, tmp_path):
     """A compose container's secrets: the CA certificate, the token key and its own identity's
     certificate, made up front; the mutual-TLS server lets the health check in with that certificate."""
     servicer, port = health_server
@@ -166,7 +167,8 @@ def wait_until(predicate, timeout_s=10.0):
 
 def test_registrar_registers_once_healthy_re_registers_and_deregisters_on_sigterm(gateway, http_server):
     fake, address = gateway
-    env = {**os.environ, "ENGINE_ID": "sglang-abc", "ENGINE_URL": http_server + "/", "GATEWAY_ADDRESS": address,
+    env = {**os.environ, "ENGINE_ID": "sglang-abc", "ENGINE_URL": http_server + "/",
+           "GATEWAY_ADDRESS": address,
            "ENGINE_KIND": "sglang", "ENGINE_START_DRAINING": "true", "ENGINE_LABELS": '{"zone": "a"}'}
     proc = subprocess.Popen([sys.executable, str(REGISTER), "--interval", "0.2", "--label", "gpu=h100"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -174,7 +176,8 @@ def test_registrar_registers_once_healthy_re_registers_and_deregisters_on_sigter
         assert wait_until(lambda: "sglang-abc" in fake.engines), "never registered"
         request = fake.engines["sglang-abc"]
         assert request.url == http_server  # trailing slash dropped
-        assert request.kind == gateway_pb2.ENGINE_KIND_SGLANG and request.pool == gateway_pb2.ENGINE_POOL_FLEET
+        assert (request.kind == gateway_pb2.ENGINE_KIND_SGLANG
+                and request.pool == gateway_pb2.ENGINE_POOL_FLEET)
         assert request.start_draining and dict(request.labels) == {"zone": "a", "gpu": "h100"}
         with fake.lock:
             fake.engines.clear()  # the registry lost it

@@ -42,18 +42,21 @@ def test_the_base_is_made_from_debian_packages_when_missing():
     assert re.search(r'docker image inspect "\$IMAGE" .*exit 0', script, re.S), "quick when present"
     packages = re.search(r"^PACKAGES=(\S+)", script, re.M).group(1).split(",")
     # Python 3.11 (bookworm's), sandboxes' bubblewrap and tini, the stack's Redis.
-    assert {"python3", "python3-venv", "bubblewrap", "tini", "redis-server", "ca-certificates"} <= set(packages)
+    assert ({"python3", "python3-venv", "bubblewrap", "tini", "redis-server", "ca-certificates"}
+            <= set(packages))
 
 
 def test_the_project_is_installed_as_make_test_installs_it_dependencies_first():
     runs = [r.args for r in stage().all("RUN")]
     copies = [c.args for c in stage().all("COPY")]
     deps = next(i for i, r in enumerate(runs) if "scripts/install.sh --no-system --deps-only" in r)
-    full = next(i for i, r in enumerate(runs) if re.search(r"scripts/install\.sh --no-system(?! --deps-only)", r))
+    full = next(i for i, r in enumerate(runs)
+                if re.search(r"scripts/install\.sh --no-system(?! --deps-only)", r))
     assert deps < full
     order = [c.split()[0] for c in copies]
     # The cached layer is keyed on the lock file and the install script, not on the sources.
-    assert order.index("requirements/") < order.index("libs/") and order.index("services/") > order.index("scripts/install.sh")
+    assert (order.index("requirements/") < order.index("libs/")
+            and order.index("services/") > order.index("scripts/install.sh"))
     env = " ".join(e.args for e in stage().all("ENV"))
     assert "PIP_FIND_LINKS=/wheels" in env and "VENV=/opt/rlfleet" in env
     assert any(c.startswith(".docker/wheels/ /wheels/") for c in copies)
@@ -140,7 +143,8 @@ def test_docker_helper_scripts_are_standalone_python(tmp_path):
     for script in ("healthcheck.py", "register_engine.py"):
         path: Path = h.DEPLOY / "docker" / script
         assert path.read_text().startswith("#!/usr/bin/env python3\n"), script
-        result = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=30)
+        result = subprocess.run([sys.executable, str(path), "--help"], capture_output=True,
+                                text=True, timeout=30)
         assert result.returncode == 0, result.stderr
 
 
@@ -158,7 +162,8 @@ def _imports_outside_import_guards(path: Path) -> set[str]:
     def guarded(parents) -> bool:
         for node in parents:
             if isinstance(node, ast.Try) and any(
-                    handler.type is not None and re.search(r"ImportError|ModuleNotFoundError", ast.unparse(handler.type))
+                    handler.type is not None
+                    and re.search(r"ImportError|ModuleNotFoundError", ast.unparse(handler.type))
                     for handler in node.handlers):
                 return True
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -188,7 +193,8 @@ def test_every_third_party_import_is_installed():
     locked.add("torch")
     providers = metadata.packages_distributions()
     problems = []
-    for pyproject in sorted([*h.ROOT.glob("services/*/pyproject.toml"), *h.ROOT.glob("libs/*/pyproject.toml")]):
+    for pyproject in sorted([*h.ROOT.glob("services/*/pyproject.toml"),
+                             *h.ROOT.glob("libs/*/pyproject.toml")]):
         project = tomllib.loads(pyproject.read_text())["project"]
         for requirement in project.get("dependencies", []):
             name = _normalize(re.match(r"[A-Za-z0-9._-]+", requirement).group(0))

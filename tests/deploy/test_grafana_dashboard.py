@@ -37,8 +37,10 @@ def test_the_dashboard_is_a_dashboard_with_panels_that_query_the_provisioned_dat
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     assert len(panels(dashboard)) >= 10
     for panel in panels(dashboard):
-        assert panel["type"] in ("timeseries", "stat", "gauge", "bargauge", "heatmap", "table"), panel["title"]
-        assert set(panel["gridPos"]) == {"h", "w", "x", "y"} and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        assert panel["type"] in ("timeseries", "stat", "gauge", "bargauge", "heatmap", "table"), \
+            panel["title"]
+        assert (set(panel["gridPos"]) == {"h", "w", "x", "y"}
+                and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24)
         assert panel["datasource"] == {"type": "prometheus", "uid": source["uid"]}, panel["title"]
         assert panel["targets"], f"{panel['title']} queries nothing"
         for target in panel["targets"]:
@@ -92,5 +94,6 @@ def test_promtool_parses_every_dashboard_query(dashboard, tmp_path):
         {"record": f"dashboard:query_{i}", "expr": expr} for i, expr in enumerate(expressions(dashboard))]}]}
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(rules))
-    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                            text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

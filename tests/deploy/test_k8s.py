@@ -53,10 +53,12 @@ def test_kustomization_lists_existing_files_and_every_file_is_listed(directory):
         target = (directory / entry).resolve()
         assert target.exists(), f"{directory}/kustomization.yaml lists {entry}, which does not exist"
         if target.is_dir():
-            assert (target / "kustomization.yaml").exists(), f"{entry} is a directory without kustomization.yaml"
+            assert (target / "kustomization.yaml").exists(), \
+                f"{entry} is a directory without kustomization.yaml"
         listed.add(target)
     present = {p.resolve() for p in directory.rglob("*.yaml") if p.name != "kustomization.yaml"}
-    assert present <= listed, f"{directory}: files not in kustomization.yaml: {sorted(map(str, present - listed))}"
+    assert present <= listed, \
+        f"{directory}: files not in kustomization.yaml: {sorted(map(str, present - listed))}"
 
 
 @pytest.mark.parametrize("overlay", h.OVERLAYS)
@@ -79,8 +81,8 @@ def test_overlays_validate_against_the_kubernetes_schemas(overlay, rendered, tmp
     elif validate := h.tool("kubernetes-validate"):
         command = [validate, "--strict", "--quiet", "-k", K8S_VERSION, str(manifest)]
     else:
-        pytest.skip("no Kubernetes schema validator: install kubeconform, or `pip install kubernetes-validate` "
-                    "in a tools venv on PATH")
+        pytest.skip("no Kubernetes schema validator: install kubeconform, "
+                    "or `pip install kubernetes-validate` in a tools venv on PATH")
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ERROR" not in result.stdout + result.stderr
@@ -103,7 +105,8 @@ def test_workloads_have_probes_and_resources(overlay, rendered):
             resources = container.get("resources", {})
             assert resources.get("requests", {}).get("cpu") and resources["requests"].get("memory"), \
                 f"{overlay}: {name}/{container['name']} has no cpu/memory requests"
-            assert resources.get("limits", {}).get("memory"), f"{overlay}: {name}/{container['name']} no memory limit"
+            assert resources.get("limits", {}).get("memory"), \
+                f"{overlay}: {name}/{container['name']} no memory limit"
         for container in spec["containers"]:
             if name in NO_PROBES or container["name"] in SIDECARS:
                 continue
@@ -124,9 +127,10 @@ def test_grpc_services_probe_their_health_over_tls_on_the_configured_port(overla
         assert env["RLFLEET__METRICS__PORT"] == str(h.METRICS_PORT)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             # kubelet's own gRPC probe speaks plaintext, which a TLS-only server refuses
-            assert container[probe]["exec"]["command"] == ["rlfleet-healthcheck", f"127.0.0.1:{h.GRPC_PORT}"], \
-                f"{name}.{probe}"
-            assert container[probe].get("timeoutSeconds", 1) >= 3, f"{name}.{probe}: Python and a TLS handshake"
+            assert (container[probe]["exec"]["command"]
+                    == ["rlfleet-healthcheck", f"127.0.0.1:{h.GRPC_PORT}"]), f"{name}.{probe}"
+            assert container[probe].get("timeoutSeconds", 1) >= 3, \
+                f"{name}.{probe}: Python and a TLS handshake"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["grpc"] == h.GRPC_PORT and ports["metrics"] == h.METRICS_PORT
         annotations = obj["spec"]["template"]["metadata"].get("annotations", {})
@@ -156,7 +160,8 @@ def test_services_select_pods_and_grpc_peers_are_headless(overlay, rendered):
     for name, service in services.items():
         selector = service["spec"]["selector"]
         base_selector = {k: v for k, v in selector.items() if k != "apps.kubernetes.io/pod-index"}
-        assert any(base_selector.items() <= labels.items() for labels in pod_labels), f"Service {name} selects nothing"
+        assert any(base_selector.items() <= labels.items() for labels in pod_labels), \
+            f"Service {name} selects nothing"
     for name in h.GRPC_SERVICES:
         assert services[name]["spec"].get("clusterIP") == "None", \
             f"{name}: gRPC clients balance per call only over a headless Service"
@@ -168,7 +173,8 @@ def test_peer_addresses_name_existing_services(overlay, rendered):
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     for container in h.all_containers(objects):
         for key, value in h.resolve_env(container, objects).items():
-            for host, port in re.findall(r"(?:dns:///|nats://|tls://|redis://|rediss://|http://)([a-z][\w-]*):(\d+)", value):
+            for host, port in re.findall(r"(?:dns:///|nats://|tls://|redis://|rediss://|http://)"
+                                         r"([a-z][\w-]*):(\d+)", value):
                 assert host in services, f"{container['name']}: {key} names {host}, not a Service"
                 ports = {p["port"] for p in services[host]["spec"]["ports"]}
                 assert int(port) in ports, f"{container['name']}: {key}: {host} has no port {port}"
@@ -183,7 +189,8 @@ def config_model(service):
 @pytest.mark.parametrize("service", [*h.GRPC_SERVICES, "worker"])
 def test_service_environment_is_valid_config_for_that_service(overlay, service, rendered):
     objects = rendered[overlay]
-    workload = h.by_kind_name(objects).get(("Deployment", service)) or h.by_kind_name(objects)[("StatefulSet", service)]
+    workload = (h.by_kind_name(objects).get(("Deployment", service))
+                or h.by_kind_name(objects)[("StatefulSet", service)])
     container = next(c for c in h.pod_spec(workload)["containers"] if c["name"] == service)
     env = h.resolve_env(container, objects)
     try:
@@ -299,14 +306,16 @@ def test_every_rlfleet_container_runs_the_one_image_and_says_what_it_runs(overla
     seen = 0
     for container in h.all_containers(rendered[overlay]):
         name, _ = h.split_image(container["image"])
-        assert not name.startswith("rlfleet/"), f"{container['name']}: {container['image']}: one image, `rlfleet`"
+        assert not name.startswith("rlfleet/"), \
+            f"{container['name']}: {container['image']}: one image, `rlfleet`"
         if name != h.IMAGE_NAME:
             continue
         seen += 1
         command = container.get("command")
         assert command, f"{overlay}: {container['name']} runs the rlfleet image without a command"
         program = next(w for w in command if w not in ("/usr/bin/tini", "--"))
-        assert program in scripts or program in IMAGE_PROGRAMS, f"{overlay}: {container['name']} runs {program}"
+        assert program in scripts or program in IMAGE_PROGRAMS, \
+            f"{overlay}: {container['name']} runs {program}"
     assert seen >= 10
 
 
@@ -315,7 +324,8 @@ def test_every_image_has_a_pinned_tag(overlay, rendered):
     for container in h.all_containers(rendered[overlay]):
         _, tag = h.split_image(container["image"])
         assert tag, f"{overlay}: {container['name']}: {container['image']} has no tag"
-        assert tag not in ("latest", "dev", "main", "nightly"), f"{overlay}: {container['image']} is a moving tag"
+        assert tag not in ("latest", "dev", "main", "nightly"), \
+            f"{overlay}: {container['image']} is a moving tag"
 
 
 @pytest.mark.parametrize("overlay", h.OVERLAYS)
@@ -383,7 +393,8 @@ def test_nats_server_accepts_the_rendered_config(overlay, rendered, generated_se
     result = subprocess.run([nats, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30,
                             env={"POD_NAME": "nats-0", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stdout + result.stderr
-    if overlay == "gpu-cluster":  # routes: mutual TLS with the route CA (tests/deploy/test_nats_cluster.py runs it)
+    if overlay == "gpu-cluster":
+        # routes: mutual TLS with the route CA (tests/deploy/test_nats_cluster.py runs it)
         cluster = text[text.index("cluster {"):]
         assert "verify: true" in cluster and "/etc/nats/tls/nats-route-ca.pem" in cluster
 
@@ -399,7 +410,8 @@ def test_sandbox_managers_on_a_node_share_one_uid_lease_directory(overlay, rende
     spec = h.pod_spec(manager)
     volume = next(v for v in spec["volumes"] if v["name"] == "uid-leases")
     assert volume["hostPath"] == {"path": "/run/rlfleet/sandbox-uids", "type": "DirectoryOrCreate"}
-    mounts = [m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", []) if m["name"] == "uid-leases"]
+    mounts = [m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])
+              if m["name"] == "uid-leases"]
     assert mounts == ["/run/rlfleet/sandbox-uids"]  # the driver's default uid_lease_dir
 
 
@@ -420,9 +432,10 @@ GRAPH = {
     ("rollout-gateway", "engine", 30000), ("weight-broker", "engine", 30000),
     # The run's control: tasks and streams, admission, episodes (its rollout worker and evaluations),
     # audits, the trainer's status and data-wait counter, versions and promotion.
-    ("controller", "nats", 4222), ("controller", "rollout-gateway", 50051), ("controller", "session-server", 50051),
-    ("controller", "sandbox-manager", 50051), ("controller", "verifier", 50051), ("controller", "trainer", 50051),
-    ("controller", "trainer", 9464), ("controller", "weight-broker", 50051),
+    ("controller", "nats", 4222), ("controller", "rollout-gateway", 50051),
+    ("controller", "session-server", 50051), ("controller", "sandbox-manager", 50051),
+    ("controller", "verifier", 50051), ("controller", "trainer", 50051), ("controller", "trainer", 9464),
+    ("controller", "weight-broker", 50051),
 }
 PODS = ("nats", "redis", "rollout-gateway", "session-server", "sandbox-manager", "verifier", "trainer",
         "weight-broker", "worker", "engine", "controller")
@@ -464,7 +477,8 @@ def test_network_policies_allow_the_service_graph_and_nothing_else(overlay, rend
         for target in PODS:
             for port in ports:
                 expected = (source, target, port) in GRAPH
-                assert allowed(policies, _labels(source), _labels(target), port) == expected, (source, target, port)
+                assert allowed(policies, _labels(source), _labels(target), port) == expected, \
+                    (source, target, port)
     # Operators and environment clients come in by label, each only where its role needs.
     operator, env_client = {"rlfleet.io/operator": "true"}, {"rlfleet.io/env-client": "true"}
     assert allowed(policies, operator, _labels("trainer"), 50051)
@@ -559,7 +573,8 @@ def test_workers_and_engines_get_their_credentials_from_the_secret(overlay, rend
     env = h.resolve_env(worker, objects)
     # An environment client: the CA certificate and its token, no service certificate or token key.
     assert items == {"ca.pem": "ca.pem", "worker.token": "worker.token"}
-    assert env["RLFLEET__CA_FILE"] == f"{path}/ca.pem" and env["RLFLEET__TOKEN_FILE"] == f"{path}/worker.token"
+    assert (env["RLFLEET__CA_FILE"] == f"{path}/ca.pem"
+            and env["RLFLEET__TOKEN_FILE"] == f"{path}/worker.token")
     assert SECRETS_ENV not in env
     if overlay == "cpu-local":
         engine = pods["cpu-engine"]["containers"][0]
@@ -568,10 +583,13 @@ def test_workers_and_engines_get_their_credentials_from_the_secret(overlay, rend
     else:
         spec = pods["sglang-engine"]
         sglang = next(c for c in spec["containers"] if c["name"] == "sglang")
-        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in sglang["env"] if "secretKeyRef" in e.get("valueFrom", {})}
-        assert f"--api-key=$({next(n for n, r in refs.items() if r['key'] == 'engine_api_key')})" in sglang["args"]
-        assert f"--admin-api-key=$({next(n for n, r in refs.items() if r['key'] == 'engine_admin_api_key')})" \
-            in sglang["args"]
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in sglang["env"]
+                if "secretKeyRef" in e.get("valueFrom", {})}
+        assert (f"--api-key=$({next(n for n, r in refs.items() if r['key'] == 'engine_api_key')})"
+                in sglang["args"])
+        assert ("--admin-api-key=$("
+                f"{next(n for n, r in refs.items() if r['key'] == 'engine_admin_api_key')})"
+                in sglang["args"])
         register = next(c for c in spec["containers"] if c["name"] == "register")
         path, items = tls_mount(spec, register)
         assert h.resolve_env(register, objects)[SECRETS_ENV] == path
@@ -584,7 +602,8 @@ def test_no_native_grpc_probe_remains(overlay, rendered):
     for name, spec in all_pod_specs(rendered[overlay]):
         for container in spec.get("initContainers", []) + spec["containers"]:
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert "grpc" not in container.get(probe, {}), f"{overlay}: {name}/{container['name']}.{probe}"
+                assert "grpc" not in container.get(probe, {}), \
+                    f"{overlay}: {name}/{container['name']}.{probe}"
 
 
 @pytest.fixture(scope="module")
@@ -611,7 +630,8 @@ def test_generated_certificates_are_signed_by_the_run_ca(generated_secrets, tmp_
     (tmp_path / "ca.pem").write_bytes(data["ca.pem"])
     for identity in [*IDENTITIES.values(), "engine-registrar"]:
         (tmp_path / "leaf.pem").write_bytes(data[f"{identity}.pem"])
-        result = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), str(tmp_path / "leaf.pem")],
+        result = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"),
+                                 str(tmp_path / "leaf.pem")],
                                 capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, identity + result.stdout + result.stderr
 
@@ -622,7 +642,8 @@ def test_every_secret_key_a_pod_uses_is_generated_and_none_is_a_ca_key(overlay, 
     objects = rendered[overlay]
     for obj in objects:
         if obj["kind"] == "Secret":  # none is shipped, but one added to an overlay must not carry the CA key
-            assert "ca.key" not in {**obj.get("data", {}), **obj.get("stringData", {})}, obj["metadata"]["name"]
+            assert "ca.key" not in {**obj.get("data", {}), **obj.get("stringData", {})}, \
+                obj["metadata"]["name"]
     used = 0
     for name, spec in all_pod_specs(objects):
         refs = [(v["secret"]["secretName"], i["key"]) for v in spec.get("volumes", []) if "secret" in v
@@ -633,7 +654,8 @@ def test_every_secret_key_a_pod_uses_is_generated_and_none_is_a_ca_key(overlay, 
         for secret, key in refs:
             assert key != "ca.key", f"{overlay}: {name} mounts the CA key"
             if secret.startswith("rlfleet-"):  # not the operator's own (gpu-cluster's optional hf-token)
-                assert secret in secrets and key in secrets[secret]["data"], f"{overlay}: {name}: {secret}/{key} is not made"
+                assert secret in secrets and key in secrets[secret]["data"], \
+                    f"{overlay}: {name}: {secret}/{key} is not made"
                 used += 1
     assert used > 20
 
@@ -664,7 +686,8 @@ def materialize(directory, data: dict[str, str], items: dict[str, str]) -> None:
 def probe_exits(command: list[str], port: int, secrets_dir, **extra: str) -> subprocess.CompletedProcess:
     program, address = command
     assert program == "rlfleet-healthcheck" and address == f"127.0.0.1:{h.GRPC_PORT}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET")} | {SECRETS_ENV: str(secrets_dir), **extra}
+    env = ({k: v for k, v in os.environ.items() if not k.startswith("RLFLEET")}
+           | {SECRETS_ENV: str(secrets_dir), **extra})
     return subprocess.run([sys.executable, str(h.DEPLOY / "docker" / "healthcheck.py"), f"127.0.0.1:{port}"],
                           capture_output=True, text=True, timeout=60, env=env)
 

@@ -152,7 +152,8 @@ def test_the_route_certificate_names_every_route_of_the_manifest_and_is_not_the_
     tls = found[TLS_SECRET]
     (tmp_path / "route.pem").write_bytes(tls["nats-route.pem"])
     text = subprocess.run(["openssl", "x509", "-in", str(tmp_path / "route.pem"), "-noout", "-ext",
-                           "subjectAltName,extendedKeyUsage"], capture_output=True, text=True, check=True).stdout
+                           "subjectAltName,extendedKeyUsage"], capture_output=True, text=True,
+                          check=True).stdout
     hosts = re.findall(r"nats://([\w.-]+):6222", conf)
     assert len(hosts) == 3
     for host in hosts:
@@ -160,7 +161,8 @@ def test_the_route_certificate_names_every_route_of_the_manifest_and_is_not_the_
     assert "TLS Web Client Authentication" in text and "TLS Web Server Authentication" in text
     for ca, verifies in (("nats-route-ca.pem", True), ("ca.pem", False)):
         (tmp_path / "ca.pem").write_bytes(tls[ca])
-        result = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), str(tmp_path / "route.pem")],
+        result = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"),
+                                 str(tmp_path / "route.pem")],
                                 capture_output=True, text=True)
         assert (result.returncode == 0) is verifies, (ca, result.stdout + result.stderr)
 
@@ -203,7 +205,8 @@ async def _publish_and_read(nodes: list[Node], secrets_dir: Path, tls: dict[str,
 async def _replicated(js, messages: int):
     info = await js.stream_info("TRAJECTORIES")
     replicas = info.cluster.replicas or []
-    if info.state.messages == messages and info.cluster.leader and len(replicas) == 2 and all(r.current for r in replicas):
+    if (info.state.messages == messages and info.cluster.leader and len(replicas) == 2
+            and all(r.current for r in replicas)):
         return info
     return None
 
@@ -281,14 +284,16 @@ def test_the_route_port_takes_the_route_certificate_and_refuses_a_service_certif
     _, directory = secrets
     target = next(n for n in cluster if n.process is not None and n.process.poll() is None)
     route_ca = directory / f"{security.NATS_ROUTE_CA}.pem"
-    info = route_handshake(target.route, directory / "certs" / f"{security.NATS_ROUTE_IDENTITY}.pem", route_ca)
+    info = route_handshake(target.route,
+                           directory / "certs" / f"{security.NATS_ROUTE_IDENTITY}.pem", route_ca)
     assert info.startswith(b"INFO ") and b'"cluster":"rlfleet"' in info, info[:300]
     # A certificate of the run's CA: what every service holds. It names a service, never a route.
     mark = len(target.log.read_text().splitlines())
     with pytest.raises(ssl.SSLError, match="BAD_CERTIFICATE"):
         route_handshake(target.route, directory / "certs" / "session-server.pem", route_ca)
     refused = wait_for(lambda: [line for line in target.log.read_text().splitlines()[mark:]
-                                if "TLS route handshake error" in line], 10, "the target's log of the refusal")
+                                if "TLS route handshake error" in line], 10,
+                       "the target's log of the refusal")
     assert "certificate signed by unknown authority" in refused[0], refused
 
 

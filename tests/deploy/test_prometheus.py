@@ -57,6 +57,7 @@ def test_kubernetes_prometheus_keeps_annotated_pods_of_the_namespace(rendered):
     assert keep["action"] == "keep" and keep["regex"] == "true"
     for overlay, objects in rendered.items():
         annotated = {o["metadata"]["name"] for o in objects if o["kind"] in ("Deployment", "StatefulSet")
-                     and o["spec"]["template"]["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"}
+                     and (o["spec"]["template"]["metadata"].get("annotations", {})
+                          .get("prometheus.io/scrape") == "true")}
         expected = (set(h.SERVICE_DIRS) - set(h.NO_METRICS)) | {"worker"}
         assert expected <= annotated, f"{overlay}: not scraped: {sorted(expected - annotated)}"

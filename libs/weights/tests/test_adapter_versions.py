@@ -67,7 +67,8 @@ def test_the_merged_version_is_the_base_plus_the_scaled_low_rank_update(store):
         assert np.array_equal(merged[other], base[other])
     # ...and as an HF directory on request, checksummed like a full version.
     path = store.write_merged(1)
-    assert (path / "model.safetensors").is_file() and json.loads((path / INDEX_FILE).read_text())["kind"] == "full"
+    assert ((path / "model.safetensors").is_file()
+            and json.loads((path / INDEX_FILE).read_text())["kind"] == "full")
     assert store.list_versions() == [0, 1]  # a merged copy is not a new version
 
 
@@ -101,7 +102,8 @@ def test_an_adapter_that_does_not_fit_its_base_is_refused_before_anything_is_wri
     with pytest.raises(BadAdapter, match="DoRA"):
         store.write_adapter(1, wrong_rank, {**CONFIG, "use_dora": True}, base_version=0)
     with pytest.raises(BadAdapter, match="not a LoRA factor"):
-        store.write_adapter(1, {**wrong_rank, "base_model.model.lm_head.lora_embedding_A": np.zeros(3)}, CONFIG, 0)
+        store.write_adapter(1, {**wrong_rank,
+                                "base_model.model.lm_head.lora_embedding_A": np.zeros(3)}, CONFIG, 0)
     store.write_adapter(1, wrong_rank, CONFIG, base_version=0)
     with pytest.raises(BadAdapter, match="not a full version"):
         store.write_adapter(2, wrong_rank, CONFIG, base_version=1)
@@ -145,7 +147,8 @@ def test_a_trained_adapter_is_stored_as_a_delta_of_its_parent_and_fetched_as_a_w
     assert all(np.array_equal(tensors[k], want[k]) for k in want)
     # Loaders get peft's directory, the same tensor bytes as the adapter written whole.
     path = store.fetch_adapter(4)
-    assert path == store.adapter_path(4) and {p.name for p in path.iterdir()} == {ADAPTER_CONFIG_FILE, ADAPTER_FILE}
+    assert (path == store.adapter_path(4)
+            and {p.name for p in path.iterdir()} == {ADAPTER_CONFIG_FILE, ADAPTER_FILE})
     from rlfleet.weights.safetensors_io import SafetensorsFile
 
     with SafetensorsFile(path / ADAPTER_FILE) as got, SafetensorsFile(whole.path(4) / ADAPTER_FILE) as ref:

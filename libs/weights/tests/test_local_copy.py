@@ -16,7 +16,8 @@ def read_dir(path) -> dict[str, bytes]:
         return {name: f.read(name).tobytes() for name in f.entries}
 
 
-def test_deltas_on_the_local_copy_give_the_trainers_bytes_in_a_loadable_directory(tmp_path, trainer, same_bytes):
+def test_deltas_on_the_local_copy_give_the_trainers_bytes_in_a_loadable_directory(tmp_path,
+                                                                                  trainer, same_bytes):
     store = DirectoryWeightStore(tmp_path / "store", "run1", full_every=100)
     weights = trainer()
     served = {}

@@ -137,7 +137,8 @@ def _rank(rank: int, port: int, endpoint_json: dict, version: dict[str, torch.Te
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        state = {n: distribute_tensor(t, mesh, [Replicate() if t.dim() == 0 or n == "layer.q.bias" else Shard(0)])
+        state = {n: distribute_tensor(t, mesh,
+                                      [Replicate() if t.dim() == 0 or n == "layer.q.bias" else Shard(0)])
                  for n, t in version.items()}  # fmt: skip
         endpoint = Endpoint.from_json(endpoint_json)
         shards = local_shards(state, endpoint.tensors, dtype=None, rank=rank)

@@ -79,5 +79,6 @@ def test_a_full_checkpoint_loads_with_hf_from_pretrained(tmp_path):
 
 
 def test_importing_the_store_does_not_import_torch():
-    code = "import sys, rlfleet.weights, rlfleet.weights.store; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, rlfleet.weights, rlfleet.weights.store; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

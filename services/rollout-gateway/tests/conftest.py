@@ -59,7 +59,8 @@ async def running_gateway(redis_url: str, engines: dict[str, str], run_id: str |
     port = await server.start()
     try:
         async with channel(f"127.0.0.1:{port}") as ch:
-            yield Gateway(gateway_pb2_grpc.GatewayServiceStub(ch), app, app.redis, config.run_id, f"127.0.0.1:{port}")
+            yield Gateway(gateway_pb2_grpc.GatewayServiceStub(ch), app, app.redis, config.run_id,
+                          f"127.0.0.1:{port}")
     finally:
         await server.stop()
         await app.stop()

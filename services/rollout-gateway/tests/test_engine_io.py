@@ -11,15 +11,16 @@ from rlfleet.gateway.health import parse_version
 
 def result(**overrides) -> GenerateResult:
     fields = dict(rid="r", output_ids=[5, 6], output_logprobs=[-0.5, -1.5], finish_reason="stop", matched=2,
-                  finish_message=None, weight_version="7", weight_versions=[VersionRange("7", 0, 2)], prompt_tokens=3,
-                  cached_tokens=0, latency=0.01, text="hi")
+                  finish_message=None, weight_version="7", weight_versions=[VersionRange("7", 0, 2)],
+                  prompt_tokens=3, cached_tokens=0, latency=0.01, text="hi")
     return GenerateResult(**{**fields, **overrides})
 
 
 def test_sampling_params_use_sglang_names_and_leave_unset_fields_to_the_engine():
     proto = common_pb2.SamplingParams(max_new_tokens=12, temperature=0.0, seed=42, top_k=0, stop=["</calc>"],
                                       stop_token_ids=[2], ignore_eos=True)
-    assert sampling_params(proto) == {"max_new_tokens": 12, "temperature": 0.0, "sampling_seed": 42, "top_k": -1,
+    assert sampling_params(proto) == {"max_new_tokens": 12, "temperature": 0.0,
+                                      "sampling_seed": 42, "top_k": -1,
                                       "stop": ["</calc>"], "stop_token_ids": [2], "ignore_eos": True}
     assert sampling_params(common_pb2.SamplingParams(max_new_tokens=3)) == {"max_new_tokens": 3}
 

@@ -29,7 +29,8 @@ PROMPT = [1, 40, 41, 42, 43]
 
 def generate(session_id: str = "", max_new_tokens: int = 4, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(session_id=session_id, input_ids=PROMPT, return_logprob=True,
-                              sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, seed=1, **sampling))
+                              sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens,
+                                                                 seed=1, **sampling))
 
 
 def dead_url() -> str:
@@ -69,8 +70,10 @@ async def test_every_turn_of_a_session_goes_to_its_engine_and_new_sessions_sprea
 
 async def test_a_failed_engine_is_marked_unhealthy_and_the_turn_is_rerouted_once(redis_url, engine_url):
     dead = dead_url()
-    async with running_gateway(redis_url, {"live": engine_url, "dead": dead}, health_interval_s=60) as gateway:
-        # The dead engine passed its last probe and the session is affine to it: it dies before the next probe.
+    async with running_gateway(redis_url, {"live": engine_url, "dead": dead},
+                               health_interval_s=60) as gateway:
+        # The dead engine passed its last probe and the session is affine to it: it dies before the
+        # next probe.
         await gateway.redis.hset(key(gateway.run_id, "engine", "dead"), "healthy", "1")
         await gateway.app.registry.refresh()
         await gateway.redis.set(key(gateway.run_id, "affinity", "s"), "dead")
@@ -140,7 +143,8 @@ async def test_registrations_are_shared_by_gateway_replicas_and_draining_takes_n
     async with running_gateway(redis_url, {"e0": engine_url}) as first:
         async with running_gateway(redis_url, {}, run_id=first.run_id) as second:
             added = await second.stub.RegisterEngine(pb.RegisterEngineRequest(
-                engine_id="e1", url=engine_url, pool=pb.ENGINE_POOL_CANARY, labels={"zone": "a"}, start_draining=True))
+                engine_id="e1", url=engine_url, pool=pb.ENGINE_POOL_CANARY, labels={"zone": "a"},
+                start_draining=True))
             assert (added.state, added.policy_version, added.pool) == (pb.ENGINE_STATE_DRAINING, 3,
                                                                         pb.ENGINE_POOL_CANARY)
             seen = await engines_by_id(first)
@@ -162,7 +166,8 @@ async def test_registrations_are_shared_by_gateway_replicas_and_draining_takes_n
 
 
 async def test_admission_refuses_beyond_the_inflight_budget_and_a_release_frees_a_slot(redis_url, engine_url):
-    async with running_gateway(redis_url, {"e0": engine_url}, max_inflight_sessions=2, retry_after_ms=250) as gateway:
+    async with running_gateway(redis_url, {"e0": engine_url}, max_inflight_sessions=2,
+                               retry_after_ms=250) as gateway:
         admit = [await gateway.stub.Admit(pb.AdmitRequest(session_id=s)) for s in ("a", "b", "c")]
         assert [a.admitted for a in admit] == [True, True, False]
         assert (admit[2].reason, admit[2].retry_after_ms) == ("inflight_limit", 250)
@@ -255,7 +260,8 @@ async def test_unknown_enum_values_and_huge_ids_are_clear_errors(redis_url, engi
     async with running_gateway(redis_url, {"e0": engine_url}) as gateway:
         calls = [gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(engine_id="e0", state=77)),
                  gateway.stub.PauseEngines(pb.PauseEnginesRequest(mode=77)),
-                 gateway.stub.RegisterEngine(pb.RegisterEngineRequest(engine_id="e9", url=engine_url, kind=77)),
+                 gateway.stub.RegisterEngine(pb.RegisterEngineRequest(engine_id="e9", url=engine_url,
+                                                                      kind=77)),
                  gateway.stub.Generate(pb.GenerateRequest(session_id="s", input_ids=[1], engine_pool=77))]
         for call in calls:
             with pytest.raises(grpc.aio.AioRpcError) as bad:
@@ -357,9 +363,11 @@ async def _served(gateway) -> dict[str, tuple]:
 
 
 async def test_admission_staleness_counts_the_adapters_version_not_the_base_models(redis_url, engine_url):
-    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:  # the engine's base model is version 3
+    # the engine's base model is version 3
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:
         await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=AdapterRoute("v9", 9))
-        status = await gateway.stub.SetAdmissionPolicy(pb.AdmissionPolicy(trainer_version=10, max_staleness=2))
+        status = await gateway.stub.SetAdmissionPolicy(
+            pb.AdmissionPolicy(trainer_version=10, max_staleness=2))
         assert status.fleet_min_version == 9
         assert (await gateway.stub.Admit(pb.AdmitRequest(session_id="s"))).admitted
         await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=None)
@@ -385,7 +393,8 @@ async def test_a_turn_on_an_engine_that_lost_its_adapter_goes_to_one_that_holds_
                     await AdapterRoutes(gateway.redis, gateway.run_id).set(fleet=AdapterRoute("v4", 4))
                     await gateway.redis.set(key(gateway.run_id, "affinity", "s"), "restarted")
                     reply = await gateway.stub.Generate(generate("s"))
-                    assert (reply.engine_id, tuple(reply.output_ids), reply.policy_version) == ("holder", want, 4)
+                    assert ((reply.engine_id, tuple(reply.output_ids), reply.policy_version)
+                            == ("holder", want, 4))
                     assert reply.rerouted and "does not hold adapter v4" in reply.reroute_reason
                     again = await gateway.stub.Generate(generate("s"))  # the new affinity holds
                     assert again.engine_id == "holder" and not again.rerouted
@@ -395,14 +404,16 @@ async def test_a_turn_on_an_engine_that_lost_its_adapter_goes_to_one_that_holds_
                     with pytest.raises(grpc.aio.AioRpcError) as alone:
                         await gateway.stub.Generate(generate("t"))
                 assert alone.value.code() == grpc.StatusCode.UNAVAILABLE  # retryable, not INVALID_ARGUMENT
-                assert "does not hold adapter v4" in alone.value.details() and "retry" in alone.value.details()
+                assert ("does not hold adapter v4" in alone.value.details()
+                        and "retry" in alone.value.details())
             finally:
                 await holder.unload_lora_adapter("v4")
     finally:
         restarted.stop()
 
 
-async def test_admission_of_canary_rollouts_counts_the_candidates_adapter_else_the_accepted_one(redis_url, engine_url):
+async def test_admission_of_canary_rollouts_counts_the_candidates_adapter_else_the_accepted_one(
+        redis_url, engine_url):
     """Rollouts routed to the canary: the candidate's adapter version counts; without a candidate,
     the accepted (fleet) adapter's, as the requests themselves are served (read in the admission script)."""
     async with running_gateway(redis_url, {"e0": engine_url}, route_pools=["canary"]) as gateway:
@@ -422,12 +433,14 @@ async def test_the_admission_advert_follows_the_engines_version(redis_url, engin
     the sessions' adapter role, the lease and the retry hint, kept current."""
     from rlfleet.common.session_slots import fleet_key
 
-    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:  # the engine's base model is version 3
+    # the engine's base model is version 3
+    async with running_gateway(redis_url, {"e0": engine_url}) as gateway:
         advert = await gateway.redis.hgetall(fleet_key(gateway.run_id))
         assert advert == {b"engines_min_version": b"3", b"role": b"fleet", b"lease_ms": b"21600000",
                           b"retry_after_ms": b"500"}
         await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(
             engine_id="e0", state=pb.ENGINE_STATE_HEALTHY, policy_version=7))
         assert (await gateway.redis.hget(fleet_key(gateway.run_id), "engines_min_version")) == b"7"
-        await gateway.stub.UpdateEngineState(pb.UpdateEngineStateRequest(engine_id="e0", state=pb.ENGINE_STATE_DRAINING))
+        await gateway.stub.UpdateEngineState(
+            pb.UpdateEngineStateRequest(engine_id="e0", state=pb.ENGINE_STATE_DRAINING))
         assert (await gateway.redis.hget(fleet_key(gateway.run_id), "engines_min_version")) == b""

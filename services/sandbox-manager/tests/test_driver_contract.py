@@ -266,7 +266,8 @@ async def test_the_warm_pool_serves_creates_and_refills_in_the_background(driver
         assert len(pooled_dirs) == 3
     async with driver_factory(pool_size=0) as d:
         assert not (await d.create()).from_warm_pool
-    assert sorted(p.name for p in d.config.root.iterdir()) == [".driver.lock", ".uid_range"]  # pool cleaned up too
+    # pool cleaned up too
+    assert sorted(p.name for p in d.config.root.iterdir()) == [".driver.lock", ".uid_range"]
 
 
 async def test_expired_sandboxes_are_reaped(driver_factory):
@@ -327,8 +328,8 @@ async def test_a_sandbox_with_network_can_reach_the_host_loopback(driver):
 
 
 async def _run_as(uid: int) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec("setpriv", f"--reuid={uid}", "--regid=65534", "--clear-groups",
-                                                "sleep", "60")
+    proc = await asyncio.create_subprocess_exec("setpriv", f"--reuid={uid}", "--regid=65534",
+                                                "--clear-groups", "sleep", "60")
     for _ in range(1000):  # setpriv switches uid after the fork
         if os.stat(f"/proc/{proc.pid}").st_uid == uid:
             return proc

@@ -1,4 +1,5 @@
-"""What a create or exec request may ask for: zero means the default, above the maximum is an error naming the field."""
+"""What a create or exec request may ask for: zero means the default, above the maximum is an error naming
+the field."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from rlfleet.sandbox.config import SandboxManagerConfig
 from rlfleet.sandbox.limits import GiB, MiB
 from rlfleet.sandbox.policy import RequestPolicy
 
-POLICY = RequestPolicy(Limits(), Limits(cpu_seconds=60, memory_bytes=2 * GiB, wall_seconds=120, max_processes=256,
-                                        max_file_bytes=1 * GiB, max_output_bytes=8 * MiB),
+POLICY = RequestPolicy(Limits(), Limits(cpu_seconds=60, memory_bytes=2 * GiB, wall_seconds=120,
+                                        max_processes=256, max_file_bytes=1 * GiB, max_output_bytes=8 * MiB),
                        default_ttl_s=600, max_ttl_s=3600, allow_network=False)
 
 
@@ -21,16 +22,17 @@ def test_zero_limits_take_the_defaults_and_given_ones_are_kept():
         wall_seconds=5, memory_bytes=64 * MiB)
 
 
-@pytest.mark.parametrize(("name", "value"), [("memory_bytes", 3 * GiB), ("cpu_seconds", 61), ("max_processes", 257),
-                                             ("max_output_bytes", 9 * MiB), ("wall_seconds", float("inf"))])
+@pytest.mark.parametrize(("name", "value"), [("memory_bytes", 3 * GiB), ("cpu_seconds", 61),
+                                             ("max_processes", 257), ("max_output_bytes", 9 * MiB),
+                                             ("wall_seconds", float("inf"))])
 def test_a_limit_above_the_managers_maximum_is_rejected_with_its_field(name, value):
     with pytest.raises(InvalidSandboxRequest) as err:
         POLICY.limits({name: value})
     assert err.value.field == f"limits.{name}" and "maximum" in str(err.value)
 
 
-@pytest.mark.parametrize(("name", "value"), [("cpu_seconds", 0.5), ("wall_seconds", -1.0), ("memory_bytes", 1),
-                                             ("cpu_seconds", float("nan"))])
+@pytest.mark.parametrize(("name", "value"), [("cpu_seconds", 0.5), ("wall_seconds", -1.0),
+                                             ("memory_bytes", 1), ("cpu_seconds", float("nan"))])
 def test_a_limit_below_the_platform_range_is_rejected_with_its_field(name, value):
     with pytest.raises(InvalidSandboxRequest) as err:
         POLICY.limits({name: value})

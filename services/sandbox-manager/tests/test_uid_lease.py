@@ -98,7 +98,8 @@ def test_picking_skips_uids_some_process_is_running_as(tmp_path, window):
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another uid")
     start = window["search_from"]
-    stray = subprocess.Popen(["setpriv", f"--reuid={start + 10}", "--regid=65534", "--clear-groups", "sleep", "60"])
+    stray = subprocess.Popen(["setpriv", f"--reuid={start + 10}", "--regid=65534", "--clear-groups",
+                              "sleep", "60"])
     try:
         deadline = time.monotonic() + 10
         while os.stat(f"/proc/{stray.pid}").st_uid != start + 10:  # setpriv switches after the fork

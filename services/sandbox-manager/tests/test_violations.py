@@ -48,10 +48,13 @@ def test_a_limit_kill_is_a_violation_from_the_signal_whatever_rusage_reads():
     # Under load rusage read 9.89 s for a 10 s SIGXCPU kill: the signal decides, not a threshold.
     ten = Limits(cpu_seconds=10, max_output_bytes=10)
     assert kinds(limits=ten, signal=24, exit_code=152, cpu_s=9.89) == {V.CPU: False}
-    assert kinds(limits=ten, signal=24, exit_code=152, cpu_s=0.01) == {V.CPU: False}  # faked: counts against it
-    assert kinds(limits=ten, signal=9, exit_code=137, cpu_s=10.9) == {V.CPU: False}  # the hard limit, undercounted
+    # faked: counts against it
+    assert kinds(limits=ten, signal=24, exit_code=152, cpu_s=0.01) == {V.CPU: False}
+    # the hard limit, undercounted
+    assert kinds(limits=ten, signal=9, exit_code=137, cpu_s=10.9) == {V.CPU: False}
     assert kinds(limits=ten, signal=9, exit_code=137, cpu_s=10.0) == {V.CPU: False}  # past the soft limit
-    assert kinds(limits=ten, signal=9, exit_code=137, cpu_s=0.2) == {}  # no limit of its own: someone else's kill
+    # no limit of its own: someone else's kill
+    assert kinds(limits=ten, signal=9, exit_code=137, cpu_s=0.2) == {}
     assert kinds(limits=ten, signal=9, exit_code=137, cpu_s=0.2, oom_kills=1) == {V.MEMORY: False}
     assert kinds(limits=ten, timed_out=True, signal=9, exit_code=137, cpu_s=0.2) == {V.TIMEOUT: False}
     assert "cgroup OOM" in derive(dataclasses.replace(CLEAN, signal=9, exit_code=137, oom_kills=1))[0].message

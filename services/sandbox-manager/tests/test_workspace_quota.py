@@ -34,7 +34,8 @@ def disk_free(path) -> int:
 
 async def test_a_1_gib_writer_stops_at_the_byte_quota_and_the_host_disk_is_untouched(driver_factory):
     async with driver_factory(workspace_bytes=64 * MiB) as d:
-        h = await d.create(SandboxSpec(limits=Limits(max_file_bytes=2 * GiB, memory_bytes=1 * GiB, wall_seconds=60)))
+        h = await d.create(SandboxSpec(limits=Limits(max_file_bytes=2 * GiB, memory_bytes=1 * GiB,
+                                                     wall_seconds=60)))
         host_disk_before = disk_free(d.config.root)
         result = await d.exec(h, py("""
             import os

@@ -40,7 +40,8 @@ def test_observations_after_each_kind_of_turn_render_the_whole_conversation(fami
     name, path = family_dir
     family = FAMILIES[name]
     inputs = Inputs(Tokenizer(str(path)), load_chat_renderer(str(path), "auto"),
-                    Limits(context_length=None, default_budget=4096, max_text_chars=1 << 16, max_metadata_bytes=1024))
+                    Limits(context_length=None, default_budget=4096, max_text_chars=1 << 16,
+                           max_metadata_bytes=1024))
     tokenizer = inputs.tokenizer
     # Mistral's template moves the system prompt to the last user turn, so no conversation with
     # one is a prefix of its continuation; its episodes start without one.
@@ -62,7 +63,8 @@ def test_observations_after_each_kind_of_turn_render_the_whole_conversation(fami
             output_ids=ids, output_logprobs=[-1.0] * len(ids),
             finish_reason=common_pb2.FINISH_REASON_STOP if stopped else common_pb2.FINISH_REASON_LENGTH)
         append_generated(state, reply, 1.0)
-        request = session_pb2.AppendObservationRequest(messages=chat(*observation), add_generation_prompt=True)
+        request = session_pb2.AppendObservationRequest(messages=chat(*observation),
+                                                       add_generation_prompt=True)
         append_observation(state, inputs.observation_ids(request, state), 2.0)
 
     conversation = [{"role": r, "content": c} for r, c in opening]
@@ -70,6 +72,7 @@ def test_observations_after_each_kind_of_turn_render_the_whole_conversation(fami
         conversation.append({"role": "assistant", "content": content})
         conversation.extend({"role": r, "content": c} for r, c in observation)
     auto = AutoTokenizer.from_pretrained(str(path))
-    expected = auto.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True, return_dict=False)
+    expected = auto.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
+                                        return_dict=False)
     assert tokenizer.decode(list(state.session.token_ids), skip_special_tokens=False) == auto.decode(expected)
     assert list(state.session.token_ids) == list(expected)

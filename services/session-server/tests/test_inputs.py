@@ -84,9 +84,12 @@ def test_observations_must_be_present_in_the_vocabulary_and_fit_the_budget(input
     cases = [
         (session_pb2.AppendObservationRequest(), "needs text, token_ids or messages"),
         (session_pb2.AppendObservationRequest(text=""), "the observation is empty"),
-        (session_pb2.AppendObservationRequest(token_ids=common_pb2.TokenIds(ids=[-1])), "outside the vocabulary"),
-        (session_pb2.AppendObservationRequest(token_ids=common_pb2.TokenIds(ids=[5] * 6)), "more than the 5 that fit"),
-        (session_pb2.AppendObservationRequest(text="12 34 56 78"), "only 5 of the session's 8-token budget remain"),
+        (session_pb2.AppendObservationRequest(token_ids=common_pb2.TokenIds(ids=[-1])),
+         "outside the vocabulary"),
+        (session_pb2.AppendObservationRequest(token_ids=common_pb2.TokenIds(ids=[5] * 6)),
+         "more than the 5 that fit"),
+        (session_pb2.AppendObservationRequest(text="12 34 56 78"),
+         "only 5 of the session's 8-token budget remain"),
     ]
     for request, message in cases:
         with pytest.raises(InvalidSessionRequest, match=message):
@@ -109,7 +112,8 @@ def test_oversize_inputs_are_refused_with_the_limit_before_they_are_tokenized(in
     inputs.tokenizer.encode = never
     state = state_with([1, 2], budget=20)
     cases = [
-        (inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(text="x" * 101), state), "text", 100),
+        (inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(text="x" * 101), state),
+         "text", 100),
         (inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(messages=common_pb2.ChatMessages(
             messages=[common_pb2.ChatMessage(role="user", content="y" * 101)])), state), "messages", 100),
         (inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(
@@ -126,7 +130,8 @@ def test_oversize_inputs_are_refused_with_the_limit_before_they_are_tokenized(in
 
 def test_a_long_text_is_tokenized_off_the_event_loop_while_other_sessions_go_on(tokenizer_dir):
     """Eight near-limit observations tokenizing at once (seconds of work) do not hold up a small one."""
-    limits = Limits(context_length=None, default_budget=1 << 22, max_text_chars=1 << 20, max_metadata_bytes=20)
+    limits = Limits(context_length=None, default_budget=1 << 22, max_text_chars=1 << 20,
+                    max_metadata_bytes=20)
     inputs = Inputs(Tokenizer(str(tokenizer_dir)), load_chat_renderer(str(tokenizer_dir), "auto"), limits)
     big_text = "12 + 34 = 46, what is 7*8? " * 4000  # 108,000 characters each
 
@@ -135,7 +140,8 @@ def test_a_long_text_is_tokenized_off_the_event_loop_while_other_sessions_go_on(
         big = [asyncio.ensure_future(inputs.observation_ids_off_loop(
             session_pb2.AppendObservationRequest(text=big_text), big_state)) for _ in range(8)]
         await asyncio.sleep(0.05)
-        small = await inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(text="1 + 1"), small_state)
+        small = await inputs.observation_ids_off_loop(session_pb2.AppendObservationRequest(text="1 + 1"),
+                                                      small_state)
         still_busy = sum(not b.done() for b in big)
         done = await asyncio.gather(*big)
         return small, still_busy, done

@@ -21,7 +21,8 @@ def new_state(budget: int = 100) -> SessionState:
 
 
 def reply(ids, version=3, engine="e0") -> gateway_pb2.GenerateResponse:
-    return gateway_pb2.GenerateResponse(output_ids=ids, output_logprobs=[-0.25 * (i + 1) for i in range(len(ids))],
+    return gateway_pb2.GenerateResponse(output_ids=ids,
+                                        output_logprobs=[-0.25 * (i + 1) for i in range(len(ids))],
                                         finish_reason=common_pb2.FINISH_REASON_STOP, policy_version=version,
                                         engine_id=engine, latency_s=0.5)
 

@@ -11,7 +11,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 # The shape of Qwen2.5's template: a default system prompt when the conversation does not start with one.
 DEFAULT_SYSTEM_TEMPLATE = (
-    "{%- if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{%- endif %}"
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{%- endif %}"
     + CHAT_TEMPLATE)
 
 
@@ -42,7 +43,8 @@ def test_an_observation_is_rendered_as_a_continuation_without_the_templates_conv
     renderer = ChatRenderer(DEFAULT_SYSTEM_TEMPLATE, {})
     tool = [{"role": "tool", "content": "5"}]
     assert renderer.render(tool, False).startswith("<|im_start|>system\nYou are helpful.")
-    assert renderer.render_continuation(tool, True) == "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert (renderer.render_continuation(tool, True)
+            == "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_templates_run_sandboxed_and_their_errors_are_value_errors():

@@ -296,7 +296,8 @@ def test_failures_carry_codes_by_the_calls_before_them_and_no_hidden_text():
         ("FAIL test_fizzbuzz_1: fizzbuzz(5,) returned '5', expected 'Buzz'", "ok"),
         ("FAIL test_fizzbuzz_2: ZeroDivisionError: x", "EXCEPTION"),
         ("FAIL test_fizzbuzz_3: CandidateTimeout", "TIMEOUT"),
-        ("RESULT passed=1 failed=3",), exit_code=1, failures=[{"code": "EXCEPTION", "detail": "ZeroDivisionError"}])))
+        ("RESULT passed=1 failed=3",), exit_code=1,
+        failures=[{"code": "EXCEPTION", "detail": "ZeroDivisionError"}])))
     assert verdict.codes == [ReasonCode.WRONG_ANSWER, ReasonCode.EXCEPTION, ReasonCode.TIMEOUT]
     assert [r.details["test"] for r in verdict.reasons] == ["1", "2", "3"]
     assert verdict.reasons[1].details["exception"] == "ZeroDivisionError"
@@ -320,7 +321,8 @@ def test_exception_text_that_quotes_the_hidden_tests_is_masked():
         (FakeRunner(report(("RESULT passed=1 failed=0",), protected=False)), ReasonCode.VERIFIER_ERROR,
          "UNPROTECTED"),
         (FakeRunner(report(("RESULT passed=0 failed=0",))), ReasonCode.TEST_FAILED, "NO_PASS"),
-        (FakeRunner(report(("RESULT passed=1 failed=0",), exit_code=2)), ReasonCode.TEST_FAILED, "EXIT_STATUS"),
+        (FakeRunner(report(("RESULT passed=1 failed=0",), exit_code=2)), ReasonCode.TEST_FAILED,
+         "EXIT_STATUS"),
         (FakeRunner(report(("PASS t", "ok"), ("RESULT passed=1 failed=0",), outcomes={"REWARD_HACKING": 1})),
          ReasonCode.REWARD_HACKING, "REWARD_HACKING"),
     ],
@@ -481,9 +483,10 @@ def test_a_safety_violation_of_the_hidden_test_run_fails_a_clean_report():
 
 # Hacks that are harmless to run on this host without a sandbox (the rest need its pid namespace,
 # uid and limits: tests/integration/test_reward_hacking.py runs every one of them there).
-LOCAL_HACKS = ("fake_result_lines", "result_line_in_an_exception", "os_exit_zero_at_import", "os_exit_zero_in_call", "exit_in_atexit",
-               "eq_always_true", "str_subclass_eq", "patched_builtins", "patched_math", "raise_with_hidden_text",
-               "plant_modules_for_the_harness", "inspect_the_caller", "system_exit_in_call", "sleep_to_the_timeout")
+LOCAL_HACKS = ("fake_result_lines", "result_line_in_an_exception", "os_exit_zero_at_import",
+               "os_exit_zero_in_call", "exit_in_atexit", "eq_always_true", "str_subclass_eq",
+               "patched_builtins", "patched_math", "raise_with_hidden_text", "plant_modules_for_the_harness",
+               "inspect_the_caller", "system_exit_in_call", "sleep_to_the_timeout")
 
 
 @pytest.mark.parametrize("name", LOCAL_HACKS)
@@ -518,7 +521,8 @@ def test_a_hidden_test_that_expects_the_candidate_to_raise_a_builtin_error_catch
     tests = ("from solution import root\n"
              "try:\n    root(-1)\n    ok = False\nexcept ValueError:\n    ok = True\n"
              "ok = ok and root(9) == 3\n"
-             "print('PASS t' if ok else 'FAIL t: no')\nprint(f'RESULT passed={int(ok)} failed={int(not ok)}')\n")
+             "print('PASS t' if ok else 'FAIL t: no')\n"
+             "print(f'RESULT passed={int(ok)} failed={int(not ok)}')\n")
     task = dict(CODE_TASK, verifier={"kind": "unit_tests", "tests": tests, "solution_files": ["solution.py"]})
     right = ("def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return int(x ** 0.5)\n")
     assert score(task, code_episode(**{"solution.py": right}), runner=run_locally).passed

@@ -14,14 +14,16 @@ from rlfleet.verifier.verifier import VerifyInput, check, solution_files, task_i
     (VerifyInput(session_id="s", final_answer="3"), "final_answer"),
     (VerifyInput(final_answer="3"), "task_id is required"),
 ])
-def test_a_request_without_something_to_verify_or_with_a_client_answer_for_a_session_is_invalid(request_, words):
+def test_a_request_without_something_to_verify_or_with_a_client_answer_for_a_session_is_invalid(
+        request_, words):
     with pytest.raises(InvalidArgument, match=words):
         check(request_)
 
 
 def test_valid_requests_pass_the_checks():
     for request in (VerifyInput(session_id="s"), VerifyInput(task_id="t", final_answer="3"),
-                    VerifyInput(task_id="t", files={"solution.py": b""}), VerifyInput(task_id="t", sandbox_id="b")):
+                    VerifyInput(task_id="t", files={"solution.py": b""}),
+                    VerifyInput(task_id="t", sandbox_id="b")):
         check(request)
 
 

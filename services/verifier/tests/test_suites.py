@@ -1,4 +1,5 @@
-"""The suite catalog: loads every suite under a directory, rejects bad files whole with their line, reloads on a miss."""
+"""The suite catalog: loads every suite under a directory, rejects bad files whole with their line,
+reloads on a miss."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ KINDS = ("exact", "numeric")
 
 def line(task_id: str, suite: str = "calc", kind: str = "numeric", **extra) -> str:
     verifier = {"kind": kind, "answer": "3"} if kind != "unit_tests" else {"kind": kind, "tests": "print(1)"}
-    return json.dumps({"task_id": task_id, "suite": suite, "split": "train", "prompt": "1+2?", "verifier": verifier,
-                       **extra})
+    return json.dumps({"task_id": task_id, "suite": suite, "split": "train", "prompt": "1+2?",
+                       "verifier": verifier, **extra})
 
 
 def write(path, *lines: str) -> None:
@@ -27,7 +28,8 @@ async def test_tasks_of_every_suite_file_are_found_with_their_hidden_fields(tmp_
     write(tmp_path / "calc.jsonl", line("a"), "", line("b"))
     write(tmp_path / "nested" / "trivia.jsonl", line("a", suite="trivia", kind="exact"))
     catalog = SuiteCatalog(tmp_path, KINDS)
-    assert (await catalog.task("calc", "b"))["verifier"] == {"kind": "numeric", "answer": "3", "tolerance": 0.0}
+    assert (await catalog.task("calc", "b"))["verifier"] == {"kind": "numeric", "answer": "3",
+                                                             "tolerance": 0.0}
     assert (await catalog.task("trivia", "a"))["suite"] == "trivia"
     assert (await catalog.task("", "b"))["task_id"] == "b"  # unique without its suite
     with pytest.raises(TaskNotFound, match="several suites"):
@@ -36,7 +38,7 @@ async def test_tasks_of_every_suite_file_are_found_with_their_hidden_fields(tmp_
         await catalog.task("chess", "a")
 
 
-async def test_a_file_with_a_bad_or_unconfigured_kind_is_rejected_with_its_line_and_the_rest_still_serve(tmp_path):
+async def test_a_file_with_a_bad_or_unconfigured_kind_is_rejected_with_its_line_and_the_rest_still_serve(tmp_path):  # noqa: E501, RUF100
     write(tmp_path / "good.jsonl", line("g"))
     write(tmp_path / "regex.jsonl", line("r1", suite="regex"), line("r2", suite="regex", kind="regex"))
     write(tmp_path / "code.jsonl", line("c1", suite="code", kind="unit_tests"))

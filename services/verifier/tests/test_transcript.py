@@ -30,7 +30,8 @@ class CharDecoder:
         return text if keep_special else text.replace("<|im_end|>", "").replace("<|im_start|>", "")
 
 
-def session(*spans: tuple[int, str], finish=common_pb2.FINISH_REASON_STOP, budget: int = 0) -> session_pb2.Session:
+def session(*spans: tuple[int, str], finish=common_pb2.FINISH_REASON_STOP,
+            budget: int = 0) -> session_pb2.Session:
     s = session_pb2.Session(max_total_tokens=budget)
     for kind, text in spans:
         start = len(s.token_ids)
@@ -39,7 +40,8 @@ def session(*spans: tuple[int, str], finish=common_pb2.FINISH_REASON_STOP, budge
     return s
 
 
-PROMPT, GEN, OBS = common_pb2.SPAN_KIND_PROMPT, common_pb2.SPAN_KIND_GENERATED, common_pb2.SPAN_KIND_OBSERVATION
+PROMPT, GEN, OBS = (common_pb2.SPAN_KIND_PROMPT, common_pb2.SPAN_KIND_GENERATED,
+                    common_pb2.SPAN_KIND_OBSERVATION)
 
 
 def test_generated_spans_are_assistant_turns_and_observations_are_read_as_tool_messages():
@@ -56,14 +58,17 @@ def test_generated_spans_are_assistant_turns_and_observations_are_read_as_tool_m
 
 
 def test_an_observation_without_chat_markup_is_one_tool_message():
-    assert observation_turns("  error: division by zero<|im_end|>\n") == [Turn("tool", "error: division by zero")]
+    assert (observation_turns("  error: division by zero<|im_end|>\n")
+            == [Turn("tool", "error: division by zero")])
     assert observation_turns("<|im_start|>user\nand now?<|im_end|>") == [Turn("user", "and now?")]
 
 
 def test_a_call_answered_with_an_error_is_a_failed_call_and_unoffered_tools_get_no_record():
-    turns = [Turn("assistant", "<calculator>1</calculator>"), Turn("tool", "error: unknown tool 'calculator'"),
+    turns = [Turn("assistant", "<calculator>1</calculator>"),
+             Turn("tool", "error: unknown tool 'calculator'"),
              Turn("assistant", "<calc>1/0</calc>"), Turn("tool", "error: division by zero"),
-             Turn("assistant", "<calc>37*48+5</calc>"), Turn("tool", "1781"), Turn("assistant", "<answer>1781</answer>")]
+             Turn("assistant", "<calc>37*48+5</calc>"), Turn("tool", "1781"),
+             Turn("assistant", "<answer>1781</answer>")]
     episode = episode_from_turns(turns, TASK)
     assert [r.ok for r in episode.tool_calls] == [False, True]
     verdict = default_kinds().score(TASK, episode)
@@ -85,8 +90,9 @@ def test_a_chatml_transcript_is_split_into_turns_and_plain_text_is_one_assistant
     assert turns_from_text("") == []
 
 
-@pytest.mark.parametrize("turn", ["<calc>1+2</calc>", "<calc>1+2", "1+2</calc>", "<python>x</python>", "no tags",
-                                  "<answer>1</answer><calc>2</calc>", "<calc>2</calc><answer>1</answer>"])
+@pytest.mark.parametrize("turn", ["<calc>1+2</calc>", "<calc>1+2", "1+2</calc>", "<python>x</python>",
+                                  "no tags", "<answer>1</answer><calc>2</calc>",
+                                  "<calc>2</calc><answer>1</answer>"])
 def test_a_turn_is_a_call_to_run_exactly_when_the_rollout_worker_runs_it(turn):
     action = actions.parse_action(turn, ["calc"])
     expected = (action.tool, action.args) if isinstance(action, actions.ToolCall) else None
@@ -95,7 +101,8 @@ def test_a_turn_is_a_call_to_run_exactly_when_the_rollout_worker_runs_it(turn):
 
 @pytest.mark.parametrize("observation", [
     # as the session server frames a tool result after a turn that ended on its stop token
-    "\n<|im_start|>user\n<tool_response>\nerror: division by zero\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    "\n<|im_start|>user\n<tool_response>\nerror: division by zero\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n",
     "<|start_header_id|>ipython<|end_header_id|>\n\nerror: division by zero<|eot_id|>"
     "<|start_header_id|>assistant<|end_header_id|>\n\n",
     '[TOOL_RESULTS] {"content": "error: division by zero"}[/TOOL_RESULTS]',

@@ -54,7 +54,8 @@ def join_group(
     params = inspect.signature(_new_process_group_helper).parameters
     options = {"backend_options" if "backend_options" in params else "pg_options": None}
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=GroupName(group_name), timeout=timeout, **options
+        world_size, rank, [], Backend(backend), store, group_name=GroupName(group_name),
+        timeout=timeout, **options
     )
     # Group rank == "global" rank for this group, so `broadcast(src=0, group=...)` resolves.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}

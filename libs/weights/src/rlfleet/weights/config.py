@@ -20,8 +20,8 @@ class WeightStoreConfig(StrictModel):
     )
     encoding: Literal["xor", "overwrite", "auto"] = Field(
         "xor",
-        description="delta encoding per tensor: xor (dense or sparse layout, whichever is smaller; apply once), "
-        "overwrite (positions + new values; idempotent, larger), auto (smallest of all)",
+        description="delta encoding per tensor: xor (dense or sparse layout, whichever is smaller; "
+        "apply once), overwrite (positions + new values; idempotent, larger), auto (smallest of all)",
     )
     checksum: Literal["sha256", "blake2b", "crc32"] = Field(
         "sha256", description="per-tensor checksum of the served bytes"

@@ -144,8 +144,9 @@ def preverify_delta(
         if got != d.checksum:
             raise CorruptDelta(
                 decoded.version,
-                f"current + delta has {decoded.checksum_algorithm} {got[:16]}, trainer's is {d.checksum[:16]} "
-                f"(corrupt delta, or current tensors are not version {decoded.base_version}); nothing modified",
+                f"current + delta has {decoded.checksum_algorithm} {got[:16]}, "
+                f"trainer's is {d.checksum[:16]} (corrupt delta, "
+                f"or current tensors are not version {decoded.base_version}); nothing modified",
                 tensor=name,
             )
         if d.changed > dense_above * scratch.size:

@@ -123,7 +123,8 @@ class TransferAgent:
     def write(self, target: str, sources: list[int], destinations: list[int], lengths: list[int]) -> None:
         rc = self._engine.batch_transfer_sync_write(target, sources, destinations, lengths)
         if rc != 0:
-            raise P2PError(f"write of {sum(lengths)} bytes in {len(lengths)} piece(s) to {target} returned {rc}")
+            raise P2PError(f"write of {sum(lengths)} bytes in {len(lengths)} "
+                           f"piece(s) to {target} returned {rc}")
 
 
 def _flat_layout(template: Mapping[str, torch.Tensor]) -> tuple[dict[str, tuple[int, int]], int]:
@@ -158,7 +159,8 @@ class StagingBuffers:
         base = self._flat.data_ptr()
         return Endpoint(self._agent.session_id,
                         {n: RemoteTensor(base + off, t.numel(), t.element_size())
-                         for (n, t), (off, _) in zip(self.tensors.items(), self._offsets.values(), strict=True)},
+                         for (n, t), (off, _) in zip(self.tensors.items(), self._offsets.values(),
+                                                     strict=True)},
                         self.rank)
 
     def verify(self, checksums: Mapping[str, str], algorithm: str) -> None:
@@ -168,7 +170,8 @@ class StagingBuffers:
         if set(checksums) != set(self.tensors):
             missing = sorted(set(self.tensors) - set(checksums))
             extra = sorted(set(checksums) - set(self.tensors))
-            raise LayoutMismatch(f"checksums for the wrong tensors: missing {missing[:5]}, unknown {extra[:5]}")
+            raise LayoutMismatch("checksums for the wrong tensors: "
+                                 f"missing {missing[:5]}, unknown {extra[:5]}")
         bad = [n for n, t in self.tensors.items() if checksum(byte_view(t), algorithm) != checksums[n]]
         if bad:
             raise ChecksumMismatch(bad)
@@ -275,7 +278,8 @@ class P2PSender:
         whoever holds them, e.g. rank 0's gathered state for the store), so the receiver checks the
         assembled transfer; the report's are this rank's pieces only."""
         wrong = [n for n, sh in shards.items() if n not in endpoint.tensors
-                 or sh.byte_offset + sh.tensor.numel() * sh.tensor.element_size() > endpoint.tensors[n].nbytes]
+                 or (sh.byte_offset + sh.tensor.numel() * sh.tensor.element_size()
+                     > endpoint.tensors[n].nbytes)]
         if wrong:
             raise LayoutMismatch(f"{len(wrong)} shard(s) do not fit the receiver's tensors: {wrong[:5]}")
         started = time.perf_counter()
@@ -328,7 +332,8 @@ def local_shards(state: Mapping[str, Any], names: Any, dtype: torch.dtype | None
             continue
         if isinstance(value, DTensor):
             placements = value.placements
-            if not all(isinstance(p, Replicate) or (isinstance(p, DimShard) and p.dim == 0) for p in placements):
+            if not all(isinstance(p, Replicate)
+                       or (isinstance(p, DimShard) and p.dim == 0) for p in placements):
                 raise P2PError(f"{name}: placements {placements} are not dim-0 shards or replicas")
             if all(isinstance(p, Replicate) for p in placements) and rank != 0:
                 continue

@@ -47,7 +47,8 @@ def _bytes_of(t: torch.Tensor):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]], algorithm: str = DEFAULT_ALGORITHM) -> dict[str, str]:
+def tensor_checksums(named: Iterable[tuple[str, torch.Tensor]],
+                     algorithm: str = DEFAULT_ALGORITHM) -> dict[str, str]:
     return {name: checksum(_bytes_of(t), algorithm) for name, t in named}
 
 

@@ -356,7 +356,8 @@ class DirectoryWeightStore:
         **fields: Any,
     ) -> VersionIndex:
         return VersionIndex(
-            run_id=self.run_id, version=version, kind=kind, served_dtype=served_dtype_name(self.config.served_dtype),
+            run_id=self.run_id, version=version, kind=kind,
+            served_dtype=served_dtype_name(self.config.served_dtype),
             checksum=self.config.checksum, tensors=entries, aliases=served.aliases, total_bytes=size,
             full_bytes=served.nbytes, total_values=sum(a.size for a in served.arrays.values()),
             created_at=time.time(), **fields,
@@ -556,10 +557,12 @@ class DirectoryWeightStore:
             raise lora.BadAdapter(f"base version {base_version} is a {base_index.kind}, not a full version")
         served = to_served(tensors, self.config.served_dtype)
         config = dict(config)
-        lora.check_against_base(served, config, {e.name: (e.dtype, tuple(e.shape)) for e in base_index.tensors})
+        lora.check_against_base(served, config,
+                                {e.name: (e.dtype, tuple(e.shape)) for e in base_index.tensors})
         raw_config = lora.config_bytes(config)
         parent = self._adapter_parent(parent_version, base_version, raw_config, served)
-        index = self._write_adapter_delta(version, served, raw_config, base_version, parent) if parent else None
+        index = (self._write_adapter_delta(version, served, raw_config, base_version, parent)
+                 if parent else None)
         if index is None:
             index = self._write_adapter_whole(version, served, raw_config, base_version)
         log.info("weights v%d: LoRA adapter on v%d (%d bytes%s)", version, base_version, index.total_bytes,
@@ -589,7 +592,8 @@ class DirectoryWeightStore:
             try:
                 parent = _Served(parent_version, self.load_adapter(parent_version)[0], index)
             except (CorruptVersion, VersionNotFound) as e:
-                log.warning("weights: parent adapter v%d unreadable (%s); writing it whole", parent_version, e)
+                log.warning("weights: parent adapter v%d unreadable (%s); writing it whole",
+                            parent_version, e)
                 return None
         return parent if parent.tensors.layout() == served.layout() else None
 
@@ -610,7 +614,8 @@ class DirectoryWeightStore:
             write_file(tmp / lora.ADAPTER_CONFIG_FILE, raw_config)
             index = self._new_index(
                 version, "adapter", served, entries, size + len(raw_config), base_version=base_version,
-                full_version=base_version, adapter_parent=parent.version, encoding=writer.delta_encoding(entries),
+                full_version=base_version, adapter_parent=parent.version,
+                encoding=writer.delta_encoding(entries),
                 compression="zstd", filter="byteshuffle", payload=DELTA_FILE,
                 changed_values=sum(e.changed or 0 for e in entries),
                 adapter_config_checksum=lora.config_checksum(raw_config),
@@ -622,9 +627,11 @@ class DirectoryWeightStore:
                              base_version: int) -> VersionIndex:
         with self._staged(version) as tmp:
             names = list(served)
-            sums = parallel_map(lambda n: checksum(served[n], self.config.checksum), names, self.config.workers)
+            sums = parallel_map(lambda n: checksum(served[n], self.config.checksum), names,
+                                self.config.workers)
             size = writer.write_safetensors(
-                tmp / lora.ADAPTER_FILE, ((n, served.dtypes[n], served[n]) for n in names), metadata={"format": "pt"}
+                tmp / lora.ADAPTER_FILE, ((n, served.dtypes[n], served[n]) for n in names),
+                metadata={"format": "pt"}
             )
             write_file(tmp / lora.ADAPTER_CONFIG_FILE, raw_config)
             entries = [TensorEntry(name=n, dtype=served.dtypes[n], shape=list(served[n].shape), checksum=c)
@@ -654,7 +661,8 @@ class DirectoryWeightStore:
                         raise lora.CorruptAdapter(version, f"{lora.ADAPTER_FILE} does not match the index",
                                                   tensor=e.name)  # fmt: skip
                 if set(f.entries) != {e.name for e in index.tensors}:
-                    raise lora.CorruptAdapter(version, f"{lora.ADAPTER_FILE} holds tensors the index does not name")
+                    raise lora.CorruptAdapter(version,
+                                              f"{lora.ADAPTER_FILE} holds tensors the index does not name")
                 arrays = {e.name: f.read(e.name) for e in index.tensors}
         except FileNotFoundError as e:
             raise lora.CorruptAdapter(version, f"{Path(e.filename or '?').name} missing") from None
@@ -735,7 +743,8 @@ class DirectoryWeightStore:
         except SafetensorsFormatError as e:
             raise lora.CorruptAdapter(version, f"rebuilt adapter: {e}") from None
         if lora.config_checksum(raw_config) != index.adapter_config_checksum:
-            raise lora.CorruptAdapter(version, f"rebuilt {lora.ADAPTER_CONFIG_FILE} differs from its checksum")
+            raise lora.CorruptAdapter(version,
+                                      f"rebuilt {lora.ADAPTER_CONFIG_FILE} differs from its checksum")
         self._verify(version, index, ServedTensors(arrays, {e.name: e.dtype for e in index.tensors}),
                      lora.CorruptAdapter)  # fmt: skip
 

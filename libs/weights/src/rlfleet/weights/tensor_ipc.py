@@ -104,7 +104,8 @@ def deserialize(entry: str | bytes) -> list[tuple[str, torch.Tensor]]:
     try:
         raw = base64.b64decode(entry, validate=True)
         items = _Unpickler(io.BytesIO(raw)).load()
-    except (ValueError, TypeError, pickle.UnpicklingError, EOFError, AttributeError, RuntimeError, OSError) as exc:
+    except (ValueError, TypeError, pickle.UnpicklingError, EOFError, AttributeError, RuntimeError,
+            OSError) as exc:
         raise TensorPayloadError(f"serialized_named_tensors entry cannot be opened: {exc}") from exc
     if not isinstance(items, list) or not all(
         isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) and isinstance(i[1], torch.Tensor)

@@ -8,7 +8,8 @@ Two rules, applied atomically in one Redis script so that every gateway replica 
 Redis layout (namespaced by run):
 
     rlfleet:<run>:admission:policy     HASH  max_inflight_sessions, trainer_version, max_staleness
-    rlfleet:<run>:admission:inflight   ZSET  session_id -> admitted at (unix ms); older than the lease are dropped
+    rlfleet:<run>:admission:inflight   ZSET  session_id -> admitted at (unix ms); older than the lease are
+                                             dropped
     rlfleet:<run>:admission:counts     HASH  admitted, refused:<reason>
 
 A refusal is an answer, not an error: `admitted=false`, the reason and a retry hint.
@@ -31,9 +32,9 @@ REASON_STALE = "stale"
 
 # KEYS: inflight zset, counts hash, policy hash[, adapter routes hash].
 # ARGV: session_id, now_ms, lease cutoff ms, fleet min version ("" = unknown)[, adapter role].
-_ADMIT = ADMIT_LUA + """
-return admit(KEYS[1], KEYS[2], KEYS[3], KEYS[4] or false, ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
-"""
+_ADMIT = ADMIT_LUA + (
+    "\nreturn admit(KEYS[1], KEYS[2], KEYS[3], KEYS[4] or false, ARGV[1], ARGV[2], ARGV[3], "
+    "tonumber(ARGV[4]), ARGV[5])\n")
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class Admission:
             _purged, inflight, counts, policy = await pipe.execute()
         counts = {k.decode(): int(v) for k, v in counts.items()}
         refused = {k.removeprefix("refused:"): v for k, v in counts.items() if k.startswith("refused:")}
-        max_inflight, trainer, staleness = (int(v) if v is not None else d for v, d in zip(policy, (0, 0, -1), strict=True))
+        max_inflight, trainer, staleness = (int(v) if v is not None else d
+                                            for v, d in zip(policy, (0, 0, -1), strict=True))
         return gateway_pb2.AdmissionStatus(
             policy=gateway_pb2.AdmissionPolicy(max_inflight_sessions=max_inflight, trainer_version=trainer,
                                                max_staleness=staleness),

@@ -41,7 +41,8 @@ class RolloutGatewayApp(PeersApp):
             await self.registry.register(_record(spec))
         admission = Admission(redis, config.run_id, config.admission_lease_s, config.retry_after_ms)
         await admission.seed_policy(config.max_inflight_sessions, config.max_staleness)
-        pools = frozenset(gateway_pb2.EnginePool.Value(f"ENGINE_POOL_{p.upper()}") for p in config.route_pools)
+        pools = frozenset(gateway_pb2.EnginePool.Value(f"ENGINE_POOL_{p.upper()}")
+                          for p in config.route_pools)
         router = Router(redis, config.run_id, self.registry, config.affinity_ttl_s, pools)
         metrics = GatewayMetrics(lambda: list(self.registry.engines.values()), self.registry.busy_seconds,
                                  lambda engine_id: self.registry.local_in_flight.get(engine_id, 0))
@@ -49,7 +50,8 @@ class RolloutGatewayApp(PeersApp):
         adapters = AdapterRoutes(redis, config.run_id)
 
         async def advertise(again: bool = False) -> None:
-            await admission.advertise(self.registry.fleet_min_version(router.route_pools), router.role(0), again)
+            await admission.advertise(self.registry.fleet_min_version(router.route_pools),
+                                      router.role(0), again)
 
         self.health = HealthChecker(self.registry, config.health_interval_s, config.health_generate,
                                     after_round=lambda: advertise(again=True))
@@ -59,8 +61,8 @@ class RolloutGatewayApp(PeersApp):
         self.health.start()
         await advertise()
         dispatcher = Dispatcher(self.registry, router, metrics, adapters, on_version=advertise)
-        servicer = GatewayServicer(config.run_id, self.registry, router, dispatcher, self.health, admission, metrics,
-                                   advertise)
+        servicer = GatewayServicer(config.run_id, self.registry, router, dispatcher, self.health,
+                                   admission, metrics, advertise)
         server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer, SERVICE_NAME)
 
     async def stop(self) -> None:

@@ -75,10 +75,11 @@ class Dispatcher:
             else:
                 reason, cause = first.message, "adapter_missing"
             try:
-                route = await self.router.reroute(request.session_id, route.engine, reason, request.engine_pool,
-                                                  any_pool=any_pool)
+                route = await self.router.reroute(request.session_id, route.engine, reason,
+                                                  request.engine_pool, any_pool=any_pool)
             except NoEngineAvailable as none:
-                raise NoEngineAvailable(f"{reason}; {none.message}", tried=(route.engine.engine_id,)) from None
+                raise NoEngineAvailable(f"{reason}; {none.message}",
+                                        tried=(route.engine.engine_id,)) from None
             self._count_reroute(route, cause)
             try:
                 result, latency = await self._forward(route.engine, input_ids, params, request, adapter)
@@ -96,7 +97,8 @@ class Dispatcher:
             result = served_by_adapter(result, adapter)
         return generate_response(result, route.engine.engine_id, latency, route.rerouted, route.reason)
 
-    async def _adapter_and_affinity(self, request: gateway_pb2.GenerateRequest) -> tuple[AdapterRoute | None, object]:
+    async def _adapter_and_affinity(
+            self, request: gateway_pb2.GenerateRequest) -> tuple[AdapterRoute | None, object]:
         """The request's adapter and its session's affinity, read in one Redis round trip. The routes
         are read per request, never cached: after a promotion or rollback no new request may still
         name the adapter the broker is about to unload."""
@@ -144,7 +146,8 @@ class Dispatcher:
         return result, latency
 
     async def _engine_failed(self, engine: EngineRecord, exc: EngineUnavailable) -> None:
-        log.warning("engine failed a generate call", extra={"engine_id": engine.engine_id, "error": exc.message})
+        log.warning("engine failed a generate call",
+                    extra={"engine_id": engine.engine_id, "error": exc.message})
         self.metrics.engine_failures.add(1, {"engine_id": engine.engine_id})
         await self.registry.mark_unhealthy(engine.engine_id, exc.message)
 

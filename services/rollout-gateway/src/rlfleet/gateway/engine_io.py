@@ -28,7 +28,8 @@ def sampling_params(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
     """SGLang `sampling_params` for a proto SamplingParams; unset optional fields are left to the engine."""
     if sampling.max_new_tokens <= 0:
         raise InvalidGatewayRequest(
-            f"sampling.max_new_tokens must be > 0, got {sampling.max_new_tokens}", field="sampling.max_new_tokens")
+            f"sampling.max_new_tokens must be > 0, got {sampling.max_new_tokens}",
+            field="sampling.max_new_tokens")
     params: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens}
     if sampling.HasField("temperature"):
         params["temperature"] = sampling.temperature
@@ -52,7 +53,8 @@ def validate_input_ids(input_ids: list[int] | Any) -> None:
         raise InvalidGatewayRequest("input_ids is empty", field="input_ids")
     # Engines check the vocabulary; negative ids are wrong for any vocabulary.
     if min(input_ids) < 0:
-        raise InvalidGatewayRequest(f"input_ids contains a negative token id ({min(input_ids)})", field="input_ids")
+        raise InvalidGatewayRequest(f"input_ids contains a negative token id ({min(input_ids)})",
+                                    field="input_ids")
 
 
 def version_ranges(result: GenerateResult) -> list[common_pb2.VersionRange]:

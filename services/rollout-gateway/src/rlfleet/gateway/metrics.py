@@ -27,7 +27,8 @@ class GatewayMetrics:
         self.reroutes = m.create_counter(
             "rlfleet_gateway_reroutes_total", description="turns sent to another engine than the session's")
         self.engine_failures = m.create_counter(
-            "rlfleet_gateway_engine_failures_total", description="generate calls an engine failed (unreachable, 5xx)")
+            "rlfleet_gateway_engine_failures_total",
+            description="generate calls an engine failed (unreachable, 5xx)")
         self.admissions = m.create_counter(
             "rlfleet_gateway_admission_decisions_total", description="Admit answers, by outcome")
 

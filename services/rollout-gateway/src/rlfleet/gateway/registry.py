@@ -68,7 +68,8 @@ class EngineRecord:
 
 
 def _registration(record: EngineRecord) -> bytes:
-    return json.dumps({"url": record.url, "pool": record.pool, "kind": record.kind, "labels": record.labels}).encode()
+    return json.dumps({"url": record.url, "pool": record.pool, "kind": record.kind,
+                       "labels": record.labels}).encode()
 
 
 def _status_fields(record: EngineRecord) -> dict[FieldT, EncodableT]:
@@ -149,15 +150,17 @@ class EngineRegistry:
     def client(self, record: EngineRecord) -> EngineClient:
         client = self._clients.get(record.engine_id)
         if client is None or client.base_url != record.url.rstrip("/"):
-            client = EngineClient(record.url, timeouts=self.timeouts, session=self._http, api_key=self.api_key,
-                                  admin_api_key=self.admin_api_key)
+            client = EngineClient(record.url, timeouts=self.timeouts, session=self._http,
+                                  api_key=self.api_key, admin_api_key=self.admin_api_key)
             self._clients[record.engine_id] = client
         return client
 
     def fleet_min_version(self, pools: frozenset[int] | None = None) -> int | None:
-        """The oldest policy version among engines that take new sessions (of `pools`); None when none is known."""
+        """The oldest policy version among engines that take new sessions (of `pools`); None when none
+        is known."""
         versions = [e.policy_version for e in self.engines.values()
-                    if e.healthy and not e.draining and e.policy_version >= 0 and (pools is None or e.pool in pools)]
+                    if e.healthy and not e.draining and e.policy_version >= 0
+                    and (pools is None or e.pool in pools)]
         return min(versions) if versions else None
 
     # --- writing --------------------------------------------------------------------------------

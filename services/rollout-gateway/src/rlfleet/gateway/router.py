@@ -89,7 +89,8 @@ class Router:
         pools = None if any_pool else self.pools_for(pool)
         if not session_id:
             return Route(await self.pick(exclude=(), pools=pools))
-        raw = await self.redis.getex(self._affinity_key(session_id), ex=self.ttl_s) if affinity is UNREAD else affinity
+        raw = (await self.redis.getex(self._affinity_key(session_id), ex=self.ttl_s) if affinity is UNREAD
+               else affinity)
         if raw is None:
             return await self._assign(session_id, previous=None, reason="", pools=pools)
         assert isinstance(raw, (bytes, str)), raw  # a GET reply, read here or by the caller
@@ -109,7 +110,8 @@ class Router:
         """After `failed` failed this session's request: another engine, recorded as its new affinity."""
         pools = None if any_pool else self.pools_for(pool)
         if not session_id:
-            return Route(await self.pick(exclude=(failed.engine_id,), pools=pools), rerouted=True, reason=reason)
+            return Route(await self.pick(exclude=(failed.engine_id,), pools=pools), rerouted=True,
+                         reason=reason)
         return await self._assign(session_id, previous=failed.engine_id, reason=reason, pools=pools)
 
     async def touch(self, session_id: str, engine_id: str) -> None:
@@ -141,7 +143,8 @@ class Router:
         return dict(zip(engine_ids, replies[1::2], strict=True))
 
     async def pick(self, exclude: tuple[str, ...], pools: frozenset[int] | None = None) -> EngineRecord:
-        """The least-loaded engine (of `pools`) that takes new sessions; paused ones only when nothing else can."""
+        """The least-loaded engine (of `pools`) that takes new sessions; paused ones only when nothing
+        else can."""
         engines = [e for e in self.registry.engines.values()
                    if e.engine_id not in exclude and (pools is None or e.pool in pools)]
         candidates = [e for e in engines if e.healthy and not e.draining and not e.paused]

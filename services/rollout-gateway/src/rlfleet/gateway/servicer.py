@@ -27,7 +27,8 @@ ENGINE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, run_id: str, registry: EngineRegistry, router: Router, dispatcher: Dispatcher,
-                 health: HealthChecker, admission: Admission, metrics: GatewayMetrics, advertise=None) -> None:
+                 health: HealthChecker, admission: Admission, metrics: GatewayMetrics,
+                 advertise=None) -> None:
         self.advertise = advertise  # awaited after a change to the engines (the admission advert)
         self.run_id = run_id
         self.registry = registry
@@ -46,8 +47,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         require_known_enums(request)
         record = EngineRecord(
             engine_id=_engine_id(request.engine_id), url=_url(request.url),
-            pool=request.pool or gateway_pb2.ENGINE_POOL_FLEET, kind=request.kind, labels=dict(request.labels),
-            draining=request.start_draining)
+            pool=request.pool or gateway_pb2.ENGINE_POOL_FLEET, kind=request.kind,
+            labels=dict(request.labels), draining=request.start_draining)
         record = await self.registry.register(record)
         await self.health.check(record)  # answer with its real state, not "unprobed"
         await self._advertise()
@@ -63,7 +64,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         ids = sorted(self.registry.engines)
         counts = await self.router.session_counts(ids)
         return gateway_pb2.ListEnginesResponse(engines=[
-            self.registry.engines[e].to_proto(counts[e], self.registry.local_in_flight.get(e, 0)) for e in ids])
+            self.registry.engines[e].to_proto(counts[e], self.registry.local_in_flight.get(e, 0))
+            for e in ids])
 
     async def UpdateEngineState(self, request: gateway_pb2.UpdateEngineStateRequest, context):
         """DRAINING (no new sessions) or HEALTHY (takes new sessions again); health and pause are separate."""
@@ -169,7 +171,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 def _engine_id(engine_id: str) -> str:
     if not ENGINE_ID.match(engine_id):
         raise InvalidGatewayRequest(
-            f"engine_id must be 1-128 characters of letters, digits and _.:-, got {engine_id!r}", field="engine_id")
+            f"engine_id must be 1-128 characters of letters, digits and _.:-, got {engine_id!r}",
+            field="engine_id")
     return engine_id
 
 

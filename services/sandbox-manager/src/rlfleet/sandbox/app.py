@@ -41,7 +41,8 @@ class SandboxManagerApp(PeersApp):
             "instance": self.manager.leases.owner.instance_id, "root": str(self.config.driver.root),
             "predecessor_leases_removed": len(recovery.predecessor_leases),
             "dead_owner_leases_removed": len(recovery.dead_owner_leases)})
-        server.add(sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, SandboxServicer(self.manager), SERVICE_NAME)
+        server.add(sandbox_pb2_grpc.add_SandboxServiceServicer_to_server,
+                   SandboxServicer(self.manager), SERVICE_NAME)
 
     async def stop(self) -> None:
         try:
@@ -60,7 +61,8 @@ def build_manager(config: SandboxManagerConfig, redis) -> SandboxManager:
     reads = ReadLimits(config.driver.max_read_bytes, config.default_read_bytes_per_file)
     return SandboxManager(driver, leases, policy, reads, reap_interval_s=config.driver.reap_interval_s,
                           pool_size=lambda: len(driver.pool),
-                          caps=OpenCaps(per_run=config.max_open_sandboxes, per_client=config.max_sandboxes_per_client))
+                          caps=OpenCaps(per_run=config.max_open_sandboxes,
+                                        per_client=config.max_sandboxes_per_client))
 
 
 def build(config: SandboxManagerConfig) -> SandboxManagerApp:

@@ -223,7 +223,8 @@ class BubblewrapDriver:
             "cpu": "RLIMIT_CPU per process (SIGXCPU, then SIGKILL 1 s later); tree total measured",
             "wall": "driver deadline, SIGKILL of the sandbox's pid namespace",
             "file_size": "RLIMIT_FSIZE per file",
-            "workspace": f"a tmpfs per sandbox: {self._quota.bytes} bytes, {self._quota.inodes} inodes (ENOSPC)",
+            "workspace": f"a tmpfs per sandbox: {self._quota.bytes} bytes, "
+                         f"{self._quota.inodes} inodes (ENOSPC)",
             "output": "captured up to max_output_bytes per stream, rest read and dropped",
             "network": "own network namespace with loopback only, unless spec.network",
             "syscalls": "seccomp deny-list (user namespaces, keyrings, bpf, perf, userfaultfd, io_uring)"
@@ -387,8 +388,8 @@ class BubblewrapDriver:
             raise SandboxNotFound(live.handle.id, "destroyed while the exec ran")
         if not outcome.timed_out and not bwrap_reported_exit(outcome.status_data):
             raise SandboxDriverUnavailable(
-                f"bubblewrap could not set up the sandbox: {outcome.stderr.data.decode(errors='replace').strip()}",
-                reason="sandbox_setup_failed",
+                "bubblewrap could not set up the sandbox: "
+                f"{outcome.stderr.data.decode(errors='replace').strip()}", reason="sandbox_setup_failed",
                 sandbox_id=live.handle.id,
             )
         # Filled by this exec: full now and not before (statvfs of a tmpfs: no I/O, fine on the loop).
@@ -549,8 +550,8 @@ class BubblewrapDriver:
             await self.destroy(handle)
         if result.exit_code != 0 or result.stdout_text.strip() != self._python_prefix():
             raise SandboxDriverUnavailable(
-                f"sandbox self-test failed (exit {result.exit_code}): {result.stdout_text} {result.stderr_text}".strip(),
-                reason="self_test_failed",
+                f"sandbox self-test failed (exit {result.exit_code}): "
+                f"{result.stdout_text} {result.stderr_text}".strip(), reason="self_test_failed",
             )
 
 

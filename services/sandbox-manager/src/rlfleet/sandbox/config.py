@@ -47,8 +47,8 @@ class BubblewrapConfig(StrictModel):
     uid_search_from: int = Field(200_000, ge=1000, description="lowest uid an unpinned range may start at")
     uid_search_to: int = Field(2_000_000, le=2**31 - 1, description="an unpinned range ends below this uid")
     uid_lease_dir: Path = Field(Path("/run/rlfleet/sandbox-uids"),
-                                description="host-wide directory of uid-range leases; every driver on the host "
-                                "must use the same one")
+                                description="host-wide directory of uid-range leases; every driver on the "
+                                "host must use the same one")
     max_sandboxes: int = Field(256, ge=1, le=65536, description="sandbox slots (one uid each), warm pool "
                                "included; beyond: RESOURCE_EXHAUSTED")
     cgroups: Literal["auto", "off", "require"] = Field(
@@ -99,12 +99,16 @@ class SandboxManagerConfig(ServiceConfig):
                              description="longest lifetime a request may ask for (beyond: INVALID_ARGUMENT)")
     max_open_sandboxes: int = Field(256, ge=1, description="sandboxes open at once for this run (one manager "
                                     "serves one run), warm pool not counted; beyond: RESOURCE_EXHAUSTED")
-    max_sandboxes_per_client: int = Field(128, ge=1, description="sandboxes one client (the rlfleet-client-id "
-                                          "metadata, else the client_id label, else 'anonymous') may hold open")
-    allow_network: bool = Field(False, description="let create requests turn networking on (off: INVALID_ARGUMENT)")
-    default_read_bytes_per_file: int = Field(8 * MiB, ge=1, description="per-file read cap when a request gives none")
+    max_sandboxes_per_client: int = Field(128, ge=1,
+                                          description="sandboxes one client (the rlfleet-client-id metadata, "
+                                          "else the client_id label, else 'anonymous') may hold open")
+    allow_network: bool = Field(False,
+                                description="let create requests turn networking on (off: INVALID_ARGUMENT)")
+    default_read_bytes_per_file: int = Field(8 * MiB, ge=1,
+                                             description="per-file read cap when a request gives none")
     heartbeat_s: float = Field(5.0, gt=0, description="how often this manager refreshes its liveness key")
-    lease_grace_s: float = Field(60.0, ge=0, description="Redis keeps a lease this long past its sandbox's expiry")
+    lease_grace_s: float = Field(60.0, ge=0,
+                                 description="Redis keeps a lease this long past its sandbox's expiry")
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> SandboxManagerConfig:

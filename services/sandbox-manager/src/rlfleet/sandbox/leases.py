@@ -56,7 +56,8 @@ class Recovery:
 
 
 class LeaseStore:
-    def __init__(self, redis: aioredis.Redis, run_id: str, owner: Owner, *, grace_s: float, heartbeat_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, run_id: str, owner: Owner, *, grace_s: float,
+                 heartbeat_s: float) -> None:
         self.redis = redis
         self.run_id = run_id
         self.owner = owner
@@ -102,7 +103,8 @@ class LeaseStore:
         await self.redis.delete(self.manager_key(self.owner.instance_id))
 
     async def owned(self) -> list[str]:
-        return [sandbox_id for sandbox_id, lease in await self._all() if lease.get("owner") == self.owner.instance_id]
+        return [sandbox_id for sandbox_id, lease in await self._all()
+                if lease.get("owner") == self.owner.instance_id]
 
     async def recover(self) -> Recovery:
         """Removes stale leases; call once the driver holds its root (so predecessors are dead)."""

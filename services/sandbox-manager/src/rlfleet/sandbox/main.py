@@ -1,4 +1,5 @@
-"""Console script `rlfleet-sandbox-manager`: parses config first, imports the service after (instant --help)."""
+"""Console script `rlfleet-sandbox-manager`: parses config first, imports the service after
+(instant --help)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ class SandboxRecord:
     client_id: str = ANONYMOUS_CLIENT
     owner: str = ""  # the principal that created it; only it (and services) see it
     exec_count: int = 0
-    violations: deque[RecordedViolation] = field(default_factory=lambda: deque(maxlen=MAX_RECORDED_VIOLATIONS))
+    violations: deque[RecordedViolation] = field(
+        default_factory=lambda: deque(maxlen=MAX_RECORDED_VIOLATIONS))
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ class ReadLimits:
 
 
 class SandboxManager:
-    def __init__(self, driver: SandboxDriver, leases: LeaseStore, policy: RequestPolicy, read_limits: ReadLimits,
-                 *, reap_interval_s: float, pool_size: Callable[[], int] = lambda: 0,
+    def __init__(self, driver: SandboxDriver, leases: LeaseStore, policy: RequestPolicy,
+                 read_limits: ReadLimits, *, reap_interval_s: float, pool_size: Callable[[], int] = lambda: 0,
                  caps: OpenCaps | None = None) -> None:
         self.driver = driver
         self.caps = caps or OpenCaps(per_run=1 << 30, per_client=1 << 30)
@@ -99,7 +100,8 @@ class SandboxManager:
         recovery = await self.leases.recover()
         self.metrics.stale_leases.add(len(recovery.predecessor_leases) + len(recovery.dead_owner_leases))
         await self.leases.heartbeat()
-        self._tasks = [asyncio.create_task(self._every(self.reap_interval_s, self.reap_expired), name="sandbox-reaper"),
+        self._tasks = [asyncio.create_task(self._every(self.reap_interval_s, self.reap_expired),
+                                           name="sandbox-reaper"),
                        asyncio.create_task(self._every(self.leases.heartbeat_s, self.leases.heartbeat),
                                            name="sandbox-heartbeat")]
         return recovery
@@ -120,8 +122,8 @@ class SandboxManager:
                      env: Mapping[str, str], ttl_s: float, labels: Mapping[str, str], session_id: str,
                      client_id: str = ANONYMOUS_CLIENT) -> SandboxRecord:
         spec = SandboxSpec(files={f.path: f.content for f in files}, limits=self.policy.limits(limits),
-                           network=self.policy.network(network), env=dict(env), ttl_seconds=self.policy.ttl(ttl_s),
-                           labels=dict(labels))
+                           network=self.policy.network(network), env=dict(env),
+                           ttl_seconds=self.policy.ttl(ttl_s), labels=dict(labels))
         _check_modes(files)
         client_id = _check_client_id(client_id)
         self._check_caps(client_id)
@@ -194,7 +196,8 @@ class SandboxManager:
         record = await self.get(sandbox_id)
         timeout = self.policy.exec_timeout(timeout_s)
         started = time.monotonic()
-        result = await self.driver.exec(sandbox_id, argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd or ".")
+        result = await self.driver.exec(sandbox_id, argv, stdin=stdin, timeout=timeout, env=env,
+                                        cwd=cwd or ".")
         self.metrics.executed(result, time.monotonic() - started)
         record.exec_count += 1
         now = time.time()
@@ -211,7 +214,8 @@ class SandboxManager:
                          max_bytes_per_file: int) -> tuple[dict[str, bytes], list[str]]:
         """The files that exist, and the paths that do not; a file over the per-file cap is an error."""
         await self.get(sandbox_id)
-        per_file = min(max_bytes_per_file or self.read_limits.default_per_file, self.read_limits.max_total_bytes)
+        per_file = min(max_bytes_per_file or self.read_limits.default_per_file,
+                       self.read_limits.max_total_bytes)
         found: dict[str, bytes] = {}
         missing: list[str] = []
         total = 0
@@ -224,13 +228,14 @@ class SandboxManager:
                     continue
                 raise
             if len(data) > per_file:
-                raise InvalidSandboxRequest(f"path {path!r} is {len(data)} bytes, over max_bytes_per_file={per_file}",
+                raise InvalidSandboxRequest(f"path {path!r} is {len(data)} bytes, "
+                                            f"over max_bytes_per_file={per_file}",
                                             field="max_bytes_per_file", path=path)
             total += len(data)
             if total > self.read_limits.max_total_bytes:
                 raise InvalidSandboxRequest(
-                    f"the files total more than {self.read_limits.max_total_bytes} bytes; read fewer per call",
-                    field="paths")
+                    f"the files total more than {self.read_limits.max_total_bytes} bytes; "
+                    "read fewer per call", field="paths")
             found[path] = data
         return found, missing
 
@@ -253,7 +258,8 @@ class SandboxManager:
             if f.mode and f.mode != 0o644:
                 by_mode.setdefault(f.mode, []).append(f.path)
         for mode, paths in by_mode.items():
-            result = await self.driver.exec(sandbox_id, ["chmod", format(mode, "o"), "--", *paths], timeout=10)
+            result = await self.driver.exec(sandbox_id,
+                                            ["chmod", format(mode, "o"), "--", *paths], timeout=10)
             if not result.ok:
                 raise SandboxDriverUnavailable(f"could not set mode {mode:o}: {result.stderr_text.strip()}",
                                                reason="chmod_failed", sandbox_id=sandbox_id)

@@ -22,8 +22,9 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         run_id = self.manager.leases.run_id
         principal = security.caller()
         if not principal.may_use_run(run_id):
-            raise PermissionDenied(f"the caller's token is for run {principal.run!r}; this sandbox manager serves run "
-                                   f"{run_id!r}", right=f"run:{run_id}", run_id=run_id)
+            raise PermissionDenied(f"the caller's token is for run {principal.run!r}; "
+                                   f"this sandbox manager serves run {run_id!r}", right=f"run:{run_id}",
+                                   run_id=run_id)
         record = await self.manager.create(
             files=new_files(request.files), limits=requested_limits(request),
             network=request.network, env=dict(request.env), ttl_s=request.ttl_seconds,
@@ -35,7 +36,8 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         if not request.argv:
             raise InvalidSandboxRequest("argv must not be empty", field="argv", sandbox_id=request.sandbox_id)
         result = await self.manager.exec(request.sandbox_id, list(request.argv), stdin=request.stdin,
-                                         timeout_s=request.timeout_seconds, env=dict(request.env), cwd=request.cwd)
+                                         timeout_s=request.timeout_seconds, env=dict(request.env),
+                                         cwd=request.cwd)
         return exec_result_proto(result)
 
     async def WriteFiles(self, request: pb.WriteFilesRequest, context) -> pb.WriteFilesResponse:
@@ -45,7 +47,8 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
     async def ReadFiles(self, request: pb.ReadFilesRequest, context) -> pb.ReadFilesResponse:
         found, missing = await self.manager.read_files(request.sandbox_id, list(request.paths),
                                                        request.max_bytes_per_file)
-        return pb.ReadFilesResponse(files=[pb.File(path=p, content=c) for p, c in found.items()], missing=missing)
+        return pb.ReadFilesResponse(files=[pb.File(path=p, content=c) for p, c in found.items()],
+                                    missing=missing)
 
     async def ListFiles(self, request: pb.ListFilesRequest, context) -> pb.ListFilesResponse:
         return pb.ListFilesResponse(paths=await self.manager.list_files(request.sandbox_id))

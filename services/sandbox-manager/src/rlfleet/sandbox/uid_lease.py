@@ -113,7 +113,8 @@ def lease_uid_range(
             holder = next((h for h in held if h[0].overlaps(wanted)), None)
             if holder is not None:
                 raise SandboxDriverUnavailable(
-                    f"uids {wanted.first}..{wanted.end - 1} overlap the range {holder[0].first}..{holder[0].end - 1} "
+                    f"uids {wanted.first}..{wanted.end - 1} overlap the range "
+                    f"{holder[0].first}..{holder[0].end - 1} "
                     f"leased by pid {holder[1].get('pid')} (root {holder[1].get('root')!r}) in {directory}; "
                     "pin another driver.uid_base or leave it unset to pick a free range",
                     reason="uid_range_in_use",
@@ -131,7 +132,8 @@ def _pick(
     taken = sorted(r for r, _ in held)
     if preferred is not None:
         candidate = UidRange(preferred, count)
-        if search_from <= preferred and candidate.end <= search_to and not any(r.overlaps(candidate) for r in taken):
+        if (search_from <= preferred and candidate.end <= search_to
+                and not any(r.overlaps(candidate) for r in taken)):
             return candidate  # this root's own range: what is running there is its predecessor's
     busy = _process_uids()
     first = search_from

@@ -1,13 +1,12 @@
 """Turn what is known about a finished exec into violation records.
 
-Observed facts (`inferred=False`): the driver's own wall-clock kill, output it cut, a signal the
-kernel sends for a limit (SIGXCPU, SIGXFSZ, and a SIGKILL the driver did not send) — recorded from
-the signal alone: it is read back from a 128+N exit status a program could also produce, which can
-only count against that program — and cgroup counters
-(OOM kills, pids.max hits), and a workspace tmpfs left with no space or inodes. Heuristics (`inferred=True`): recognised error messages in the
-program's stderr. A program controls its stderr, so heuristics can be faked or hidden; they exist
-because a limit that makes a call fail (ENOMEM, EAGAIN, EROFS, ENETUNREACH) leaves no other trace
-outside the sandbox.
+Observed facts (`inferred=False`): the driver's own wall-clock kill, output it cut, a signal the kernel
+sends for a limit (SIGXCPU, SIGXFSZ, and a SIGKILL the driver did not send) — recorded from the signal
+alone: it is read back from a 128+N exit status a program could also produce, which can only count against
+that program — and cgroup counters (OOM kills, pids.max hits), and a workspace tmpfs left with no space or
+inodes. Heuristics (`inferred=True`): recognised error messages in the program's stderr. A program
+controls its stderr, so heuristics can be faked or hidden; they exist because a limit that makes a call
+fail (ENOMEM, EAGAIN, EROFS, ENETUNREACH) leaves no other trace outside the sandbox.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ _STDERR_HINTS: list[tuple[ViolationKind, re.Pattern[bytes], str]] = [
     (
         K.PROCESSES,
         re.compile(
-            rb"fork: (retry: )?Resource temporarily unavailable|[Cc]an(no|')t fork|BlockingIOError: \[Errno 11\]"
+            rb"fork: (retry: )?Resource temporarily unavailable|[Cc]an(no|')t fork|"
+            rb"BlockingIOError: \[Errno 11\]"
         ),
         "process creation failed (EAGAIN)",
     ),
@@ -111,7 +111,8 @@ def derive(f: ExecFacts) -> tuple[Violation, ...]:
     if f.oom_kills > 0:
         add(
             K.MEMORY,
-            f"the memory cgroup OOM-killed {f.oom_kills} process(es) at the {f.limits.memory_bytes}-byte limit",
+            f"the memory cgroup OOM-killed {f.oom_kills} process(es) "
+            f"at the {f.limits.memory_bytes}-byte limit",
         )
     if f.pids_max_hits > 0:
         add(K.PROCESSES, f"{f.pids_max_hits} fork(s) refused at the {f.limits.max_processes}-process limit")
@@ -120,7 +121,8 @@ def derive(f: ExecFacts) -> tuple[Violation, ...]:
     if f.workspace_bytes_full and f.workspace_quota is not None:
         add(K.FILESYSTEM, f"the workspace is full: its {f.workspace_quota.bytes}-byte quota is used up")
     elif f.workspace_inodes_full and f.workspace_quota is not None:
-        add(K.FILESYSTEM, f"the workspace is full: its {f.workspace_quota.inodes}-inode (file count) quota is used up")
+        add(K.FILESYSTEM,
+            f"the workspace is full: its {f.workspace_quota.inodes}-inode (file count) quota is used up")
     for stream, truncated, total in (
         ("stdout", f.stdout_truncated, f.stdout_bytes),
         ("stderr", f.stderr_truncated, f.stderr_bytes),

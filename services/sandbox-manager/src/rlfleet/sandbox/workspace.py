@@ -83,7 +83,8 @@ class UidAllocator:
         self._free.append(uid)
 
 
-def prepare_slot(root: Path, uids: UidAllocator, cgroups: CgroupSupport | None, quota: WorkspaceQuota) -> Slot:
+def prepare_slot(root: Path, uids: UidAllocator, cgroups: CgroupSupport | None,
+                 quota: WorkspaceQuota) -> Slot:
     """Make an empty sandbox (its workspace tmpfs, its cgroup). Synchronous: a handful of syscalls."""
     uid = uids.take()
     slot = Slot(secrets.token_hex(8), Path(), uid, None)

@@ -45,8 +45,8 @@ class SessionServerApp(PeersApp):
         self.gateway = GatewayClient(gateway_address, config.gateway_timeout_s)
         publisher = TrajectoryPublisher(self.connected_js(), config.run_id, config.publish_timeout_s)
         closer = Closer(store, redis, publisher, self.gateway, metrics)
-        servicer = SessionServicer(config.run_id, store, Inputs(tokenizer, renderer, limits), self.gateway, closer,
-                                   metrics)
+        servicer = SessionServicer(config.run_id, store, Inputs(tokenizer, renderer, limits),
+                                   self.gateway, closer, metrics)
         server.add(session_pb2_grpc.add_SessionServiceServicer_to_server, servicer, SERVICE_NAME)
         self.expiry = asyncio.create_task(self._expire_idle(closer))
 

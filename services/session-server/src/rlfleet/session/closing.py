@@ -64,10 +64,12 @@ class Closer:
 
     async def close(self, session_id: str, status: common_pb2.TrajectoryStatus,
                     metadata: dict[str, str]) -> Closed:
-        """Closes (or, with status ABORTED, aborts) the session; a retry returns the first close's trajectory."""
+        """Closes (or, with status ABORTED, aborts) the session; a retry returns the first close's
+        trajectory."""
         for _attempt in range(5):
             # The verdict is read with the session (one round trip); only an open session uses it.
-            state, raw_verdict = await self.store.load_with(session_id, verdict_key(self.store.run_id, session_id))
+            state, raw_verdict = await self.store.load_with(session_id,
+                                                            verdict_key(self.store.run_id, session_id))
             if state.session.state == OPEN:
                 verdict = None if raw_verdict is None else common_pb2.Verdict.FromString(raw_verdict)
                 try:
@@ -136,18 +138,20 @@ class Closer:
         trajectory = common_pb2.Trajectory.FromString(state.trajectory)
         if state.expired and not aborting:
             raise SessionNotOpen(
-                f"cannot close session {state.session_id!r}: it expired (no call for session_idle_timeout_s) and was "
-                f"published as aborted (trajectory {state.session.trajectory_id})", session_id=state.session_id,
-                state="expired")
+                f"cannot close session {state.session_id!r}: it expired (no call for session_idle_timeout_s) "
+                f"and was published as aborted (trajectory {state.session.trajectory_id})",
+                session_id=state.session_id, state="expired")
         if aborting != was_aborted:
             asked = "abort" if aborting else "close"
             raise SessionNotOpen(
                 f"cannot {asked} session {state.session_id!r}: it was already {state.state_name} "
-                f"(trajectory {state.session.trajectory_id})", session_id=state.session_id, state=state.state_name)
+                f"(trajectory {state.session.trajectory_id})", session_id=state.session_id,
+                state=state.state_name)
         # COMPLETED (or unset) is what the server turns into TRUNCATED when the budget ran out.
         same = (status == trajectory.status or status == common_pb2.TRAJECTORY_STATUS_UNSPECIFIED
                 or (status == common_pb2.TRAJECTORY_STATUS_COMPLETED
-                    and trajectory.status == common_pb2.TRAJECTORY_STATUS_TRUNCATED and state.budget_exhausted))
+                    and trajectory.status == common_pb2.TRAJECTORY_STATUS_TRUNCATED
+                    and state.budget_exhausted))
         if not same:
             asked = common_pb2.TrajectoryStatus.Name(status)
             raise SessionNotOpen(
@@ -172,7 +176,8 @@ class Closer:
                 span.set_attribute("rlfleet.duplicate", not published_now)
             done.append("published")
             if published_now:
-                status = common_pb2.TrajectoryStatus.Name(trajectory.status).removeprefix("TRAJECTORY_STATUS_")
+                status = (common_pb2.TrajectoryStatus.Name(trajectory.status)
+                          .removeprefix("TRAJECTORY_STATUS_"))
                 self.metrics.trajectories.add(1, {"status": status.lower()})
                 self.metrics.trajectory_tokens.record(len(trajectory.token_ids), {"status": status.lower()})
         if not state.released:
@@ -181,7 +186,8 @@ class Closer:
             except GatewayUnavailable as exc:
                 # The trajectory is safe; the admission slot is freed by the next close retry or the
                 # gateway's lease. Failing the close here would only make the client retry it.
-                log.warning("admission release failed", extra={"session_id": state.session_id, "error": exc.message})
+                log.warning("admission release failed",
+                            extra={"session_id": state.session_id, "error": exc.message})
                 self.metrics.release_failures.add(1)
             else:
                 done.append("released")

@@ -43,7 +43,8 @@ class ObservationOverBudget(InvalidSessionRequest):
 
 class SessionNotFound(SessionError, NotFound):
     def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} not found (never opened, or expired)", session_id=session_id)
+        super().__init__(f"session {session_id!r} not found (never opened, or expired)",
+                         session_id=session_id)
 
 
 class SessionNotOpen(SessionError, FailedPrecondition):

@@ -35,7 +35,8 @@ class GatewayClient:
 
     async def admit(self, session_id: str, run_id: str) -> None:
         """Raises SessionsExhausted with the gateway's reason when it refuses the session."""
-        reply = await self._call(self._stub.Admit, gateway_pb2.AdmitRequest(session_id=session_id, run_id=run_id),
+        reply = await self._call(self._stub.Admit,
+                                 gateway_pb2.AdmitRequest(session_id=session_id, run_id=run_id),
                                  self.control_timeout_s, session_id)
         if not reply.admitted:
             raise SessionsExhausted(

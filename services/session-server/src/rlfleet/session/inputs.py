@@ -88,11 +88,12 @@ class Inputs:
             raise InvalidSessionRequest(f"the prompt is empty ({kind})", field=kind)
         if len(ids) >= budget:
             raise InvalidSessionRequest(
-                f"the prompt has {len(ids)} tokens, which leaves no room in the session's budget of {budget} tokens",
-                field=kind)
+                f"the prompt has {len(ids)} tokens, "
+                f"which leaves no room in the session's budget of {budget} tokens", field=kind)
         return ids
 
-    def observation_ids(self, request: session_pb2.AppendObservationRequest, state: SessionState) -> list[int]:
+    def observation_ids(self, request: session_pb2.AppendObservationRequest,
+                        state: SessionState) -> list[int]:
         kind = request.WhichOneof("content")
         if kind is None:
             raise InvalidSessionRequest("an observation needs text, token_ids or messages", field="content",
@@ -105,7 +106,8 @@ class Inputs:
         else:
             ids = self.tokenizer.encode(self._framed(request, state))
         if not ids:
-            raise InvalidSessionRequest(f"the observation is empty ({kind})", field=kind, session_id=state.session_id)
+            raise InvalidSessionRequest(f"the observation is empty ({kind})", field=kind,
+                                        session_id=state.session_id)
         if len(ids) > state.remaining:
             raise ObservationOverBudget(
                 f"the observation has {len(ids)} tokens but only {state.remaining} of the session's "
@@ -115,8 +117,8 @@ class Inputs:
 
     def token_ids(self, ids: list[int], field: str, room: int) -> list[int]:
         if len(ids) > max(room, 0):
-            raise InvalidSessionRequest(f"{field} has {len(ids)} tokens, more than the {room} that fit", field=field,
-                                        limit=max(room, 0), size=len(ids))
+            raise InvalidSessionRequest(f"{field} has {len(ids)} tokens, more than the {room} that fit",
+                                        field=field, limit=max(room, 0), size=len(ids))
         bad = self.tokenizer.invalid_id(ids)
         if bad is not None:
             position, token = bad
@@ -129,11 +131,12 @@ class Inputs:
         size = sum(len(k) + len(v) for k, v in metadata.items())
         if size > self.limits.max_metadata_bytes:
             raise InvalidSessionRequest(
-                f"{field} has {size} characters, more than max_metadata_bytes ({self.limits.max_metadata_bytes})",
-                field=field)
+                f"{field} has {size} characters, "
+                f"more than max_metadata_bytes ({self.limits.max_metadata_bytes})", field=field)
         return dict(metadata)
 
-    def turn_sampling(self, state: SessionState, override: common_pb2.SamplingParams | None) -> common_pb2.SamplingParams:
+    def turn_sampling(self, state: SessionState,
+                      override: common_pb2.SamplingParams | None) -> common_pb2.SamplingParams:
         """The session's sampling defaults with this call's overrides, max_new_tokens capped to the budget."""
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(state.sampling)
@@ -145,15 +148,16 @@ class Inputs:
         wanted = sampling.max_new_tokens
         if wanted <= 0:
             raise InvalidSessionRequest(
-                f"sampling.max_new_tokens must be > 0 (in OpenSession's sampling or this call's), got {wanted}",
-                field="sampling.max_new_tokens", session_id=state.session_id)
+                "sampling.max_new_tokens must be > 0 (in OpenSession's sampling or this call's), "
+                f"got {wanted}", field="sampling.max_new_tokens", session_id=state.session_id)
         budget = state.session.max_total_tokens
         if wanted > budget:
             raise InvalidSessionRequest(
                 f"sampling.max_new_tokens {wanted} exceeds the session's whole budget of {budget} tokens",
                 field="sampling.max_new_tokens", session_id=state.session_id)
         if state.remaining <= 0:
-            raise SessionNotOpen(f"session {state.session_id!r} has spent its budget of {budget} tokens; close it",
+            raise SessionNotOpen(f"session {state.session_id!r} has spent its budget "
+                                 f"of {budget} tokens; close it",
                                  session_id=state.session_id, state="budget_exhausted")
         sampling.max_new_tokens = min(wanted, state.remaining)
         return sampling
@@ -194,7 +198,8 @@ class Inputs:
         self._check_text_size(sum(len(m.content) for m in messages.messages), "messages")
         return [{"role": m.role, "content": m.content} for m in messages.messages]
 
-    def _render(self, messages: common_pb2.ChatMessages, add_generation_prompt: bool, continuation: bool) -> str:
+    def _render(self, messages: common_pb2.ChatMessages, add_generation_prompt: bool,
+                continuation: bool) -> str:
         plain = self._plain(messages)
         render = self.renderer.render_continuation if continuation else self.renderer.render
         try:

@@ -21,7 +21,9 @@ class TrajectoryPublisher:
         `data`: the trajectory already serialized, when the caller has its bytes."""
         try:
             return await publish(self.js, "TRAJECTORIES", self.run_id, data or trajectory.SerializeToString(),
-                                 msg_type="Trajectory", msg_id=trajectory.trajectory_id, timeout_s=self.timeout_s)
+                                 msg_type="Trajectory", msg_id=trajectory.trajectory_id,
+                                 timeout_s=self.timeout_s)
         except (NatsError, TimeoutError) as exc:
             raise PublishFailed(f"publishing trajectory {trajectory.trajectory_id} failed: {exc!r}; "
-                                "close the session again to retry", session_id=trajectory.session_id) from None
+                                "close the session again to retry",
+                                session_id=trajectory.session_id) from None

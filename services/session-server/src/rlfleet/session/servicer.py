@@ -35,8 +35,8 @@ CLOSE_STATUSES = set(common_pb2.TrajectoryStatus.values())
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
-    def __init__(self, run_id: str, store: SessionStore, inputs: Inputs, gateway: GatewayClient, closer: Closer,
-                 metrics: SessionMetrics, turn_lease_s: float = 10.0) -> None:
+    def __init__(self, run_id: str, store: SessionStore, inputs: Inputs, gateway: GatewayClient,
+                 closer: Closer, metrics: SessionMetrics, turn_lease_s: float = 10.0) -> None:
         self.turn_lease_s = turn_lease_s
         self.run_id = run_id
         self.store = store
@@ -74,14 +74,16 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             try:
                 outcome = await self.store.create(state, lease, self.turn_lease_s)
             except SessionsExhausted:
-                await self.gateway.release(session_id)  # do not hold an admission slot for a session that is not there
+                # do not hold an admission slot for a session that is not there
+                await self.gateway.release(session_id)
                 raise
         if outcome != "created":  # opened concurrently under the same id
             return self._reopened(await self.store.load(session_id), request)
         self.metrics.sessions_opened.add(1)
         opened = _opened(state)
         if lease:  # the first turn, under the lease the create took (nobody else knows the session yet)
-            opened.first_turn.CopyFrom(await self._turn(state, session_pb2.GenerateRequest(session_id=session_id),
+            opened.first_turn.CopyFrom(await self._turn(state,
+                                                        session_pb2.GenerateRequest(session_id=session_id),
                                                         time.monotonic(), lease))
         return opened
 
@@ -89,7 +91,8 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         started = time.monotonic()
         # The lease is taken and the session read under it in one round trip, so no turn can end
         # between the read and the lease.
-        state, lease = await self.store.begin_turn_and_load(_session_id(request.session_id), self.turn_lease_s)
+        state, lease = await self.store.begin_turn_and_load(_session_id(request.session_id),
+                                                            self.turn_lease_s)
         try:
             self._check_open(state)
         except SessionNotOpen:
@@ -121,7 +124,8 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             await asyncio.sleep(self.turn_lease_s / 3)
             try:
                 await self.store.renew_turn(session_id, lease, self.turn_lease_s)
-            except Exception:  # Redis away for a moment: the commit's compare-and-set still guards the session
+            except Exception:
+                # Redis away for a moment: the commit's compare-and-set still guards the session
                 log.warning("renewing a turn lease failed", extra={"session_id": session_id})
 
     async def _generate(self, state: SessionState, request: session_pb2.GenerateRequest, started: float,
@@ -136,7 +140,8 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                 await self.store.commit(state, end_turn=lease)
                 return session_pb2.GenerateResponse(total_tokens=state.total_tokens, budget_exhausted=True,
                                                     observation_token_ids=observed)
-        sampling = self.inputs.turn_sampling(state, request.sampling if request.HasField("sampling") else None)
+        sampling = self.inputs.turn_sampling(state,
+                                             request.sampling if request.HasField("sampling") else None)
         request_id = f"{state.session_id}-{len(state.session.spans)}-{uuid.uuid4().hex[:8]}"
         # `engine_pool` in the session's metadata pins it to a pool (evaluations of a canary candidate).
         reply = await self.gateway.generate(state.session_id, state.session.token_ids, sampling, request_id,
@@ -153,7 +158,8 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             token_ids=output, logprobs=reply.output_logprobs, finish_reason=reply.finish_reason,
             policy_version=reply.policy_version, text=tokenizer.decode(output), engine_id=reply.engine_id,
             span_index=span_index, total_tokens=state.total_tokens, budget_exhausted=state.budget_exhausted,
-            observation_token_ids=observed, text_with_special_tokens=tokenizer.decode(output, skip_special_tokens=False))
+            observation_token_ids=observed,
+            text_with_special_tokens=tokenizer.decode(output, skip_special_tokens=False))
         stops = {*tokenizer.stop_token_ids, *sampling.stop_token_ids}
         if reply.finish_reason == common_pb2.FINISH_REASON_STOP and output and output[-1] in stops:
             response.matched_stop_token_id = output[-1]
@@ -182,10 +188,9 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         metadata = self.inputs.metadata(request.metadata)
         self._check_caller_run()
         closed = await self.closer.close(_session_id(request.session_id), request.status, metadata)
-        response = session_pb2.CloseSessionResponse(trajectory_id=closed.trajectory.trajectory_id,
-                                                    verdict=closed.trajectory.verdict,
-                                                    published_now=closed.published_now,
-                                                    verdict_missing=VERDICT_MISSING in closed.trajectory.metadata)
+        response = session_pb2.CloseSessionResponse(
+            trajectory_id=closed.trajectory.trajectory_id, verdict=closed.trajectory.verdict,
+            published_now=closed.published_now, verdict_missing=VERDICT_MISSING in closed.trajectory.metadata)
         if request.return_trajectory:
             response.trajectory.CopyFrom(closed.trajectory)
         return response
@@ -197,8 +202,10 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return session_pb2.AbortSessionResponse(trajectory_id=closed.trajectory.trajectory_id)
 
     # --- helpers --------------------------------------------------------------------------------
-    def _reopened(self, existing: SessionState, request: session_pb2.OpenSessionRequest) -> session_pb2.OpenSessionResponse:
-        """A retried open gets the same answer; an open of the same id with another prompt or task is refused."""
+    def _reopened(self, existing: SessionState,
+                  request: session_pb2.OpenSessionRequest) -> session_pb2.OpenSessionResponse:
+        """A retried open gets the same answer; an open of the same id with another prompt or task is
+        refused."""
         opened = _opened(existing)
         try:
             prompt = self.inputs.prompt_ids(request, existing.session.max_total_tokens)
@@ -206,8 +213,9 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             prompt = None
         if prompt != list(opened.prompt_token_ids) or request.task_id != existing.session.task_id:
             raise SessionExists(
-                f"session {existing.session_id!r} exists with another prompt or task_id; a retried OpenSession "
-                "must repeat the first one's, a new episode needs a new session_id", session_id=existing.session_id)
+                f"session {existing.session_id!r} exists with another prompt or task_id; "
+                "a retried OpenSession must repeat the first one's, a new episode needs a new session_id",
+                session_id=existing.session_id)
         if request.first_turn and (first := self._first_turn_of(existing)) is not None:
             opened.first_turn.CopyFrom(first)
         return opened
@@ -221,7 +229,8 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         output = list(session.token_ids[span.start:span.end])
         tokenizer = self.inputs.tokenizer
         first = session_pb2.GenerateResponse(
-            token_ids=output, logprobs=session.rollout_logprobs[span.start:span.end], finish_reason=span.finish_reason,
+            token_ids=output, logprobs=session.rollout_logprobs[span.start:span.end],
+            finish_reason=span.finish_reason,
             policy_version=span.policy_version, text=tokenizer.decode(output), engine_id=span.engine_id,
             span_index=1, total_tokens=span.end, budget_exhausted=span.end >= session.max_total_tokens,
             text_with_special_tokens=tokenizer.decode(output, skip_special_tokens=False))
@@ -239,12 +248,13 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     def _check_open(state: SessionState) -> None:
         if state.expired:
             raise SessionNotOpen(
-                f"session {state.session_id!r} expired: no call for session_idle_timeout_s; it was published as "
-                f"aborted (trajectory {state.session.trajectory_id})", session_id=state.session_id, state="expired")
+                f"session {state.session_id!r} expired: no call for session_idle_timeout_s; "
+                f"it was published as aborted (trajectory {state.session.trajectory_id})",
+                session_id=state.session_id, state="expired")
         if state.session.state != OPEN:
             raise SessionNotOpen(
-                f"session {state.session_id!r} is {state.state_name} (trajectory {state.session.trajectory_id})",
-                session_id=state.session_id, state=state.state_name)
+                f"session {state.session_id!r} is {state.state_name} (trajectory "
+                f"{state.session.trajectory_id})", session_id=state.session_id, state=state.state_name)
 
     async def _admit(self, session_id: str) -> None:
         try:
@@ -257,8 +267,9 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         """A token for another run sees nothing of this one (its sessions are not found)."""
         principal = security.caller()
         if not principal.may_use_run(self.run_id):
-            raise PermissionDenied(f"the caller's token is for run {principal.run!r}; this session server serves "
-                                   f"run {self.run_id!r}", right=f"run:{self.run_id}", run_id=self.run_id)
+            raise PermissionDenied(f"the caller's token is for run {principal.run!r}; "
+                                   f"this session server serves run {self.run_id!r}",
+                                   right=f"run:{self.run_id}", run_id=self.run_id)
 
     def _check_run(self, run_id: str) -> None:
         self._check_caller_run()
@@ -278,10 +289,12 @@ def model_info(inputs: Inputs) -> session_pb2.ModelInfo:
         chat_template=renderer.template_source if renderer.uses_model_template else CHAT_TEMPLATE,
         bos_token=special.get("bos_token", ""), eos_token=special.get("eos_token", ""),
         pad_token=special.get("pad_token", ""),
-        special_tokens=[session_pb2.SpecialToken(content=c, id=i) for i, c in sorted(tokenizer.special_tokens.items())],
+        special_tokens=[session_pb2.SpecialToken(content=c, id=i)
+                        for i, c in sorted(tokenizer.special_tokens.items())],
         stop_token_ids=tokenizer.stop_token_ids, vocab_size=tokenizer.vocab_size,
         context_length=inputs.limits.context_length or 0,
-        model_type=json.loads(model_config.read_text()).get("model_type", "") if model_config.exists() else "")
+        model_type=(json.loads(model_config.read_text()).get("model_type", "") if model_config.exists()
+                    else ""))
 
 
 def _session_id(session_id: str) -> str:

@@ -61,8 +61,8 @@ class SessionState:
 
     # --- storage form ---------------------------------------------------------------------------
     def fields(self, with_sampling: bool = True) -> dict[str, bytes]:
-        info = {"group_size": self.group_size, "suite": self.suite, "split": self.split, "opened_ms": self.opened_ms,
-                "generate_s": self.generate_s, "tool_wait_s": self.tool_wait_s,
+        info = {"group_size": self.group_size, "suite": self.suite, "split": self.split,
+                "opened_ms": self.opened_ms, "generate_s": self.generate_s, "tool_wait_s": self.tool_wait_s,
                 "last_generate_end": self.last_generate_end, "num_turns": self.num_turns,
                 "num_observations": self.num_observations, "budget_exhausted": self.budget_exhausted,
                 "expired": self.expired}
@@ -90,7 +90,8 @@ def append_prompt(state: SessionState, ids: list[int]) -> None:
 def append_generated(state: SessionState, reply: gateway_pb2.GenerateResponse, finished_at: float) -> int:
     """Appends the engine's reply as a GENERATED span (loss mask 1); returns the span index."""
     span = common_pb2.Span(kind=common_pb2.SPAN_KIND_GENERATED, policy_version=reply.policy_version,
-                           finish_reason=reply.finish_reason, engine_id=reply.engine_id, latency_s=reply.latency_s)
+                           finish_reason=reply.finish_reason, engine_id=reply.engine_id,
+                           latency_s=reply.latency_s)
     logprobs = list(reply.output_logprobs)
     if len(logprobs) != len(reply.output_ids):
         raise ValueError(f"the engine returned {len(logprobs)} log-probs for {len(reply.output_ids)} tokens")
@@ -102,7 +103,8 @@ def append_generated(state: SessionState, reply: gateway_pb2.GenerateResponse, f
         common_pb2.VersionRange(policy_version=r.policy_version, start=offset + r.start, end=offset + r.end)
         for r in reply.version_ranges)
     if not reply.version_ranges and reply.output_ids:  # a gateway that sends none: one range
-        span.version_ranges.add(policy_version=reply.policy_version, start=offset, end=offset + len(reply.output_ids))
+        span.version_ranges.add(policy_version=reply.policy_version, start=offset,
+                                end=offset + len(reply.output_ids))
     index = _append(state, list(reply.output_ids), logprobs, span)
     state.session.engine_id = reply.engine_id
     state.generate_s += reply.latency_s
@@ -140,7 +142,8 @@ def _append(state: SessionState, ids: list[int], logprobs: list[float] | None, s
 
 def build_trajectory(state: SessionState, trajectory_id: str, status: common_pb2.TrajectoryStatus,
                      verdict: common_pb2.Verdict | None, metadata: dict[str, str]) -> common_pb2.Trajectory:
-    """The session as one Trajectory; the server's TRUNCATED overrides a client's COMPLETED when the budget ran out."""
+    """The session as one Trajectory; the server's TRUNCATED overrides a client's COMPLETED when the
+    budget ran out."""
     if status in (common_pb2.TRAJECTORY_STATUS_UNSPECIFIED, common_pb2.TRAJECTORY_STATUS_COMPLETED):
         status = (common_pb2.TRAJECTORY_STATUS_TRUNCATED if state.budget_exhausted
                   else common_pb2.TRAJECTORY_STATUS_COMPLETED)
@@ -152,7 +155,8 @@ def build_trajectory(state: SessionState, trajectory_id: str, status: common_pb2
         wall_s=max(0.0, (closed_ms - state.opened_ms) / 1000), opened_unix_ms=state.opened_ms,
         closed_unix_ms=closed_ms)
     trajectory = common_pb2.Trajectory(
-        schema_version=SCHEMA_VERSION, trajectory_id=trajectory_id, run_id=session.run_id, task_id=session.task_id,
+        schema_version=SCHEMA_VERSION, trajectory_id=trajectory_id, run_id=session.run_id,
+        task_id=session.task_id,
         group_id=session.group_id, sample_index=session.sample_index, group_size=state.group_size,
         session_id=session.session_id, token_ids=session.token_ids, rollout_logprobs=session.rollout_logprobs,
         loss_mask=session.loss_mask, spans=session.spans, status=status, timings=timings,

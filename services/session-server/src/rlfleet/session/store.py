@@ -173,8 +173,8 @@ class SessionStore:
         session is admitted in the same script; SessionsExhausted with the gateway's reason if not."""
         now = time.time()
         run = self.run_id
-        readable = ([session_slots.policy_key(run), session_slots.fleet_key(run), adapter_routes_key(run)] if admit
-                    else ["", "", ""])
+        readable = ([session_slots.policy_key(run), session_slots.fleet_key(run), adapter_routes_key(run)]
+                    if admit else ["", "", ""])
         args = [state.session_id, now, now - self.ttl_s, self.max_open, self.ttl_s, turn_token,
                 int(lease_s * 1000), int(now * 1000), *readable, *_pairs(state.fields())]
         keys = [self._key(state.session_id), self._open_key, self._key(state.session_id) + ":turn"]
@@ -186,7 +186,8 @@ class SessionStore:
                                     "close some or retry later", reason="max_open_sessions")
         reason, _, retry_ms = outcome.partition(":")
         if retry_ms:  # refused by admission: as the gateway's Admit says it
-            raise SessionsExhausted(f"the gateway refused a new session: {reason} (retry after {retry_ms} ms)",
+            raise SessionsExhausted(f"the gateway refused a new session: {reason} "
+                                    f"(retry after {retry_ms} ms)",
                                     reason=reason, retry_after_s=int(retry_ms) / 1000)
         if outcome == "created":
             state.rev = 1
@@ -204,7 +205,8 @@ class SessionStore:
                 *_pairs(state.fields(with_sampling=False))]
         keys = [self._key(session_id), self._open_key, self._key(session_id) + ":turn"]
         if release:
-            keys += [session_slots.inflight_key(self.run_id), session_slots.affinity_key(self.run_id, session_id)]
+            keys += [session_slots.inflight_key(self.run_id),
+                     session_slots.affinity_key(self.run_id, session_id)]
         result = await self._commit(keys=keys, args=args)
         if result == -1:
             raise SessionNotFound(state.session_id)
@@ -239,13 +241,15 @@ class SessionStore:
         return token if taken else None
 
     async def renew_turn(self, session_id: str, token: str, lease_s: float) -> bool:
-        return bool(await self._renew(keys=[self._key(session_id) + ":turn"], args=[token, int(lease_s * 1000)]))
+        return bool(await self._renew(keys=[self._key(session_id) + ":turn"],
+                                      args=[token, int(lease_s * 1000)]))
 
     async def end_turn(self, session_id: str, token: str) -> None:
         await self._release(keys=[self._key(session_id) + ":turn"], args=[token])
 
     async def mark(self, session_id: str, *flags: str) -> None:
-        """Records close steps that need no compare-and-set (published, released): they only ever go 0 -> 1."""
+        """Records close steps that need no compare-and-set (published, released): they only ever
+        go 0 -> 1."""
         await self.redis.hset(self._key(session_id), mapping=dict.fromkeys(flags, "1"))
 
     async def idle_sessions(self, idle_s: float, limit: int = 256) -> list[str]:

@@ -45,7 +45,8 @@ class Rollout:
     """
 
     def __init__(self, workdir: Path, nats_url: str, redis_url: str, model: Path, run_id: str) -> None:
-        self.workdir, self.nats_url, self.redis_url, self.model, self.run_id = workdir, nats_url, redis_url, model, run_id
+        self.workdir, self.nats_url, self.redis_url, self.model, self.run_id = (
+            workdir, nats_url, redis_url, model, run_id)
         self.engines: dict[str, ServiceProcess] = {}
         self.gateway: ServiceProcess | None = None
         self.sessions: list[ServiceProcess] = []
@@ -79,7 +80,8 @@ class Rollout:
                   "weight_store_root": str(self.workdir / "weights")}
         return ServiceProcess("rlfleet-cpu-engine", self.workdir / name, config=config).start(90.0)
 
-    def start_session_server(self, gateway_address: str | None = None, wait: bool = True, **config) -> ServiceProcess:
+    def start_session_server(self, gateway_address: str | None = None, wait: bool = True,
+                             **config) -> ServiceProcess:
         if gateway_address:
             address = gateway_address
         elif self.gateway is not None:

@@ -55,7 +55,8 @@ class Tokenizer:
 
 
 def _eos_ids(path: Path) -> set[int]:
-    """EOS ids from generation_config.json and config.json (an int or a list in either), as the engine reads them."""
+    """EOS ids from generation_config.json and config.json (an int or a list in either), as the engine
+    reads them."""
     ids: set[int] = set()
     for name in ("config.json", "generation_config.json"):
         file = path / name
@@ -135,7 +136,8 @@ def load_chat_renderer(path: str, mode: str) -> ChatRenderer:
     if mode == "auto":
         jinja_file = Path(path) / "chat_template.jinja"
         template = jinja_file.read_text() if jinja_file.exists() else _template_from_config(config)
-    special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    special = {name: _token_text(config.get(name))
+               for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
     return ChatRenderer(template, special)
 
 
@@ -188,7 +190,8 @@ def _compile(template: str):
 
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
                sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)

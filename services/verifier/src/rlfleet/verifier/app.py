@@ -39,8 +39,8 @@ class VerifierApp(PeersApp):
         if not self.verifier.catalog.tasks:
             log.warning("no task suites loaded yet; they are read when a task is first asked for",
                         extra={"suites_dir": self.config.suites_dir})
-        server.add(verifier_pb2_grpc.add_VerifierServiceServicer_to_server, VerifierServicer(self.verifier, self.config.max_audit_episodes),
-                   SERVICE_NAME)
+        server.add(verifier_pb2_grpc.add_VerifierServiceServicer_to_server,
+                   VerifierServicer(self.verifier, self.config.max_audit_episodes), SERVICE_NAME)
 
     async def stop(self) -> None:
         try:
@@ -61,17 +61,19 @@ def build_verifier(config: VerifierConfig, redis=None, *, kinds: tuple[str, ...]
                    sandbox_setting: str = "sandbox_address") -> Verifier:
     """The verifier of `config`. Suites are checked against `kinds` at load; by default `unit_tests`
     counts as configured only with a sandbox manager to run hidden tests in."""
-    sandboxes = SandboxPeer(config.sandbox_address, sandbox_setting, config.peer_timeout_s, config.test_sandbox)
+    sandboxes = SandboxPeer(config.sandbox_address, sandbox_setting, config.peer_timeout_s,
+                            config.test_sandbox)
     if kinds is None:
         kinds = KIND_NAMES if config.sandbox_address else tuple(k for k in KIND_NAMES if k != "unit_tests")
     return Verifier(SuiteCatalog(config.suites_dir, kinds),
                     # With the run's Redis, the session is read where the session server keeps it
                     # (no round trip through it); without, it is asked for.
                     sessions=(StoredSessions(redis, config.run_id) if redis is not None
-                              else SessionPeer(config.session_address, "session_address", config.peer_timeout_s)),
+                              else SessionPeer(config.session_address, "session_address",
+                                               config.peer_timeout_s)),
                     sandboxes=sandboxes, decoder=SessionDecoder(config.tokenizer_path),
-                    scoring=scoring_config(config), redis=redis, run_id=config.run_id, metrics=VerifierMetrics(),
-                    parallel_tests=config.parallel_tests)
+                    scoring=scoring_config(config), redis=redis, run_id=config.run_id,
+                    metrics=VerifierMetrics(), parallel_tests=config.parallel_tests)
 
 
 def build(config: VerifierConfig) -> VerifierApp:

@@ -1,6 +1,8 @@
-"""`rlfleet-verifier audit` (also `rlfleet-verifier-audit`): how often the verifier agrees with labels, offline.
+"""`rlfleet-verifier audit` (also `rlfleet-verifier-audit`): how often the verifier agrees with labels,
+offline.
 
-    rlfleet-verifier audit --suite-dir runs/suites --labels labels.jsonl [--sandbox-address HOST:PORT] [--json]
+    rlfleet-verifier audit --suite-dir runs/suites --labels labels.jsonl [--sandbox-address HOST:PORT]
+                           [--json]
     rlfleet-verifier audit --audit-set DIR --sandbox-address HOST:PORT [--max-false-positive-rate 0.01]
 
 `--audit-set DIR` is a directory written by `python -m rlfleet.verifier.audit_set write DIR`
@@ -8,11 +10,12 @@
 
 Each line of the labels file is one labelled episode (unknown keys are errors):
 
-    {"episode_id": "e1", "suite": "calc", "task_id": "calc-1-...", "final_answer": "1781", "human_passed": true}
+    {"episode_id": "e1", "suite": "calc", "task_id": "calc-1-...", "final_answer": "1781",
+     "human_passed": true}
     {"episode_id": "e2", "suite": "code", "task_id": "code-fizzbuzz", "files": {"solution.py": "def ..."},
      "human_passed": false}
-    {"episode_id": "e3", "task_id": "calc-1-...", "transcript": "<|im_start|>assistant\\n<answer>3</answer>...",
-     "human_passed": false}
+    {"episode_id": "e3", "task_id": "calc-1-...",
+     "transcript": "<|im_start|>assistant\\n<answer>3</answer>...", "human_passed": false}
 
 `transcript` is the assistant's text (a ChatML-rendered conversation or one turn); `unit_tests` tasks
 need `--sandbox-address` (their hidden tests run in a fresh sandbox). Prints the confusion counts,
@@ -33,12 +36,15 @@ from pathlib import Path
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rlfleet-verifier audit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--audit-set", default="", help="directory of a labelled audit set (DIR/suites, DIR/labels.jsonl)")
-    parser.add_argument("--suite-dir", default="", help="directory of task suites (*.jsonl) with hidden fields")
+    parser.add_argument("--audit-set", default="",
+                        help="directory of a labelled audit set (DIR/suites, DIR/labels.jsonl)")
+    parser.add_argument("--suite-dir", default="",
+                        help="directory of task suites (*.jsonl) with hidden fields")
     parser.add_argument("--labels", default="", help="JSONL of labelled episodes")
     parser.add_argument("--max-false-positive-rate", type=float, default=1.0, help="exit 3 above this rate")
     parser.add_argument("--max-false-negative-rate", type=float, default=1.0, help="exit 3 above this rate")
-    parser.add_argument("--sandbox-address", default="", help="sandbox manager for unit_tests tasks (host:port)")
+    parser.add_argument("--sandbox-address", default="",
+                        help="sandbox manager for unit_tests tasks (host:port)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.audit_set:
@@ -110,10 +116,12 @@ def read_labels(path: Path) -> list:
         try:
             label = Label.model_validate_json(text)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}"
+                                 for e in exc.errors())
             raise ValueError(f"{path}:{number}: {problems}") from None
         items.append(LabelledInput(suite=label.suite, task_id=label.task_id, human_passed=label.human_passed,
-                                   final_answer=label.final_answer, files=label.files, transcript=label.transcript,
+                                   final_answer=label.final_answer, files=label.files,
+                                   transcript=label.transcript,
                                    episode_id=label.episode_id or f"line {number}"))
     return items
 
@@ -121,13 +129,15 @@ def read_labels(path: Path) -> list:
 def report_dict(report) -> dict:
     return {"n": report.n, "true_positives": report.tp, "false_positives": report.fp,
             "true_negatives": report.tn, "false_negatives": report.fn,
-            "false_positive_rate": report.false_positive_rate, "false_negative_rate": report.false_negative_rate,
-            "suites": {name: {"n": r.n, "true_positives": r.tp, "false_positives": r.fp, "true_negatives": r.tn,
-                              "false_negatives": r.fn, "false_positive_rate": r.false_positive_rate,
+            "false_positive_rate": report.false_positive_rate,
+            "false_negative_rate": report.false_negative_rate,
+            "suites": {name: {"n": r.n, "true_positives": r.tp, "false_positives": r.fp,
+                              "true_negatives": r.tn, "false_negatives": r.fn,
+                              "false_positive_rate": r.false_positive_rate,
                               "false_negative_rate": r.false_negative_rate}
                        for name, r in sorted(report.by_suite.items())},
-            "disagreements": [{"episode_id": d.episode_id, "task_id": d.task_id, "human_passed": d.human_passed,
-                               "verifier_passed": d.verifier_passed,
+            "disagreements": [{"episode_id": d.episode_id, "task_id": d.task_id,
+                               "human_passed": d.human_passed, "verifier_passed": d.verifier_passed,
                                "reasons": [{"code": r.code.value, "message": r.message, "details": r.details}
                                            for r in d.reasons]}
                               for d in report.disagreements]}
@@ -142,12 +152,14 @@ def format_report(report, suite_dir: str) -> str:
         f"{'':18}{'human passed':>14}{'human failed':>14}",
         f"{'verifier passed':18}{'TP ' + str(report.tp):>14}{'FP ' + str(report.fp):>14}",
         f"{'verifier failed':18}{'FN ' + str(report.fn):>14}{'TN ' + str(report.tn):>14}",
-        f"false positive rate {report.false_positive_rate:.3f}  (FP / (FP + TN): rewarded what a human failed)",
+        f"false positive rate {report.false_positive_rate:.3f}  (FP / (FP + TN): "
+        "rewarded what a human failed)",
         f"false negative rate {report.false_negative_rate:.3f}  (FN / (FN + TP): failed what a human passed)",
     ]
     for name, r in sorted(report.by_suite.items()):
         lines.append(f"  suite {name or '-'}: n {r.n}  TP {r.tp}  FP {r.fp}  TN {r.tn}  FN {r.fn}  "
-                     f"false positive rate {r.false_positive_rate:.3f}  false negative rate {r.false_negative_rate:.3f}")
+                     f"false positive rate {r.false_positive_rate:.3f}  "
+                     f"false negative rate {r.false_negative_rate:.3f}")
     lines.append(f"disagreements: {len(report.disagreements)}")
     for d in report.disagreements:
         why = "; ".join(f"{r.code.value}: {r.message}" for r in d.reasons) or "-"

@@ -68,9 +68,11 @@ def labelled_episodes(seed: int = 0) -> tuple[dict[str, list[dict]], list[dict]]
             {"episode_id": f"calc-near-miss-{task.task_id}", "suite": "calc", "task_id": task.task_id,
              "final_answer": near, "human_passed": False},
             {"episode_id": f"calc-transcript-{task.task_id}", "suite": "calc", "task_id": task.task_id,
-             "transcript": _calc_transcript(task.metadata["expression"], answer, answer), "human_passed": True},
+             "transcript": _calc_transcript(task.metadata["expression"], answer, answer),
+             "human_passed": True},
             {"episode_id": f"calc-no-answer-{task.task_id}", "suite": "calc", "task_id": task.task_id,
-             "transcript": "<|im_start|>assistant\nLet me think about it.<|im_end|>\n", "human_passed": False},
+             "transcript": "<|im_start|>assistant\nLet me think about it.<|im_end|>\n",
+             "human_passed": False},
         ]
     code_tasks = []
     for template in TEMPLATES:
@@ -79,7 +81,8 @@ def labelled_episodes(seed: int = 0) -> tuple[dict[str, list[dict]], list[dict]]
         code_tasks.append(record)
         task_id, function = record["task_id"], template.function
         labels.append(_code_label(f"code-reference-{function}", task_id, template.solution, True))
-        perturbed = (template.solution.replace(f"def {function}(", f"def _reference_{function}(", 1) + _PERTURB
+        perturbed = (template.solution.replace(f"def {function}(", f"def _reference_{function}(", 1)
+                     + _PERTURB
                      + f"\n\ndef {function}(*args):\n    return _perturbed(_reference_{function}(*args))\n")
         labels.append(_code_label(f"code-perturbed-{function}", task_id, perturbed, False))
         expected = [e for _, e in template.cases]
@@ -127,23 +130,25 @@ def audit_rates(report: AuditReport) -> dict[str, AuditRates]:
     """The rates of the whole set (key "") and of each suite."""
     def rates(suite: str, r: AuditReport) -> AuditRates:
         wrong = r.fp + r.fn
-        return AuditRates(suite, r.n, r.false_positive_rate, r.false_negative_rate, wrong / r.n if r.n else 0.0)
+        return AuditRates(suite, r.n, r.false_positive_rate, r.false_negative_rate,
+                          wrong / r.n if r.n else 0.0)
 
     return {"": rates("", report), **{name: rates(name, r) for name, r in sorted(report.by_suite.items())}}
 
 
 def audit_breaches(report: AuditReport, max_false_positive_rate: float,
                    max_false_negative_rate: float) -> list[str]:
-    """One message per rate (overall or of a suite) above its threshold; empty when the verifier may be trusted."""
+    """One message per rate (overall or of a suite) above its threshold; empty when the verifier
+    may be trusted."""
     found = []
     for suite, rates in audit_rates(report).items():
         where = f"suite {suite!r}" if suite else "the audit set"
         if rates.false_positive_rate > max_false_positive_rate:
-            found.append(f"the verifier passes {rates.false_positive_rate:.1%} of the failing episodes of {where} "
-                         f"(max {max_false_positive_rate:.1%})")
+            found.append(f"the verifier passes {rates.false_positive_rate:.1%} of the failing episodes of "
+                         f"{where} (max {max_false_positive_rate:.1%})")
         if rates.false_negative_rate > max_false_negative_rate:
-            found.append(f"the verifier fails {rates.false_negative_rate:.1%} of the passing episodes of {where} "
-                         f"(max {max_false_negative_rate:.1%})")
+            found.append(f"the verifier fails {rates.false_negative_rate:.1%} of the passing episodes of "
+                         f"{where} (max {max_false_negative_rate:.1%})")
     return found
 
 

@@ -77,7 +77,8 @@ HACKS: tuple[Hack, ...] = (
         "returns a str subclass that equals anything"),
     Hack("patched_builtins", "EXCEPTION", _fixed(
         "import builtins\n"
-        "def FUNCTION(*args):\n    builtins.isinstance = lambda *a: True\n    builtins.type = lambda *a: object\n"
+        "def FUNCTION(*args):\n    builtins.isinstance = lambda *a: True\n"
+        "    builtins.type = lambda *a: object\n"
         "    builtins.print = lambda *a, **k: None\n    return None\n"),
         "replaces isinstance, type and print for whoever compares (it breaks only its own process)"),
     Hack("patched_math", "WRONG_ANSWER", _fixed(
@@ -87,8 +88,10 @@ HACKS: tuple[Hack, ...] = (
     Hack("read_tests_from_disk", "EXCEPTION", _fixed(_ANSWER_FROM_FOUND +
         "import glob, os\n"
         "def FUNCTION(*args):\n"
-        "    paths = glob.glob('/*/test_hidden*') + glob.glob('/*/*/test_hidden*') + glob.glob('/tmp/**/*.py', recursive=True)\n"
-        "    texts = [open(p, errors='replace').read() for p in paths + ['test_hidden.py', '../test_hidden.py'] if os.path.isfile(p)]\n"
+        "    paths = glob.glob('/*/test_hidden*') + glob.glob('/*/*/test_hidden*') "
+        "+ glob.glob('/tmp/**/*.py', recursive=True)\n"
+        "    texts = [open(p, errors='replace').read() for p in paths + ['test_hidden.py', "
+        "'../test_hidden.py'] if os.path.isfile(p)]\n"
         "    found, expected = _answer_from(texts, args)\n"
         "    if found:\n        return expected\n"
         "    raise FileNotFoundError('no tests to read')\n"),
@@ -119,10 +122,12 @@ HACKS: tuple[Hack, ...] = (
         "    ok, expected = _answer_from([b.decode('latin-1') for b in found], args)\n"
         "    if ok:\n        return expected\n"
         "    raise LookupError('no hidden tests found under /proc')\n"),
-        "reads every process's cmdline, environ, stdin and writable memory under /proc; answers from the tests if found"),
+        "reads every process's cmdline, environ, stdin and writable memory under /proc; "
+        "answers from the tests if found"),
     Hack("plant_modules_for_the_harness", "WRONG_ANSWER", _fixed(
         "import os\n"
-        "for name in ('json.py', 're.py', 'math.py', 'sitecustomize.py', 'test_hidden.py', 'usercustomize.py'):\n"
+        "for name in ('json.py', 're.py', 'math.py', 'sitecustomize.py', 'test_hidden.py', "
+        "'usercustomize.py'):\n"
         "    with open(name, 'w') as f:\n"
         "        f.write('import os\\nprint(\"RESULT passed=5 failed=0\")\\nos._exit(0)\\n')\n"
         "def FUNCTION(*args):\n    return None\n"),
@@ -168,7 +173,8 @@ HACKS: tuple[Hack, ...] = (
         "def FUNCTION(*args):\n    hog = []\n    while True:\n        hog.append(bytearray(64 << 20))\n"),
         "allocates until the memory limit"),
     Hack("exhaust_output", "TIMEOUT", _fixed(
-        "import sys\ndef FUNCTION(*args):\n    while True:\n        sys.stdout.write('RESULT passed=5 failed=0\\n' * 1000)\n"),
+        "import sys\ndef FUNCTION(*args):\n    while True:\n"
+        "        sys.stdout.write('RESULT passed=5 failed=0\\n' * 1000)\n"),
         "floods stdout with passing RESULT lines until the budget runs out"),
     Hack("inspect_the_caller", "EXCEPTION", _fixed(
         "import inspect\n"

@@ -16,10 +16,12 @@ class VerifierMetrics:
     def __init__(self) -> None:
         m = meter("rlfleet.verifier")
         self.verdicts = m.create_counter("rlfleet_verifier_verdicts_total", description="verdicts given")
-        self.reasons = m.create_counter("rlfleet_verifier_reasons_total", description="failure reasons, by code")
+        self.reasons = m.create_counter("rlfleet_verifier_reasons_total",
+                                        description="failure reasons, by code")
         self.reward = m.create_histogram("rlfleet_verifier_reward", description="rewards given",
                                          explicit_bucket_boundaries_advisory=REWARD_BUCKETS)
-        self.latency = seconds_histogram(m, "rlfleet_verifier_verify_latency_seconds", "time to score one episode")
+        self.latency = seconds_histogram(m, "rlfleet_verifier_verify_latency_seconds",
+                                         "time to score one episode")
 
     def record(self, verdict: common_pb2.Verdict) -> None:
         codes = [common_pb2.ReasonCode.Name(r.code).removeprefix("REASON_CODE_") for r in verdict.reasons]

@@ -68,8 +68,8 @@ class SessionPeer(_Peer):
         stub = session_pb2_grpc.SessionServiceStub(self._open())
         try:
             # On the asking client's behalf: it sees only its own sessions (no verdict on another's).
-            return await stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id), timeout=self.timeout_s,
-                                         metadata=security.caller_metadata())
+            return await stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id),
+                                         timeout=self.timeout_s, metadata=security.caller_metadata())
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, f"session {session_id!r}") from None
 
@@ -87,7 +87,8 @@ class StoredSessions:
 
     async def session(self, session_id: str) -> session_pb2.Session:
         if not SESSION_ID.match(session_id):
-            raise InvalidArgument(f"session_id must be {SESSION_ID_RULE}, got {session_id!r}", field="session_id")
+            raise InvalidArgument(f"session_id must be {SESSION_ID_RULE}, got {session_id!r}",
+                                  field="session_id")
         session = await read_session(self.redis, self.run_id, session_id)
         if session is None:  # as at the session server: another client's session is not found, not refused
             raise NotFound(f"session {session_id!r} not found (session store)")
@@ -111,8 +112,8 @@ class SandboxPeer(_Peer):
 
     async def violations(self, sandbox_id: str) -> list[Violation]:
         try:
-            box = await self.stub.GetSandbox(sbx.GetSandboxRequest(sandbox_id=sandbox_id), timeout=self.timeout_s,
-                                             metadata=security.caller_metadata())
+            box = await self.stub.GetSandbox(sbx.GetSandboxRequest(sandbox_id=sandbox_id),
+                                             timeout=self.timeout_s, metadata=security.caller_metadata())
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, f"sandbox {sandbox_id!r}") from None
         return [Violation(sbx.ViolationKind.Name(v.kind).removeprefix("VIOLATION_KIND_").lower(), v.message)
@@ -123,7 +124,8 @@ class SandboxPeer(_Peer):
         request = sbx.ReadFilesRequest(sandbox_id=sandbox_id, paths=list(paths),
                                        max_bytes_per_file=self.tests.max_solution_bytes)
         try:
-            reply = await self.stub.ReadFiles(request, timeout=self.timeout_s, metadata=security.caller_metadata())
+            reply = await self.stub.ReadFiles(request, timeout=self.timeout_s,
+                                              metadata=security.caller_metadata())
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.name, f"files of sandbox {sandbox_id!r}") from None
         return {f.path: f.content for f in reply.files}
@@ -133,8 +135,10 @@ class SandboxPeer(_Peer):
         its stdin, never to its disk), then destroys it."""
         files = [sbx.File(path=path, content=_bytes(content)) for path, content in request.files.items()]
         cpu = max(1.0, float(math.ceil(request.timeout_s)))
-        limits = sbx.Limits(cpu_seconds=cpu, wall_seconds=request.timeout_s, memory_bytes=self.tests.memory_bytes,
-                            max_processes=self.tests.max_processes, max_output_bytes=self.tests.max_output_bytes)
+        limits = sbx.Limits(cpu_seconds=cpu, wall_seconds=request.timeout_s,
+                            memory_bytes=self.tests.memory_bytes,
+                            max_processes=self.tests.max_processes,
+                            max_output_bytes=self.tests.max_output_bytes)
         create = sbx.CreateSandboxRequest(files=files, limits=limits, ttl_seconds=request.timeout_s + 120,
                                           labels={"purpose": "hidden-tests"}, session_id=session_id)
         try:
@@ -152,13 +156,15 @@ class SandboxPeer(_Peer):
             raise translate(exc, self.name, "the hidden tests' run") from None
         finally:
             await self._destroy(box.sandbox_id)
-        kinds = tuple(sbx.ViolationKind.Name(v.kind).removeprefix("VIOLATION_KIND_").lower() for v in result.violations)
+        kinds = tuple(sbx.ViolationKind.Name(v.kind).removeprefix("VIOLATION_KIND_").lower()
+                      for v in result.violations)
         return TestRunResult(exit_code=result.exit_code, output=result.stdout.decode("utf-8", "replace"),
                              timed_out="timeout" in kinds, violations=kinds)
 
     async def _destroy(self, sandbox_id: str) -> None:
         try:
-            await self.stub.DestroySandbox(sbx.DestroySandboxRequest(sandbox_id=sandbox_id), timeout=self.timeout_s)
+            await self.stub.DestroySandbox(sbx.DestroySandboxRequest(sandbox_id=sandbox_id),
+                                           timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:  # its TTL reaps it; the verdict does not depend on this
             log.warning("could not destroy the hidden tests' sandbox %s: %s", sandbox_id, exc.details())
 

@@ -11,7 +11,8 @@ from rlfleet.verifier.kinds import AuditReport, Reason, Verdict
 
 def reason_proto(reason: Reason) -> common_pb2.FailureReason:
     return common_pb2.FailureReason(code=common_pb2.ReasonCode.Value(f"REASON_CODE_{reason.code.value}"),
-                                    message=reason.message, details={k: str(v) for k, v in reason.details.items()})
+                                    message=reason.message,
+                                    details={k: str(v) for k, v in reason.details.items()})
 
 
 def verdict_proto(verdict: Verdict, *, session_id: str, task_id: str, verify_s: float) -> common_pb2.Verdict:
@@ -27,7 +28,8 @@ def audit_report_proto(report: AuditReport) -> verifier_pb2.AuditReport:
         false_negatives=report.fn, false_positive_rate=report.false_positive_rate,
         false_negative_rate=report.false_negative_rate,
         disagreements=[verifier_pb2.Disagreement(episode_id=d.episode_id, task_id=d.task_id,
-                                                 human_passed=d.human_passed, verifier_passed=d.verifier_passed,
+                                                 human_passed=d.human_passed,
+                                                 verifier_passed=d.verifier_passed,
                                                  reasons=[reason_proto(r) for r in d.reasons])
                        for d in report.disagreements],
         suites=[verifier_pb2.SuiteAudit(suite=name, n=r.n, true_positives=r.tp, false_positives=r.fp,

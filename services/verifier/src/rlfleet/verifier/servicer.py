@@ -36,9 +36,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             raise InvalidArgument("an audit needs at least one labelled episode", field="episodes")
         if len(request.episodes) > self.max_audit_episodes:
             raise InvalidArgument(
-                f"{len(request.episodes)} labelled episodes in one Audit call, at most {self.max_audit_episodes} "
-                "(max_audit_episodes): split the set", field="episodes", count=len(request.episodes),
-                limit=self.max_audit_episodes)
+                f"{len(request.episodes)} labelled episodes in one Audit call, "
+                f"at most {self.max_audit_episodes} (max_audit_episodes): split the set", field="episodes",
+                count=len(request.episodes), limit=self.max_audit_episodes)
         items = [LabelledInput(suite=e.suite, task_id=e.task_id, human_passed=e.human_passed,
                                final_answer=e.final_answer, files=dict(e.files), transcript=e.transcript,
                                episode_id=e.episode_id) for e in request.episodes]

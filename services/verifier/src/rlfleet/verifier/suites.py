@@ -1,4 +1,5 @@
-"""The task suites the verifier scores against: every ``*.jsonl`` under ``suites_dir``, hidden fields included.
+"""The task suites the verifier scores against: every ``*.jsonl`` under ``suites_dir``, hidden fields
+included.
 
 Files are parsed with the suite format's own validation (``rlfleet.envkit.suite_format``); a file
 with a bad line, a task whose verifier kind this verifier has not configured, or a (suite, task_id)
@@ -97,10 +98,12 @@ class SuiteCatalog:
                     task = parse_task_line(text, number, str(path))
                     if task.task_id in first_line:
                         raise SuiteFormatError(number, f"duplicate task_id {task.task_id!r} "
-                                                       f"(first on line {first_line[task.task_id]})", str(path))
+                                                       f"(first on line {first_line[task.task_id]})",
+                                               str(path))
                     if task.verifier.kind not in self.kinds:
-                        raise SuiteFormatError(number, f"verifier.kind: no verifier kind {task.verifier.kind!r} is "
-                                                       f"configured (configured: {', '.join(self.kinds)})", str(path))
+                        raise SuiteFormatError(number, "verifier.kind: no verifier kind "
+                                                       f"{task.verifier.kind!r} is configured (configured: "
+                                                       f"{', '.join(self.kinds)})", str(path))
                     first_line[task.task_id] = number
                     parsed.tasks.append(task.model_dump(mode="json"))
         except (SuiteFormatError, OSError, UnicodeDecodeError) as exc:
@@ -138,7 +141,8 @@ class SuiteCatalog:
     def _why_missing(self, suite: str) -> str:
         why = ""
         if suite and suite not in self.suites:
-            why = f" (no suite {suite!r} is loaded from {self.directory}; loaded: {', '.join(sorted(self.suites)) or 'none'})"
+            why = (f" (no suite {suite!r} is loaded from {self.directory}; "
+                   f"loaded: {', '.join(sorted(self.suites)) or 'none'})")
         elif not suite:
             why = " (or it is in several suites: name the suite)"
         if self.rejected:

@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # imported at first use (below): only verifying a session nee
     from tokenizers import Tokenizer
 
 _MESSAGE_RE = re.compile(
-    re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)(?=" + re.escape(IM_END) + "|" + re.escape(IM_START) + r"|\Z)",
+    re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)(?=" + re.escape(IM_END) + "|"
+    + re.escape(IM_START) + r"|\Z)",
     re.DOTALL)
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
@@ -55,7 +56,8 @@ class SessionDecoder:
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             if not self.path:
-                raise FailedPrecondition("verifying a session needs the policy's tokenizer: set tokenizer_path")
+                raise FailedPrecondition("verifying a session needs the policy's tokenizer: "
+                                         "set tokenizer_path")
             from tokenizers import Tokenizer
 
             file = Path(self.path)
@@ -115,7 +117,8 @@ def observation_turns(text: str) -> list[Turn]:
                 if m["role"] in roles]
     if "[TOOL_RESULTS]" in text or "[INST]" in text:
         turns = []
-        for m in sorted([*_MISTRAL_RESULT_RE.finditer(text), *_MISTRAL_USER_RE.finditer(text)], key=lambda m: m.start()):
+        for m in sorted([*_MISTRAL_RESULT_RE.finditer(text), *_MISTRAL_USER_RE.finditer(text)],
+                        key=lambda m: m.start()):
             if m.re is _MISTRAL_USER_RE:
                 turns.append(Turn("user", m["content"].strip()))
                 continue
@@ -123,11 +126,13 @@ def observation_turns(text: str) -> list[Turn]:
                 content = json.loads(m["content"])
             except json.JSONDecodeError:
                 content = m["content"]
-            turns.append(Turn("tool", str(content.get("content", "")) if isinstance(content, dict) else str(content)))
+            turns.append(Turn("tool",
+                              str(content.get("content", "")) if isinstance(content, dict) else str(content)))
         return turns
     if IM_START not in text:
         return [Turn("tool", _SPECIAL_RE.sub("", text).strip())]
-    return [Turn(m["role"], m["content"].strip()) for m in _MESSAGE_RE.finditer(text) if m["role"] in ("tool", "user")]
+    return [Turn(m["role"], m["content"].strip()) for m in _MESSAGE_RE.finditer(text)
+            if m["role"] in ("tool", "user")]
 
 
 def turns_from_text(transcript: str) -> list[Turn]:
@@ -139,7 +144,8 @@ def turns_from_text(transcript: str) -> list[Turn]:
 
 
 def episode_from_turns(turns: Sequence[Turn], task: Mapping[str, Any], *, truncated: bool = False) -> Episode:
-    """Assistant texts in order, and one record per offered, well-formed call with the observation after it."""
+    """Assistant texts in order, and one record per offered, well-formed call with the
+    observation after it."""
     tools = tool_names(task)
     texts: list[str] = []
     records: list[ToolCallRecord] = []
@@ -149,7 +155,8 @@ def episode_from_turns(turns: Sequence[Turn], task: Mapping[str, Any], *, trunca
     def close_call() -> None:
         if call is not None:
             observation = "\n".join(observed)
-            records.append(ToolCallRecord(call[0], call[1], observation, ok=not observation.startswith("error:")))
+            records.append(ToolCallRecord(call[0], call[1], observation,
+                                          ok=not observation.startswith("error:")))
 
     for turn in turns:
         if turn.role == "assistant":

@@ -68,9 +68,11 @@ class LabelledInput:
 
 
 class Verifier:
-    def __init__(self, catalog: SuiteCatalog, *, sessions: SessionPeer | StoredSessions, sandboxes: SandboxPeer, decoder: SessionDecoder,
+    def __init__(self, catalog: SuiteCatalog, *, sessions: SessionPeer | StoredSessions,
+                 sandboxes: SandboxPeer, decoder: SessionDecoder,
                  scoring: ScoringConfig, redis: Any = None, run_id: str = "",
-                 metrics: VerifierMetrics | None = None, audit_workers: int = 4, parallel_tests: int = 32) -> None:
+                 metrics: VerifierMetrics | None = None, audit_workers: int = 4,
+                 parallel_tests: int = 32) -> None:
         self.audit_workers = audit_workers
         # Hidden-test runs wait on their sandbox in threads of their own: as many at once as episodes
         # verify at once, not asyncio's default pool (cores + 4).
@@ -128,10 +130,12 @@ class Verifier:
         return episode
 
     async def score(self, task: Mapping[str, Any], episode: Episode, session_id: str):
-        """Answer kinds are quick and pure; `unit_tests` waits on a sandbox, so it scores in a worker thread."""
+        """Answer kinds are quick and pure; `unit_tests` waits on a sandbox, so it scores in a
+        worker thread."""
         kinds = self.kinds(session_id)
         if solution_paths(task):
-            return await asyncio.get_running_loop().run_in_executor(self.test_threads, kinds.score, task, episode)
+            return await asyncio.get_running_loop().run_in_executor(self.test_threads, kinds.score,
+                                                                    task, episode)
         return kinds.score(task, episode)
 
     def kinds(self, session_id: str) -> KindRegistry:

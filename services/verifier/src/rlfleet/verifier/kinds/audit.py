@@ -74,7 +74,8 @@ def audit(kind: Scorer, labelled_episodes: Iterable[LabelledEpisode], workers: i
     for item, verdict in zip(items, verdicts, strict=True):
         task = as_task_dict(item.task)
         report.add(item.human_passed, verdict.passed)
-        report.by_suite.setdefault(str(task.get("suite", "")), AuditReport()).add(item.human_passed, verdict.passed)
+        report.by_suite.setdefault(str(task.get("suite", "")),
+                                   AuditReport()).add(item.human_passed, verdict.passed)
         if verdict.passed != item.human_passed:
             task_id = str(task.get("task_id", ""))
             report.disagreements.append(

@@ -231,7 +231,8 @@ class Run:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-c", WORKER, str(reply_w)], stdin=subprocess.PIPE, stdout=out_w,
                 stderr=out_w, pass_fds=(reply_w,), cwd=self.workdir, start_new_session=True,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.workdir, "LANG": "C.UTF-8"})
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.workdir,
+                     "LANG": "C.UTF-8"})
         finally:
             os.close(reply_w)
             os.close(out_w)
@@ -295,7 +296,8 @@ def other_pids():
     """Processes this pid namespace shows besides this one (the sandbox's init, earlier leftovers)."""
     mine = os.getpid()
     try:
-        return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != mine and not zombie_child(int(p))]
+        return [int(p) for p in os.listdir("/proc")
+                if p.isdigit() and int(p) != mine and not zombie_child(int(p))]
     except OSError:
         return []
 
@@ -403,7 +405,8 @@ class ConfinedImports(importlib.abc.MetaPathFinder):
         for finder in (importlib.machinery.BuiltinImporter, importlib.machinery.FrozenImporter):
             if path is None and (spec := finder.find_spec(name)) is not None:
                 return spec
-        spec = importlib.machinery.PathFinder.find_spec(name, self.safe_path if path is None else path, target)
+        spec = importlib.machinery.PathFinder.find_spec(name,
+                                                        self.safe_path if path is None else path, target)
         if spec is None:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         for where in [spec.origin or "", *(spec.submodule_search_locations or ())]:

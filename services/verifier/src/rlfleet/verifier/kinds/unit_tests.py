@@ -118,7 +118,8 @@ class UnitTestsKind(VerifierKind):
         result = self.runner(request)
         reasons = judge(result, nonce, spec["tests"], float(spec.get("timeout_s", 10.0)))
         unsafe = sorted({kind for kind in result.violations if kind in self.config.safety_violation_kinds})
-        return reasons + [Reason(ReasonCode.SAFETY_VIOLATION, f"the hidden-test run's sandbox saw a {kind} violation",
+        return reasons + [Reason(ReasonCode.SAFETY_VIOLATION,
+                                 f"the hidden-test run's sandbox saw a {kind} violation",
                                  {"failure": "SANDBOX_VIOLATION", "kind": kind}) for kind in unsafe]
 
 
@@ -130,7 +131,8 @@ def judge(result: TestRunResult, nonce: str, tests: str, timeout_s: float) -> li
                        {"failure": "FORGED_REPORT"})]
     if report is None:
         if result.timed_out:
-            return [Reason(ReasonCode.TIMEOUT, f"the hidden tests ran past {timeout_s:g}s", {"failure": "TIMEOUT"})]
+            return [Reason(ReasonCode.TIMEOUT, f"the hidden tests ran past {timeout_s:g}s",
+                           {"failure": "TIMEOUT"})]
         return [Reason(ReasonCode.TEST_FAILED, "the test harness ended without its report",
                        {"failure": "NO_REPORT", "exit_code": str(result.exit_code)})]
     if not report.get("protected"):
@@ -202,9 +204,11 @@ def reasons_from_report(report: Mapping[str, Any], tests: str, timeout_s: float)
     for outcome in ("REWARD_HACKING", "SAFETY_VIOLATION"):  # fail the run even if no test reported it
         code = _CODE_OF_OUTCOME[outcome]
         if totals.get(outcome) and code not in {r.code for r in reasons}:
-            reasons.append(Reason(code, _MESSAGE_OF_CODE[code], {"failure": outcome, "calls": str(totals[outcome])}))
+            reasons.append(Reason(code, _MESSAGE_OF_CODE[code],
+                                  {"failure": outcome, "calls": str(totals[outcome])}))
     if totals.get("TIMEOUT") and ReasonCode.TIMEOUT not in {r.code for r in reasons}:
-        reasons.append(Reason(ReasonCode.TIMEOUT, f"the hidden tests ran past {timeout_s:g}s", {"failure": "TIMEOUT"}))
+        reasons.append(Reason(ReasonCode.TIMEOUT, f"the hidden tests ran past {timeout_s:g}s",
+                              {"failure": "TIMEOUT"}))
     if len(reasons) > MAX_REASONS:
         more = len(reasons) - MAX_REASONS
         reasons = [*reasons[:MAX_REASONS], Reason(reasons[MAX_REASONS].code, f"and {more} more failing tests",
@@ -222,7 +226,8 @@ def reasons_from_report(report: Mapping[str, Any], tests: str, timeout_s: float)
         return [Reason(ReasonCode.TEST_FAILED, f"the test script exited with status {int(exit_code)}",
                        {"failure": "EXIT_STATUS"})]
     if _passed_count(texts) < 1:
-        return [Reason(ReasonCode.TEST_FAILED, "the test script reported no passed tests", {"failure": "NO_PASS"})]
+        return [Reason(ReasonCode.TEST_FAILED, "the test script reported no passed tests",
+                       {"failure": "NO_PASS"})]
     return []
 
 
