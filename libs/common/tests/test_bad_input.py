@@ -82,7 +82,8 @@ def test_every_rpc_with_an_enum_checks_it():
     from rlfleet.gateway.servicer import GatewayServicer
     from rlfleet.session.servicer import SessionServicer
 
-    servicers = {"rlfleet.broker.v1.BrokerService": BrokerServicer, "rlfleet.gateway.v1.GatewayService": GatewayServicer,
+    servicers = {"rlfleet.broker.v1.BrokerService": BrokerServicer,
+                 "rlfleet.gateway.v1.GatewayService": GatewayServicer,
                  "rlfleet.session.v1.SessionService": SessionServicer}
     rpcs = enum_rpcs()
     assert "rlfleet.gateway.v1.GatewayService/UpdateEngineState" in rpcs

@@ -165,7 +165,8 @@ async def test_distributed_update_through_the_client(client, models, monkeypatch
 
 async def test_api_keys_go_as_bearer_tokens_the_admin_key_on_admin_routes(models, tmp_path):
     """The CPU engine checks keys as SGLang's --api-key / --admin-api-key do."""
-    process = testing.EngineProcess(models[0], tmp_path, api_key="user-key", admin_api_key="admin-key").start()
+    process = testing.EngineProcess(models[0], tmp_path, api_key="user-key",
+                                    admin_api_key="admin-key").start()
     try:
         async with EngineClient(process.url) as anonymous:
             assert await anonymous.health()  # health routes are always open
@@ -173,7 +174,8 @@ async def test_api_keys_go_as_bearer_tokens_the_admin_key_on_admin_routes(models
                 await anonymous.generate([1, 2], {"max_new_tokens": 1})
             assert refused.value.status == 401
         async with EngineClient(process.url, api_key="user-key") as user:
-            assert len((await user.generate([1, 2], {"max_new_tokens": 2, "ignore_eos": True})).output_ids) == 2
+            assert len((await user.generate([1, 2],
+                                            {"max_new_tokens": 2, "ignore_eos": True})).output_ids) == 2
             assert (await user.load())["num_running_reqs"] == 0
             with pytest.raises(EngineRejected):  # an admin route wants the admin key
                 await user.pause("abort")

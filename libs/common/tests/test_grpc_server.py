@@ -35,7 +35,8 @@ class Sessions(session_pb2_grpc.SessionServiceServicer):
                   "huge-boom": RuntimeError("x" * (4 << 20))}
         if request.session_id in errors:
             raise errors[request.session_id]
-        return session_pb2.Session(session_id=request.session_id, token_ids=list(range(len(request.session_id))))
+        return session_pb2.Session(session_id=request.session_id,
+                                   token_ids=list(range(len(request.session_id))))
 
     async def OpenSession(self, request, context):
         # echoes the prompt back: used to send a large message both ways
@@ -58,9 +59,11 @@ async def server():
 async def test_domain_errors_become_their_status_codes_with_the_message(server):
     async with channel(server) as ch:
         stub = session_pb2_grpc.SessionServiceStub(ch)
-        for session_id, code in [("bad", grpc.StatusCode.INVALID_ARGUMENT), ("missing", grpc.StatusCode.NOT_FOUND),
+        for session_id, code in [("bad", grpc.StatusCode.INVALID_ARGUMENT),
+                                 ("missing", grpc.StatusCode.NOT_FOUND),
                                  ("closed", grpc.StatusCode.FAILED_PRECONDITION),
-                                 ("busy", grpc.StatusCode.RESOURCE_EXHAUSTED), ("boom", grpc.StatusCode.INTERNAL)]:
+                                 ("busy", grpc.StatusCode.RESOURCE_EXHAUSTED),
+                                 ("boom", grpc.StatusCode.INTERNAL)]:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id))
             assert info.value.code() == code
@@ -143,7 +146,8 @@ async def test_placeholder_rpcs_answer_unimplemented_and_name_the_issue():
     try:
         async with channel(f"127.0.0.1:{port}") as ch:
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await session_pb2_grpc.SessionServiceStub(ch).Generate(session_pb2.GenerateRequest(session_id="s"))
+                await session_pb2_grpc.SessionServiceStub(ch).Generate(
+                    session_pb2.GenerateRequest(session_id="s"))
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert "Generate is not implemented yet (issue #3)" in info.value.details()
     finally:

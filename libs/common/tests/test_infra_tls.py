@@ -112,7 +112,8 @@ async def test_connect_redis_speaks_mutual_tls_with_the_process_certificate(redi
                                         **credential.redis()))
 
 
-async def test_pooled_redis_connections_share_one_context_that_trusts_only_the_run_ca(redis_url, infra_secrets):
+async def test_pooled_redis_connections_share_one_context_that_trusts_only_the_run_ca(
+        redis_url, infra_secrets):
     """A pool that grows under concurrent commands reuses one SSL context (building one per
     connection blocked the event loop), and that context still checks what redis-py's did."""
     import asyncio
@@ -143,4 +144,5 @@ async def test_a_client_refuses_a_server_of_another_ca(tmp_path, nats_url):
     """The client side checks the server too: against another run's CA the handshake fails."""
     other = security.ensure_secrets(tmp_path / "other", "other")
     with pytest.raises(StartupError, match="(?i)certificate|cannot connect"):
-        await connect_nats(NatsConfig(url=nats_url, connect_timeout_s=2, ca_file=str(other / "ca.pem")), "t-other")
+        await connect_nats(NatsConfig(url=nats_url, connect_timeout_s=2, ca_file=str(other / "ca.pem")),
+                           "t-other")

@@ -115,8 +115,10 @@ async def test_a_token_of_another_run_key_is_refused(every_service, tmp_path):
     assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and "bad signature" in refused.details()
 
 
-ADMIN_RIGHTS = ["/rlfleet.gateway.v1.GatewayService/RegisterEngine", "/rlfleet.gateway.v1.GatewayService/PauseEngines",
-                "/rlfleet.gateway.v1.GatewayService/DeregisterEngine", "/rlfleet.trainer.v1.TrainerService/Pause",
+ADMIN_RIGHTS = ["/rlfleet.gateway.v1.GatewayService/RegisterEngine",
+                "/rlfleet.gateway.v1.GatewayService/PauseEngines",
+                "/rlfleet.gateway.v1.GatewayService/DeregisterEngine",
+                "/rlfleet.trainer.v1.TrainerService/Pause",
                 "/rlfleet.broker.v1.BrokerService/PublishVersion", "/rlfleet.broker.v1.BrokerService/Promote",
                 "/rlfleet.broker.v1.BrokerService/Rollback", "/rlfleet.verifier.v1.VerifierService/Audit",
                 "/rlfleet.controller.v1.RunControl/StartRun", "/rlfleet.controller.v1.RunControl/StopRun"]
@@ -173,7 +175,8 @@ async def test_a_revoked_token_is_refused_within_a_second(every_service):
     method = "/rlfleet.session.v1.SessionService/GetSession"
     request_class = dict(METHODS)[method]
     creds = client_credentials("r1", "revoked-soon")
-    assert (await call(every_service, method, request_class, credentials=creds)).code() == grpc.StatusCode.UNIMPLEMENTED
+    assert ((await call(every_service, method, request_class, credentials=creds)).code()
+            == grpc.StatusCode.UNIMPLEMENTED)
     token_id = security.TokenBook.load(security.secrets_dir())._check(creds.token).token_id
     security.revoke_token(security.secrets_dir(), token_id)
     await asyncio.sleep(1.2)

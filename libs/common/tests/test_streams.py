@@ -1,4 +1,5 @@
-"""JetStream helpers against a real nats-server: idempotent streams, durable consumers, dedup, run isolation."""
+"""JetStream helpers against a real nats-server: idempotent streams, durable consumers, dedup, run
+isolation."""
 
 import pytest
 
@@ -33,7 +34,8 @@ async def test_streams_and_consumers_can_be_ensured_twice(nats_url):
     await nc.close()
 
 
-async def test_a_published_trajectory_is_consumed_once_with_explicit_ack_and_a_retry_is_deduplicated(nats_url):
+async def test_a_published_trajectory_is_consumed_once_with_explicit_ack_and_a_retry_is_deduplicated(
+        nats_url):
     nc = await connect_nats(NatsConfig(url=nats_url), "t")
     js = nc.jetstream()
     await ensure_streams(js)
@@ -41,8 +43,10 @@ async def test_a_published_trajectory_is_consumed_once_with_explicit_ack_and_a_r
     durable = durable_name("trainer", run)
     await ensure_consumer(js, "TRAJECTORIES", durable, run)
     traj = common_pb2.Trajectory(schema_version=1, trajectory_id="tr-1", run_id=run, token_ids=[5, 6, 7])
-    assert await publish(js, "TRAJECTORIES", run, traj.SerializeToString(), msg_type="Trajectory", msg_id="tr-1")
-    assert not await publish(js, "TRAJECTORIES", run, traj.SerializeToString(), msg_type="Trajectory", msg_id="tr-1")
+    assert await publish(js, "TRAJECTORIES", run, traj.SerializeToString(),
+                         msg_type="Trajectory", msg_id="tr-1")
+    assert not await publish(js, "TRAJECTORIES", run, traj.SerializeToString(),
+                             msg_type="Trajectory", msg_id="tr-1")
     sub = await js.pull_subscribe_bind(durable, "TRAJECTORIES")
     msgs = await sub.fetch(10, timeout=2)
     assert len(msgs) == 1

@@ -27,13 +27,15 @@ def test_finished_spans_are_appended_as_json_lines_with_parent_and_links(tmp_pat
     tracer = provider_writing_to(path).get_tracer("t")
     with tracer.start_as_current_span("parent") as parent, tracer.start_as_current_span("child"):
         pass
-    other = tracer.start_span("linked", links=[link_to({"traceparent": f"00-{parent.get_span_context().trace_id:032x}"
-                                                                      f"-{parent.get_span_context().span_id:016x}-01"},
-                                                       {"why": "test"})])
+    other = tracer.start_span("linked",
+                              links=[link_to({"traceparent": f"00-{parent.get_span_context().trace_id:032x}"
+                                                             f"-{parent.get_span_context().span_id:016x}-01"},
+                                             {"why": "test"})])
     other.end()
     child, parent_record, linked = read_span_file(str(path))
     assert (child["name"], parent_record["name"]) == ("child", "parent")
-    assert child["trace_id"] == parent_record["trace_id"] and child["parent_span_id"] == parent_record["span_id"]
+    assert (child["trace_id"] == parent_record["trace_id"]
+            and child["parent_span_id"] == parent_record["span_id"])
     assert parent_record["parent_span_id"] is None
     assert linked["links"] == [{"trace_id": parent_record["trace_id"], "span_id": parent_record["span_id"],
                                 "attributes": {"why": "test"}}]
@@ -65,7 +67,8 @@ def test_trace_context_round_trips_through_a_record_and_bad_headers_give_no_link
     assert link.context.span_id == span.get_span_context().span_id
     assert link_to({}) is None
     assert link_to({"traceparent": "not a traceparent"}) is None
-    assert link_to({"traceparent": "00-" + "0" * 32 + "-" + "0" * 16 + "-01"}) is None  # the invalid all-zero ids
+    # the invalid all-zero ids
+    assert link_to({"traceparent": "00-" + "0" * 32 + "-" + "0" * 16 + "-01"}) is None
 
 
 def test_a_missing_collector_does_not_stall_shutdown(tmp_path):
@@ -83,8 +86,8 @@ state.shutdown(0.5)
 print(time.monotonic() - started)
 """
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "spans.jsonl")], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "spans.jsonl")],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert float(result.stdout.strip().splitlines()[-1]) < 5.0
     assert time.monotonic() - started < 30
@@ -119,9 +122,10 @@ with trace.get_tracer("t").start_as_current_span("root"), trace.get_tracer("t").
     pass
 state.shutdown(0.5)
 print(tracing_enabled())
-"""
+"""  # noqa: E501, RUF100 (the script's text)
     path = tmp_path / "spans.jsonl"
-    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script, str(path)],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True"] and read_span_file(str(path)) == []
 
@@ -133,11 +137,13 @@ class _FakeChannel:
         self.sent: list[tuple] = []
         self.fail = fail
 
-    def unary_unary(self, method, request_serializer=None, response_deserializer=None, _registered_method=None):
+    def unary_unary(self, method, request_serializer=None, response_deserializer=None,
+                    _registered_method=None):
         async def call(request, timeout=None, metadata=None):  # noqa: ASYNC109 - grpc's keyword
             self.sent.append((method, request, timeout, metadata))
             if self.fail is not None:
-                raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(), grpc.aio.Metadata(), details="down")
+                raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details="down")
             return f"reply to {request}"
         return call
 
@@ -156,7 +162,8 @@ def test_a_traced_channel_gives_each_call_a_client_span_and_sends_its_context_wi
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     inner = _FakeChannel()
-    stub = TracedChannel(inner, provider.get_tracer("t")).unary_unary("/rlfleet.session.v1.SessionService/GetSession")
+    stub = TracedChannel(inner, provider.get_tracer("t")).unary_unary(
+        "/rlfleet.session.v1.SessionService/GetSession")
 
     async def go():
         with provider.get_tracer("t").start_as_current_span("episode"):

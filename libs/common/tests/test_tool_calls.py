@@ -29,7 +29,8 @@ def test_hermes_reads_every_call_and_says_what_is_malformed():
     assert [(c.name, c.arguments) for c in fmt.parse(text)] == [("a", {"x": 1}), ("b", {"y": 2})]
     assert "not closed" in fmt.parse('<tool_call>{"name": "a"')[0].error
     assert "not JSON" in fmt.parse("<tool_call>calc(1+2)</tool_call>")[0].error
-    assert "arguments must be a JSON object" in fmt.parse('<tool_call>{"name": "a", "arguments": 3}</tool_call>')[0].error
+    assert ("arguments must be a JSON object"
+            in fmt.parse('<tool_call>{"name": "a", "arguments": 3}</tool_call>')[0].error)
 
 
 def test_llama3_json_is_the_whole_turn_with_an_optional_python_tag():
@@ -42,7 +43,8 @@ def test_llama3_json_is_the_whole_turn_with_an_optional_python_tag():
 
 def test_mistral_reads_a_list_of_calls_after_the_marker():
     fmt = tool_call_format("mistral")
-    text = '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}, "id": "abc123def"}]</s>'
+    text = ('[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, '
+            '{"name": "b", "arguments": {}, "id": "abc123def"}]</s>')
     assert [(c.name, c.arguments) for c in fmt.parse(text)] == [("a", {"x": 1}), ("b", {})]
     assert "not JSON" in fmt.parse("[TOOL_CALLS] calc(1)")[0].error
 

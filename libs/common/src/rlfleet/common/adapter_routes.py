@@ -66,8 +66,9 @@ class AdapterRoutes:
         unknown = sorted(set(routes) - set(ROLES))
         if unknown:
             raise ValueError(f"unknown roles {unknown}; roles are {', '.join(ROLES)}")
-        present: dict[FieldT, EncodableT] = {role: json.dumps({"lora_name": r.lora_name, "version": r.version})
-                   for role, r in routes.items() if r is not None}
+        present: dict[FieldT, EncodableT] = {role: json.dumps({"lora_name": r.lora_name,
+                                                               "version": r.version})
+                                             for role, r in routes.items() if r is not None}
         absent = [role for role, r in routes.items() if r is None]
         async with self.redis.pipeline(transaction=True) as pipe:
             if present:

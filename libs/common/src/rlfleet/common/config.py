@@ -56,7 +56,8 @@ class MetricsConfig(StrictModel):
 
 
 class TelemetryConfig(StrictModel):
-    otlp_endpoint: str = Field("", description="OTLP/gRPC collector for traces, e.g. http://otel:4317; empty = off")
+    otlp_endpoint: str = Field("", description="OTLP/gRPC collector for traces, e.g. http://otel:4317; "
+                               "empty = off")
     export_timeout_s: float = Field(1.0, gt=0, description="longest an export may block at shutdown")
     span_file: str = Field("", description="also append every finished span as one JSON line to this file "
                            "(several processes may share it); empty = off")
@@ -70,8 +71,8 @@ class LogConfig(StrictModel):
 
 
 class NatsConfig(StrictModel):
-    url: str = Field("", description="NATS server URL with JetStream, e.g. tls://127.0.0.1:4222 (TLS, checked "
-                     "against the run's CA; nats:// is plaintext, which the platform's NATS refuses)")
+    url: str = Field("", description="NATS server URL with JetStream, e.g. tls://127.0.0.1:4222 (TLS, "
+                     "checked against the run's CA; nats:// is plaintext, which the platform's NATS refuses)")
     connect_timeout_s: float = Field(3.0, gt=0, description="give up connecting after this long")
     user: str = Field("", description="NATS user this process logs in as (its subject permissions)")
     password: str = Field("", description="its password; prefer password_file or RLFLEET__NATS__PASSWORD "

@@ -1,4 +1,5 @@
-"""Async client for rollout engines that speak SGLang's HTTP API: the built-in CPU engine or a real SGLang server.
+"""Async client for rollout engines that speak SGLang's HTTP API: the built-in CPU engine or a real
+SGLang server.
 
 Used by the rollout gateway (generation, health, pause/continue) and the weight broker (weight
 updates, versions). It speaks SGLang 0.5.23's routes and fields only (built in
@@ -143,7 +144,8 @@ class EngineClient:
         # trace through the traceparent header `_request` sends.
         with _tracer.start_as_current_span("engine POST /generate", kind=trace.SpanKind.CLIENT,
                                            attributes={"server.address": self.base_url,
-                                                       "rlfleet.input_tokens": len(body["input_ids"])}) as span:
+                                                       "rlfleet.input_tokens": len(body["input_ids"])}
+                                           ) as span:
             reply = await self._call("generate", body, self.timeouts.generate_s)
             result = _generate_result(reply, time.monotonic() - started)
             span.set_attributes({"rlfleet.output_tokens": len(result.output_ids),
@@ -159,8 +161,8 @@ class EngineClient:
         lora_path: str | list[str | None] | None = None,
     ) -> list[GenerateResult]:
         """`lora_path`: one adapter name for every prompt, or one per prompt (None: the base model)."""
-        body = wire.generate([list(ids) for ids in batch], sampling_params or {}, return_logprob=return_logprob,
-                             lora_path=lora_path)
+        body = wire.generate([list(ids) for ids in batch], sampling_params or {},
+                             return_logprob=return_logprob, lora_path=lora_path)
         started = time.monotonic()
         replies = await self._call("generate", body, self.timeouts.generate_s)
         return [_generate_result(reply, time.monotonic() - started) for reply in replies]
@@ -178,7 +180,8 @@ class EngineClient:
         return True
 
     async def model_info(self) -> dict[str, Any]:
-        """SGLang's `/model_info`: model_path, weight_version, is_generation, ... (and the CPU engine's extras)."""
+        """SGLang's `/model_info`: model_path, weight_version, is_generation, ... (and the CPU engine's
+        extras)."""
         return await self._call("model_info", None, self.timeouts.control_s)
 
     async def server_info(self) -> dict[str, Any]:
@@ -264,15 +267,18 @@ class EngineClient:
                                     wire.destroy_weights_update_group(group_name)))["message"]
 
     # --- LoRA adapters (SGLang's dynamic LoRA routes; each returns the loaded adapters) -----------
-    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict[str, str]:
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *,
+                                pinned: bool = False) -> dict[str, str]:
         """Loads a peft adapter directory beside the base model as `lora_name`; returns {name: path} of
         every loaded adapter. A refusal (unknown directory, DoRA, a name already loaded, ...) raises
         EngineRejected with the engine's reason. (SGLang needs `--enable-lora` and, for adapters
         loaded later, `--max-lora-rank` and `--lora-target-modules` covering them.)"""
-        return await self._lora("load_lora_adapter", wire.load_lora_adapter(lora_name, str(lora_path), pinned=pinned))
+        return await self._lora("load_lora_adapter",
+                                wire.load_lora_adapter(lora_name, str(lora_path), pinned=pinned))
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
-        """Unloads `lora_name` (requests already running with it finish with it); returns the loaded adapters."""
+        """Unloads `lora_name` (requests already running with it finish with it); returns the loaded
+        adapters."""
         return await self._lora("unload_lora_adapter", wire.unload_lora_adapter(lora_name))
 
     async def loaded_adapters(self) -> dict[str, str]:
@@ -307,7 +313,8 @@ class EngineClient:
 
     async def _call(self, route: str, body: Any, timeout_s: float, *, path: str | None = None) -> Any:
         method, route_path, _ = wire.ROUTES.get(route) or wire.RLFLEET_ROUTES[route]
-        key = self._admin_api_key if route in wire.ADMIN_ROUTES or route in wire.RLFLEET_ROUTES else self._api_key
+        key = (self._admin_api_key if route in wire.ADMIN_ROUTES or route in wire.RLFLEET_ROUTES
+               else self._api_key)
         return await self._request(method, path or route_path, body, timeout_s, api_key=key)
 
     def _client(self) -> aiohttp.ClientSession:
@@ -362,7 +369,8 @@ def _total_load(reply: Any, url: str) -> dict[str, Any]:
     """`/v1/loads` gives one entry per DP rank under `loads`: summed, so in-flight counts cover the server."""
     ranks = reply.get("loads") if isinstance(reply, dict) else reply
     if not isinstance(ranks, list) or not ranks or not all(isinstance(rank, dict) for rank in ranks):
-        raise EngineRejected(f"/v1/loads answered no per-rank loads: {str(reply)[:200]}", url=url + "/v1/loads")
+        raise EngineRejected(f"/v1/loads answered no per-rank loads: {str(reply)[:200]}",
+                             url=url + "/v1/loads")
     total: dict[str, Any] = {}
     for rank in ranks:
         for name, value in rank.items():

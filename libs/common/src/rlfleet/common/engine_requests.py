@@ -60,8 +60,8 @@ STORE_KINDS = ("delta", "full")
 # Routes that a server started with `--admin-api-key` guards (the key goes as `Authorization: Bearer`).
 # (SGLang's ADMIN_OPTIONAL / ADMIN_FORCE levels; the contract test holds this set to the snapshot's.)
 ADMIN_ROUTES = frozenset(
-    name for name in ROUTES if name not in ("generate", "health", "health_generate", "model_info", "server_info",
-                                            "loads", "models")
+    name for name in ROUTES if name not in ("generate", "health", "health_generate", "model_info",
+                                            "server_info", "loads", "models")
 )
 # The keys of a /load_lora_adapter or /unload_lora_adapter reply (SGLang's LoRAUpdateOutput) rlfleet reads.
 LORA_REPLY_KEYS = ("success", "error_message", "loaded_adapters")
@@ -69,7 +69,8 @@ LORA_REPLY_KEYS = ("success", "error_message", "loaded_adapters")
 MODEL_CARD_KEYS = ("id", "root", "parent")
 # How SGLang 0.5.23 (tokenizer_manager._resolve_lora_path) and the CPU engine refuse a request naming an
 # adapter the engine does not hold: never loaded there (a restarted engine), or its directory is gone.
-ADAPTER_MISSING_MESSAGES = ("LoRA adapter that has never been loaded", "Failed to implicitly load LoRA adapter")
+ADAPTER_MISSING_MESSAGES = ("LoRA adapter that has never been loaded",
+                            "Failed to implicitly load LoRA adapter")
 # The `meta_info` keys of a /generate reply rlfleet reads.
 META_INFO_KEYS = ("id", "finish_reason", "prompt_tokens", "cached_tokens", "e2e_latency", "weight_version",
                   "weight_versions", "output_token_logprobs")
@@ -138,15 +139,17 @@ def get_weights_by_name(name: str, truncate_size: int = 100) -> dict[str, Any]:
     return {"name": name, "truncate_size": truncate_size}
 
 
-def update_weights_from_store(model_path: str, kind: str, *, weight_version: str, pause_mode: str) -> dict[str, Any]:
+def update_weights_from_store(model_path: str, kind: str, *, weight_version: str,
+                              pause_mode: str) -> dict[str, Any]:
     """The CPU engine's own weight-store load (kind delta | full); see its README."""
-    return {"model_path": model_path, "kind": kind, "weight_version": weight_version, "pause_mode": pause_mode,
-            "flush_cache": True}
+    return {"model_path": model_path, "kind": kind, "weight_version": weight_version,
+            "pause_mode": pause_mode, "flush_cache": True}
 
 
 def update_weights_from_tensor(serialized_named_tensors: list[str], *, weight_version: str | None,
                                flush_cache: bool, abort_all_requests: bool) -> dict[str, Any]:
-    """One entry per TP rank (rlfleet.weights.tensor_ipc.serialize); load format: SGLang's default (direct)."""
+    """One entry per TP rank (rlfleet.weights.tensor_ipc.serialize); load format: SGLang's default
+    (direct)."""
     return {"serialized_named_tensors": serialized_named_tensors, "weight_version": weight_version,
             "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
 
@@ -156,8 +159,8 @@ def update_weights_from_staging(checksums: dict[str, str], checksum_algorithm: s
     """The CPU engine's own commit of a staged transfer (`source` p2p: its Mooncake staging buffer;
     distributed: a broadcast received with `staged=1`): verify against the trainer's checksums, flip.
     `model_path`: the store's copy of the version (P2P): the engine then holds it, for later deltas."""
-    body = {"checksums": checksums, "checksum_algorithm": checksum_algorithm, "weight_version": weight_version,
-            "pause_mode": pause_mode, "source": source}
+    body = {"checksums": checksums, "checksum_algorithm": checksum_algorithm,
+            "weight_version": weight_version, "pause_mode": pause_mode, "source": source}
     if model_path:
         body["model_path"] = model_path
     return body

@@ -42,7 +42,8 @@ def authenticate(context: grpc.aio.ServicerContext, book: security.TokenBook | N
         if key == "authorization":
             scheme, _, token = value.partition(" ")
             if scheme.lower() != "bearer" or not token or book is None:
-                raise Unauthenticated("the authorization header must be `Bearer <token>`", right="authenticated")
+                raise Unauthenticated("the authorization header must be `Bearer <token>`",
+                                      right="authenticated")
             return book.verify(token.strip()), token.strip()
     names = context.auth_context().get("x509_common_name")
     if names:
@@ -187,8 +188,8 @@ class GrpcServer:
                         security.PLAINTEXT_ENV)
         self.credentials = None if self.plaintext else security.local_credentials()
         if self.credentials is not None and self.credentials.book is None:
-            raise StartupError("a gRPC server needs the run's secrets directory (RLFLEET_SECRETS_DIR; `rlfleet up` "
-                               "makes it), not just a client token")
+            raise StartupError("a gRPC server needs the run's secrets directory (RLFLEET_SECRETS_DIR; "
+                               "`rlfleet up` makes it), not just a client token")
         tracing = [aio_server_interceptor()] if tracing_enabled() else []
         book = None if self.credentials is None else self.credentials.book
         self.server = grpc.aio.server(
@@ -259,8 +260,8 @@ def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Itera
     (`dns:///session-server:50051`), so scaled replicas share the load; turn it off for a peer whose
     state lives on one replica (a sandbox exists only on the manager that created it)."""
 
-    options: list[tuple[str, Any]] = [*message_options(max_message_bytes), ("grpc.enable_retries", 1), ("grpc.keepalive_time_ms", 30_000),
-               *RECONNECT_BACKOFF]
+    options: list[tuple[str, Any]] = [*message_options(max_message_bytes), ("grpc.enable_retries", 1),
+                                      ("grpc.keepalive_time_ms", 30_000), *RECONNECT_BACKOFF]
     if balance:
         options.append(("grpc.lb_policy_name", "round_robin"))
     if security.plaintext() and credentials is None:
@@ -377,8 +378,9 @@ class _TracedUnary:
 
         if not is_instrumentation_enabled():
             return await self.call(request, timeout=timeout, metadata=metadata, **kwargs)
-        with self.tracer.start_as_current_span(self.name, kind=trace.SpanKind.CLIENT, attributes=self.attributes,
-                                               record_exception=False, set_status_on_exception=False) as span:
+        with self.tracer.start_as_current_span(self.name, kind=trace.SpanKind.CLIENT,
+                                               attributes=self.attributes, record_exception=False,
+                                               set_status_on_exception=False) as span:
             carrier: dict[str, str] = {}
             propagate.inject(carrier)
             metadata = (*(metadata or ()), *((k.lower(), v) for k, v in carrier.items()))
@@ -386,7 +388,8 @@ class _TracedUnary:
                 return await self.call(request, timeout=timeout, metadata=metadata, **kwargs)
             except grpc.aio.AioRpcError as exc:
                 span.set_attribute("rpc.grpc.status_code", exc.code().value[0])
-                span.set_status(Status(status_code=StatusCode.ERROR, description=f"{type(exc).__name__}: {exc}"))
+                span.set_status(Status(status_code=StatusCode.ERROR,
+                                       description=f"{type(exc).__name__}: {exc}"))
                 span.record_exception(exc)
                 raise
 

@@ -30,10 +30,12 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
     # rather than fail once per stale connection.
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=8)
     # User and password from config; a URL with them in it (redis://user:pass@host) wins.
-    login: dict[str, Any] = {"username": config.user, "password": read_password(config.password, config.password_file, "Redis")} \
+    login: dict[str, Any] = {"username": config.user,
+                             "password": read_password(config.password, config.password_file, "Redis")} \
         if config.user else {}
     client = aioredis.Redis.from_url(url, **login, socket_connect_timeout=config.connect_timeout_s,
-                                     socket_timeout=max(config.connect_timeout_s, 10.0), decode_responses=False,
+                                     socket_timeout=max(config.connect_timeout_s, 10.0),
+                                     decode_responses=False,
                                      retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError],
                                      **tls_options(url))
     pool = client.connection_pool
@@ -60,8 +62,8 @@ def tls_options(url: str) -> dict[str, Any]:
 
     creds = local_credentials()
     if not creds.cert_file:
-        raise StartupError("Redis over TLS needs a service's certificate (RLFLEET_SECRETS_DIR); an environment "
-                           "client has none and never talks to Redis")
+        raise StartupError("Redis over TLS needs a service's certificate (RLFLEET_SECRETS_DIR); "
+                           "an environment client has none and never talks to Redis")
     return {"ssl_ca_data": creds.ca.decode(), "ssl_certfile": creds.cert_file, "ssl_cert_reqs": "required"}
 
 

@@ -50,13 +50,14 @@ async def watch(client: aioredis.Redis, run_id: str, book: TokenBook, interval_s
             failing = False
         except (RedisError, OSError) as exc:
             if not failing:  # once per outage, not once a second
-                log.warning("revocations: cannot read %s (%s); keeping the %d known", revoked_key(run_id), exc,
-                            len(book.remote_revoked))
+                log.warning("revocations: cannot read %s (%s); keeping the %d known",
+                            revoked_key(run_id), exc, len(book.remote_revoked))
             failing = True
         await asyncio.sleep(interval_s)
 
 
-def publish_ids(url: str, login: dict[str, str], run_id: str, token_ids: list[str], timeout_s: float = 3.0) -> None:
+def publish_ids(url: str, login: dict[str, str], run_id: str, token_ids: list[str],
+                timeout_s: float = 3.0) -> None:
     """Adds `token_ids` to the run's revoked set, from a command-line tool (synchronous redis-py,
     TLS as connect_redis speaks it); `login` is a RedisConfig's user and password or password file."""
     import redis
@@ -66,7 +67,8 @@ def publish_ids(url: str, login: dict[str, str], run_id: str, token_ids: list[st
 
     password = read_password(login.get("password", ""), login.get("password_file", ""), "Redis")
     client = redis.Redis.from_url(url, username=login.get("user") or None, password=password or None,
-                                  socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **tls_options(url))
+                                  socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                  **tls_options(url))
     try:
         if token_ids:
             client.sadd(revoked_key(run_id), *token_ids)

@@ -29,8 +29,9 @@ def _service(name: str, **methods: frozenset[str]) -> dict[str, frozenset[str]]:
 
 RULES: dict[str, frozenset[str]] = {
     **_service("rlfleet.session.v1.SessionService",
-               OpenSession=ENV_CLIENT, Generate=ENV_CLIENT, AppendObservation=ENV_CLIENT, GetSession=ENV_CLIENT,
-               CloseSession=ENV_CLIENT, AbortSession=ENV_CLIENT, GetModelInfo=ENV_CLIENT),
+               OpenSession=ENV_CLIENT, Generate=ENV_CLIENT, AppendObservation=ENV_CLIENT,
+               GetSession=ENV_CLIENT, CloseSession=ENV_CLIENT, AbortSession=ENV_CLIENT,
+               GetModelInfo=ENV_CLIENT),
     **_service("rlfleet.sandbox.v1.SandboxService",
                CreateSandbox=ENV_CLIENT, Exec=ENV_CLIENT, WriteFiles=ENV_CLIENT, ReadFiles=ENV_CLIENT,
                ListFiles=ENV_CLIENT, GetSandbox=ENV_CLIENT, DestroySandbox=ENV_CLIENT),
@@ -82,7 +83,8 @@ def authorize(method: str, principal: Principal | None) -> None:
         return
     allowed = RULES.get(method)
     if allowed is None:
-        raise PermissionDenied(f"{method} has no access rule, so nobody may call it", right=method, method=method)
+        raise PermissionDenied(f"{method} has no access rule, so nobody may call it",
+                               right=method, method=method)
     if not any(role in allowed for role in principal.roles()):
         needed = " or ".join(sorted(allowed))
         raise PermissionDenied(f"{method} needs the right of {needed}; the caller is {principal.owner}",

@@ -147,7 +147,8 @@ def _openssl(*args: str, cwd: Path) -> None:
     except FileNotFoundError:
         raise StartupError("the openssl command is not installed (apt-get install openssl)") from None
     except subprocess.CalledProcessError as exc:
-        raise StartupError(f"openssl {args[0]} failed: {exc.stderr.decode(errors='replace')[-300:]}") from None
+        raise StartupError(f"openssl {args[0]} failed: "
+                           f"{exc.stderr.decode(errors='replace')[-300:]}") from None
 
 
 def ensure_secrets(directory: str | Path, run_id: str = "") -> Path:
@@ -171,9 +172,9 @@ def _ensure_ca(root: Path, stem: str, subject: str) -> None:
     if (root / f"{stem}.pem").exists():
         return
     with tempfile.TemporaryDirectory(dir=root) as work:
-        _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", "ca.key", "-out", "ca.pem", "-days", str(CERT_DAYS), "-subj", f"/CN={subject}",
-                 "-addext", "basicConstraints=critical,CA:TRUE",
+        _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                 "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", str(CERT_DAYS),
+                 "-subj", f"/CN={subject}", "-addext", "basicConstraints=critical,CA:TRUE",
                  "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=Path(work))
         _write_private(root / f"{stem}.key", (Path(work) / "ca.key").read_bytes())
         _write_private(root / f"{stem}.pem", (Path(work) / "ca.pem").read_bytes())
@@ -184,7 +185,8 @@ def _hosts() -> list[str]:
     return sorted({*SERVICE_HOSTS, socket.gethostname(), *extra})
 
 
-def identity_pem(directory: str | Path, identity: str, ca: str = "ca", hosts: list[str] | None = None) -> bytes:
+def identity_pem(directory: str | Path, identity: str, ca: str = "ca",
+                 hosts: list[str] | None = None) -> bytes:
     """Key and certificate of `identity`, one PEM file; made (and signed by the CA `ca`, the run's
     unless told) when missing, with `hosts` (default: the service names) as its SANs."""
     root = Path(directory)
@@ -197,8 +199,9 @@ def identity_pem(directory: str | Path, identity: str, ca: str = "ca", hosts: li
     sans = ",".join([*(f"DNS:{h}" for h in (_hosts() if hosts is None else hosts)),
                      *(f"IP:{ip}" for ip in SERVICE_IPS)])
     with tempfile.TemporaryDirectory(dir=root) as work:
-        _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", "leaf.key", "-out", "leaf.pem", "-days", str(CERT_DAYS), "-subj", f"/CN={identity}",
+        _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                 "-nodes", "-keyout", "leaf.key", "-out", "leaf.pem", "-days", str(CERT_DAYS),
+                 "-subj", f"/CN={identity}",
                  "-CA", str(root / f"{ca}.pem"), "-CAkey", str(root / f"{ca}.key"),
                  "-addext", f"subjectAltName={sans}", "-addext", "basicConstraints=critical,CA:FALSE",
                  "-addext", f"extendedKeyUsage={usage}", cwd=Path(work))
@@ -283,7 +286,8 @@ class TokenBook:
             raise Unauthenticated("the bearer token is not an rlfleet token", right="authenticated")
         expected = _b64(hmac.new(self.key, parts[1].encode(), hashlib.sha256).digest())
         if not hmac.compare_digest(expected, parts[2]):
-            raise Unauthenticated("the bearer token is not one of this run's (bad signature)", right="authenticated")
+            raise Unauthenticated("the bearer token is not one of this run's (bad signature)",
+                                  right="authenticated")
         body = json.loads(_unb64(parts[1]))
         if body.get("exp") and body["exp"] < time.time():
             raise Unauthenticated(f"token {body['id']} expired", right="authenticated")
@@ -332,7 +336,8 @@ def list_tokens(directory: str | Path) -> list[dict]:
     root = Path(directory)
     path = root / "tokens.jsonl"
     revoked = set((root / "revoked").read_text().split()) if (root / "revoked").exists() else set()
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if path.exists() else [])
     return [{**row, "revoked": row["id"] in revoked} for row in rows]
 
 
@@ -430,7 +435,8 @@ def local_credentials() -> Credentials:
 
 def _resolve(directory: str, token: str) -> Credentials:
     # A container (compose, Kubernetes) gets its identity's certificate made up front and no CA key.
-    if directory and (Path(directory, "ca.key").exists() or Path(directory, "certs", f"{_identity}.pem").exists()):
+    if directory and (Path(directory, "ca.key").exists()
+                      or Path(directory, "certs", f"{_identity}.pem").exists()):
         found = trusted_credentials(directory, _identity)
         if token:
             found.token = token
@@ -450,7 +456,8 @@ def client_ssl_context(ca_file: str = "", credentials: Credentials | None = None
     (services and the operator; Redis demands it, NATS takes a login instead: workers have none).
     A process with neither secrets nor a token (`rlfleet-submit` in a container) checks by
     RLFLEET_CA_FILE. `credentials`: another's than this process's (the operator's of a run directory)."""
-    if credentials is None and not ca_file and not os.environ.get(SECRETS_ENV) and not os.environ.get(TOKEN_ENV):
+    if (credentials is None and not ca_file and not os.environ.get(SECRETS_ENV)
+            and not os.environ.get(TOKEN_ENV)):
         ca_file = os.environ.get(CA_ENV, "")
     if ca_file:
         try:

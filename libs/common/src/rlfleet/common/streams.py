@@ -78,7 +78,8 @@ async def connect_nats(config: NatsConfig, name: str) -> nats.NATS:
     except (TimeoutError, NatsError, OSError) as exc:
         # What the reset after it hides. nats-py reports a refused login as AuthorizationError or, on some
         # paths, as a plain Error carrying the server's "-ERR 'Authorization Violation'" text.
-        refused = [e for e in errors if isinstance(e, AuthorizationError) or "authorization" in str(e).lower()]
+        refused = [e for e in errors
+                   if isinstance(e, AuthorizationError) or "authorization" in str(e).lower()]
         why = (refused or errors or [exc])[-1]
         raise StartupError(f"cannot connect to NATS at {shown}: {why or type(why).__name__}") from None
 
@@ -90,7 +91,8 @@ def _credentials(config: NatsConfig, url: str) -> dict[str, str]:
     user = config.user or urlparse(url).username or ""
     options = {"inbox_prefix": inbox_prefix(user)} if user else {}
     if config.user:
-        options |= {"user": config.user, "password": read_password(config.password, config.password_file, "NATS")}
+        options |= {"user": config.user,
+                    "password": read_password(config.password, config.password_file, "NATS")}
     return options
 
 
@@ -168,7 +170,8 @@ async def publish(js: JetStreamContext, stream: str, run_id: str, payload: bytes
     limit = STREAMS[stream].max_msg_bytes
     if len(payload) > limit:
 
-        raise InvalidArgument(f"{msg_type} of {len(payload)} bytes exceeds the {stream} limit of {limit} bytes")
+        raise InvalidArgument(f"{msg_type} of {len(payload)} bytes exceeds "
+                              f"the {stream} limit of {limit} bytes")
     headers = {SCHEMA_HEADER: SCHEMA_VERSION, TYPE_HEADER: msg_type}
     if msg_id:
         headers[MSG_ID_HEADER] = msg_id

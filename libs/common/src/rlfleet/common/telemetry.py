@@ -80,7 +80,8 @@ def setup_telemetry(service: str, telemetry: TelemetryConfig, metrics_config: Me
             server, _thread = start_http_server(metrics_config.port, addr=metrics_config.host)
         except OSError as exc:
 
-            raise StartupError(f"metrics port {metrics_config.host}:{metrics_config.port}: {exc.strerror}") from None
+            raise StartupError(f"metrics port {metrics_config.host}:{metrics_config.port}: "
+                               f"{exc.strerror}") from None
         state._http_server = server
         state.metrics_port = server.server_port
     state._meter_provider = MeterProvider(resource=resource, metric_readers=readers)
@@ -91,7 +92,8 @@ def setup_telemetry(service: str, telemetry: TelemetryConfig, metrics_config: Me
         return state
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-    tracer_provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(telemetry.sample_ratio)))
+    tracer_provider = TracerProvider(resource=resource,
+                                     sampler=ParentBased(TraceIdRatioBased(telemetry.sample_ratio)))
     if telemetry.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -129,7 +131,8 @@ def tracer(name: str) -> trace.Tracer:
 
 
 # Latency buckets for rollout-scale operations: 1 ms .. ~10 min.
-SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+                   120, 300, 600)
 
 
 def seconds_histogram(m: metrics.Meter, name: str, description: str) -> metrics.Histogram:

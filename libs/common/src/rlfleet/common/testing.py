@@ -4,8 +4,9 @@ ports, one each per test session, stopped by PID.
 Registered by the root conftest (`pytest_plugins`), so any test can ask for `nats_url` and
 `redis_url`. Both servers run secured as `rlfleet up` starts them (NATS users with per-subject
 permissions, Redis ACL users, `default` off: rlfleet.common.infra_auth); the URLs carry the
-harness user's login, and `infra_secrets` has every service user's, for tests that act as one. It imports pytest, which is in rlfleet-common's `testing` extra; the process harness
-itself (`rlfleet.common.processes`) needs no pytest and is what benchmarks and the launcher use.
+harness user's login, and `infra_secrets` has every service user's, for tests that act as one. It
+imports pytest, which is in rlfleet-common's `testing` extra; the process harness itself
+(`rlfleet.common.processes`) needs no pytest and is what benchmarks and the launcher use.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory, infra_secrets: InfraSe
                 rlfleet_secrets: Path) -> Iterator[NatsServer]:
     """NATS with the services' users and their subject permissions, TLS only (the session's CA);
     nobody gets in without a login."""
-    server = start_nats(tmp_path_factory.mktemp("nats"), tls=security.server_tls_files(rlfleet_secrets, "nats"),
+    server = start_nats(tmp_path_factory.mktemp("nats"),
+                        tls=security.server_tls_files(rlfleet_secrets, "nats"),
                         authorization=nats_authorization(infra_secrets, superusers=(HARNESS_USER,)))
     yield server
     server.stop(10)

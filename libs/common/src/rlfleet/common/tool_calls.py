@@ -70,7 +70,8 @@ def _json_call(text: str, arguments_key: tuple[str, ...]) -> ParsedCall:
 
 def _call_object(value: Any, raw: str, arguments_key: tuple[str, ...], trailing: str = "") -> ParsedCall:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return ParsedCall("", raw=raw, error='malformed tool call: expected {"name": ..., "arguments": {...}}')
+        return ParsedCall("", raw=raw,
+                          error='malformed tool call: expected {"name": ..., "arguments": {...}}')
     name = value["name"]
     if trailing:
         return ParsedCall(name, raw=raw, error="malformed tool call: text after the call's JSON")
@@ -107,14 +108,16 @@ class HermesFormat:
         calls = []
         for match in self._CALL.finditer(text):
             if not match.group(0).endswith("</tool_call>"):
-                calls.append(ParsedCall("", raw=match.group(0), error="malformed tool call: <tool_call> is not "
-                                        "closed by </tool_call>"))
+                calls.append(ParsedCall("", raw=match.group(0),
+                                        error="malformed tool call: <tool_call> is not closed by "
+                                              "</tool_call>"))
                 continue
             calls.append(_json_call(match["body"], ("arguments", "parameters")))
         return calls
 
     def render(self, name: str, arguments: dict[str, Any]) -> str:
-        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+        return (f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {json.dumps(arguments)}}}'
+                '\n</tool_call>')
 
 
 class Llama3JsonFormat:
@@ -155,7 +158,8 @@ class MistralFormat:
             return [ParsedCall("", raw=body, error="malformed tool call: expected a JSON list of calls")]
         trailing = body[end:].strip()
         return [_call_object(item, json.dumps(item), ("arguments", "parameters"),
-                             trailing=trailing if i == len(value) - 1 else "") for i, item in enumerate(value)]
+                             trailing=trailing if i == len(value) - 1 else "")
+                for i, item in enumerate(value)]
 
     def render(self, name: str, arguments: dict[str, Any]) -> str:
         return f'[TOOL_CALLS] [{{"name": {json.dumps(name)}, "arguments": {json.dumps(arguments)}}}]'
