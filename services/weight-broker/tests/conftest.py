@@ -28,6 +28,7 @@ def store_root(tmp_path_factory):
 def engine(model_dir, store_root, tmp_path_factory):
     from rlfleet.engine.testing import EngineProcess
 
-    process = EngineProcess(model_dir, tmp_path_factory.mktemp("engine"), weight_store_root=store_root).start()
+    process = EngineProcess(model_dir, tmp_path_factory.mktemp("engine"),
+                            weight_store_root=store_root).start()
     yield process
     process.stop()

@@ -71,7 +71,8 @@ class SGLangLoRAStandIn:
         return web.json_response({"model_path": "base", "weight_version": "0", "is_generation": True})
 
     def reply(self, ok: bool, error: str = "") -> web.Response:
-        return web.json_response({"success": ok, "error_message": error, "loaded_adapters": dict(self.loaded)},
+        return web.json_response({"success": ok, "error_message": error,
+                                  "loaded_adapters": dict(self.loaded)},
                                  status=200 if ok else 400)
 
     async def load(self, request: web.Request) -> web.Response:
@@ -113,8 +114,10 @@ async def setup(tmp_path, redis_url):
     rng = np.random.default_rng(0)
     store.write_version(0, {Q: rng.standard_normal((16, 12)).astype(np.float32),
                             "model.norm.weight": np.ones(12, dtype=np.float32)})
-    config = WeightBrokerConfig(run_id=run, weight_store=str(tmp_path / "weights"), consume_policy_stream=False,
-                                engines=[{"engine_id": e, "url": s.url, "pool": "canary" if e == "c0" else "fleet",
+    config = WeightBrokerConfig(run_id=run, weight_store=str(tmp_path / "weights"),
+                                consume_policy_stream=False,
+                                engines=[{"engine_id": e, "url": s.url,
+                                          "pool": "canary" if e == "c0" else "fleet",
                                           "kind": "sglang"} for e, s in engines.items()])
     pools = Pools(config.engines, None, EngineTimeouts(weights_s=10))
     broker = Broker(config, VersionRegistry(redis, run), store, pools, None, BrokerMetrics())
@@ -128,8 +131,9 @@ async def setup(tmp_path, redis_url):
 def write_adapter(store: DirectoryWeightStore, version: int) -> None:
     rng = np.random.default_rng(version)
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    store.write_adapter(version, {f"{prefix}.lora_A.weight": rng.standard_normal((RANK, 12)).astype(np.float32),
-                                  f"{prefix}.lora_B.weight": rng.standard_normal((16, RANK)).astype(np.float32)},
+    store.write_adapter(version,
+                        {f"{prefix}.lora_A.weight": rng.standard_normal((RANK, 12)).astype(np.float32),
+                         f"{prefix}.lora_B.weight": rng.standard_normal((16, RANK)).astype(np.float32)},
                         CONFIG, base_version=0)
 
 

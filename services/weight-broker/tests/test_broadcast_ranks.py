@@ -52,7 +52,8 @@ async def test_a_tp2_engine_takes_two_ranks_and_the_next_engine_starts_after_the
     try:
         plan = BroadcastPlan("127.0.0.1", 1, "g", "nccl", ["w"], ["bfloat16"], [[2, 2]], tp_sizes=(2, 1))
         engines = [EngineRef("tp2", urls[0], "fleet"), EngineRef("tp1", urls[1], "fleet")]
-        outcomes = await Distributed(pools, plan).update(engines, VersionInfo(3, "", "full", None, 0, 0, None))
+        outcomes = await Distributed(pools, plan).update(engines,
+                                                         VersionInfo(3, "", "full", None, 0, 0, None))
     finally:
         await pools.close()
     assert all(not o.ok and o.refused for o in outcomes)

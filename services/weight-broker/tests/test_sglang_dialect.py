@@ -62,7 +62,8 @@ async def test_an_sglang_engine_gets_only_sglang_routes_and_plain_directories(sg
             [engine], VersionInfo.from_store(store, 0))
         loaded = []
         for version in (1, 2):
-            (delta,) = await DiskDelta(pools, copies=copies).update([engine], VersionInfo.from_store(store, version))
+            (delta,) = await DiskDelta(pools, copies=copies).update([engine],
+                                                                    VersionInfo.from_store(store, version))
             assert delta.ok and delta.reply["stage"] == "delta", delta
             loaded.append(calls[-1][1]["model_path"])
     finally:
@@ -70,7 +71,8 @@ async def test_an_sglang_engine_gets_only_sglang_routes_and_plain_directories(sg
     assert full.ok, full
     sglang_paths = {path for _, path, _ in wire.ROUTES.values()}
     assert {path for path, _ in calls} <= sglang_paths
-    assert [path for path, _ in calls] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation",
+    assert [path for path, _ in calls] == ["/pause_generation", "/update_weights_from_disk",
+                                           "/continue_generation",
                                            "/update_weights_from_disk", "/update_weights_from_disk"]
     disk = [body for path, body in calls if path == "/update_weights_from_disk"]
     assert {body["load_format"] for body in disk} == {"auto"}

@@ -116,7 +116,8 @@ async def test_every_tp_rank_of_every_engine_receives_the_broadcast_at_sglangs_r
     engines = [EngineRef("tp2", served[0][1], "fleet"), EngineRef("tp1", served[1][1], "fleet")]
     sizes = [await engine_tp_size(pools, e) for e in engines]
     plan = BroadcastPlan("127.0.0.1", port, "tp-offsets", "gloo", [n for n, _ in named],
-                         [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named],
+                         [str(t.dtype).removeprefix("torch.") for _, t in named],
+                         [list(t.shape) for _, t in named],
                          tuple(sizes), checksums=sums)  # fmt: skip
     offsets, world = plan.ranks(len(engines))
     assert (offsets, world) == ([1, 3], 4)
@@ -134,7 +135,8 @@ async def test_every_tp_rank_of_every_engine_receives_the_broadcast_at_sglangs_r
     thread = threading.Thread(target=sender, daemon=True)
     thread.start()
     try:
-        outcomes = await Distributed(pools, plan).update(engines, VersionInfo(1, "", "full", None, 0, 0, None))
+        outcomes = await Distributed(pools, plan).update(engines,
+                                                         VersionInfo(1, "", "full", None, 0, 0, None))
     finally:
         await asyncio.to_thread(thread.join, TIMEOUT_S)
         await pools.close()

@@ -75,7 +75,8 @@ async def update(name: str, pools: Pools, engine: EngineRef, trainer, version: i
     names = [("no.such.weight" if bad_name and i == 0 else n) for i, (n, _) in enumerate(named)]
     port = free_port()
     plan = BroadcastPlan("127.0.0.1", port, f"contract-{port}", "gloo", names,
-                         [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named])
+                         [str(t.dtype).removeprefix("torch.") for _, t in named],
+                         [list(t.shape) for _, t in named])
 
     def send() -> None:
         group = distributed.join_group("127.0.0.1", port, 0, 2, plan.group_name, "gloo", 30.0)
@@ -148,8 +149,8 @@ async def test_an_update_the_engine_refuses_leaves_it_unchanged_and_says_why(
 async def test_an_unreachable_engine_is_an_outcome_not_an_exception(name, kind, trainer, pools, copies):
     if kind == "sglang" and name == "disk_delta":
         copies.commit(copies.stage_full(1), holder="gone")  # so the delta stages and the load is tried
-    outcome = await update(name, pools, EngineRef("gone", "http://127.0.0.1:1", "fleet", kind=kind), trainer, 2,
-                           copies=copies)
+    outcome = await update(name, pools, EngineRef("gone", "http://127.0.0.1:1", "fleet", kind=kind),
+                           trainer, 2, copies=copies)
     assert not outcome.ok and not outcome.refused and outcome.engine_id == "gone"
 
 
@@ -162,19 +163,22 @@ async def test_a_delta_updated_engine_and_a_full_reload_one_end_bit_identical(
 
     second = EngineProcess(model_dir, tmp_path / "second", weight_store_root=store_root).start()
     try:
-        cpu, agent = EngineRef("a", engine.url, "fleet", kind="cpu"), EngineRef("b", second.url, "fleet", kind="sglang")
+        cpu, agent = (EngineRef("a", engine.url, "fleet", kind="cpu"),
+                      EngineRef("b", second.url, "fleet", kind="sglang"))
         for ref in (cpu, agent):
             await hold(pools, ref, trainer, 1, copies)
             for version in (2, 3):
                 outcome = await update("disk_delta", pools, ref, trainer, version, copies=copies)
                 assert outcome.ok and outcome.transport == "disk_delta", outcome
         names = list(trainer.served(3))
-        by_delta, by_agent = await read_engine_weights(engine.url, names), await read_engine_weights(second.url, names)
+        by_delta, by_agent = (await read_engine_weights(engine.url, names),
+                              await read_engine_weights(second.url, names))
         outcome = await update("disk_full", pools, cpu, trainer, 3, copies=copies)  # a full reload of v3
         assert outcome.ok, outcome
         reloaded = await read_engine_weights(engine.url, names)
         for name in names:
-            assert torch.equal(by_delta[name], reloaded[name]) and torch.equal(by_agent[name], reloaded[name]), name
+            assert (torch.equal(by_delta[name], reloaded[name])
+                    and torch.equal(by_agent[name], reloaded[name])), name
         await assert_engine_serves(engine.url, trainer.served(3))
     finally:
         second.stop()

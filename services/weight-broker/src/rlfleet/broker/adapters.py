@@ -117,7 +117,8 @@ class AdapterSync:
         versions = sorted(set(wanted.values()))
         paths = await asyncio.to_thread(self._verified_paths, versions, result)
         reachable = await asyncio.gather(*(self._observe(e, result) for e in engines))
-        await asyncio.gather(*(self._load(e, paths, result) for e, ok in zip(engines, reachable, strict=True) if ok))
+        await asyncio.gather(*(self._load(e, paths, result)
+                               for e, ok in zip(engines, reachable, strict=True) if ok))
         for e in engines:
             result.held[e.engine_id] = {v for v in versions if self.holds(e.engine_id, v)}
         await self._route(wanted, engines, result)
@@ -188,7 +189,8 @@ class AdapterSync:
                 if role in self.routed:
                     changes[role] = None
                 continue
-            everywhere = bool(engines) and all(version in result.held.get(e.engine_id, set()) for e in engines)
+            everywhere = bool(engines) and all(version in result.held.get(e.engine_id, set())
+                                               for e in engines)
             if everywhere and self.routed.get(role) != version:
                 changes[role] = AdapterRoute(lora_name(version), version)
         if changes and self.routes is not None:

@@ -46,7 +46,8 @@ class WeightBrokerApp(PeersApp):
             self.consumer = PolicyConsumer(self.connected_js(), config.run_id, self.broker.announce)
             await self.consumer.start()
         self.broker.start()
-        server.add(broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(self.broker), SERVICE_NAME)
+        server.add(broker_pb2_grpc.add_BrokerServiceServicer_to_server,
+                   BrokerServicer(self.broker), SERVICE_NAME)
 
     async def stop(self) -> None:
         if self.consumer is not None:

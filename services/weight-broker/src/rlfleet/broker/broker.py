@@ -119,9 +119,11 @@ class Broker:
     # --- announcements --------------------------------------------------------------------------
     def _validate(self, pv: common_pb2.PolicyVersion) -> int:
         if pv.schema_version != common_pb2.SCHEMA_VERSION_1:
-            raise BadAnnouncement(f"PolicyVersion schema_version {pv.schema_version} is not supported (want 1)")
+            raise BadAnnouncement("PolicyVersion schema_version "
+                                  f"{pv.schema_version} is not supported (want 1)")
         if pv.run_id and pv.run_id != self.config.run_id:
-            raise BadAnnouncement(f"PolicyVersion of run {pv.run_id!r} sent to the broker of run {self.config.run_id!r}")
+            raise BadAnnouncement(f"PolicyVersion of run {pv.run_id!r} sent to the broker of "
+                                  f"run {self.config.run_id!r}")
         if pv.version < 0:
             raise BadAnnouncement(f"version {pv.version} is negative")
         for name, uri in (("uri", pv.uri or str(self.store.path(pv.version))), ("full_uri", pv.full_uri)):
@@ -252,7 +254,8 @@ class Broker:
                     "served (CANARY) can be promoted"
                 )
             if targets.fleet is not None and version < targets.fleet:
-                raise NotPromotable(f"version {version} is older than the accepted {targets.fleet}; use Rollback")
+                raise NotPromotable(f"version {version} is older than the accepted "
+                                    f"{targets.fleet}; use Rollback")
             await self._accept(version, reason or "promoted")
         self.wake()
         return version
@@ -268,8 +271,8 @@ class Broker:
                     raise UnknownVersion(to_version)
                 if record.state != State.VERSION_STATE_ACCEPTED:
                     raise NothingToRollBackTo(
-                        f"version {to_version} is {state_name(record.state)}; only an accepted version can be "
-                        "rolled back to"
+                        f"version {to_version} is {state_name(record.state)}; only an accepted version "
+                        "can be rolled back to"
                     )
                 target = to_version
             else:
@@ -278,7 +281,8 @@ class Broker:
                 if older is None:
                     raise NothingToRollBackTo(
                         "nothing accepted to roll back to" if current is None
-                        else f"nothing accepted to roll back to: no accepted version older than the current {current}"
+                        else "nothing accepted to roll back to: "
+                             f"no accepted version older than the current {current}"
                     )  # fmt: skip
                 target = older
             if current is not None and current > target:
@@ -315,7 +319,8 @@ class Broker:
                     await self._accept(version, "auto_promote (broadcast to every pool)")
                 pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
                 await self.pools.refresh()
-                candidates = [e for p in pools for e in self.pools.members(p) if e.engine_id not in self._busy]
+                candidates = [e for p in pools for e in self.pools.members(p)
+                              if e.engine_id not in self._busy]
                 sizes = await asyncio.gather(*(self._tp_size(e) for e in candidates))
                 engines = [e for e, size in zip(candidates, sizes, strict=True) if size]
                 tp_sizes = tuple(size for size in sizes if size)
@@ -333,8 +338,8 @@ class Broker:
         if engines:
             self._spawn(self._broadcast(engines, plan, version))
         return broker_pb2.StartDistributedSyncResponse(
-            group_name=plan.group_name, world_size=world, engine_ids=[e.engine_id for e in engines], state=state,
-            rank_offsets=offsets, tp_sizes=tp_sizes,
+            group_name=plan.group_name, world_size=world, engine_ids=[e.engine_id for e in engines],
+            state=state, rank_offsets=offsets, tp_sizes=tp_sizes,
         )  # fmt: skip
 
     async def take_for_trainer(self, version: int, wanted) -> list[EngineRef]:
@@ -351,7 +356,8 @@ class Broker:
                     await self._accept(version, "auto_promote (sent to every pool)")
                 pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
                 await self.pools.refresh()
-                engines = [e for p in pools for e in self.pools.members(p) if e.engine_id not in self._busy and wanted(e)]
+                engines = [e for p in pools for e in self.pools.members(p)
+                           if e.engine_id not in self._busy and wanted(e)]
                 self._claim(e.engine_id for e in engines)
                 return engines
         finally:
@@ -366,7 +372,8 @@ class Broker:
             async with self._lock:
                 pools = ("canary", "fleet") if self.config.auto_promote else ("canary",)
                 await self.pools.refresh()
-                engines = [e for p in pools for e in self.pools.members(p) if e.engine_id not in self._busy and wanted(e)]
+                engines = [e for p in pools for e in self.pools.members(p)
+                           if e.engine_id not in self._busy and wanted(e)]
                 self._claim(e.engine_id for e in engines)
                 return engines
         finally:
@@ -408,7 +415,8 @@ class Broker:
         await self._reject(version, reason)
 
     async def reject_unstored(self, version: int, reason: str) -> None:
-        """A version the trainer sent but the store never got (or refused): recorded REJECTED, never a target."""
+        """A version the trainer sent but the store never got (or refused): recorded REJECTED, never a
+        target."""
         async with self._lock:
             record = await self.registry.get(version)
             if record is None:
@@ -552,7 +560,8 @@ class Broker:
             current_text = await self.pools.client(engine).weight_version()
         except EngineError as exc:
             self.adapters.forget(engine.engine_id)
-            await self._record_engine(engine, SyncResult(engine.engine_id, target or -1), target, down=str(exc))
+            await self._record_engine(engine, SyncResult(engine.engine_id, target or -1), target,
+                                      down=str(exc))
             return
         current = parse_version(current_text)
         if current is not None and current == target and not await self._same_run(engine, current):
@@ -560,7 +569,8 @@ class Broker:
         if target is not None and current != target and target in self.trainer_syncs.unstored:
             return  # served straight from the trainer before the store has it: nothing to load yet
         if target is None or current == target:
-            await self._record_engine(engine, SyncResult(engine.engine_id, target or -1, serving=current), target)
+            await self._record_engine(engine, SyncResult(engine.engine_id, target or -1, serving=current),
+                                      target)
             if target is not None and engine.draining and (drained or new):
                 await self._undrain(engine, target)
             elif drained and engine.gateway_state == "healthy":
@@ -633,13 +643,15 @@ class Broker:
         """The version cannot be served as the trainer wrote it: REJECTED, and its pools fall back."""
         async with self._lock:
             record = await self.registry.get(version)
-            if record is None or record.state in (State.VERSION_STATE_REJECTED, State.VERSION_STATE_ROLLED_BACK):
+            if record is None or record.state in (State.VERSION_STATE_REJECTED,
+                                                  State.VERSION_STATE_ROLLED_BACK):
                 return
             await self.registry.set_state(record, State.VERSION_STATE_REJECTED, reason)
             targets = await self.registry.targets()
             changes: dict[str, int | None] = {}
             if targets.fleet == version:
-                changes["fleet"] = await self.registry.newest_in_state({State.VERSION_STATE_ACCEPTED}, below=version)
+                changes["fleet"] = await self.registry.newest_in_state({State.VERSION_STATE_ACCEPTED},
+                                                                       below=version)
             if targets.canary == version:
                 fallback = await self.registry.newest_in_state(SERVED, below=version)
                 fleet = changes.get("fleet", targets.fleet)
@@ -685,7 +697,8 @@ class Broker:
             targets = await self.registry.targets()
             engines = await self.registry.engines()
             live = self.pools.engines
-            by_pool = {p: [r for r in engines.values() if r.pool == p and r.engine_id in live] for p in ("canary", "fleet")}
+            by_pool = {p: [r for r in engines.values() if r.pool == p and r.engine_id in live]
+                       for p in ("canary", "fleet")}
             promoted = None
             if targets.canary is not None:
                 record = await self.registry.get(targets.canary)
@@ -694,7 +707,8 @@ class Broker:
                 canary_served = any(r.policy_version == targets.canary for r in by_pool["canary"]) or \
                     self.adapters.routed.get("canary") == targets.canary
                 if record is not None and record.state == State.VERSION_STATE_ANNOUNCED and canary_served:
-                    await self.registry.set_state(record, State.VERSION_STATE_CANARY, "served by the canary pool")
+                    await self.registry.set_state(record, State.VERSION_STATE_CANARY,
+                                                  "served by the canary pool")
                     if self.config.auto_promote:
                         await self._accept(targets.canary, "auto_promote")
                         promoted = targets.canary

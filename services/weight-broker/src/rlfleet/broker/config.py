@@ -88,9 +88,11 @@ class WeightBrokerConfig(ServiceConfig):
     nats: NatsConfig = Field(default_factory=NatsConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     gateway_address: str = Field(
-        "", description="host:port of the rollout gateway (engines come from its ListEngines); empty = use engines"
+        "", description="host:port of the rollout gateway (engines come from its ListEngines); "
+        "empty = use engines"
     )
-    weight_store: str = Field("", description="weight store root (directory shared with the trainer and engines)")
+    weight_store: str = Field("", description="weight store root (directory shared with the trainer and "
+                              "engines)")
     engines: list[StaticEngine] = Field(
         default_factory=list,
         description="static engine list, used when no gateway_address is set "
@@ -106,14 +108,15 @@ class WeightBrokerConfig(ServiceConfig):
         "", description="SGLang's --admin-api-key, sent on the weight routes; empty = engine_api_key")
     auto_promote: bool = Field(
         False,
-        description="promote a version to the fleet as soon as the canary pool serves it (no promotion gate); "
-        "with no canary engines, at once",
+        description="promote a version to the fleet as soon as the canary pool serves it (no promotion "
+        "gate); with no canary engines, at once",
     )
     reconcile_interval_s: float = Field(
         2.0, gt=0, description="how often every engine's weight version is compared with its pool's target"
     )
     consume_policy_stream: bool = Field(
-        True, description="take version announcements from the POLICY stream (PublishVersion works either way)"
+        True,
+        description="take version announcements from the POLICY stream (PublishVersion works either way)"
     )
 
     @property

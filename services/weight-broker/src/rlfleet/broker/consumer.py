@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 class PolicyConsumer:
     def __init__(
-        self, js: JetStreamContext, run_id: str, handle: Callable[[common_pb2.PolicyVersion], Awaitable[object]]
+        self, js: JetStreamContext, run_id: str,
+        handle: Callable[[common_pb2.PolicyVersion], Awaitable[object]]
     ) -> None:
         self.js = js
         self.run_id = run_id

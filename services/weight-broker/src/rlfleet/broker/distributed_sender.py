@@ -87,7 +87,8 @@ def send_version(
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     cast = getattr(torch, dtype) if dtype else None
     named = [
-        (name, (t.detach().to(cast) if cast is not None and t.is_floating_point() else t.detach()).contiguous())
+        (name,
+         (t.detach().to(cast) if cast is not None and t.is_floating_point() else t.detach()).contiguous())
         for name, t in _unique(items)
     ]
     on_gpu = any(t.is_cuda for _, t in named)
@@ -105,7 +106,8 @@ def send_version(
         plan = broker_pb2_grpc.BrokerServiceStub(channel).StartDistributedSync(request, timeout=60)
     if plan.world_size <= 1:
         return SendResult(version.version, plan.group_name, [], [], 0, time.monotonic() - started, plan.state)
-    group = distributed.join_group(master_address, port, 0, plan.world_size, plan.group_name, backend, timeout_s)
+    group = distributed.join_group(master_address, port, 0, plan.world_size, plan.group_name,
+                                   backend, timeout_s)
     try:
         distributed.send(group, [t for _, t in named])
     finally:

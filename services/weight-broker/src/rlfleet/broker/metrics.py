@@ -14,10 +14,12 @@ class BrokerMetrics:
         m = meter("rlfleet.broker")
         self.pause = seconds_histogram(
             m, "rlfleet_broker_pause_seconds",
-            "how long an engine stopped generating for one weight update, by engine and transport")  # fmt: skip
+            "how long an engine stopped generating for one weight update, "
+            "by engine and transport")  # fmt: skip
         self.update_bytes = m.create_histogram(
             "rlfleet_broker_update_bytes", unit="By",
-            description="bytes shipped to one engine per update (delta payload, full checkpoint read, broadcast)",
+            description="bytes shipped to one engine per update (delta payload, full checkpoint read, "
+                        "broadcast)",
             explicit_bucket_boundaries_advisory=BYTES_BUCKETS)  # fmt: skip
         self.changed = m.create_histogram(
             "rlfleet_broker_changed_ratio", unit="1",
@@ -25,11 +27,13 @@ class BrokerMetrics:
             explicit_bucket_boundaries_advisory=RATIO_BUCKETS)  # fmt: skip
         self.publish_to_serving = seconds_histogram(
             m, "rlfleet_broker_publish_to_serving_seconds",
-            "from the trainer's publish (PolicyVersion.created_unix_ms) to every fleet engine serving the version")  # fmt: skip
+            "from the trainer's publish (PolicyVersion.created_unix_ms) to every fleet engine serving the "
+            "version")  # fmt: skip
         self.updates = m.create_counter(
             "rlfleet_broker_updates_total", description="engine weight updates, by transport and outcome")
         self.fallbacks = m.create_counter(
-            "rlfleet_broker_fallbacks_total", description="delta updates an engine refused that fell back to a full load")
+            "rlfleet_broker_fallbacks_total",
+            description="delta updates an engine refused that fell back to a full load")
 
     def record(self, outcome: UpdateOutcome) -> None:
         attrs = {"transport": outcome.transport}

@@ -37,11 +37,13 @@ class SyncPolicy:
         if last_synced is None:
             reason = "first version"
         elif newest - last_synced >= self.every_n:
-            reason = f"{newest - last_synced} versions past the last synced one (every_n_versions={self.every_n})"
+            reason = (f"{newest - last_synced} versions past the last synced one "
+                      f"(every_n_versions={self.every_n})")
         elif self.max_lag_ms and now_ms - waiting[fresh[0]] >= self.max_lag_ms:
             reason = f"version {fresh[0]} waited {(now_ms - waiting[fresh[0]]) / 1000:.1f}s (max_lag_s)"
         else:
-            return SyncDecision(None, stale, f"waiting: {newest - last_synced} of every_n_versions={self.every_n}")
+            return SyncDecision(None, stale,
+                                f"waiting: {newest - last_synced} of every_n_versions={self.every_n}")
         return SyncDecision(newest, stale + tuple(fresh[:-1]), reason)
 
     def next_deadline_ms(self, last_synced: int | None, waiting: Mapping[int, int]) -> int | None:

@@ -72,16 +72,19 @@ class BrokerEngineClient(EngineClient):
         "distributed")` flips it in."""
         path = _with_pause("update_weights_from_distributed", pause_mode)
         if staged:
-            path = (path + "&" if path else wire.ROUTES["update_weights_from_distributed"][1] + "?") + "staged=1"
+            path = ((path + "&" if path else wire.ROUTES["update_weights_from_distributed"][1] + "?")
+                    + "staged=1")
         return await self._weights("update_weights_from_distributed", body, path=path)
 
     async def transfer_engine_info(self, rank: int = 0) -> dict[str, Any]:
         """SGLang's remote-instance endpoint description (where the P2P receive buffer lives)."""
         path = wire.ROUTES["remote_instance_transfer_engine_info"][1] + f"?rank={rank}"
-        return await self._call("remote_instance_transfer_engine_info", None, self.timeouts.control_s, path=path)
+        return await self._call("remote_instance_transfer_engine_info", None,
+                                self.timeouts.control_s, path=path)
 
     async def update_from_staging(self, checksums: dict[str, str], algorithm: str, *, weight_version: str,
-                                  pause_mode: str, source: str = "p2p", model_path: str = "") -> dict[str, Any]:
+                                  pause_mode: str, source: str = "p2p",
+                                  model_path: str = "") -> dict[str, Any]:
         body = wire.update_weights_from_staging(checksums, algorithm, weight_version=weight_version,
                                                 pause_mode=pause_mode, source=source, model_path=model_path)
         return await self._weights("update_weights_from_staging", body)
@@ -128,7 +131,8 @@ class GatewayLink:
                 log.warning("gateway %s does not implement %s: %s", self.address, method, exc.details())
                 self.missing.add(method)
                 return None
-            raise Unavailable(f"gateway {self.address} {method}: {exc.code().name}: {exc.details()}") from None
+            raise Unavailable(f"gateway {self.address} {method}: {exc.code().name}: "
+                              f"{exc.details()}") from None
 
     async def list_engines(self) -> list[EngineRef] | None:
         reply = await self._call("ListEngines", gateway_pb2.ListEnginesRequest())
@@ -155,7 +159,8 @@ class GatewayLink:
         reply = await self._call("ResumeEngines", gateway_pb2.ResumeEnginesRequest(engine_ids=[engine_id]))
         return reply is not None and all(r.ok for r in reply.results) and len(reply.results) == 1
 
-    async def set_draining(self, engine_id: str, draining: bool, reason: str, version: int | None = None) -> bool:
+    async def set_draining(self, engine_id: str, draining: bool, reason: str,
+                           version: int | None = None) -> bool:
         """Marks the engine DRAINING or HEALTHY; False when the gateway cannot (UNIMPLEMENTED)."""
         state = gateway_pb2.ENGINE_STATE_DRAINING if draining else gateway_pb2.ENGINE_STATE_HEALTHY
         request = gateway_pb2.UpdateEngineStateRequest(engine_id=engine_id, state=state, reason=reason)
@@ -171,7 +176,9 @@ class Pools:
         self, static: list[StaticEngine], gateway: GatewayLink | None, timeouts: EngineTimeouts, *,
         api_key: str = "", admin_api_key: str = "",
     ) -> None:
-        self.static = [EngineRef(e.engine_id, e.url.rstrip("/"), e.pool, kind=e.kind, transport=e.transport or "") for e in static]
+        self.static = [EngineRef(e.engine_id, e.url.rstrip("/"), e.pool, kind=e.kind,
+                                 transport=e.transport or "")
+                       for e in static]
         self.api_key = api_key
         self.admin_api_key = admin_api_key
         self.gateway = gateway

@@ -101,7 +101,8 @@ class VersionRegistry:
         keys = [self._key("version", str(v)) for v in versions]
         if not keys:
             return []
-        return [broker_pb2.VersionRecord.FromString(raw) for raw in await self.redis.mget(keys) if raw is not None]
+        return [broker_pb2.VersionRecord.FromString(raw) for raw in await self.redis.mget(keys)
+                if raw is not None]
 
     async def newest(self, limit: int = 0) -> list[broker_pb2.VersionRecord]:
         raw = await self.redis.zrevrange(self._key("versions"), 0, (limit or 0) - 1)
@@ -122,7 +123,8 @@ class VersionRegistry:
     async def targets(self) -> Targets:
         raw = await self.redis.hgetall(self._key("targets"))
         values = {text(k): int(v) for k, v in raw.items()}
-        return Targets(values.get("canary"), values.get("fleet"), values.get("latest"), values.get("last_synced"))
+        return Targets(values.get("canary"), values.get("fleet"), values.get("latest"),
+                       values.get("last_synced"))
 
     async def set_targets(self, **values: int | None) -> None:
         present: dict[FieldT, EncodableT] = {k: str(v) for k, v in values.items() if v is not None}

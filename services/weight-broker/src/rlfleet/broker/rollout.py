@@ -118,7 +118,8 @@ class Rollout:
             info = VersionInfo(version, str(self.store.path(version)), "unknown", None, 0, 0, None)
             log.warning("store index of version %d unreadable: %s", version, exc)
         try:
-            (outcome,) = await asyncio.wait_for(transport.update([engine], info), self.config.update_timeout_s)
+            (outcome,) = await asyncio.wait_for(transport.update([engine], info),
+                                                self.config.update_timeout_s)
         except TimeoutError:
             outcome = UpdateOutcome(engine.engine_id, version, transport.name, False,
                                     message=f"no answer within {self.config.update_timeout_s}s")  # fmt: skip

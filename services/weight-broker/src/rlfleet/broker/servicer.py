@@ -12,18 +12,23 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
-    async def PublishVersion(self, request: common_pb2.PolicyVersion, context) -> broker_pb2.PublishVersionResponse:
+    async def PublishVersion(
+        self, request: common_pb2.PolicyVersion, context
+    ) -> broker_pb2.PublishVersionResponse:
         require_known_enums(request)
         return broker_pb2.PublishVersionResponse(state=await self.broker.announce(request))
 
     async def GetStatus(self, request: broker_pb2.GetStatusRequest, context) -> broker_pb2.BrokerStatus:
         return await self.broker.status()
 
-    async def ListVersions(self, request: broker_pb2.ListVersionsRequest, context) -> broker_pb2.ListVersionsResponse:
+    async def ListVersions(
+        self, request: broker_pb2.ListVersionsRequest, context
+    ) -> broker_pb2.ListVersionsResponse:
         return broker_pb2.ListVersionsResponse(versions=await self.broker.list_versions(request.limit))
 
     async def Promote(self, request: broker_pb2.PromoteRequest, context) -> broker_pb2.PromoteResponse:
-        return broker_pb2.PromoteResponse(accepted_version=await self.broker.promote(request.version, request.reason))
+        return broker_pb2.PromoteResponse(
+            accepted_version=await self.broker.promote(request.version, request.reason))
 
     async def Rollback(self, request: broker_pb2.RollbackRequest, context) -> broker_pb2.RollbackResponse:
         version = await self.broker.rollback(request.to_version, request.reason)
@@ -35,7 +40,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         require_known_enums(request)
         return await self.broker.start_distributed(request)
 
-    async def StartTrainerSync(self, request: broker_pb2.StartTrainerSyncRequest, context) -> broker_pb2.TrainerSyncPlan:
+    async def StartTrainerSync(
+        self, request: broker_pb2.StartTrainerSyncRequest, context
+    ) -> broker_pb2.TrainerSyncPlan:
         require_known_enums(request)
         return await self.broker.trainer_syncs.start(request)
 

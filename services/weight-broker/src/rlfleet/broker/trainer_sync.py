@@ -79,8 +79,10 @@ class PendingSync:
     broadcast: list[EngineRef] = field(default_factory=list)
     broadcast_task: asyncio.Task | None = None
     store_pending: bool = False  # the store write runs beside the transfers: flip nothing before it lands
-    store_uri: str = ""  # the store's copy of the version (known at start, or from the finish's stored version)
-    flipped: list[str] = field(default_factory=list)  # flipped in before the store had it: awaiting ConfirmTrainerSync
+    # the store's copy of the version (known at start, or from the finish's stored version)
+    store_uri: str = ""
+    # flipped in before the store had it: awaiting ConfirmTrainerSync
+    flipped: list[str] = field(default_factory=list)
     watchdog: asyncio.Task | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -125,9 +127,10 @@ class TrainerSyncs:
                               _nbytes(request.tensors), tensors=by["tensor"],
                               store_pending=request.store_pending,
                               store_uri="" if request.store_pending else request.version.uri)  # fmt: skip
-        plan = broker_pb2.TrainerSyncPlan(sync_id=pending.sync_id, state=state, bucket_bytes=self.sync.p2p_bucket_bytes,
-                                          tensor_engine_ids=[e.engine_id for e in by["tensor"]],
-                                          flip_before_stored=request.store_pending and self.sync.flip_before_stored)  # fmt: skip
+        plan = broker_pb2.TrainerSyncPlan(
+            sync_id=pending.sync_id, state=state, bucket_bytes=self.sync.p2p_bucket_bytes,
+            tensor_engine_ids=[e.engine_id for e in by["tensor"]],
+            flip_before_stored=request.store_pending and self.sync.flip_before_stored)  # fmt: skip
         pending.peers = await self._endpoints(by["p2p"], plan)
         await self._group(by["distributed"], request, pending, plan)
         if not pending.engines:
@@ -143,8 +146,8 @@ class TrainerSyncs:
         """Each P2P engine's published endpoint; one that cannot publish goes back to the store path."""
         import json
 
-        replies = await asyncio.gather(*(self.broker.pools.client(e).transfer_engine_info(0) for e in engines),
-                                       return_exceptions=True)  # fmt: skip
+        replies = await asyncio.gather(*(self.broker.pools.client(e).transfer_engine_info(0)
+                                         for e in engines), return_exceptions=True)  # fmt: skip
         reachable = []
         for engine, reply in zip(engines, replies, strict=True):
             if isinstance(reply, EngineError | TimeoutError):
@@ -181,7 +184,8 @@ class TrainerSyncs:
         )  # fmt: skip
         offsets, world = group.ranks(len(pending.broadcast))
         plan.broadcast.CopyFrom(broker_pb2.BroadcastGroup(
-            group_name=group.group_name, world_size=world, engine_ids=[e.engine_id for e in pending.broadcast],
+            group_name=group.group_name, world_size=world,
+            engine_ids=[e.engine_id for e in pending.broadcast],
             rank_offsets=offsets, tp_sizes=group.tp_sizes))  # fmt: skip
         pending.broadcast_task = asyncio.create_task(self._broadcast(pending, group))
 
@@ -191,10 +195,13 @@ class TrainerSyncs:
         return await Distributed(self.broker.pools, group).update(pending.broadcast, info)
 
     # --- finish ---------------------------------------------------------------------------------
-    async def finish(self, request: broker_pb2.FinishTrainerSyncRequest) -> broker_pb2.FinishTrainerSyncResponse:
+    async def finish(
+        self, request: broker_pb2.FinishTrainerSyncRequest
+    ) -> broker_pb2.FinishTrainerSyncResponse:
         pending = self.pending.pop(request.sync_id, None)
         if pending is None:
-            raise UnknownSync(f"no trainer sync {request.sync_id!r} is open (finished, expired or never started)")
+            raise UnknownSync(f"no trainer sync {request.sync_id!r} is open "
+                              "(finished, expired or never started)")
         if pending.watchdog is not None:
             pending.watchdog.cancel()
         if request.store_follows:
@@ -217,10 +224,11 @@ class TrainerSyncs:
         async def one_peer(engine: EngineRef) -> UpdateOutcome:
             result = sent.get(engine.engine_id)
             if result is None or not result.sent:
-                why = (result.error if result is not None else "") or request.error or "the trainer did not send it"
+                why = ((result.error if result is not None else "") or request.error
+                       or "the trainer did not send it")
                 return UpdateOutcome(engine.engine_id, pending.version, "p2p", False, message=why)
-            return await peer.commit(engine, pending.version, pending.checksums, pending.algorithm, result.bytes,
-                                     pending.store_uri)
+            return await peer.commit(engine, pending.version, pending.checksums,
+                                     pending.algorithm, result.bytes, pending.store_uri)
 
         async def one_tensor(engine: EngineRef) -> UpdateOutcome:
             if not request.serialized_named_tensors:
@@ -247,7 +255,8 @@ class TrainerSyncs:
         """The transfers are done and the store write still runs: the version becomes the target now
         (as the sync policy would make it) and the engines flip it in; ConfirmTrainerSync follows."""
         if not (pending.store_pending and self.sync.flip_before_stored):
-            why = "store_follows needs a sync started with store_pending while the broker's sync.flip_before_stored is on"
+            why = ("store_follows needs a sync started with store_pending while the broker's "
+                   "sync.flip_before_stored is on")
             outcomes = await self._discard(pending, why)
             await self._settle(pending, outcomes, discarded=True)
             raise BadAnnouncement(why)
@@ -256,7 +265,8 @@ class TrainerSyncs:
             outcomes = await self._discard(pending, why)
             await self._settle(pending, outcomes, discarded=True)
             return broker_pb2.FinishTrainerSyncResponse(outcomes=[_proto(o) for o in outcomes])
-        self.unconfirmed[pending.sync_id] = pending  # before any flip: no engine is brought to it from the store
+        # before any flip: no engine is brought to it from the store
+        self.unconfirmed[pending.sync_id] = pending
         outcomes = await self._outcomes(pending, request)
         pending.flipped = [o.engine_id for o in outcomes if o.ok]
         await self._settle(pending, outcomes)
@@ -264,7 +274,9 @@ class TrainerSyncs:
         return broker_pb2.FinishTrainerSyncResponse(outcomes=[_proto(o) for o in outcomes])
 
     # --- confirm --------------------------------------------------------------------------------
-    async def confirm(self, request: broker_pb2.ConfirmTrainerSyncRequest) -> broker_pb2.ConfirmTrainerSyncResponse:
+    async def confirm(
+        self, request: broker_pb2.ConfirmTrainerSyncRequest
+    ) -> broker_pb2.ConfirmTrainerSyncResponse:
         pending = self.unconfirmed.get(request.sync_id)
         if pending is None:
             raise UnknownSync(f"no trainer sync {request.sync_id!r} awaits its store write (never flipped in "
@@ -276,7 +288,8 @@ class TrainerSyncs:
             pending.watchdog.cancel()
         why = ""
         if request.store_error or not request.HasField("stored"):
-            why = f"the weight store write failed: {request.store_error or 'the trainer reported no stored version'}"
+            why = ("the weight store write failed: "
+                   f"{request.store_error or 'the trainer reported no stored version'}")
         else:
             try:
                 await self.broker.announce(request.stored)
@@ -297,8 +310,9 @@ class TrainerSyncs:
         (each checks the checksums), so a later fallback of theirs can be a delta."""
         client = self.broker.pools.client
         peers = [e for e in pending.peers if e.engine_id in pending.flipped and e.kind == "cpu"]
-        replies = await asyncio.gather(*(client(e).adopt_store_version(store_uri, weight_version=str(pending.version))
-                                         for e in peers), return_exceptions=True)  # fmt: skip
+        replies = await asyncio.gather(
+            *(client(e).adopt_store_version(store_uri, weight_version=str(pending.version)) for e in peers),
+            return_exceptions=True)  # fmt: skip
         for engine, reply in zip(peers, replies, strict=True):
             if isinstance(reply, BaseException):
                 log.warning("engine %s holds no store copy of version %d (its next store update is a full "
@@ -326,7 +340,8 @@ class TrainerSyncs:
         await asyncio.sleep(self.sync.update_timeout_s)
         pending = self.unconfirmed.get(sync_id)
         if pending is not None:
-            await self._revert(pending, f"the trainer never confirmed its store write within {self.sync.update_timeout_s}s")
+            await self._revert(pending, "the trainer never confirmed its store write within "
+                                        f"{self.sync.update_timeout_s}s")
 
     async def _stored(self, pending: PendingSync, request: broker_pb2.FinishTrainerSyncRequest) -> str:
         """With the store write beside the send: announces the stored version and makes it a target
@@ -334,7 +349,8 @@ class TrainerSyncs:
         store write rejects the version."""
         b = self.broker
         if request.store_error or not request.HasField("stored"):
-            why = f"the weight store write failed: {request.store_error or 'the trainer reported no stored version'}"
+            why = ("the weight store write failed: "
+                   f"{request.store_error or 'the trainer reported no stored version'}")
             await b.reject_unstored(pending.version, why)
             return f"version rejected: {why}"
         if request.stored.version != pending.version:
@@ -354,8 +370,8 @@ class TrainerSyncs:
         dropped; P2P staging is simply overwritten by the next write; no tensor was handed over)."""
         client = self.broker.pools.client
         received = await self._broadcast_outcomes(pending, "")
-        await asyncio.gather(*(client(e).discard_staged_broadcast() for e, o in zip(pending.broadcast, received,
-                                                                                  strict=True)
+        await asyncio.gather(*(client(e).discard_staged_broadcast()
+                               for e, o in zip(pending.broadcast, received, strict=True)
                                if o.reply.get("staged")), return_exceptions=True)  # fmt: skip
         return [UpdateOutcome(e.engine_id, pending.version, self.transport(e), False, message=why)
                 for e in pending.engines]
@@ -379,23 +395,28 @@ class TrainerSyncs:
         async def one(engine: EngineRef, outcome: UpdateOutcome) -> UpdateOutcome:
             if not (outcome.ok and outcome.reply.get("staged")):
                 return outcome
-            flipped = await flip.commit(engine, pending.version, pending.checksums, pending.algorithm, outcome.bytes)
+            flipped = await flip.commit(engine, pending.version, pending.checksums, pending.algorithm,
+                                        outcome.bytes)
             if flipped.ok:  # a refused flip changed nothing: no reply that would have it relabelled
                 flipped.reply = {**outcome.reply, **flipped.reply}
             return flipped
 
-        return list(await asyncio.gather(*(one(e, o) for e, o in zip(pending.broadcast, received, strict=True))))
+        return list(await asyncio.gather(*(one(e, o)
+                                           for e, o in zip(pending.broadcast, received, strict=True))))
 
-    async def _settle(self, pending: PendingSync, outcomes: list[UpdateOutcome], discarded: bool = False) -> None:
+    async def _settle(self, pending: PendingSync, outcomes: list[UpdateOutcome],
+                      discarded: bool = False) -> None:
         b = self.broker
         try:
             for engine, outcome in zip(pending.engines, outcomes, strict=True):
                 b.metrics.record(outcome)
                 if discarded:  # nothing changed on the engine: it serves what it served
                     previous = await b.registry.engine(engine.engine_id)
-                    kept = None if previous is None or previous.policy_version < 0 else previous.policy_version
+                    kept = (None if previous is None or previous.policy_version < 0
+                            else previous.policy_version)
                     log.warning("engine %s keeps version %s: %s", engine.engine_id, kept, outcome.message)
-                    await b.record_engine(engine, SyncResult(engine.engine_id, pending.version, [outcome], kept), kept)
+                    await b.record_engine(engine, SyncResult(engine.engine_id, pending.version,
+                                                             [outcome], kept), kept)
                     continue
                 b.copies.forget(engine.engine_id)  # weights came from the trainer: no local copy
                 if not outcome.ok and outcome.reply:  # swapped, then failed the check: never "serving v"
@@ -404,8 +425,10 @@ class TrainerSyncs:
                 serving = pending.version if outcome.ok else None
                 if not outcome.ok:
                     log.warning("engine %s: %s of version %d failed (%s); it catches up from the store",
-                                engine.engine_id, outcome.transport, pending.version, outcome.message)  # fmt: skip
-                await b.record_engine(engine, SyncResult(engine.engine_id, pending.version, [outcome], serving),
+                                engine.engine_id, outcome.transport, pending.version,
+                                outcome.message)  # fmt: skip
+                await b.record_engine(engine,
+                                      SyncResult(engine.engine_id, pending.version, [outcome], serving),
                                       pending.version)  # fmt: skip
         finally:
             b.release(pending.engines)
@@ -423,7 +446,8 @@ class TrainerSyncs:
         if pending.store_pending:  # the store may never get it: nothing staged is flipped in
             await self._settle(pending, await self._discard(pending, why), discarded=True)
             return
-        outcomes = await self._outcomes(pending, broker_pb2.FinishTrainerSyncRequest(sync_id=sync_id, error=why))
+        outcomes = await self._outcomes(pending,
+                                        broker_pb2.FinishTrainerSyncRequest(sync_id=sync_id, error=why))
         await self._settle(pending, outcomes)
 
     async def stop(self) -> None:
@@ -437,15 +461,18 @@ class TrainerSyncs:
 
 def _check(request: broker_pb2.StartTrainerSyncRequest) -> None:
     if not request.tensors:
-        raise BadAnnouncement("StartTrainerSync needs the tensors to be sent (names, dtypes, shapes, checksums)")
+        raise BadAnnouncement("StartTrainerSync needs the tensors to be sent "
+                              "(names, dtypes, shapes, checksums)")
     if request.checksum_algorithm not in CHECKSUM_ALGORITHMS:
-        raise BadAnnouncement(f"checksum_algorithm {request.checksum_algorithm!r} is not one of {CHECKSUM_ALGORITHMS}")
+        raise BadAnnouncement(f"checksum_algorithm {request.checksum_algorithm!r} is not "
+                              f"one of {CHECKSUM_ALGORITHMS}")
     if any(not t.checksum for t in request.tensors):
         raise BadAnnouncement("every tensor of a StartTrainerSync needs its checksum")
 
 
 def _nbytes(tensors) -> int:
-    return BroadcastPlan("", 0, "", "", [], [t.dtype for t in tensors], [list(t.shape) for t in tensors]).nbytes
+    return BroadcastPlan("", 0, "", "", [], [t.dtype for t in tensors],
+                         [list(t.shape) for t in tensors]).nbytes
 
 
 def _proto(outcome: UpdateOutcome) -> broker_pb2.EngineSyncOutcome:

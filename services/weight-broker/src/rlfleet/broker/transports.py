@@ -22,8 +22,9 @@ The transport a version takes depends on the engine's kind (`EngineRef.kind`):
   there is no gateway.
 * `Distributed`: SGLang's `init_weights_update_group` on each engine, with SGLang's rank
   arithmetic: the sender is rank 0, engine i joins at `rank_offset` = 1 + the TP sizes of the
-  engines before it and takes one rank per TP rank, world size = 1 + the sum of TP sizes; then `update_weights_from_distributed` with names/dtypes/shapes while the sender (the
-  trainer, `rlfleet.broker.distributed_sender` or `rlfleet.trainer.weight_sender`) broadcasts; the group is
+  engines before it and takes one rank per TP rank, world size = 1 + the sum of TP sizes; then
+  `update_weights_from_distributed` with names/dtypes/shapes while the sender (the trainer,
+  `rlfleet.broker.distributed_sender` or `rlfleet.trainer.weight_sender`) broadcasts; the group is
   destroyed afterwards. With the trainer's checksums (StartTrainerSync), an engine whose reply's
   checksums (the CPU engine hashes what it received) differ failed.
 * `PeerCommit` (p2p): the trainer wrote the version into the engine's Mooncake staging buffer; the
@@ -105,8 +106,8 @@ def _failed(engine: EngineRef, target: VersionInfo, transport: str, exc: EngineE
 
 
 def _agent_refused(engine: EngineRef, target: VersionInfo, transport: str, message: str) -> UpdateOutcome:
-    return UpdateOutcome(engine.engine_id, target.version, transport, False, message=f"weight agent: {message}",
-                         refused=True)  # fmt: skip
+    return UpdateOutcome(engine.engine_id, target.version, transport, False,
+                         message=f"weight agent: {message}", refused=True)  # fmt: skip
 
 
 def _loaded(engine: EngineRef, target: VersionInfo, transport: str, staged: Staged, reply: dict,
@@ -205,7 +206,8 @@ class DiskFull:
         if engine.kind != "cpu":
             # The agent rebuilds the version into a plain HF directory before the pause.
             if copies is None:
-                return _agent_refused(engine, target, self.name, "no local copies configured for SGLang engines")
+                return _agent_refused(engine, target, self.name,
+                                      "no local copies configured for SGLang engines")
             try:
                 staged = await asyncio.to_thread(copies.stage_full, target.version)
             except WeightStoreError as exc:
@@ -233,8 +235,8 @@ class DiskFull:
         else:
             if copies is None or staged is None:
                 outcome = UpdateOutcome(engine.engine_id, target.version, self.name, True,
-                                        bytes=int(reply.get("bytes", 0)), message=str(reply.get("message", "")),
-                                        reply=reply)  # fmt: skip
+                                        bytes=int(reply.get("bytes", 0)),
+                                        message=str(reply.get("message", "")), reply=reply)  # fmt: skip
             else:
                 copies.commit(staged, holder=engine.engine_id)
                 outcome = _loaded(engine, target, self.name, staged, reply, 0.0, load_s)
@@ -346,7 +348,8 @@ class Distributed:
             return_exceptions=True,
         )  # fmt: skip
         body = {"names": plan.names, "dtypes": plan.dtypes, "shapes": plan.shapes,
-                "group_name": plan.group_name, "weight_version": str(target.version), "flush_cache": True}  # fmt: skip
+                "group_name": plan.group_name, "weight_version": str(target.version),
+                "flush_cache": True}  # fmt: skip
         if any(isinstance(j, BaseException) for j in joined):
             replies: list = [j if isinstance(j, BaseException) else EngineRejected(
                 "another engine failed to join the group; no broadcast", url="") for j in joined]  # fmt: skip
@@ -395,8 +398,8 @@ class PeerCommit:
         (when the checksums match the store's), so the version after can come as a delta."""
         try:
             reply = await self.pools.client(engine).update_from_staging(
-                checksums, algorithm, weight_version=str(version), pause_mode=self.pause_mode, source=self.source,
-                model_path=store_uri if self.source == "p2p" else "")
+                checksums, algorithm, weight_version=str(version), pause_mode=self.pause_mode,
+                source=self.source, model_path=store_uri if self.source == "p2p" else "")
         except EngineError as exc:
             return UpdateOutcome(engine.engine_id, version, self.name, False, message=exc.message,
                                  refused=isinstance(exc, EngineRejected))  # fmt: skip
@@ -435,4 +438,5 @@ class TensorHandOver:
                     await client.resume()
         return checked(UpdateOutcome(engine.engine_id, version, self.name, True,
                                      float(reply.get("pause_s", call_s)), nbytes,
-                                     message=str(reply.get("message", "")), reply=reply), checksums)  # fmt: skip
+                                     message=str(reply.get("message", "")), reply=reply),
+                       checksums)  # fmt: skip
