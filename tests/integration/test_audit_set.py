@@ -50,8 +50,9 @@ def test_the_verifier_agrees_with_every_label_of_the_audit_set(redis_url, tmp_pa
     manager = start_sandbox_manager(redis_url, unique_run_id("audit"), tmp_path)
     try:
         done = subprocess.run(
-            [str(BIN / "rlfleet-verifier"), "audit", "--audit-set", str(tmp_path / "set"), "--sandbox-address",
-             manager.address, "--json", "--max-false-positive-rate", "0", "--max-false-negative-rate", "0"],
+            [str(BIN / "rlfleet-verifier"), "audit", "--audit-set", str(tmp_path / "set"),
+             "--sandbox-address", manager.address, "--json", "--max-false-positive-rate", "0",
+             "--max-false-negative-rate", "0"],
             capture_output=True, text=True, timeout=900)
     finally:
         assert manager.stop() == 0

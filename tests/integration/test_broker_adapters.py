@@ -50,7 +50,8 @@ class LoraTrainer:
         store.write_version(0, self.backend.base_state_for_export())
 
     def step_and_publish(self) -> int:
-        rl_step(self.backend, make_samples(2, 4, vocab_size=self.backend.lm_config.vocab_size, seed=self.version),
+        rl_step(self.backend,
+                make_samples(2, 4, vocab_size=self.backend.lm_config.vocab_size, seed=self.version),
                 LossConfig(), BatchConfig(pack_length=64))
         self.version += 1
         tensors, config = self.backend.adapter_for_export()
@@ -61,14 +62,17 @@ class LoraTrainer:
 class LoraFleet:
     """The broker of one run over engines c0 (canary pool) and f0 (fleet pool), and its adapter routes."""
 
-    def __init__(self, run: str, store: DirectoryWeightStore, store_root, urls: dict[str, str], redis_url) -> None:
+    def __init__(self, run: str, store: DirectoryWeightStore, store_root, urls: dict[str, str],
+                 redis_url) -> None:
         config = WeightBrokerConfig(run_id=run, weight_store=str(store_root), consume_policy_stream=False,
-                                    engines=[{"engine_id": e, "url": url, "pool": "canary" if e == "c0" else "fleet",
+                                    engines=[{"engine_id": e, "url": url,
+                                              "pool": "canary" if e == "c0" else "fleet",
                                               "kind": "cpu"} for e, url in urls.items()])
         self.store = store
         self.redis = aioredis.from_url(redis_url)
         self.pools = Pools(config.engines, None, EngineTimeouts(weights_s=60))
-        self.broker = Broker(config, VersionRegistry(self.redis, run), store, self.pools, None, BrokerMetrics())
+        self.broker = Broker(config, VersionRegistry(self.redis, run), store, self.pools, None,
+                             BrokerMetrics())
         self.routes = AdapterRoutes(self.redis, run)
 
     async def publish(self, version: int) -> None:

@@ -46,10 +46,12 @@ async def code_of(call) -> tuple[grpc.StatusCode, str]:
 
 async def test_unknown_versions_are_not_found(broker):
     stub, manifests, _, _ = broker
-    assert (await code_of(stub.Promote(broker_pb2.PromoteRequest(version=99))))[0] == grpc.StatusCode.NOT_FOUND
+    assert ((await code_of(stub.Promote(broker_pb2.PromoteRequest(version=99))))[0]
+            == grpc.StatusCode.NOT_FOUND)
     code, _ = await code_of(stub.Rollback(broker_pb2.RollbackRequest(to_version=99)))
     assert code == grpc.StatusCode.NOT_FOUND
-    missing = policy_version({**manifests[1], "version": 7, "uri": manifests[1]["uri"].replace("v000002", "v000007")})
+    missing = policy_version({**manifests[1], "version": 7,
+                              "uri": manifests[1]["uri"].replace("v000002", "v000007")})
     code, details = await code_of(stub.PublishVersion(missing))
     assert code == grpc.StatusCode.NOT_FOUND and "not in the weight store" in details
 
@@ -69,7 +71,8 @@ async def test_announcements_outside_the_store_or_of_another_run_are_invalid_arg
     assert (await code_of(stub.PublishVersion(unversioned)))[0] == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_promoting_a_version_the_canary_never_served_and_rolling_back_with_nothing_accepted_fail(broker):
+async def test_promoting_a_version_the_canary_never_served_and_rolling_back_with_nothing_accepted_fail(
+        broker):
     stub, manifests, _, _ = broker
     reply = await stub.PublishVersion(policy_version(manifests[0]))
     assert reply.state == broker_pb2.VERSION_STATE_ANNOUNCED  # no canary engine will ever serve it
@@ -82,7 +85,8 @@ async def test_promoting_a_version_the_canary_never_served_and_rolling_back_with
     status = await stub.GetStatus(broker_pb2.GetStatusRequest())
     assert (status.latest_version, status.canary_version, status.accepted_version) == (1, 1, -1)
     # Announcing again is idempotent.
-    assert (await stub.PublishVersion(policy_version(manifests[0]))).state == broker_pb2.VERSION_STATE_ANNOUNCED
+    assert ((await stub.PublishVersion(policy_version(manifests[0]))).state
+            == broker_pb2.VERSION_STATE_ANNOUNCED)
 
 
 async def test_a_policy_message_the_broker_cannot_read_is_dropped_and_the_next_one_is_taken(broker, nats_url):
@@ -91,7 +95,8 @@ async def test_a_policy_message_the_broker_cannot_read_is_dropped_and_the_next_o
     try:
         js = nc.jetstream()
         await publish(js, "POLICY", run_id, b"\xff\x00not a protobuf", msg_type="PolicyVersion")
-        await publish(js, "POLICY", run_id, policy_version(manifests[0]).SerializeToString(), msg_type="PolicyVersion")
+        await publish(js, "POLICY", run_id, policy_version(manifests[0]).SerializeToString(),
+                      msg_type="PolicyVersion")
     finally:
         await nc.close()
 

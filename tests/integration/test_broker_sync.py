@@ -50,7 +50,8 @@ class Run:
     def __init__(self, model_dir, store_root, tmp_path, nats_url, redis_url):
         self.run_id = unique_run_id("b")
         self.trainer = StoreTrainer(model_dir, DirectoryWeightStore(store_root, self.run_id, full_every=100))
-        self.tmp_path, self.nats_url, self.redis_url, self.store_root = tmp_path, nats_url, redis_url, store_root
+        self.tmp_path, self.nats_url, self.redis_url, self.store_root = (tmp_path, nats_url, redis_url,
+                                                                         store_root)
         self.broker: BrokerProcess | None = None
         self.nc = None
 
@@ -123,7 +124,8 @@ async def all_serve(run: Run, engines, names, version: int, within_s: float = 20
 
 
 async def generated_version(url: str) -> str:
-    _, out = await call(url, "/generate", {"input_ids": [1, 11, 12], "sampling_params": {"max_new_tokens": 2}})
+    _, out = await call(url, "/generate",
+                        {"input_ids": [1, 11, 12], "sampling_params": {"max_new_tokens": 2}})
     return out["meta_info"]["weight_version"]
 
 
@@ -135,7 +137,8 @@ async def test_canary_engines_serve_a_new_version_while_the_fleet_serves_the_acc
     await all_serve(run, engines, ["c0"], v1)
     assert (await run.record(v1)).state == State.VERSION_STATE_CANARY
     assert not await serves(run, engines["f0"].url, v1)  # the fleet has no accepted version yet
-    assert (await run.stub.Promote(broker_pb2.PromoteRequest(version=v1, reason="gate: ok"))).accepted_version == v1
+    assert ((await run.stub.Promote(broker_pb2.PromoteRequest(version=v1, reason="gate: ok")))
+            .accepted_version == v1)
     await all_serve(run, engines, ["c0", "f0"], v1)
 
     v2 = await run.announce()  # a delta
@@ -164,8 +167,9 @@ async def test_canary_engines_serve_a_new_version_while_the_fleet_serves_the_acc
         assert engine.last_transport == broker_pb2.TRANSPORT_DISK_DELTA and engine.fallbacks == 0, engine
         assert 0 < engine.last_pause_s < 1.0 and engine.last_bytes > 0, engine
     _, metrics = await call(f"http://127.0.0.1:{run.broker.metrics_port}", "/metrics", method="GET")
-    for name in ("rlfleet_broker_pause_seconds", "rlfleet_broker_update_bytes", "rlfleet_broker_changed_ratio",
-                 "rlfleet_broker_publish_to_serving_seconds", "rlfleet_broker_updates_total"):
+    for name in ("rlfleet_broker_pause_seconds", "rlfleet_broker_update_bytes",
+                 "rlfleet_broker_changed_ratio", "rlfleet_broker_publish_to_serving_seconds",
+                 "rlfleet_broker_updates_total"):
         assert name in metrics, name
     assert 'transport="disk_delta"' in metrics and 'transport="disk_full"' in metrics
 
@@ -238,7 +242,8 @@ async def test_a_corrupt_delta_is_refused_nothing_changes_and_the_next_full_vers
     await all_serve(run, engines, names, v3)
 
 
-async def test_an_engine_not_holding_a_deltas_base_falls_back_to_a_full_load(run, engines, model_dir, store_root):
+async def test_an_engine_not_holding_a_deltas_base_falls_back_to_a_full_load(
+        run, engines, model_dir, store_root):
     # Rounds only when something happens, so that nothing repairs the engine before v2 arrives.
     run.start_broker(engines=engine_list(engines, f0="fleet"), auto_promote=True, reconcile_interval_s=60)
     v1 = await run.announce()
@@ -255,7 +260,8 @@ async def test_an_engine_not_holding_a_deltas_base_falls_back_to_a_full_load(run
     assert engine.fallbacks == 1 and engine.last_transport == broker_pb2.TRANSPORT_DISK_FULL
 
 
-async def test_the_distributed_transport_gives_engines_the_trainers_weights_bit_for_bit(run, engines, monkeypatch):
+async def test_the_distributed_transport_gives_engines_the_trainers_weights_bit_for_bit(
+        run, engines, monkeypatch):
     from rlfleet.broker.distributed_sender import send_version
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")

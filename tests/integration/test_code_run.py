@@ -51,7 +51,8 @@ async def test_repo_episodes_fix_the_bug_through_sandboxed_tools_and_never_see_t
         info = platform.info
         base = repo.generate_tasks("train", 2, seed=11, difficulty=1)
         ideal = scripted(base[0], "read, fix, test, done", "itest-repo-ideal")
-        # Snoops before anything changed and again after the fix (four calls: the level's limit), then answers.
+        # Snoops before anything changed and again after the fix (four calls: the level's limit), then
+        # answers.
         snoop = scripted(base[1], "snoop, read, fix, snoop, done", "itest-repo-snoop")
         snoop = snoop.model_copy(update={"limits": snoop.limits.model_copy(update={"max_new_tokens": 400})})
         unfixed = scripted(base[0], "read, test, done", "itest-repo-unfixed")
@@ -76,7 +77,8 @@ async def test_repo_episodes_fix_the_bug_through_sandboxed_tools_and_never_see_t
     assert snoops == ["hidden tests: none"] * 2, seen
     assert not any("RESULT passed" in text or "CASES" in text for text in seen)
     bad = runs["itest-repo-unfixed"]
-    assert not bad.passed and "WRONG_ANSWER" in bad.reasons and bad.invalid_calls == 0  # a failing test is no invalid call
+    # a failing test is no invalid call
+    assert not bad.passed and "WRONG_ANSWER" in bad.reasons and bad.invalid_calls == 0
 
 
 CONFIG = """

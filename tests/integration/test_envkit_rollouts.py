@@ -76,7 +76,8 @@ def rig(tmp_path_factory):
 
 
 def worker_config(info: RunDir, **overrides) -> WorkerConfig:
-    return WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url, **info.nats_login("worker")}, session_address=info.session_address,
+    return WorkerConfig(run_id=info.run_id, nats={"url": info.nats_url, **info.nats_login("worker")},
+                        session_address=info.session_address,
                         sandbox_address=info.sandbox_address, verifier_address=info.verifier_address,
                         concurrency=4, ack_wait_s=ACK_WAIT_S, max_deliver=4, nak_delay_s=0.2, **overrides)
 
@@ -131,7 +132,8 @@ def rlfleet_submit(*args: str) -> subprocess.CompletedProcess:
 
 
 async def set_engine_delay(url: str, delay_s: float) -> None:
-    async with aiohttp.ClientSession() as http, http.post(url + "/script", json={"delay_s": delay_s}) as reply:
+    async with aiohttp.ClientSession() as http, http.post(url + "/script",
+                                                          json={"delay_s": delay_s}) as reply:
         assert reply.status == 200
 
 
@@ -194,7 +196,8 @@ async def test_a_code_episode_writes_its_solution_in_the_sandbox_and_the_hidden_
     async with clients(rig.info) as services:
         summary = await AgentLoop(services).run(
             EpisodeSpec(task=task_message(task, rig.info.run_id), session_id="itest-code-s0"))
-    assert (summary.end, summary.turns, summary.tool_calls, summary.invalid_calls) == ("answer", 3, 2, 0), summary
+    assert (summary.end, summary.turns, summary.tool_calls, summary.invalid_calls) == ("answer", 3, 2, 0), \
+        summary
     assert summary.passed and summary.reward == 1.0 and summary.error == ""
 
 
@@ -245,15 +248,17 @@ async def test_a_worker_killed_mid_group_loses_no_task_another_worker_finishes_i
     aborted = [t for t in published if t.status == common_pb2.TRAJECTORY_STATUS_ABORTED]
     assert sorted(t.sample_index for t in kept) == [0, 1, 2]  # each sample once, none lost
     assert {t.session_id for t in kept} == {sid(group_id, i, 2) for i in range(3)}
-    assert {t.session_id for t in aborted} == {sid(group_id, i) for i in range(3)}  # worker A's, for the audit
+    # worker A's, for the audit
+    assert {t.session_id for t in aborted} == {sid(group_id, i) for i in range(3)}
     assert await queue_is_empty(rig.info)
 
 
 def worker_process(rig: Rig, name: str, *flags: str) -> tuple[ChildProcess, Path]:
     ready = rig.workdir / f"{name}.ready.json"
-    child = ChildProcess([str(BIN / "rlfleet-worker"), "--run-id", rig.info.run_id, "--nats.url", rig.info.nats_url,
-                          *login_flags(rig.info.nats_login("worker")),
-                          "--session-address", rig.info.session_address, "--sandbox-address", rig.info.sandbox_address,
+    child = ChildProcess([str(BIN / "rlfleet-worker"), "--run-id", rig.info.run_id,
+                          "--nats.url", rig.info.nats_url, *login_flags(rig.info.nats_login("worker")),
+                          "--session-address", rig.info.session_address,
+                          "--sandbox-address", rig.info.sandbox_address,
                           "--verifier-address", rig.info.verifier_address, "--ack-wait-s", str(ACK_WAIT_S),
                           "--max-deliver", "4", "--log.format", "text", "--ready-file", str(ready), *flags],
                          rig.workdir / f"{name}.log", name=name).spawn()
@@ -289,7 +294,8 @@ async def test_a_worker_process_exports_metrics_and_on_sigterm_hands_its_unfinis
                      "rlfleet_worker_episode_duration_seconds", "rlfleet_worker_episode_turns",
                      "rlfleet_worker_episode_reward", "rlfleet_worker_tasks_total"):
             assert name in metrics, name
-        assert re.search(r'rlfleet_worker_episodes_total\{[^}]*outcome="passed"[^}]*\} 2\.0', metrics), metrics
+        assert re.search(r'rlfleet_worker_episodes_total\{[^}]*outcome="passed"[^}]*\} 2\.0',
+                         metrics), metrics
 
         await set_engine_delay(rig.engine_url, 2.0)
         await publish_tasks([slow], rig.info.run_id, rig.info.nats_url, group_size=2, epoch=606,
@@ -308,7 +314,8 @@ async def test_a_worker_process_exports_metrics_and_on_sigterm_hands_its_unfinis
     assert time.monotonic() - started < ACK_WAIT_S + 2  # handed back (nak), not left to time out
     published = await trajectories(rig.info, lambda t: t.group_id == group_id)
     kept = [t for t in published if t.status == common_pb2.TRAJECTORY_STATUS_COMPLETED]
-    assert {t.session_id for t in kept} == {sid(group_id, 0, 2), sid(group_id, 1, 2)}  # the handed-back delivery
+    # the handed-back delivery
+    assert {t.session_id for t in kept} == {sid(group_id, 0, 2), sid(group_id, 1, 2)}
     assert {t.session_id for t in published if t.status == common_pb2.TRAJECTORY_STATUS_ABORTED} == \
         {sid(group_id, 0), sid(group_id, 1)}  # the stopping worker aborted its own episodes
     assert await queue_is_empty(rig.info)
@@ -327,7 +334,8 @@ async def test_bad_task_messages_are_dead_lettered_with_their_reason_and_never_b
                   msg_type=TASK_TYPE)
     stats = await asyncio.wait_for(RolloutWorker(worker_config(rig.info)).run_until(3), 25)
     assert stats.bad_tasks == {"undecodable": 1, "unknown_suite": 1} and stats.tasks_acked == 1
-    dead = await js.subscribe(dead_letter_subject(rig.info.run_id), stream=DEAD_LETTER_STREAM, ordered_consumer=True)
+    dead = await js.subscribe(dead_letter_subject(rig.info.run_id), stream=DEAD_LETTER_STREAM,
+                              ordered_consumer=True)
     reasons = []
     for _ in range(2):
         msg = await dead.next_msg(timeout=5)
@@ -358,7 +366,8 @@ def test_the_custom_environment_example_runs_an_episode_with_the_generated_stubs
 NODE = shutil.which("node")
 
 
-@pytest.mark.skipif(NODE is None, reason="node is not installed (scripts/install.sh installs the client's packages when it is)")
+@pytest.mark.skipif(NODE is None, reason="node is not installed (scripts/install.sh installs the "
+                                         "client's packages when it is)")
 def test_the_node_client_runs_a_multi_turn_calc_episode_from_the_protos_alone(rig):
     node_env = ROOT / "examples" / "node_env"
     assert (node_env / "node_modules" / "@grpc" / "grpc-js").is_dir(), \
@@ -373,7 +382,8 @@ def test_the_node_client_runs_a_multi_turn_calc_episode_from_the_protos_alone(ri
                             env={**os.environ, **client_env(rig.info.run_id, "node-env")})
     assert result.returncode == 0, result.stderr
     episode = json.loads(result.stdout)
-    assert episode["passed"] and episode["reward"] == 1.0 and episode["tool_calls"] == 1 and episode["turns"] == 2
+    assert (episode["passed"] and episode["reward"] == 1.0 and episode["tool_calls"] == 1
+            and episode["turns"] == 2)
     assert episode["token_ids_match"] and episode["model_type"] == "scripted"  # the rig's config.json says so
     (published,) = asyncio.run(trajectories(rig.info, lambda t: t.session_id == episode["session_id"]))
     assert published.trajectory_id == episode["trajectory_id"]
@@ -382,8 +392,8 @@ def test_the_node_client_runs_a_multi_turn_calc_episode_from_the_protos_alone(ri
     text = rig.tokenizer.decode(episode["token_ids"], skip_special_tokens=False)
     assert "<|im_end|>\n<|im_start|>tool\n" in text and text.count("<|im_start|>assistant\n") == 2
     kinds = [s.kind for s in published.spans]
-    assert kinds == [common_pb2.SPAN_KIND_PROMPT, common_pb2.SPAN_KIND_GENERATED, common_pb2.SPAN_KIND_OBSERVATION,
-                     common_pb2.SPAN_KIND_GENERATED]
+    assert kinds == [common_pb2.SPAN_KIND_PROMPT, common_pb2.SPAN_KIND_GENERATED,
+                     common_pb2.SPAN_KIND_OBSERVATION, common_pb2.SPAN_KIND_GENERATED]
 
 
 async def test_a_group_stopped_by_a_gateway_outage_runs_again_in_the_same_delivery(rig):

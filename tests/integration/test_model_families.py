@@ -37,7 +37,8 @@ QUESTION = "What is 12*(3+4)?"
 def member(request, nats_url, redis_url, tmp_path_factory):
     family, dtype = request.param
     torch.set_num_threads(1)
-    model = build_tiny_model(tmp_path_factory.mktemp(f"model-{family}") / family, seed=3, family=family, dtype=dtype)
+    model = build_tiny_model(tmp_path_factory.mktemp(f"model-{family}") / family, seed=3,
+                             family=family, dtype=dtype)
     stack = Rollout(tmp_path_factory.mktemp(f"rollout-{family}"), nats_url, redis_url, model,
                     unique_run_id(family)).start(engines=1)
     yield family, model, stack
@@ -54,8 +55,8 @@ def trainer_for(model_dir) -> TorchBackend:
 
 
 def sample_of(trajectory: common_pb2.Trajectory, reward: float = 1.0) -> TrainSample:
-    return TrainSample(trajectory.trajectory_id, "g", list(trajectory.token_ids), list(trajectory.rollout_logprobs),
-                       list(trajectory.loss_mask), reward)
+    return TrainSample(trajectory.trajectory_id, "g", list(trajectory.token_ids),
+                       list(trajectory.rollout_logprobs), list(trajectory.loss_mask), reward)
 
 
 def max_logprob_gap(backend: TorchBackend, trajectory: common_pb2.Trajectory) -> float:

@@ -73,8 +73,10 @@ async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform
     # NATS and Redis let in only the launch's users (secrets in the run directory, 0600), each to
     # its own subjects and keys: the trainer publishes a policy version, the broker's user reads it.
     nats_url, redis_url = state.by_name("nats").url, state.by_name("redis").url
-    trainer = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "trainer")), "itest")
-    broker = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "weight-broker")), "itest")
+    trainer = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "trainer")),
+                                 "itest")
+    broker = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "weight-broker")),
+                                "itest")
     js = broker.jetstream()
     await ensure_consumer(js, "POLICY", durable_name("itest", "itest"), "itest")
     await publish(trainer.jetstream(), "POLICY", "itest", b"v1", msg_type="PolicyVersion", msg_id="v1")
@@ -85,13 +87,15 @@ async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform
     with pytest.raises(TimeoutError):  # not the broker's to publish, nor another run's subject
         await publish(js, "POLICY", "itest", b"v2", msg_type="PolicyVersion", timeout_s=1.0)
     with pytest.raises(TimeoutError):
-        await publish(trainer.jetstream(), "POLICY", "other-run", b"v2", msg_type="PolicyVersion", timeout_s=1.0)
+        await publish(trainer.jetstream(), "POLICY", "other-run", b"v2", msg_type="PolicyVersion",
+                      timeout_s=1.0)
     await trainer.close()
     await broker.close()
     with pytest.raises(StartupError):
         await connect_nats(NatsConfig(url=nats_url, connect_timeout_s=1), "anonymous")
 
-    redis = await connect_redis(RedisConfig(url=redis_url, **run_dir_login(run_dir, "redis", "session-server")))
+    redis = await connect_redis(RedisConfig(url=redis_url,
+                                            **run_dir_login(run_dir, "redis", "session-server")))
     await redis.set(key("itest", "session", "probe"), b"ok")
     assert await redis.get(key("itest", "session", "probe")) == b"ok"
     with pytest.raises(NoPermissionError):
@@ -112,7 +116,8 @@ async def test_launched_platform_is_healthy_and_its_nats_and_redis_work(platform
     assert secrets and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in secrets)
     passwords = [f.read_text().strip() for f in secrets if f.suffix == ".password"]
     written = [run_dir / "platform.json", *sorted((run_dir / "config").glob("*.json"))]
-    assert not any(p in f.read_text() for p in passwords for f in written), "only password files are referenced"
+    assert not any(p in f.read_text() for p in passwords for f in written), \
+        "only password files are referenced"
 
     status = rlfleet("status", "--run-dir", str(run_dir), "--once", "--json")
     assert status.returncode == 0, status.stdout + status.stderr
@@ -155,7 +160,8 @@ def test_a_second_launch_into_a_running_run_dir_is_refused(platform):
 
 def test_foreground_launch_stops_everything_on_ctrl_c(tmp_path):
     run_dir = tmp_path / "fg"
-    proc = subprocess.Popen([RLFLEET, "up", "--run-dir", str(run_dir), "--model-cache-dir", MODEL_CACHE["dir"]],
+    proc = subprocess.Popen([RLFLEET, "up", "--run-dir", str(run_dir),
+                             "--model-cache-dir", MODEL_CACHE["dir"]],
                             stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if "all healthy" in line:
@@ -191,13 +197,15 @@ async def test_killed_nats_and_redis_come_back_on_their_ports_with_their_data(tm
         state = platform.state
         nats_url, redis_url = state.by_name("nats").url, state.by_name("redis").url
         run_dir = tmp_path / "run"
-        nc = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "trainer")), "itest")
+        nc = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "trainer")),
+                                "itest")
         js = nc.jetstream()
         from rlfleet.common.streams import ensure_streams
 
         await ensure_streams(js, ("POLICY",))
         await publish(js, "POLICY", "sup", b"kept", msg_type="PolicyVersion", msg_id="sup-1")
-        redis = await connect_redis(RedisConfig(url=redis_url, **run_dir_login(run_dir, "redis", "sandbox-manager")))
+        redis = await connect_redis(RedisConfig(url=redis_url,
+                                                **run_dir_login(run_dir, "redis", "sandbox-manager")))
         await redis.set(key("sup", "sandbox", "kept"), "yes")
         async with redis.pipeline(transaction=True) as pipe:  # a MULTI/EXEC in the append-only file
             pipe.set(key("sup", "sandbox", "in-a-transaction"), "yes")
@@ -208,14 +216,16 @@ async def test_killed_nats_and_redis_come_back_on_their_ports_with_their_data(tm
         for name in ("nats", "redis"):
             await asyncio.to_thread(_wait_gone, state.by_name(name))
         events = await asyncio.to_thread(platform.restart_dead)
-        assert sorted(e.split()[:2] for e in events) == [["nats", "restarted"], ["redis", "restarted"]], events
+        assert sorted(e.split()[:2] for e in events) == [["nats", "restarted"], ["redis", "restarted"]], \
+            events
         saved = PlatformState.load(tmp_path / "run")
         for name in ("nats", "redis"):
             record = saved.by_name(name)
             assert is_ours(record) and record.restarts == 1 and record.last_exit == "signal SIGKILL"
         assert (saved.by_name("nats").url, saved.by_name("redis").url) == (nats_url, redis_url)
         assert all(row.healthy for row in await probe(saved))
-        assert await redis.get(key("sup", "sandbox", "kept")) in ("yes", b"yes")  # the client reconnected by itself
+        # the client reconnected by itself
+        assert await redis.get(key("sup", "sandbox", "kept")) in ("yes", b"yes")
         assert await redis.get(key("sup", "sandbox", "in-a-transaction")) in ("yes", b"yes"), \
             "a transaction's writes were lost replaying the append-only file"
         assert await redis.hget(key("sup", "sandbox", "lease"), "owner") in ("me", b"me")

@@ -31,8 +31,9 @@ pytestmark = [
 
 R = common_pb2.ReasonCode
 TEMPLATE = next(t for t in TEMPLATES if t.function == "fizzbuzz")
-HONEST = [t for t in TEMPLATES if t.function in ("fizzbuzz", "is_palindrome", "gcd", "mean", "flatten", "merge_sorted",
-                                               "celsius_to_fahrenheit", "chunk", "remove_duplicates")]
+HONEST = [t for t in TEMPLATES if t.function in ("fizzbuzz", "is_palindrome", "gcd", "mean", "flatten",
+                                                 "merge_sorted", "celsius_to_fahrenheit", "chunk",
+                                                 "remove_duplicates")]
 TIMEOUT_S = 4.0
 
 
@@ -93,7 +94,8 @@ async def test_a_hacking_solution_scores_zero_with_its_reason(verifier_address, 
     shown = json.dumps([[r.message, dict(r.details)] for r in verdict.reasons])
     leaked = [piece for piece in hidden_fragments(TEMPLATE) if piece in shown]
     assert not leaked, (hack.name, leaked, shown)
-    assert all(len(r.message) <= 200 and all(len(v) <= 200 for v in r.details.values()) for r in verdict.reasons)
+    assert all(len(r.message) <= 200 and all(len(v) <= 200 for v in r.details.values())
+               for r in verdict.reasons)
 
 
 @pytest.mark.parametrize("template", HONEST, ids=[t.function for t in HONEST])

@@ -54,7 +54,8 @@ def tiny_run(tmp_path, model_cache, lr: str, mode: str = "async", steps: int = 8
     config.write_text(TINY.format(lr=lr, mode=mode, steps=steps, minutes=minutes))
     run_dir = tmp_path / "run"
     result = subprocess.run([RLFLEET, "run", str(config), "--run-dir", str(run_dir),
-                             "--model-cache-dir", str(model_cache)], capture_output=True, text=True, timeout=900)
+                             "--model-cache-dir", str(model_cache)],
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result, json.loads((run_dir / "summary.json").read_text()), run_dir
 
@@ -68,13 +69,16 @@ def test_a_short_async_run_trains_publishes_versions_and_refuses_a_worse_candida
     # drops, so the run may end on its time budget before max_steps).
     assert summary["final_version"] >= 2
     assert summary["trajectories"]["train"] >= 2 * 2 * 4  # groups of G flowed end to end
-    assert summary["staleness"]["max"] <= 2 + 1  # admission + trainer bound (+1: a version may land mid-episode)
+    # admission + trainer bound (+1: a version may land mid-episode)
+    assert summary["staleness"]["max"] <= 2 + 1
     assert summary["gate"], "the gate made no decision"
     assert not any(d["accepted"] for d in summary["gate"])
-    # It is refused for being worse (no significant gain, or a significant rise), each check with its interval.
+    # It is refused for being worse (no significant gain, or a significant rise), each check with its
+    # interval.
     assert all(any(not c["passed"] for c in d["checks"]) for d in summary["gate"])
     success = [c for d in summary["gate"] for c in d["checks"] if c["name"] == "held-out success"]
-    assert len(success) == len(summary["gate"]) and all(c["low"] <= c["estimate"] <= c["high"] for c in success)
+    assert (len(success) == len(summary["gate"])
+            and all(c["low"] <= c["estimate"] <= c["high"] for c in success))
     assert all(d["tasks"] > 0 for d in summary["gate"])
     # The verifier was audited against the labelled set before the loop, and agreed with it.
     assert summary["verifier_audits"] and summary["verifier_audits"][0]["when"] == "before the loop"
@@ -110,9 +114,11 @@ def test_a_run_on_a_model_directory_of_another_family_trains_and_publishes_versi
     the warm start renders its demonstrations with the model's template, the session server its
     prompts and observations, and the loop trains it (examples/llama.toml, docs/models.md)."""
     corpus = tmp_path / "corpus.txt"
-    subprocess.run([sys.executable, "-m", "rlfleet.envkit.corpus", "--out", str(corpus)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "rlfleet.envkit.corpus", "--out", str(corpus)],
+                   check=True, timeout=120)
     model = tmp_path / "llama-tiny"
-    subprocess.run([str(Path(sys.executable).parent / "rlfleet-build-model"), "--family", "llama", "--out", str(model),
+    subprocess.run([str(Path(sys.executable).parent / "rlfleet-build-model"), "--family", "llama",
+                    "--out", str(model),
                     "--corpus", str(corpus), "--hidden-size", "64", "--intermediate-size", "128",
                     "--num-hidden-layers", "2"], check=True, capture_output=True, timeout=300)
     config = tmp_path / "llama.toml"
@@ -149,4 +155,5 @@ max_minutes = 1.5
     assert summary["trajectories"]["train"] >= 2 * 4
     (policy,) = (tmp_path / "cache").glob("policy-*")
     assert json.loads((policy / "config.json").read_text())["model_type"] == "llama"
-    assert "<|start_header_id|>" in json.loads((policy / "tokenizer_config.json").read_text())["chat_template"]
+    assert ("<|start_header_id|>"
+            in json.loads((policy / "tokenizer_config.json").read_text())["chat_template"])

@@ -30,7 +30,8 @@ GENERATED = common_pb2.SPAN_KIND_GENERATED
 @pytest.fixture(scope="module")
 def rollout(nats_url, redis_url, tmp_path_factory):
     model = tiny_model(tmp_path_factory.getbasetemp() / "models")
-    stack = Rollout(tmp_path_factory.mktemp("rollout-failover"), nats_url, redis_url, model, unique_run_id("fo"))
+    stack = Rollout(tmp_path_factory.mktemp("rollout-failover"), nats_url, redis_url, model,
+                    unique_run_id("fo"))
     stack.start(engines=2, gateway={"health_interval_s": 0.5, "metrics.enabled": True})
     yield stack
     stack.stop()
@@ -88,7 +89,8 @@ async def test_sessions_of_a_killed_engine_continue_on_the_other_engine_and_the_
         # Kill e1 while it is generating a long turn for one of its sessions.
         victim = rollout.engines["e1"]
         long_request = pb.GenerateRequest(
-            session_id=on_e1[0], sampling=common_pb2.SamplingParams(max_new_tokens=900, ignore_eos=True, seed=3))
+            session_id=on_e1[0],
+            sampling=common_pb2.SamplingParams(max_new_tokens=900, ignore_eos=True, seed=3))
 
         async def long_generate():
             return await sessions.Generate(long_request)
@@ -113,7 +115,8 @@ async def test_sessions_of_a_killed_engine_continue_on_the_other_engine_and_the_
         # Later turns of every session run on e0; sessions of e0 never moved.
         for session_id in engine_of:
             assert (await sessions.Generate(pb.GenerateRequest(session_id=session_id))).engine_id == "e0"
-        listed = {e.engine_id: e for e in (await gateway.ListEngines(gateway_pb2.ListEnginesRequest())).engines}
+        listed = {e.engine_id: e
+                  for e in (await gateway.ListEngines(gateway_pb2.ListEnginesRequest())).engines}
         assert listed["e1"].state == gateway_pb2.ENGINE_STATE_UNHEALTHY and listed["e1"].last_error
         trajectory = (await sessions.CloseSession(pb.CloseSessionRequest(session_id=on_e1[0],
                                                                          return_trajectory=True))).trajectory

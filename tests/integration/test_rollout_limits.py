@@ -26,7 +26,8 @@ Code = grpc.StatusCode
 @pytest.fixture(scope="module")
 def rollout(nats_url, redis_url, tmp_path_factory):
     model = tiny_model(tmp_path_factory.getbasetemp() / "models")
-    stack = Rollout(tmp_path_factory.mktemp("rollout-limits"), nats_url, redis_url, model, unique_run_id("lim"))
+    stack = Rollout(tmp_path_factory.mktemp("rollout-limits"), nats_url, redis_url, model,
+                    unique_run_id("lim"))
     stack.start(engines=1, session={"max_total_tokens": BUDGET, "max_open_sessions": MAX_OPEN})
     yield stack
     stack.stop()
@@ -52,7 +53,8 @@ async def policy(stubs):
 
 def prompt(*ids: int, **request) -> pb.OpenSessionRequest:
     request.setdefault("sampling", common_pb2.SamplingParams(max_new_tokens=4, seed=1))
-    return pb.OpenSessionRequest(prompt_token_ids=common_pb2.TokenIds(ids=list(ids or (1, 40, 41))), **request)
+    return pb.OpenSessionRequest(prompt_token_ids=common_pb2.TokenIds(ids=list(ids or (1, 40, 41))),
+                                 **request)
 
 
 async def refused(call, request) -> grpc.aio.AioRpcError:
@@ -89,11 +91,13 @@ async def test_without_the_gateways_advert_a_session_is_admitted_through_the_gat
     await policy(max_inflight_sessions=1)
     redis = aioredis.Redis.from_url(rollout.redis_url)
     try:
-        assert await redis.delete(fleet_key(rollout.run_id)) == 1  # the gateway writes it again next health round
+        # the gateway writes it again next health round
+        assert await redis.delete(fleet_key(rollout.run_id)) == 1
         first = await sessions.OpenSession(prompt())
         error = await refused(sessions.OpenSession, prompt())
         assert error.code() == Code.RESOURCE_EXHAUSTED and "inflight_limit" in error.details()
-        await sessions.AbortSession(pb.AbortSessionRequest(session_id=first.session_id))  # gives the slot back
+        # gives the slot back
+        await sessions.AbortSession(pb.AbortSessionRequest(session_id=first.session_id))
         again = await sessions.OpenSession(prompt())
         await sessions.AbortSession(pb.AbortSessionRequest(session_id=again.session_id))
     finally:
@@ -118,7 +122,8 @@ async def test_open_sessions_are_limited_and_a_refused_one_holds_no_admission_sl
     assert error.code() == Code.RESOURCE_EXHAUSTED and "max_open_sessions" in error.details()
     details = error_details(error)
     assert details.metadata["reason"] == "max_open_sessions" and details.retry_after_s == pytest.approx(1.0)
-    assert (await gateway.GetAdmissionStatus(gateway_pb2.GetAdmissionStatusRequest())).inflight_sessions == MAX_OPEN
+    assert ((await gateway.GetAdmissionStatus(gateway_pb2.GetAdmissionStatusRequest())).inflight_sessions
+            == MAX_OPEN)
     for session in opened:
         await sessions.AbortSession(pb.AbortSessionRequest(session_id=session.session_id))
     assert (await gateway.GetAdmissionStatus(gateway_pb2.GetAdmissionStatusRequest())).inflight_sessions == 0
@@ -138,7 +143,8 @@ async def test_a_spent_token_budget_caps_the_last_turn_and_closes_as_truncated(r
     error = await refused(sessions.Generate, pb.GenerateRequest(session_id=sid))
     assert error.code() == Code.FAILED_PRECONDITION and "spent its budget of 48 tokens" in error.details()
     error = await refused(sessions.AppendObservation, pb.AppendObservationRequest(session_id=sid, text="x"))
-    assert error.code() == Code.INVALID_ARGUMENT and "only 0 of the session's 48-token budget remain" in error.details()
+    assert (error.code() == Code.INVALID_ARGUMENT
+            and "only 0 of the session's 48-token budget remain" in error.details())
     closed = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid))
     (trajectory,) = [t for t in await read_trajectories(rollout.nats_url, rollout.run_id, wait_s=0.5)
                      if t.trajectory_id == closed.trajectory_id]
@@ -155,16 +161,19 @@ async def test_every_kind_of_bad_input_is_refused_with_its_status_and_what_was_w
     vocab_error = "is outside the vocabulary"
     text = pb.AppendObservationRequest
     cases = [
-        (sessions.OpenSession, prompt(1, 99_999), Code.INVALID_ARGUMENT, f"prompt_token_ids[1] = 99999 {vocab_error}"),
+        (sessions.OpenSession, prompt(1, 99_999), Code.INVALID_ARGUMENT,
+         f"prompt_token_ids[1] = 99999 {vocab_error}"),
         (sessions.OpenSession, prompt(-1), Code.INVALID_ARGUMENT, f"prompt_token_ids[0] = -1 {vocab_error}"),
-        (sessions.OpenSession, pb.OpenSessionRequest(prompt_token_ids=common_pb2.TokenIds()), Code.INVALID_ARGUMENT,
-         "the prompt is empty"),
+        (sessions.OpenSession, pb.OpenSessionRequest(prompt_token_ids=common_pb2.TokenIds()),
+         Code.INVALID_ARGUMENT, "the prompt is empty"),
         (sessions.OpenSession, pb.OpenSessionRequest(), Code.INVALID_ARGUMENT, "a prompt is required"),
         (sessions.OpenSession, prompt(*[5] * BUDGET), Code.INVALID_ARGUMENT, "leaves no room"),
         (sessions.OpenSession, prompt(max_total_tokens=5000), Code.INVALID_ARGUMENT,
          "exceeds the model's context length (1024 tokens)"),
-        (sessions.OpenSession, prompt(session_id="no spaces please"), Code.INVALID_ARGUMENT, "session_id must be"),
-        (sessions.OpenSession, prompt(run_id="another-run"), Code.INVALID_ARGUMENT, "this session server serves run"),
+        (sessions.OpenSession, prompt(session_id="no spaces please"), Code.INVALID_ARGUMENT,
+         "session_id must be"),
+        (sessions.OpenSession, prompt(run_id="another-run"), Code.INVALID_ARGUMENT,
+         "this session server serves run"),
         (sessions.OpenSession, pb.OpenSessionRequest(
             messages=common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="robot", content="hi")])),
          Code.INVALID_ARGUMENT, "unknown chat role 'robot'"),
@@ -173,29 +182,34 @@ async def test_every_kind_of_bad_input_is_refused_with_its_status_and_what_was_w
          Code.INVALID_ARGUMENT, "more than max_text_chars"),
         (sessions.OpenSession, prompt(metadata={"blob": "x" * (64 << 10)}), Code.INVALID_ARGUMENT,
          "more than max_metadata_bytes"),
-        (sessions.OpenSession, prompt(sampling=common_pb2.SamplingParams(max_new_tokens=-2)), Code.INVALID_ARGUMENT,
-         "sampling.max_new_tokens must be in [1, 48]"),
+        (sessions.OpenSession, prompt(sampling=common_pb2.SamplingParams(max_new_tokens=-2)),
+         Code.INVALID_ARGUMENT, "sampling.max_new_tokens must be in [1, 48]"),
         (sessions.Generate, pb.GenerateRequest(session_id="never-opened"), Code.NOT_FOUND, "not found"),
         (sessions.Generate, pb.GenerateRequest(session_id=""), Code.INVALID_ARGUMENT, "session_id must be"),
         (sessions.Generate, pb.GenerateRequest(session_id=closed), Code.FAILED_PRECONDITION, "is closed"),
         (sessions.Generate, pb.GenerateRequest(session_id=no_default), Code.INVALID_ARGUMENT,
          "sampling.max_new_tokens must be > 0"),
-        (sessions.Generate, pb.GenerateRequest(session_id=live, sampling=common_pb2.SamplingParams(max_new_tokens=-1)),
-         Code.INVALID_ARGUMENT, "must be > 0"),
-        (sessions.Generate, pb.GenerateRequest(session_id=live, sampling=common_pb2.SamplingParams(max_new_tokens=49)),
-         Code.INVALID_ARGUMENT, "exceeds the session's whole budget of 48"),
         (sessions.Generate, pb.GenerateRequest(session_id=live, sampling=common_pb2.SamplingParams(
-            max_new_tokens=2, top_p=2.0)), Code.INVALID_ARGUMENT, "top_p must be in (0, 1]"),  # the engine's words
+            max_new_tokens=-1)), Code.INVALID_ARGUMENT, "must be > 0"),
+        (sessions.Generate, pb.GenerateRequest(session_id=live, sampling=common_pb2.SamplingParams(
+            max_new_tokens=49)), Code.INVALID_ARGUMENT, "exceeds the session's whole budget of 48"),
+        # the engine's words
+        (sessions.Generate, pb.GenerateRequest(session_id=live, sampling=common_pb2.SamplingParams(
+            max_new_tokens=2, top_p=2.0)), Code.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
         (sessions.AppendObservation, text(session_id="never-opened", text="x"), Code.NOT_FOUND, "not found"),
-        (sessions.AppendObservation, text(session_id=closed, text="x"), Code.FAILED_PRECONDITION, "is closed"),
+        (sessions.AppendObservation, text(session_id=closed, text="x"), Code.FAILED_PRECONDITION,
+         "is closed"),
         (sessions.AppendObservation, text(session_id=live, token_ids=common_pb2.TokenIds(ids=[3, 70_000])),
          Code.INVALID_ARGUMENT, f"token_ids[1] = 70000 {vocab_error}"),
-        (sessions.AppendObservation, text(session_id=live, text=""), Code.INVALID_ARGUMENT, "the observation is empty"),
-        (sessions.AppendObservation, text(session_id=live), Code.INVALID_ARGUMENT, "needs text, token_ids or messages"),
+        (sessions.AppendObservation, text(session_id=live, text=""), Code.INVALID_ARGUMENT,
+         "the observation is empty"),
+        (sessions.AppendObservation, text(session_id=live), Code.INVALID_ARGUMENT,
+         "needs text, token_ids or messages"),
         (sessions.AppendObservation, text(session_id=live, token_ids=common_pb2.TokenIds(ids=[5] * BUDGET)),
          Code.INVALID_ARGUMENT, "more than the 45 that fit"),
         (sessions.GetSession, pb.GetSessionRequest(session_id="never-opened"), Code.NOT_FOUND, "not found"),
-        (sessions.CloseSession, pb.CloseSessionRequest(session_id="never-opened"), Code.NOT_FOUND, "not found"),
+        (sessions.CloseSession, pb.CloseSessionRequest(session_id="never-opened"), Code.NOT_FOUND,
+         "not found"),
         (sessions.CloseSession, pb.CloseSessionRequest(session_id=live, status=99), Code.INVALID_ARGUMENT,
          "status: 99 is not a known value"),
         (sessions.AbortSession, pb.AbortSessionRequest(session_id=closed), Code.FAILED_PRECONDITION,

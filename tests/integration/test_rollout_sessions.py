@@ -83,13 +83,14 @@ async def test_a_multi_turn_episode_is_published_with_exactly_the_tokens_it_was_
     sid = opened.session_id
     expected = list(opened.prompt_token_ids)
     assert expected == tokenizer.encode(
-        "<|im_start|>system\nYou are a calculator agent.<|im_end|>\n<|im_start|>user\nWhat is 12*(3+4)?<|im_end|>\n"
-        "<|im_start|>assistant\n", add_special_tokens=False).ids
+        "<|im_start|>system\nYou are a calculator agent.<|im_end|>\n<|im_start|>user\n"
+        "What is 12*(3+4)?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids
     generated: list[tuple[list[int], list[float]]] = []
     observations = [
         pb.AppendObservationRequest(session_id=sid, text="<|im_end|>\n<|im_start|>tool\n84<|im_end|>\n"),
         pb.AppendObservationRequest(session_id=sid, token_ids=common_pb2.TokenIds(ids=[1, 40, 41, 42])),
-        pb.AppendObservationRequest(session_id=sid, messages=chat(("user", "And 2+2?")), add_generation_prompt=True),
+        pb.AppendObservationRequest(session_id=sid, messages=chat(("user", "And 2+2?")),
+                                    add_generation_prompt=True),
     ]
     for turn, observation in enumerate(observations):
         reply = await sessions.Generate(pb.GenerateRequest(session_id=sid))
@@ -118,15 +119,16 @@ async def test_a_multi_turn_episode_is_published_with_exactly_the_tokens_it_was_
     spans = list(trajectory.spans)
     assert spans[0].start == 0 and spans[-1].end == len(expected)
     assert all(a.end == b.start for a, b in itertools.pairwise(spans))
-    assert [s.kind for s in spans] == [common_pb2.SPAN_KIND_PROMPT] + [GENERATED, common_pb2.SPAN_KIND_OBSERVATION] * 3 \
-        + [GENERATED]
+    assert [s.kind for s in spans] == ([common_pb2.SPAN_KIND_PROMPT]
+                                       + [GENERATED, common_pb2.SPAN_KIND_OBSERVATION] * 3 + [GENERATED])
     generated_spans = [s for s in spans if s.kind == GENERATED]
     for span, (ids, logprobs) in zip(generated_spans, generated, strict=True):
         assert list(trajectory.token_ids[span.start:span.end]) == ids
         assert list(trajectory.rollout_logprobs[span.start:span.end]) == logprobs
         assert (span.policy_version, span.engine_id) == (0, "e0") and span.latency_s > 0
     mask = list(trajectory.loss_mask)
-    assert mask == [1 if any(s.start <= i < s.end for s in generated_spans) else 0 for i in range(len(expected))]
+    assert mask == [1 if any(s.start <= i < s.end for s in generated_spans) else 0
+                    for i in range(len(expected))]
     assert all(lp == 0 for lp, m in zip(trajectory.rollout_logprobs, mask, strict=True) if not m)
     assert (trajectory.status, trajectory.num_turns, trajectory.num_observations) == (
         common_pb2.TRAJECTORY_STATUS_COMPLETED, 4, 3)
@@ -167,12 +169,13 @@ async def test_an_observation_sent_with_generate_is_appended_first_and_kept_only
     # One that fills the budget exactly is kept, and nothing is generated.
     room = 96 - after_second
     filled = await sessions.Generate(pb.GenerateRequest(
-        session_id=sid, observation=pb.AppendObservationRequest(token_ids=common_pb2.TokenIds(ids=[40] * room))))
+        session_id=sid,
+        observation=pb.AppendObservationRequest(token_ids=common_pb2.TokenIds(ids=[40] * room))))
     assert (list(filled.token_ids), filled.budget_exhausted, filled.total_tokens) == ([], True, 96)
     closed = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, return_trajectory=True))
     trajectory = closed.trajectory
-    assert list(trajectory.token_ids) == [*opened.prompt_token_ids, *first.token_ids, *observed, *second.token_ids,
-                                          *[40] * room]
+    assert list(trajectory.token_ids) == [*opened.prompt_token_ids, *first.token_ids, *observed,
+                                          *second.token_ids, *[40] * room]
     assert [s.kind for s in trajectory.spans] == [common_pb2.SPAN_KIND_PROMPT, GENERATED,
                                                   common_pb2.SPAN_KIND_OBSERVATION, GENERATED,
                                                   common_pb2.SPAN_KIND_OBSERVATION]
@@ -189,7 +192,8 @@ def boundary_pair(tokenizer: Tokenizer) -> tuple[str, str]:
     raise AssertionError("no merging pair found")
 
 
-async def test_the_trajectory_keeps_the_true_ids_where_retokenizing_its_text_would_not(rollout, sessions, tokenizer):
+async def test_the_trajectory_keeps_the_true_ids_where_retokenizing_its_text_would_not(
+        rollout, sessions, tokenizer):
     a, b = boundary_pair(tokenizer)
     opened = await open_chat(sessions)
     sid = opened.session_id
@@ -202,13 +206,15 @@ async def test_the_trajectory_keeps_the_true_ids_where_retokenizing_its_text_wou
     closed = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, return_trajectory=True))
     ids = list(closed.trajectory.token_ids)
 
-    assert ids == [*opened.prompt_token_ids, *first.token_ids, *obs_a.token_ids, *obs_b.token_ids, *second.token_ids]
+    assert ids == [*opened.prompt_token_ids, *first.token_ids, *obs_a.token_ids, *obs_b.token_ids,
+                   *second.token_ids]
     text = tokenizer.decode(ids, skip_special_tokens=False)
     retokenized = tokenizer.encode(text, add_special_tokens=False).ids
     assert retokenized != ids  # what a text-based pipeline would have trained on
     boundary = len(opened.prompt_token_ids) + len(first.token_ids)
     assert tokenizer.encode(a + b).ids != [*obs_a.token_ids, *obs_b.token_ids]
-    assert ids[boundary:boundary + len(obs_a.token_ids) + len(obs_b.token_ids)] == [*obs_a.token_ids, *obs_b.token_ids]
+    assert (ids[boundary:boundary + len(obs_a.token_ids) + len(obs_b.token_ids)]
+            == [*obs_a.token_ids, *obs_b.token_ids])
 
 
 async def test_rollout_logprobs_match_a_plain_transformers_forward_pass(rollout, sessions):
@@ -218,9 +224,11 @@ async def test_rollout_logprobs_match_a_plain_transformers_forward_pass(rollout,
     opened = await open_chat(sessions, sampling=sampling(24, seed=11, temperature=1.0, ignore_eos=True))
     sid = opened.session_id
     await sessions.Generate(pb.GenerateRequest(session_id=sid))
-    await sessions.AppendObservation(pb.AppendObservationRequest(session_id=sid, text="<|im_start|>tool\n7<|im_end|>"))
+    await sessions.AppendObservation(pb.AppendObservationRequest(session_id=sid,
+                                                                 text="<|im_start|>tool\n7<|im_end|>"))
     await sessions.Generate(pb.GenerateRequest(session_id=sid))
-    trajectory = (await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, return_trajectory=True))).trajectory
+    trajectory = (await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid,
+                                                                     return_trajectory=True))).trajectory
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(str(rollout.model), dtype=torch.float32).eval()
@@ -238,7 +246,8 @@ async def test_closing_again_publishes_nothing_new_and_answers_the_same_trajecto
     opened = await open_chat(sessions)
     await sessions.Generate(pb.GenerateRequest(session_id=opened.session_id))
     close = pb.CloseSessionRequest(session_id=opened.session_id)
-    first, *retries = await asyncio.gather(*(sessions.CloseSession(close) for _ in range(4)))  # retried at once
+    # retried at once
+    first, *retries = await asyncio.gather(*(sessions.CloseSession(close) for _ in range(4)))
     later = await sessions.CloseSession(close)
     replies = [first, *retries, later]
     assert len({r.trajectory_id for r in replies}) == 1
@@ -255,12 +264,14 @@ async def test_closing_again_publishes_nothing_new_and_answers_the_same_trajecto
 async def test_an_aborted_session_is_published_once_as_aborted_and_cannot_be_closed(rollout, sessions):
     opened = await open_chat(sessions)
     await sessions.Generate(pb.GenerateRequest(session_id=opened.session_id))
-    aborted = await sessions.AbortSession(pb.AbortSessionRequest(session_id=opened.session_id, reason="sandbox died"))
+    aborted = await sessions.AbortSession(pb.AbortSessionRequest(session_id=opened.session_id,
+                                                                 reason="sandbox died"))
     again = await sessions.AbortSession(pb.AbortSessionRequest(session_id=opened.session_id, reason="retry"))
     assert again.trajectory_id == aborted.trajectory_id
     with pytest.raises(grpc.aio.AioRpcError) as close:
         await sessions.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
-    assert close.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already aborted" in close.value.details()
+    assert (close.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and "already aborted" in close.value.details())
     (trajectory,) = await published(rollout, aborted.trajectory_id)
     assert trajectory.status == common_pb2.TRAJECTORY_STATUS_ABORTED
     assert trajectory.metadata["abort_reason"] == "sandbox died"
@@ -269,12 +280,14 @@ async def test_an_aborted_session_is_published_once_as_aborted_and_cannot_be_clo
     await sessions.CloseSession(pb.CloseSessionRequest(session_id=done.session_id))
     with pytest.raises(grpc.aio.AioRpcError) as abort:
         await sessions.AbortSession(pb.AbortSessionRequest(session_id=done.session_id))
-    assert abort.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already closed" in abort.value.details()
+    assert (abort.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and "already closed" in abort.value.details())
 
 
 async def test_opening_with_the_same_session_id_again_returns_the_same_session(rollout, sessions):
     request = pb.OpenSessionRequest(session_id=unique_run_id("retry-open"),
-                                    prompt_token_ids=common_pb2.TokenIds(ids=[1, 40, 41]), sampling=sampling())
+                                    prompt_token_ids=common_pb2.TokenIds(ids=[1, 40, 41]),
+                                    sampling=sampling())
     first = await sessions.OpenSession(request)
     retry = await sessions.OpenSession(request)
     assert first == retry and list(first.prompt_token_ids) == [1, 40, 41]
@@ -301,11 +314,13 @@ async def test_the_first_turn_comes_with_the_open_as_a_generate_would_make_it_an
     stored = await sessions.GetSession(pb.GetSessionRequest(session_id=session_id))
     assert stored.spans[1].kind == common_pb2.SPAN_KIND_GENERATED
     assert stored.token_ids[stored.spans[1].start:] == first.token_ids
-    again = await open_chat(sessions, session_id=session_id, first_turn=True)  # a retried open: no second turn
+    # a retried open: no second turn
+    again = await open_chat(sessions, session_id=session_id, first_turn=True)
     assert again == opened
     assert len((await sessions.GetSession(pb.GetSessionRequest(session_id=session_id))).spans) == 2
     # the episode goes on as any other: the turn lease the open took was given back
-    observation = pb.AppendObservationRequest(text="\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n")
+    observation = pb.AppendObservationRequest(text="\n<|im_start|>tool\n84<|im_end|>\n"
+                                                   "<|im_start|>assistant\n")
     second = await sessions.Generate(pb.GenerateRequest(session_id=session_id, observation=observation))
     assert second.span_index == 3
     for sid in (plain.session_id, session_id):
@@ -332,7 +347,8 @@ async def test_two_overlapping_calls_on_one_session_cannot_both_change_it(rollou
     won = [r for r in results if isinstance(r, pb.GenerateResponse)]
     lost = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
     assert len(won) == len(lost) == 1
-    assert lost[0].code() == grpc.StatusCode.FAILED_PRECONDITION and "generating a turn already" in lost[0].details()
+    assert (lost[0].code() == grpc.StatusCode.FAILED_PRECONDITION
+            and "generating a turn already" in lost[0].details())
     assert error_details(lost[0]).reason == "SESSION_BUSY"
     # The refused call cost no engine work: the engine generated the winner's tokens only.
     assert await engine_generated_tokens(rollout) - before == len(won[0].token_ids) == 32
@@ -354,7 +370,8 @@ async def test_reopening_a_session_id_with_another_prompt_is_already_exists(roll
     await sessions.AbortSession(pb.AbortSessionRequest(session_id="reopen-1"))
 
 
-async def test_a_second_close_with_another_status_is_refused_and_one_without_a_verdict_is_marked(rollout, sessions):
+async def test_a_second_close_with_another_status_is_refused_and_one_without_a_verdict_is_marked(
+        rollout, sessions):
     opened = await open_chat(sessions)
     sid = opened.session_id
     await sessions.Generate(pb.GenerateRequest(session_id=sid))
@@ -363,10 +380,12 @@ async def test_a_second_close_with_another_status_is_refused_and_one_without_a_v
     assert closed.verdict_missing
     (trajectory,) = await published(rollout, closed.trajectory_id)
     assert trajectory.metadata["rlfleet.verdict_missing"] == "1"
-    same = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, status=common_pb2.TRAJECTORY_STATUS_FAILED))
+    same = await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid,
+                                                              status=common_pb2.TRAJECTORY_STATUS_FAILED))
     assert same.trajectory_id == closed.trajectory_id and not same.published_now
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid, status=common_pb2.TRAJECTORY_STATUS_COMPLETED))
+        await sessions.CloseSession(pb.CloseSessionRequest(session_id=sid,
+                                                           status=common_pb2.TRAJECTORY_STATUS_COMPLETED))
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "already closed as TRAJECTORY_STATUS_FAILED" in refused.value.details()
 
@@ -392,18 +411,21 @@ async def test_model_info_gives_what_a_client_needs_to_tokenize_and_frame(rollou
     assert info.vocab_size == tokenizer.get_vocab_size() and info.context_length == 1024
 
 
-async def test_generate_returns_the_observation_ids_and_the_stop_token_it_ended_on(rollout, sessions, tokenizer):
+async def test_generate_returns_the_observation_ids_and_the_stop_token_it_ended_on(
+        rollout, sessions, tokenizer):
     opened = await open_chat(sessions, sampling=sampling(24, seed=3))
     sid = opened.session_id
     first = await sessions.Generate(pb.GenerateRequest(session_id=sid, sampling=sampling(
         24, stop_token_ids=list(range(3, 400)))))  # nearly every token stops: the turn ends on its first
     assert first.finish_reason == common_pb2.FINISH_REASON_STOP
     assert first.HasField("matched_stop_token_id") and first.matched_stop_token_id == first.token_ids[-1]
-    assert first.text_with_special_tokens == tokenizer.decode(list(first.token_ids), skip_special_tokens=False)
+    assert first.text_with_special_tokens == tokenizer.decode(list(first.token_ids),
+                                                              skip_special_tokens=False)
     second = await sessions.Generate(pb.GenerateRequest(
         session_id=sid, sampling=sampling(3, ignore_eos=True),
         observation=pb.AppendObservationRequest(messages=chat(("tool", "84")), add_generation_prompt=True)))
-    assert second.finish_reason == common_pb2.FINISH_REASON_LENGTH and not second.HasField("matched_stop_token_id")
+    assert (second.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            and not second.HasField("matched_stop_token_id"))
     session = await sessions.GetSession(pb.GetSessionRequest(session_id=sid))
     observation = session.spans[2]
     assert list(session.token_ids[observation.start:observation.end]) == list(second.observation_token_ids)
@@ -417,9 +439,10 @@ async def test_an_idle_session_is_expired_published_released_and_answered_as_exp
     from rlfleet.common.processes import ServiceProcess, free_port
     from rlfleet.session.testing import session_server_config
 
-    config = session_server_config(rollout.nats_url, rollout.redis_url, rollout.run_id, rollout.gateway.address,
-                                   str(rollout.model), **{"grpc.port": free_port(), "session_idle_timeout_s": 1.0,
-                                                          "expiry_sweep_s": 0.2})
+    config = session_server_config(rollout.nats_url, rollout.redis_url, rollout.run_id,
+                                   rollout.gateway.address, str(rollout.model),
+                                   **{"grpc.port": free_port(), "session_idle_timeout_s": 1.0,
+                                      "expiry_sweep_s": 0.2})
     server = ServiceProcess("rlfleet-session-server", tmp_path, config=config).spawn().wait_ready()
     try:
         async with channel(server.address) as ch:
@@ -435,7 +458,8 @@ async def test_an_idle_session_is_expired_published_released_and_answered_as_exp
             assert session.state == pb.SESSION_STATE_ABORTED and session.trajectory_id
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await expiring.Generate(pb.GenerateRequest(session_id=sid))
-            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "expired" in refused.value.details()
+            assert (refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    and "expired" in refused.value.details())
             assert error_details(refused.value).metadata["state"] == "expired"
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await expiring.CloseSession(pb.CloseSessionRequest(session_id=sid))

@@ -101,8 +101,10 @@ async def test_create_write_exec_read_destroy_round_trip(stub, manager):
 
     script = "#!/bin/sh\nexpr $(cat data/in.txt) \\* 2 > out/answer.txt\necho done\n"
     await stub.WriteFiles(pb.WriteFilesRequest(sandbox_id=created.sandbox_id,
-                                               files=[pb.File(path="run.sh", content=script.encode(), mode=0o755)]))
-    result = await stub.Exec(pb.ExecRequest(sandbox_id=created.sandbox_id, argv=["sh", "-c", "mkdir out && ./run.sh"]))
+                                               files=[pb.File(path="run.sh", content=script.encode(),
+                                                              mode=0o755)]))
+    result = await stub.Exec(pb.ExecRequest(sandbox_id=created.sandbox_id,
+                                            argv=["sh", "-c", "mkdir out && ./run.sh"]))
     assert (result.exit_code, result.signal, result.stdout, result.stderr) == (0, 0, b"done\n", b""), result
     assert result.duration_s > 0 and not result.violations
 
@@ -163,10 +165,11 @@ async def test_network_to_a_host_loopback_port_fails_and_is_recorded(stub):
 
 async def test_reading_another_sandboxs_workspace_finds_nothing(stub, manager):
     secret = uuid.uuid4().hex
-    victim = await stub.CreateSandbox(pb.CreateSandboxRequest(files=[pb.File(path="secret.txt", content=secret.encode())]))
+    victim = await stub.CreateSandbox(pb.CreateSandboxRequest(
+        files=[pb.File(path="secret.txt", content=secret.encode())]))
     attacker = await stub.CreateSandbox(pb.CreateSandboxRequest())
-    probes = [str(manager.root / victim.sandbox_id / "work" / "secret.txt"), f"/work/../{victim.sandbox_id}/work/secret.txt",
-              str(manager.root)]
+    probes = [str(manager.root / victim.sandbox_id / "work" / "secret.txt"),
+              f"/work/../{victim.sandbox_id}/work/secret.txt", str(manager.root)]
     result = await stub.Exec(pb.ExecRequest(sandbox_id=attacker.sandbox_id, argv=py(f"""
         import os
         for p in {probes!r}:
@@ -261,21 +264,28 @@ async def test_bad_requests_are_rejected_with_the_field_named(stub):
                  "limits.wall_seconds")
     await expect(bad, stub.CreateSandbox(pb.CreateSandboxRequest(ttl_seconds=10**9)), "ttl_seconds")
     await expect(bad, stub.CreateSandbox(pb.CreateSandboxRequest(network=True)), "network")
-    await expect(bad, stub.CreateSandbox(pb.CreateSandboxRequest(files=[pb.File(path="../x", content=b"")])), "..")
+    await expect(bad, stub.CreateSandbox(pb.CreateSandboxRequest(files=[pb.File(path="../x", content=b"")])),
+                 "..")
 
     box = await stub.CreateSandbox(pb.CreateSandboxRequest())
     await expect(bad, stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id)), "argv")
-    await expect(bad, stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=["true"], timeout_seconds=10**6)),
+    await expect(bad,
+                 stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=["true"], timeout_seconds=10**6)),
                  "timeout_seconds")
     await expect(bad, stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=["true"], cwd="../..")), "cwd")
     for path in ("/etc/passwd", "../../etc/passwd", ""):
-        await expect(bad, stub.ReadFiles(pb.ReadFilesRequest(sandbox_id=box.sandbox_id, paths=[path])), "path")
+        await expect(bad, stub.ReadFiles(pb.ReadFilesRequest(sandbox_id=box.sandbox_id, paths=[path])),
+                     "path")
         await expect(bad, stub.WriteFiles(pb.WriteFilesRequest(sandbox_id=box.sandbox_id,
-                                                               files=[pb.File(path=path, content=b"x")])), "path")
+                                                               files=[pb.File(path=path, content=b"x")])),
+                     "path")
     await expect(bad, stub.WriteFiles(pb.WriteFilesRequest(sandbox_id=box.sandbox_id,
-                                                           files=[pb.File(path="s", content=b"", mode=0o4755)])), "mode")
-    await stub.WriteFiles(pb.WriteFilesRequest(sandbox_id=box.sandbox_id, files=[pb.File(path="big", content=b"x" * 100)]))
-    await expect(bad, stub.ReadFiles(pb.ReadFilesRequest(sandbox_id=box.sandbox_id, paths=["big"], max_bytes_per_file=10)),
+                                                           files=[pb.File(path="s", content=b"",
+                                                                          mode=0o4755)])), "mode")
+    await stub.WriteFiles(pb.WriteFilesRequest(sandbox_id=box.sandbox_id,
+                                               files=[pb.File(path="big", content=b"x" * 100)]))
+    await expect(bad, stub.ReadFiles(pb.ReadFilesRequest(sandbox_id=box.sandbox_id, paths=["big"],
+                                                         max_bytes_per_file=10)),
                  "max_bytes_per_file")
     await assert_manager_still_serves(stub, box.sandbox_id)
 
@@ -299,11 +309,14 @@ async def test_an_expired_sandbox_is_reaped_and_its_lease_dropped(stub, manager)
 async def test_metrics_count_creates_execs_violations_and_active_sandboxes(stub, manager):
     box = await stub.CreateSandbox(pb.CreateSandboxRequest(limits=pb.Limits(cpu_seconds=1)))
     await stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, argv=py("while True: pass")))
-    text = await asyncio.to_thread(lambda: urllib.request.urlopen(manager.metrics_url, timeout=5).read().decode())
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(manager.metrics_url, timeout=5).read().decode())
     lines = text.splitlines()
-    assert any(line.startswith("rlfleet_sandbox_creates_total{") and 'from_warm_pool="false"' in line for line in lines)
+    assert any(line.startswith("rlfleet_sandbox_creates_total{") and 'from_warm_pool="false"' in line
+               for line in lines)
     assert "rlfleet_sandbox_exec_latency_seconds_count" in text
-    assert any(line.startswith("rlfleet_sandbox_violations_total{") and 'kind="cpu"' in line for line in lines)
+    assert any(line.startswith("rlfleet_sandbox_violations_total{") and 'kind="cpu"' in line
+               for line in lines)
     active = [line for line in text.splitlines() if line.startswith("rlfleet_sandbox_active_sandboxes")]
     assert active and float(active[0].split()[-1]) >= 1
     assert any(line.startswith("rlfleet_sandbox_warm_pool_size") for line in text.splitlines())
@@ -334,13 +347,15 @@ async def test_a_manager_killed_with_sigkill_is_cleaned_up_by_its_successor(redi
     try:
         async with open_channel(first.address) as channel:
             stub = sandbox_pb2_grpc.SandboxServiceStub(channel)
-            boxes = [await stub.CreateSandbox(pb.CreateSandboxRequest(files=[pb.File(path="f", content=b"x")]))
+            boxes = [await stub.CreateSandbox(pb.CreateSandboxRequest(files=[pb.File(path="f",
+                                                                                     content=b"x")]))
                      for _ in range(2)]
-            busy = asyncio.ensure_future(stub.Exec(pb.ExecRequest(sandbox_id=boxes[0].sandbox_id, argv=["sleep", "300"])))
+            busy = asyncio.ensure_future(stub.Exec(pb.ExecRequest(sandbox_id=boxes[0].sandbox_id,
+                                                                  argv=["sleep", "300"])))
             await asyncio.sleep(0.5)
             # A process under the manager's uid range that outlived it (what a driver crash can leave).
-            stray = await asyncio.create_subprocess_exec("setpriv", f"--reuid={uid_base + 5}", "--regid=65534",
-                                                         "--clear-groups", "sleep", "300")
+            stray = await asyncio.create_subprocess_exec("setpriv", f"--reuid={uid_base + 5}",
+                                                         "--regid=65534", "--clear-groups", "sleep", "300")
             first.kill()
             busy.cancel()
         redis = await connect_redis(RedisConfig(url=redis_url))
@@ -361,7 +376,8 @@ async def test_a_manager_killed_with_sigkill_is_cleaned_up_by_its_successor(redi
             assert await eventually(no_processes_left, within_s=5)
             async with open_channel(second.address) as channel:
                 stub = sandbox_pb2_grpc.SandboxServiceStub(channel)
-                await expect(grpc.StatusCode.NOT_FOUND, stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=boxes[0].sandbox_id)))
+                await expect(grpc.StatusCode.NOT_FOUND,
+                             stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=boxes[0].sandbox_id)))
                 await assert_manager_still_serves(stub)
             assert "predecessor_leases_removed" in second.log()
         finally:
@@ -392,7 +408,8 @@ async def test_two_platforms_on_one_host_lease_disjoint_uid_ranges_and_never_kil
         async with open_channel(first.address) as channel_a:
             stub_a = sandbox_pb2_grpc.SandboxServiceStub(channel_a)
             box_a = await stub_a.CreateSandbox(pb.CreateSandboxRequest(limits=pb.Limits(wall_seconds=60)))
-            running = asyncio.ensure_future(stub_a.Exec(pb.ExecRequest(sandbox_id=box_a.sandbox_id, argv=py("""
+            running = asyncio.ensure_future(stub_a.Exec(pb.ExecRequest(
+                sandbox_id=box_a.sandbox_id, argv=py("""
                 import os, time
                 time.sleep(6)
                 print("a survived", os.getuid())
@@ -448,7 +465,8 @@ async def test_one_client_cannot_take_every_slot_and_the_run_has_a_cap_too(redis
                 await stub.CreateSandbox(pb.CreateSandboxRequest(), metadata=greedy)
             details = error_details(capped.value)
             assert details.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert details.metadata["quota"] == "max_sandboxes_per_client" and details.metadata["limit"] == "4"
+            assert (details.metadata["quota"] == "max_sandboxes_per_client"
+                    and details.metadata["limit"] == "4")
             assert details.metadata["client_id"] == "greedy" and details.metadata["open"] == "4"
             assert "greedy" in details.message
 
@@ -473,8 +491,10 @@ async def test_one_client_cannot_take_every_slot_and_the_run_has_a_cap_too(redis
             for box in [*mine[1:], *others, again]:
                 await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id=box.sandbox_id))
             await assert_manager_still_serves(stub)
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(manager.metrics_url, timeout=5).read().decode())
-        assert any(line.startswith("rlfleet_sandbox_creates_refused_total{") and 'cap="sandboxes_per_client"' in line
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(manager.metrics_url, timeout=5).read().decode())
+        assert any(line.startswith("rlfleet_sandbox_creates_refused_total{")
+                   and 'cap="sandboxes_per_client"' in line
                    for line in text.splitlines())
     finally:
         assert manager.stop() == 0

@@ -89,7 +89,8 @@ def test_json_snapshot_carries_the_same_figures(launched):
 
 def test_the_live_view_refreshes_until_ctrl_c_and_then_exits_cleanly(launched):
     proc = subprocess.Popen([str(BIN / "rlfleet"), "status", "--run-dir", str(launched.run_dir), "--json",
-                             "--watch", "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--watch", "--interval", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(8)  # each refresh asks every service; a shared CPU makes that slow
     finally:
@@ -133,7 +134,8 @@ def test_a_killed_process_comes_back_on_its_own_ports_and_status_counts_the_rest
     platform = Platform.attach(launched.run_dir)
     before = {name: platform.state.by_name(name).address for name in ("rollout-gateway", "trainer")}
     events = platform.restart_dead()
-    assert [e.split()[:2] for e in events] == [["rollout-gateway", "restarted"], ["trainer", "restarted"]], events
+    assert ([e.split()[:2] for e in events]
+            == [["rollout-gateway", "restarted"], ["trainer", "restarted"]]), events
     state = PlatformState.load(launched.run_dir)
     for name, address in before.items():
         record = state.by_name(name)
@@ -145,7 +147,8 @@ def test_a_killed_process_comes_back_on_its_own_ports_and_status_counts_the_rest
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     for name in before:
-        assert any(line.split()[:1] == [name] and "healthy" in line and " 1 (last: " in line for line in lines), \
+        assert any(line.split()[:1] == [name] and "healthy" in line and " 1 (last: " in line
+                   for line in lines), \
             result.stdout
     assert any(line.split()[:4] == ["e0", "fleet", "healthy", "0"] for line in lines), "the gateway is back"
     snapshot = json.loads(status(launched.run_dir, "--once", "--json").stdout)

@@ -47,8 +47,10 @@ def start_worker(info, spans: Path, root: Path) -> tuple[ChildProcess, int]:
     """A rollout worker writing spans to `spans`; (its process, its metrics port)."""
     ready = root / "worker.ready.json"
     worker = ChildProcess([str(BIN / "rlfleet-worker"), "--run-id", info.run_id, "--nats.url", info.nats_url,
-                          "--nats.user", "worker", "--nats.password-file", info.nats_login("worker")["password_file"],
-                           "--session-address", info.session_address, "--sandbox-address", info.sandbox_address,
+                           "--nats.user", "worker",
+                           "--nats.password-file", info.nats_login("worker")["password_file"],
+                           "--session-address", info.session_address,
+                           "--sandbox-address", info.sandbox_address,
                            "--verifier-address", info.verifier_address, "--log.format", "text",
                            "--telemetry.span-file", str(spans), "--ready-file", str(ready)],
                           root / "worker.log", name="worker").spawn()
@@ -164,7 +166,8 @@ def by_trace(spans: list[dict]) -> dict[str, list[dict]]:
 
 def test_an_episode_is_one_trace_across_the_worker_and_every_service_it_calls(traced):
     spans = read_span_file(str(traced["spans"]))
-    roots = [s for s in spans if s["name"] == "episode" and s["attributes"]["rlfleet.task_id"] == traced["task_id"]]
+    roots = [s for s in spans
+             if s["name"] == "episode" and s["attributes"]["rlfleet.task_id"] == traced["task_id"]]
     assert len(roots) == GROUP_SIZE
     assert len({r["trace_id"] for r in roots}) == GROUP_SIZE, "each episode is a trace of its own"
     for root in roots:
@@ -270,7 +273,8 @@ async def test_the_vital_signs_the_loop_produced_are_exported_under_their_catalo
         for name in names:
             entry = entries[name]
             key = name.removesuffix("_total") if entry.type == "counter" else name
-            assert exported[process].get(key) == entry.type, f"{process} does not export {name} as {entry.type}"
+            assert exported[process].get(key) == entry.type, \
+                f"{process} does not export {name} as {entry.type}"
 
 
 def test_the_engine_serves_each_generate_call_as_a_child_span_in_the_episodes_trace(engine_traced):
@@ -289,7 +293,8 @@ def test_the_engine_serves_each_generate_call_as_a_child_span_in_the_episodes_tr
         assert client["name"] == "engine POST /generate" and client["kind"] == "CLIENT"
         assert client["service"] == "rlfleet-gateway" and client["pid"] != span["pid"]
         assert by_id[client["parent_span_id"]]["name"].endswith("GatewayService/Generate")
-        assert client["start_unix_ns"] <= span["start_unix_ns"] <= span["end_unix_ns"] <= client["end_unix_ns"]
+        assert (client["start_unix_ns"] <= span["start_unix_ns"] <= span["end_unix_ns"]
+                <= client["end_unix_ns"])
         # What the engine says about the call agrees with what the gateway saw.
         served_attrs, client_attrs = span["attributes"], client["attributes"]
         assert served_attrs["rlfleet.input_tokens"] == client_attrs["rlfleet.input_tokens"] > 0

@@ -28,7 +28,8 @@ G, GROUPS, PER_STEP = 4, 12, 2
 STEPS = GROUPS // PER_STEP
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch-ppo", "torch-lora", "torch-standby", pytest.param("megatron", marks=pytest.mark.timeout(900))])
+@pytest.mark.parametrize("backend", ["torch", "torch-ppo", "torch-lora", "torch-standby",
+                                     pytest.param("megatron", marks=pytest.mark.timeout(900))])
 def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once(tmp_path, nats_url, backend):
     backend, _, variant = backend.partition("-")
     lora, standby = variant == "lora", variant == "standby"
@@ -43,7 +44,8 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
 
     args = ("--group-size", str(G), "--groups-per-step", str(PER_STEP), "--max-staleness", "1000",
             "--consumer.ack-wait-s", "2", "--checkpoint.every", "1", "--optim.lr", "1e-3",
-            "--backend.name", backend, "--loss.algorithm", loss or "grpo", *(("--lora.enabled", "true") if lora else ()))
+            "--backend.name", backend, "--loss.algorithm", loss or "grpo",
+            *(("--lora.enabled", "true") if lora else ()))
     kills = []
     spare = None
     for attempt in range(3):
@@ -82,7 +84,8 @@ def test_trainer_killed_mid_run_resumes_and_trains_every_trajectory_exactly_once
     assert len(trained) == len(set(trained)), f"a trajectory was trained twice ({context})"
     assert set(trained) == {t.trajectory_id for t in published}, f"trajectories lost ({context})"
     assert [r.step for r in restored.ledger.records()] == list(range(1, STEPS + 1)), context
-    assert restored.state.step == STEPS and status.step == STEPS and status.trained_trajectories == len(published)
+    assert (restored.state.step == STEPS and status.step == STEPS
+            and status.trained_trajectories == len(published))
     if loss == "ppo":
         critic = torch.load(restored.path / "value_model" / "trainer_state.pt", weights_only=False)
         assert critic["step"] == STEPS, context

@@ -109,5 +109,6 @@ def test_calc_megatron_example_is_calc_with_the_trainer_on_megatron():
     backend = megatron["trainer"].pop("backend")
     assert {**megatron, "run_id": calc["run_id"]} == calc and backend == {"name": "megatron"}
     # The trainer takes the section as it is.
-    config = load_config(TrainerConfig, ["--set", "backend.name=megatron"], prog="rlfleet-trainer", environ={})
+    config = load_config(TrainerConfig, ["--set", "backend.name=megatron"],
+                         prog="rlfleet-trainer", environ={})
     assert config.backend.name == "megatron" and config.megatron.tensor_parallel == 1

@@ -48,12 +48,14 @@ def processes():
         p.stop()
 
 
-def start_broker(processes, tmp_path, run_id, store_root, engines, nats_url, redis_url, transport, **settings):
-    listed = [{"engine_id": n, "url": engines[n].url, "pool": "canary" if n == "c0" else "fleet", "kind": "cpu"}
-              for n in ("c0", "f0")]
+def start_broker(processes, tmp_path, run_id, store_root, engines, nats_url, redis_url,
+                 transport, **settings):
+    listed = [{"engine_id": n, "url": engines[n].url, "pool": "canary" if n == "c0" else "fleet",
+               "kind": "cpu"} for n in ("c0", "f0")]
     broker = BrokerProcess(tmp_path / "broker", run_id=run_id, weight_store=str(store_root), engines=listed,
                            auto_promote=True, **{"nats.url": nats_url, "redis.url": redis_url,
-                                                 "sync.transport": transport}, **settings).start()  # fmt: skip
+                                                 "sync.transport": transport},
+                           **settings).start()  # fmt: skip
     processes.append(broker)
     return broker
 
@@ -78,7 +80,8 @@ async def status(broker) -> broker_pb2.BrokerStatus:
         return await broker_pb2_grpc.BrokerServiceStub(channel).GetStatus(broker_pb2.GetStatusRequest())
 
 
-async def train_version_1(trainer: TrainerProcess, nats_url: str, run: str, groups: int, timeout_s: float) -> None:
+async def train_version_1(trainer: TrainerProcess, nats_url: str, run: str, groups: int,
+                          timeout_s: float) -> None:
     """Publishes `groups` groups of trajectories for the trainer and waits for it to make version 1."""
     nc = await connect_nats(NatsConfig(url=nats_url), "test")
     try:
@@ -97,10 +100,12 @@ async def test_the_trainer_service_sends_each_version_straight_to_two_engines(
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     run = unique_run_id(f"ts{transport[:2]}")
     store = DirectoryWeightStore(store_root, run)
+    # no store catch-up round may run between the trainer's sends
     broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, transport,
-                          reconcile_interval_s=60)  # no store catch-up round may run between the trainer's sends
+                          reconcile_interval_s=60)
     trainer = TrainerProcess(tmp_path / "trainer", nats_url, run, None, "--model-path", str(model_dir),
-                             "--weight-store", str(store_root), "--weight-send.broker-address", broker.address,
+                             "--weight-store", str(store_root),
+                             "--weight-send.broker-address", broker.address,
                              "--group-size", str(G), "--groups-per-step", "1", "--optim.lr", "1e-3")
     processes.append(trainer.start())
     await both_serve(engines, 0, store)  # the starting model, sent as version 0
@@ -120,7 +125,8 @@ async def test_the_trainer_service_sends_each_version_straight_to_two_engines(
 
 
 async def served_checksums(url: str, names) -> dict[str, str]:
-    """The engine's weights as the bf16 bytes it serves, hashed per tensor (as the trainer hashes what it sends)."""
+    """The engine's weights as the bf16 bytes it serves, hashed per tensor (as the trainer hashes what
+    it sends)."""
     import torch
 
     from rlfleet.engine.testing import read_engine_weights
@@ -136,8 +142,9 @@ def store_checksums(store: DirectoryWeightStore, version: int) -> dict[str, str]
     from rlfleet.weights.sent import tensor_checksums
 
     served = store.load_version(version)
-    return tensor_checksums([(n, torch.from_numpy(served.to_float32(n).reshape(served[n].shape)).to(torch.bfloat16))
-                             for n in served])
+    return tensor_checksums([
+        (n, torch.from_numpy(served.to_float32(n).reshape(served[n].shape)).to(torch.bfloat16))
+        for n in served])
 
 
 class StagingScribbler:
@@ -188,7 +195,8 @@ async def test_the_trainer_service_p2p_transfer_corrupted_on_the_way_falls_back_
     store = DirectoryWeightStore(store_root, run)
     broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p")
     trainer = TrainerProcess(tmp_path / "trainer", nats_url, run, None, "--model-path", str(model_dir),
-                             "--weight-store", str(store_root), "--weight-send.broker-address", broker.address,
+                             "--weight-store", str(store_root),
+                             "--weight-send.broker-address", broker.address,
                              "--group-size", str(G), "--groups-per-step", "1", "--optim.lr", "1e-3")
     processes.append(trainer.start())
     await both_serve(engines, 0, store)
@@ -230,7 +238,8 @@ async def test_the_trainer_service_under_torchrun_sends_p2p_to_two_engines(
     broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p",
                           reconcile_interval_s=60)  # every version must come from the trainer
     trainer = TrainerProcess(tmp_path / "trainer", nats_url, run, None, "--model-path", str(model_dir),
-                             "--weight-store", str(store_root), "--weight-send.broker-address", broker.address,
+                             "--weight-store", str(store_root),
+                             "--weight-send.broker-address", broker.address,
                              "--weight-send.p2p-every-rank", str(every_rank).lower(),
                              "--group-size", str(G), "--groups-per-step", "2", "--optim.lr", "1e-3", nproc=2)
     processes.append(trainer.start(timeout_s=180))
@@ -311,7 +320,8 @@ async def test_a_p2p_transfer_that_dies_part_way_is_refused_and_the_engine_loads
     reported = {e.engine_id: e for e in (await status(broker)).engines}
     assert reported["f0"].last_transport == broker_pb2.TRANSPORT_P2P
     assert reported["c0"].last_transport in (broker_pb2.TRANSPORT_DISK_FULL, broker_pb2.TRANSPORT_DISK_DELTA)
-    assert reported["c0"].policy_version == manifest["version"] and reported["c0"].transport == broker_pb2.TRANSPORT_P2P
+    assert (reported["c0"].policy_version == manifest["version"]
+            and reported["c0"].transport == broker_pb2.TRANSPORT_P2P)
 
 
 def send_beside_store(sender, trainer, store_fails: str = "", write_after: threading.Event | None = None):
@@ -397,7 +407,8 @@ async def test_a_p2p_write_that_fails_beside_the_store_write_falls_back_to_the_s
     assert version == 3 and store.latest_version() == 3 and not summary.error
     by_engine = {o.engine_id: o for o in summary.outcomes}
     assert by_engine["f0"].ok and by_engine["f0"].transport == broker_pb2.TRANSPORT_P2P, by_engine["f0"]
-    assert not by_engine["c0"].ok and by_engine["c0"].falls_back and "connection refused" in by_engine["c0"].message
+    assert (not by_engine["c0"].ok and by_engine["c0"].falls_back
+            and "connection refused" in by_engine["c0"].message)
 
     await both_serve(engines, version, store)  # c0 by the store, bit for bit the same
     reported = {e.engine_id: e for e in (await status(broker)).engines}
@@ -426,7 +437,8 @@ async def test_with_flip_before_stored_the_engines_serve_a_version_while_its_sto
 
         trainers = to_served(trainer.model.state_dict())
 
-        async def both_on_3() -> bool:  # by their weights: the engines served a version 3 of another run before
+        # by their weights: the engines served a version 3 of another run before
+        async def both_on_3() -> bool:
             for name in engines:
                 try:
                     await assert_engine_serves(engines[name].url, trainers)
@@ -446,9 +458,11 @@ async def test_with_flip_before_stored_the_engines_serve_a_version_while_its_sto
     assert {o.engine_id for o in summary.outcomes if o.transport == broker_pb2.TRANSPORT_P2P} == {"c0", "f0"}
     await both_serve(engines, 3, store)  # what they took before the write is the store's version, bit for bit
     async with open_channel(broker.address) as channel:
-        listed = await broker_pb2_grpc.BrokerServiceStub(channel).ListVersions(broker_pb2.ListVersionsRequest())
+        listed = await broker_pb2_grpc.BrokerServiceStub(channel).ListVersions(
+            broker_pb2.ListVersionsRequest())
     (record,) = [r for r in listed.versions if r.version.version == 3]
-    assert record.state == broker_pb2.VERSION_STATE_ACCEPTED and record.version.uri, record  # completed by the confirm
+    # completed by the confirm
+    assert record.state == broker_pb2.VERSION_STATE_ACCEPTED and record.version.uri, record
 
 
 @pytest.mark.parametrize("flip_before_stored", [False, True])
@@ -477,7 +491,8 @@ async def test_a_failed_store_write_beside_the_send_rejects_the_version_and_no_e
 
     sender = WeightSender(sender)
     try:
-        version, summary = await asyncio.to_thread(send_beside_store, sender, trainer, "No space left on device")
+        version, summary = await asyncio.to_thread(send_beside_store, sender, trainer,
+                                                   "No space left on device")
     finally:
         sender.close()
     assert version == 4 and store.latest_version() == 3
@@ -488,10 +503,12 @@ async def test_a_failed_store_write_beside_the_send_rejects_the_version_and_no_e
         await both_serve(engines, 3, store)
     else:
         for outcome in summary.outcomes:  # both were written over P2P, and neither flipped it in
-            assert not outcome.ok and "version rejected" in outcome.message and "No space left" in outcome.message
+            assert (not outcome.ok and "version rejected" in outcome.message
+                    and "No space left" in outcome.message)
         assert {n: await weight_version(engines[n].url) for n in engines} == before
     async with open_channel(broker.address) as channel:
-        listed = await broker_pb2_grpc.BrokerServiceStub(channel).ListVersions(broker_pb2.ListVersionsRequest())
+        listed = await broker_pb2_grpc.BrokerServiceStub(channel).ListVersions(
+            broker_pb2.ListVersionsRequest())
     (record,) = [r for r in listed.versions if r.version.version == version]
     assert record.state == broker_pb2.VERSION_STATE_REJECTED and "store write failed" in record.reason, record
     reported = await status(broker)
@@ -525,8 +542,8 @@ async def test_a_corrupted_broadcast_is_refused_from_staging_and_the_engines_loa
     await both_serve(engines, version, store)  # then from the store, bit for bit the trainer's
 
 
-async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root, tmp_path, nats_url, redis_url,
-                                                            processes, model_dir):
+async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root, tmp_path,
+                                                            nats_url, redis_url, processes, model_dir):
     from rlfleet.engine.testing import StoreTrainer
 
     run = unique_run_id("tsb")
@@ -536,7 +553,8 @@ async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root,
     async with open_channel(broker.address) as channel:
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         for request, words in [
-            (broker_pb2.StartTrainerSyncRequest(version=policy_version(manifest), checksum_algorithm="sha256"),
+            (broker_pb2.StartTrainerSyncRequest(version=policy_version(manifest),
+                                                checksum_algorithm="sha256"),
              "needs the tensors"),
             (broker_pb2.StartTrainerSyncRequest(version=policy_version(manifest), tensors=[spec],
                                                 checksum_algorithm="sha256"), "checksum"),
@@ -551,4 +569,5 @@ async def test_bad_trainer_sync_requests_get_clear_statuses(engines, store_root,
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.ConfirmTrainerSync(broker_pb2.ConfirmTrainerSyncRequest(sync_id="nope"))
-        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "awaits its store write" in err.value.details()
+        assert (err.value.code() == grpc.StatusCode.NOT_FOUND
+                and "awaits its store write" in err.value.details())

@@ -87,7 +87,8 @@ async def test_trainer_steps_on_published_groups_and_announces_versions_transfor
 
     store = DirectoryWeightStore(tmp_path / "weights", run)
     assert v1.uri == store.uri(1) and (store.path(1) / "tokenizer.json").is_file()
-    served = transformers.AutoModelForCausalLM.from_pretrained(store.path(1), dtype=torch.bfloat16).state_dict()
+    served = transformers.AutoModelForCausalLM.from_pretrained(store.path(1),
+                                                               dtype=torch.bfloat16).state_dict()
     checkpoint = load_file(Checkpointer(tmp_path / "checkpoints" / run).latest().path / "model.safetensors")
     trainers_own = {k.removeprefix("lm."): v.to(torch.bfloat16) for k, v in checkpoint.items()}
     assert set(served) == set(trainers_own)
@@ -116,17 +117,21 @@ async def test_malformed_mismatched_and_out_of_vocab_messages_are_counted_and_sk
     bad_lengths.rollout_logprobs.append(-1.0)
     out_of_vocab.token_ids[5] = 10_000
     failed.status = common_pb2.TRAJECTORY_STATUS_FAILED
-    await publish(js, "TRAJECTORIES", run, b"\x0a\xff\xff not a trajectory", msg_type="Trajectory", msg_id="junk")
+    await publish(js, "TRAJECTORIES", run, b"\x0a\xff\xff not a trajectory", msg_type="Trajectory",
+                  msg_id="junk")
     await publish_trajectories(js, run, [bad_lengths, out_of_vocab, failed, *trajectory_protos(2, G, run)])
     trainer = trainers(tmp_path, nats_url, run, model_dir, *trainer_args())
-    status = trainer.wait_for(lambda s: s.step == 1 and s.queue_depth == 0, what="a step past the bad messages")
-    assert dict(status.dropped_by_reason) == {"malformed": 1, "length_mismatch": 1, "out_of_vocab": 1, "failed": 1}
+    status = trainer.wait_for(lambda s: s.step == 1 and s.queue_depth == 0,
+                              what="a step past the bad messages")
+    assert dict(status.dropped_by_reason) == {"malformed": 1, "length_mismatch": 1,
+                                              "out_of_vocab": 1, "failed": 1}
     assert status.trained_trajectories == 2 * G
     await publish_trajectories(js, run, trajectory_protos(2, G, run, seed=1, prefix="more-"))
     trainer.wait_for(lambda s: s.step == 2 and s.queue_depth == 0, what="a second step")
 
 
-async def test_pause_stops_consuming_after_the_step_and_resume_continues(tmp_path, nats_url, js, model_dir, trainers):
+async def test_pause_stops_consuming_after_the_step_and_resume_continues(
+        tmp_path, nats_url, js, model_dir, trainers):
     run = unique_run_id("tp")
     trainer = trainers(tmp_path, nats_url, run, model_dir, *trainer_args())
     trainer.wait_for(lambda s: s.state == "waiting_for_data", what="a started trainer")
@@ -143,7 +148,8 @@ async def test_two_fresh_trainers_on_the_same_stream_publish_bit_identical_weigh
         tmp_path, nats_url, js, model_dir, trainers):
     run = unique_run_id("td")
     await publish_trajectories(js, run, trajectory_protos(4, G, run, seed=5))
-    a, b = (trainers(tmp_path / name, nats_url, run, model_dir, *trainer_args("--consumer.name", f"trainer-{name}"))
+    a, b = (trainers(tmp_path / name, nats_url, run, model_dir,
+                     *trainer_args("--consumer.name", f"trainer-{name}"))
             for name in ("a", "b"))
     for t in (a, b):
         t.wait_for(lambda s: s.step == 2 and s.state == "waiting_for_data", what="two steps, published")

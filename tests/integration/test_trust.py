@@ -38,7 +38,8 @@ from rlfleet.sandbox.testing import start_sandbox_manager
 from rlfleet.session.testing import Rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-NEEDS_BWRAP = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="needs root and bubblewrap")
+NEEDS_BWRAP = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
+                                 reason="needs root and bubblewrap")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,8 @@ async def refused(call) -> grpc.aio.AioRpcError:
 
 
 async def test_another_client_cannot_touch_or_verify_a_victims_session(stack):
-    victim, attacker = client_credentials(stack.run_id, "victim"), client_credentials(stack.run_id, "attacker")
+    victim, attacker = (client_credentials(stack.run_id, "victim"),
+                        client_credentials(stack.run_id, "attacker"))
     session_id = await open_session(stack.session.address, victim, stack.run_id)
     assert len(session_id) == 32  # generated: 128 random bits, not `{task}-{seq}-s{i}`
     async with channel(stack.session.address, credentials=attacker) as ch, \
@@ -100,20 +102,23 @@ async def test_another_client_cannot_touch_or_verify_a_victims_session(stack):
         assert verdict.code() == grpc.StatusCode.NOT_FOUND
     async with channel(stack.session.address, credentials=victim) as ch:
         sessions = session_pb2_grpc.SessionServiceStub(ch)
-        assert (await sessions.GetSession(pb.GetSessionRequest(session_id=session_id))).session_id == session_id
+        assert (await sessions.GetSession(pb.GetSessionRequest(session_id=session_id))).session_id == \
+            session_id
         closed = await sessions.CloseSession(pb.CloseSessionRequest(
             session_id=session_id, status=common_pb2.TRAJECTORY_STATUS_COMPLETED))
     assert closed.verdict_missing and not closed.verdict.passed  # no forged verdict reached the trajectory
 
 
 async def test_a_token_for_another_run_sees_nothing_of_this_run(stack):
-    session_id = await open_session(stack.session.address, client_credentials(stack.run_id, "same-name"), stack.run_id)
+    session_id = await open_session(stack.session.address,
+                                    client_credentials(stack.run_id, "same-name"), stack.run_id)
     other_run = client_credentials("some-other-run", "same-name")  # same client name, another run
     async with channel(stack.session.address, credentials=other_run) as ch:
         sessions = session_pb2_grpc.SessionServiceStub(ch)
         assert (await refused(sessions.GetSession(pb.GetSessionRequest(session_id=session_id)))).code() == \
             grpc.StatusCode.NOT_FOUND
-        opened = await refused(sessions.OpenSession(pb.OpenSessionRequest(run_id="", task_id="t", messages=chat())))
+        opened = await refused(sessions.OpenSession(pb.OpenSessionRequest(run_id="", task_id="t",
+                                                                          messages=chat())))
         assert opened.code() == grpc.StatusCode.PERMISSION_DENIED and stack.run_id in opened.details()
 
 
@@ -136,7 +141,8 @@ async def test_an_environment_client_cannot_register_pause_or_deregister_engines
         for call in (gateway.RegisterEngine(gateway_pb2.RegisterEngineRequest(
                          engine_id="evil", url="http://127.0.0.1:9"), timeout=10),
                      gateway.PauseEngines(gateway_pb2.PauseEnginesRequest(), timeout=10),
-                     gateway.DeregisterEngine(gateway_pb2.DeregisterEngineRequest(engine_id="e0"), timeout=10)):
+                     gateway.DeregisterEngine(gateway_pb2.DeregisterEngineRequest(engine_id="e0"),
+                                              timeout=10)):
             # The gateway demands a run certificate in the TLS handshake: a token alone never gets a call in.
             assert (await refused(call)).code() == grpc.StatusCode.UNAVAILABLE
     async with channel(stack.gateway.address) as ch:  # the operator's certificate: the engine is still there
@@ -174,8 +180,8 @@ async def test_another_clients_sandbox_is_not_found(redis_url, tmp_path):
     manager = start_sandbox_manager(redis_url, run_id, tmp_path)
     try:
         async with channel(manager.address, credentials=client_credentials(run_id, "owner")) as ch:
-            box = await sandbox_pb2_grpc.SandboxServiceStub(ch).CreateSandbox(sandbox_pb2.CreateSandboxRequest(),
-                                                                             timeout=30)
+            box = await sandbox_pb2_grpc.SandboxServiceStub(ch).CreateSandbox(
+                sandbox_pb2.CreateSandboxRequest(), timeout=30)
         async with channel(manager.address, credentials=client_credentials(run_id, "other")) as ch:
             stub = sandbox_pb2_grpc.SandboxServiceStub(ch)
             for call in (stub.GetSandbox(sandbox_pb2.GetSandboxRequest(sandbox_id=box.sandbox_id)),
@@ -185,13 +191,15 @@ async def test_another_clients_sandbox_is_not_found(redis_url, tmp_path):
                 assert (await refused(call)).code() == grpc.StatusCode.NOT_FOUND
         async with channel(manager.address, credentials=client_credentials("another-run", "owner")) as ch:
             stub = sandbox_pb2_grpc.SandboxServiceStub(ch)  # the same name in another run is someone else
-            assert (await refused(stub.GetSandbox(sandbox_pb2.GetSandboxRequest(sandbox_id=box.sandbox_id)))).code() \
+            assert (await refused(stub.GetSandbox(
+                sandbox_pb2.GetSandboxRequest(sandbox_id=box.sandbox_id)))).code() \
                 == grpc.StatusCode.NOT_FOUND
             assert (await refused(stub.CreateSandbox(sandbox_pb2.CreateSandboxRequest()))).code() == \
                 grpc.StatusCode.PERMISSION_DENIED
         async with channel(manager.address, credentials=client_credentials(run_id, "owner")) as ch:
             stub = sandbox_pb2_grpc.SandboxServiceStub(ch)
-            assert (await stub.GetSandbox(sandbox_pb2.GetSandboxRequest(sandbox_id=box.sandbox_id))).sandbox_id
+            assert (await stub.GetSandbox(
+                sandbox_pb2.GetSandboxRequest(sandbox_id=box.sandbox_id))).sandbox_id
             await stub.DestroySandbox(sandbox_pb2.DestroySandboxRequest(sandbox_id=box.sandbox_id))
     finally:
         manager.stop()
@@ -211,7 +219,8 @@ async def test_a_revocation_reaches_a_service_with_its_own_copy_of_the_secrets(r
     (tmp_path / "suites").mkdir()
     verifier = ServiceProcess("rlfleet-verifier", tmp_path, config={
         "redis.url": redis_url, "run_id": run_id, "session_address": "127.0.0.1:1",
-        "suites_dir": str(tmp_path / "suites")}, env={**os.environ, security.SECRETS_ENV: str(mount)}).start(30.0)
+        "suites_dir": str(tmp_path / "suites")},
+        env={**os.environ, security.SECRETS_ENV: str(mount)}).start(30.0)
     try:
         creds = client_credentials(run_id, "soon-revoked")
         token_id = security.TokenBook.load(origin).verify(creds.token).token_id

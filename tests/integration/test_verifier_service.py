@@ -78,8 +78,8 @@ def train_tokenizer(directory: Path):
     tok.decoder = decoders.ByteLevel()
     corpus = [render_messages(t.chat_messages(), True) + "<calc>12*3</calc><answer>36</answer>" for t in CALC]
     tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+        vocab_size=400, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     return tok
@@ -87,7 +87,8 @@ def train_tokenizer(directory: Path):
 
 def make_session(tokenizer, session_id: str, task, *turns: tuple[str, str]) -> session_pb2.Session:
     """A session as the session server keeps it: the prompt, then GENERATED and OBSERVATION spans."""
-    session = session_pb2.Session(session_id=session_id, task_id=task.task_id, state=session_pb2.SESSION_STATE_OPEN)
+    session = session_pb2.Session(session_id=session_id, task_id=task.task_id,
+                                  state=session_pb2.SESSION_STATE_OPEN)
 
     def append(kind: int, text: str) -> None:
         ids = tokenizer.encode(text, add_special_tokens=False).ids
@@ -102,7 +103,8 @@ def make_session(tokenizer, session_id: str, task, *turns: tuple[str, str]) -> s
         if role == "assistant":
             append(common_pb2.SPAN_KIND_GENERATED, text + "<|im_end|>")
         else:
-            append(common_pb2.SPAN_KIND_OBSERVATION, f"\n<|im_start|>tool\n{text}<|im_end|>\n<|im_start|>assistant\n")
+            append(common_pb2.SPAN_KIND_OBSERVATION,
+                   f"\n<|im_start|>tool\n{text}<|im_end|>\n<|im_start|>assistant\n")
     return session
 
 
@@ -123,8 +125,8 @@ def platform(redis_url, tmp_path_factory):
     verifier = None
     try:
         verifier = ServiceProcess("rlfleet-verifier", workdir, config={
-            "redis.url": redis_url, "run_id": run_id, "sandbox_address": manager.address, "suites_dir": str(suites),
-            "tokenizer_path": str(workdir / "tokenizer")}).start(30.0)
+            "redis.url": redis_url, "run_id": run_id, "sandbox_address": manager.address,
+            "suites_dir": str(suites), "tokenizer_path": str(workdir / "tokenizer")}).start(30.0)
         yield {"verifier": verifier, "manager": manager, "sessions": sessions, "tokenizer": tokenizer,
                "suites": suites, "workdir": workdir}
     finally:
@@ -167,8 +169,10 @@ def answer_of(task) -> str:
 
 async def test_calc_answers_right_wrong_and_missing(verifier, sandboxes):
     task = CALC[0]
-    right = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id, final_answer=answer_of(task)))
-    assert (right.passed, right.reward, list(right.reasons), right.verifier_kind) == (True, 1.0, [], "numeric")
+    right = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id,
+                                                   final_answer=answer_of(task)))
+    assert ((right.passed, right.reward, list(right.reasons), right.verifier_kind)
+            == (True, 1.0, [], "numeric"))
     assert right.task_id == task.task_id and right.verify_s > 0 and right.schema_version == 1
 
     wrong = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id, final_answer="-1"))
@@ -176,10 +180,11 @@ async def test_calc_answers_right_wrong_and_missing(verifier, sandboxes):
     assert dict(wrong.reasons[0].details) == {"expected": answer_of(task), "got": "-1"}
 
     box = await sandboxes.CreateSandbox(sbx.CreateSandboxRequest())  # an episode that never answered
-    missing = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id, sandbox_id=box.sandbox_id))
+    missing = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id,
+                                                     sandbox_id=box.sandbox_id))
     assert (missing.passed, codes(missing)) == (False, ["NO_ANSWER"])
-    await expect(grpc.StatusCode.INVALID_ARGUMENT, verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id)),
-                 "nothing to verify")
+    await expect(grpc.StatusCode.INVALID_ARGUMENT,
+                 verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id)), "nothing to verify")
 
 
 async def test_a_sandbox_safety_violation_fails_a_right_answer(verifier, sandboxes):
@@ -187,8 +192,8 @@ async def test_a_sandbox_safety_violation_fails_a_right_answer(verifier, sandbox
     await sandboxes.Exec(sbx.ExecRequest(sandbox_id=box.sandbox_id, argv=[
         "python3", "-c", "import socket; socket.create_connection(('10.255.255.1', 80), timeout=1)"]))
     task = CALC[1]
-    verdict = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id, sandbox_id=box.sandbox_id,
-                                                     final_answer=answer_of(task)))
+    verdict = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=task.task_id,
+                                                     sandbox_id=box.sandbox_id, final_answer=answer_of(task)))
     assert (verdict.passed, verdict.reward, codes(verdict)) == (False, -0.2, ["SAFETY_VIOLATION"])
     assert verdict.reasons[0].details["kind"] == "network"
 
@@ -201,7 +206,8 @@ async def test_a_session_is_scored_from_its_own_tokens_and_the_verdict_is_stored
     expression = task.metadata["expression"]
     platform["sessions"]["s-right"] = make_session(
         tokenizer, "s-right", task,
-        ("assistant", "<calculator>1+1</calculator>"), ("tool", "error: unknown tool 'calculator'; available: calc"),
+        ("assistant", "<calculator>1+1</calculator>"),
+        ("tool", "error: unknown tool 'calculator'; available: calc"),
         ("assistant", f"<calc>{expression}</calc>"), ("tool", answer_of(task)),
         ("assistant", f"<answer>{answer_of(task)}</answer>"), ("assistant", "<answer>0</answer>"))
     verdict = await verifier.Verify(pb.VerifyRequest(session_id="s-right", suite="calc"))
@@ -212,18 +218,22 @@ async def test_a_session_is_scored_from_its_own_tokens_and_the_verdict_is_stored
     platform["sessions"]["s-silent"] = make_session(
         tokenizer, "s-silent", task, ("assistant", f"<calc>{expression}</calc>"), ("tool", answer_of(task)),
         ("assistant", "I think I am done."))
-    silent = await verifier.Verify(pb.VerifyRequest(session_id="s-silent", suite="calc", task_id=task.task_id))
+    silent = await verifier.Verify(pb.VerifyRequest(session_id="s-silent", suite="calc",
+                                                    task_id=task.task_id))
     assert (silent.passed, codes(silent)) == (False, ["NO_ANSWER"])
     stored = await verifier.GetVerdict(pb.GetVerdictRequest(session_id="s-silent"))
     assert codes(stored) == ["NO_ANSWER"]
 
-    await expect(grpc.StatusCode.NOT_FOUND, verifier.GetVerdict(pb.GetVerdictRequest(session_id="s-never")), "s-never")
-    await expect(grpc.StatusCode.NOT_FOUND, verifier.Verify(pb.VerifyRequest(session_id="s-never", suite="calc")),
-                 "s-never")
+    await expect(grpc.StatusCode.NOT_FOUND,
+                 verifier.GetVerdict(pb.GetVerdictRequest(session_id="s-never")), "s-never")
+    await expect(grpc.StatusCode.NOT_FOUND,
+                 verifier.Verify(pb.VerifyRequest(session_id="s-never", suite="calc")), "s-never")
     await expect(grpc.StatusCode.INVALID_ARGUMENT,
-                 verifier.Verify(pb.VerifyRequest(session_id="s-right", final_answer=answer_of(task))), "final_answer")
+                 verifier.Verify(pb.VerifyRequest(session_id="s-right", final_answer=answer_of(task))),
+                 "final_answer")
     await expect(grpc.StatusCode.INVALID_ARGUMENT,
-                 verifier.Verify(pb.VerifyRequest(session_id="s-right", task_id=CALC[0].task_id)), "not the session's")
+                 verifier.Verify(pb.VerifyRequest(session_id="s-right", task_id=CALC[0].task_id)),
+                 "not the session's")
 
 
 # -- hidden tests -----------------------------------------------------------------------------
@@ -242,7 +252,8 @@ async def policy_sandbox(sandboxes, solution: str) -> str:
 async def test_code_tasks_pass_and_fail_hidden_tests_run_outside_the_policy_sandbox(verifier, sandboxes):
     good = await policy_sandbox(sandboxes, code.reference_solution(CODE))
     passed = await verifier.Verify(pb.VerifyRequest(suite="code", task_id=CODE.task_id, sandbox_id=good))
-    assert (passed.passed, passed.reward, list(passed.reasons), passed.verifier_kind) == (True, 1.0, [], "unit_tests")
+    assert ((passed.passed, passed.reward, list(passed.reasons), passed.verifier_kind)
+            == (True, 1.0, [], "unit_tests"))
 
     function = CODE.metadata["function"]
     bad = await policy_sandbox(sandboxes, f"def {function}(*args):\n    return None\n")
@@ -253,11 +264,13 @@ async def test_code_tasks_pass_and_fail_hidden_tests_run_outside_the_policy_sand
     for sandbox_id in (good, bad):  # the tests never entered the policy's workspace
         listed = await sandboxes.ListFiles(sbx.ListFilesRequest(sandbox_id=sandbox_id))
         assert sorted(listed.paths) == ["conftest.py", "solution.py", "test_hidden.py"]
-        read = await sandboxes.ReadFiles(sbx.ReadFilesRequest(sandbox_id=sandbox_id, paths=["test_hidden.py"]))
+        read = await sandboxes.ReadFiles(sbx.ReadFilesRequest(sandbox_id=sandbox_id,
+                                                              paths=["test_hidden.py"]))
         assert read.files[0].content == b"print('RESULT passed=99 failed=0')"
 
     missing = await sandboxes.CreateSandbox(sbx.CreateSandboxRequest())
-    nothing = await verifier.Verify(pb.VerifyRequest(suite="code", task_id=CODE.task_id, sandbox_id=missing.sandbox_id))
+    nothing = await verifier.Verify(pb.VerifyRequest(suite="code", task_id=CODE.task_id,
+                                                     sandbox_id=missing.sandbox_id))
     assert codes(nothing) == ["NO_ANSWER"] and nothing.reasons[0].details["missing"] == "solution.py"
 
 
@@ -276,19 +289,24 @@ async def test_hidden_tests_that_run_too_long_time_out(verifier, sandboxes):
 
 
 async def test_unknown_tasks_suites_and_sandboxes_are_not_found(verifier):
-    await expect(grpc.StatusCode.NOT_FOUND, verifier.Verify(pb.VerifyRequest(suite="calc", task_id="nope", final_answer="1")),
-                 "'nope'")
-    await expect(grpc.StatusCode.NOT_FOUND, verifier.Verify(pb.VerifyRequest(suite="chess", task_id=CALC[0].task_id,
-                                                                              final_answer="1")), "no suite 'chess'")
-    await expect(grpc.StatusCode.NOT_FOUND, verifier.Verify(pb.VerifyRequest(
-        suite="calc", task_id=CALC[0].task_id, sandbox_id="0123456789abcdef", final_answer="1")), "0123456789abcdef")
-    await expect(grpc.StatusCode.INVALID_ARGUMENT, verifier.Verify(pb.VerifyRequest(final_answer="1")), "task_id")
+    await expect(grpc.StatusCode.NOT_FOUND,
+                 verifier.Verify(pb.VerifyRequest(suite="calc", task_id="nope", final_answer="1")), "'nope'")
+    await expect(grpc.StatusCode.NOT_FOUND,
+                 verifier.Verify(pb.VerifyRequest(suite="chess", task_id=CALC[0].task_id, final_answer="1")),
+                 "no suite 'chess'")
+    await expect(grpc.StatusCode.NOT_FOUND,
+                 verifier.Verify(pb.VerifyRequest(suite="calc", task_id=CALC[0].task_id,
+                                                  sandbox_id="0123456789abcdef", final_answer="1")),
+                 "0123456789abcdef")
+    await expect(grpc.StatusCode.INVALID_ARGUMENT,
+                 verifier.Verify(pb.VerifyRequest(final_answer="1")), "task_id")
 
 
 async def test_new_suites_are_loaded_on_demand_and_a_bad_one_is_rejected_with_its_line(platform, verifier):
     extra = calc.generate_tasks("heldout", 1)[0]
     write_suite([extra], platform["suites"] / "calc-heldout.jsonl")
-    found = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=extra.task_id, final_answer=answer_of(extra)))
+    found = await verifier.Verify(pb.VerifyRequest(suite="calc", task_id=extra.task_id,
+                                                   final_answer=answer_of(extra)))
     assert found.passed
 
     line = dict(MINI, task_id="regex-1", suite="regex")
@@ -296,8 +314,8 @@ async def test_new_suites_are_loaded_on_demand_and_a_bad_one_is_rejected_with_it
     bad_file = platform["suites"] / "regex.jsonl"
     bad_file.write_text(json.dumps(line) + "\n" + json.dumps(bad_kind) + "\n")
     try:
-        await expect(grpc.StatusCode.NOT_FOUND, verifier.Verify(pb.VerifyRequest(suite="regex", task_id="regex-1",
-                                                                                  final_answer="a")),
+        await expect(grpc.StatusCode.NOT_FOUND,
+                     verifier.Verify(pb.VerifyRequest(suite="regex", task_id="regex-1", final_answer="a")),
                      "regex.jsonl:2: verifier.kind: unknown verifier kind 'regex'")
     finally:
         bad_file.unlink()  # forgotten at the next rescan
@@ -311,15 +329,19 @@ async def test_new_suites_are_loaded_on_demand_and_a_bad_one_is_rejected_with_it
 def labelled_set() -> list[dict]:
     a, b = CALC[0], CALC[1]
     return [
-        {"episode_id": "tp", "suite": "calc", "task_id": a.task_id, "final_answer": answer_of(a), "human_passed": True},
-        {"episode_id": "tn", "suite": "calc", "task_id": a.task_id, "final_answer": "7", "human_passed": False},
+        {"episode_id": "tp", "suite": "calc", "task_id": a.task_id, "final_answer": answer_of(a),
+         "human_passed": True},
+        {"episode_id": "tn", "suite": "calc", "task_id": a.task_id, "final_answer": "7",
+         "human_passed": False},
         # A human slip (a right answer labelled failed) and an answer the verifier is strict about:
-        {"episode_id": "fp", "suite": "calc", "task_id": b.task_id, "final_answer": answer_of(b), "human_passed": False},
+        {"episode_id": "fp", "suite": "calc", "task_id": b.task_id, "final_answer": answer_of(b),
+         "human_passed": False},
         {"episode_id": "fn", "suite": "calc", "task_id": b.task_id, "final_answer": f"{answer_of(b)} apples",
          "human_passed": True},
         {"episode_id": "transcript", "suite": "calc", "task_id": b.task_id, "human_passed": True,
-         "transcript": f"<|im_start|>assistant\n<calc>{b.metadata['expression']}</calc><|im_end|>\n<|im_start|>tool\n"
-                       f"{answer_of(b)}<|im_end|>\n<|im_start|>assistant\n<answer>{answer_of(b)}</answer><|im_end|>\n"},
+         "transcript": f"<|im_start|>assistant\n<calc>{b.metadata['expression']}</calc><|im_end|>\n"
+                       f"<|im_start|>tool\n{answer_of(b)}<|im_end|>\n"
+                       f"<|im_start|>assistant\n<answer>{answer_of(b)}</answer><|im_end|>\n"},
         {"episode_id": "code", "suite": "code", "task_id": CODE.task_id, "human_passed": True,
          "files": {"solution.py": code.reference_solution(CODE)}},
     ]
@@ -328,9 +350,9 @@ def labelled_set() -> list[dict]:
 async def test_audit_reports_rates_and_disagreements(verifier):
     labels = labelled_set()
     request = pb.AuditRequest(episodes=[pb.LabelledEpisode(
-        suite=e["suite"], task_id=e["task_id"], final_answer=e.get("final_answer", ""), transcript=e.get("transcript", ""),
-        files={k: v.encode() for k, v in e.get("files", {}).items()}, human_passed=e["human_passed"],
-        episode_id=e["episode_id"]) for e in labels])
+        suite=e["suite"], task_id=e["task_id"], final_answer=e.get("final_answer", ""),
+        transcript=e.get("transcript", ""), files={k: v.encode() for k, v in e.get("files", {}).items()},
+        human_passed=e["human_passed"], episode_id=e["episode_id"]) for e in labels])
     report = await verifier.Audit(request)
     assert (report.n, report.true_positives, report.false_positives, report.true_negatives,
             report.false_negatives) == (6, 3, 1, 1, 1)
@@ -364,7 +386,8 @@ def test_the_audit_command_prints_the_same_report(platform, tmp_path):
     assert (printed["false_positive_rate"], printed["false_negative_rate"], printed["n"]) == (0.5, 0.25, 6)
     assert {d["episode_id"] for d in printed["disagreements"]} == {"fp", "fn"}
     text = subprocess.run(audit_command, capture_output=True, text=True, timeout=60)
-    assert "false positive rate 0.500" in text.stdout and "false negative rate 0.250" in text.stdout, text.stderr
+    assert "false positive rate 0.500" in text.stdout and "false negative rate 0.250" in text.stdout, \
+        text.stderr
     assert "  fn  " in text.stdout and "WRONG_ANSWER" in text.stdout
 
 
@@ -391,7 +414,9 @@ async def test_metrics_count_verdicts_by_outcome_and_reason(platform, verifier):
     verdicts = [line for line in text.splitlines() if line.startswith("rlfleet_verifier_verdicts_total{")]
     assert any(all(label in line for label in ('kind="numeric"', 'passed="false"', 'reason="WRONG_ANSWER"'))
                for line in verdicts), verdicts
-    assert any(line.startswith('rlfleet_verifier_verdicts_total{') and 'reason="none"' in line for line in verdicts)
+    assert any(line.startswith('rlfleet_verifier_verdicts_total{') and 'reason="none"' in line
+               for line in verdicts)
     assert 'rlfleet_verifier_reasons_total{code="WRONG_ANSWER"' in text
-    assert "rlfleet_verifier_reward_bucket" in text and "rlfleet_verifier_verify_latency_seconds_count" in text
+    assert ("rlfleet_verifier_reward_bucket" in text
+            and "rlfleet_verifier_verify_latency_seconds_count" in text)
 
