@@ -86,11 +86,13 @@ def cmd_run(argv: list[str]) -> int:
 
 def cmd_down(argv: list[str]) -> int:
     from rlfleet.cli.launcher import PlatformState, mark_stopping, stop_processes
+    from rlfleet.cli.platform_config import DEFAULT_STOP_TIMEOUT_S
 
     state = PlatformState.load(_run_dir_arg(argv, "rlfleet down"))
     mark_stopping(state.run_dir)  # a running `rlfleet run` stops its run rather than restart these
     names = [p.name for p in state.processes]
-    killed = stop_processes(state.standbys + state.processes, 10.0)
+    stop_timeout_s = float(state.config.get("stop_timeout_s", DEFAULT_STOP_TIMEOUT_S))  # as the launch was told
+    killed = stop_processes(state.standbys + state.processes, stop_timeout_s)
     state.processes, state.standbys = [], []
     state.save()
     print(f"stopped {', '.join(names) or 'nothing'}" + (f"; killed: {', '.join(killed)}" if killed else ""))

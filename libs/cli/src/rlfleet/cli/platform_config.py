@@ -32,6 +32,7 @@ ALL_SERVICES = ("sandbox-manager", "rollout-gateway", "trainer", "session-server
 SECTIONS = {"sandbox-manager": "sandbox", "rollout-gateway": "gateway", "trainer": "trainer",
             "session-server": "session", "weight-broker": "broker", "verifier": "verifier",
             "controller": "controller", "cpu-engine": "engine"}
+DEFAULT_STOP_TIMEOUT_S = 30.0
 
 
 class NatsServerConfig(StrictModel):
@@ -85,7 +86,9 @@ class PlatformConfig(ServiceSections):
     run_dir: str = Field("", description="where logs, data and state go; empty = runs/<run_id>")
     services: list[str] = Field(list(ALL_SERVICES), description="services to start")
     start_timeout_s: float = Field(60.0, gt=0, description="give up when a process is not healthy by then")
-    stop_timeout_s: float = Field(10.0, gt=0, description="SIGKILL what has not exited this long after SIGTERM")
+    # 30 s, as Kubernetes' default grace period: a trainer's last checkpoint on a loaded machine took over 10 s.
+    stop_timeout_s: float = Field(DEFAULT_STOP_TIMEOUT_S, gt=0,
+                                  description="SIGKILL what has not exited this long after SIGTERM")
     log_format: str = Field("json", pattern="^(json|text)$",
                             description="log format of every process (a section's log.format wins)")
     nats: NatsServerConfig = Field(default_factory=NatsServerConfig)

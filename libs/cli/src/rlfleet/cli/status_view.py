@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -280,9 +282,23 @@ def _why(snapshot: Snapshot, source: str) -> str:
 
 
 def show(state: PlatformState, *, once: bool, as_json: bool, interval_s: float) -> int:
-    """Prints one snapshot (`once`) or refreshes until Ctrl-C; exits 0 when every process is healthy."""
+    """Prints one snapshot (`once`) or refreshes until Ctrl-C; exits 0 when every process is healthy.
+
+    Ctrl-C ends the refreshing once the refresh under way is done (each of its calls has a
+    deadline), not by cancelling it: a cancelled refresh tears its TLS connections down under
+    cancellation, which on a loaded machine took longer than the refresh itself. A second Ctrl-C
+    stops at once."""
     previous = None
     color = sys.stdout.isatty() and not as_json
+    stop = threading.Event()
+
+    def on_sigint(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    # Not the default handler, so asyncio.run leaves it in place rather than cancel on Ctrl-C.
+    before = signal.signal(signal.SIGINT, on_sigint)
     try:
         while True:
             snapshot = asyncio.run(collect(state))
@@ -290,13 +306,18 @@ def show(state: PlatformState, *, once: bool, as_json: bool, interval_s: float) 
             if once:
                 print(text, flush=True)
                 return 0 if snapshot.healthy else 1
+            if stop.is_set():
+                return 0
             # Home and clear, then the frame: a plain terminal redraw, no curses.
             sys.stdout.write(("\x1b[H\x1b[2J" if color else "") + text + "\n\n(Ctrl-C to quit)\n")
             sys.stdout.flush()
             previous = snapshot
-            time.sleep(interval_s)
+            if stop.wait(interval_s):
+                return 0
     except KeyboardInterrupt:
         return 0
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _version(version: int) -> str:
