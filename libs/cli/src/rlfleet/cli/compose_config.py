@@ -50,10 +50,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, write_process_config
-from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
+from rlfleet.cli.platform_config import ALL_SERVICES, ControllerConfig, EngineConfig, PlatformConfig
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.common import security
-from rlfleet.common.config import format_validation_error, load_config
+from rlfleet.common.config import ServiceConfig, format_validation_error, load_config
 from rlfleet.common.errors import StartupError
 from rlfleet.common.infra_auth import ensure_infra_secrets, nats_authorization, redis_acl, write_secret
 from rlfleet.common.processes import free_port, write_json_atomic
@@ -79,12 +79,12 @@ WORKER_CLIENT = "worker"  # the rollout workers' environment-client name (a toke
 
 def choose_ports(port_base: int | None) -> dict[str, int]:
     if port_base is not None:
-        ports = {name: port_base + i for i, name in enumerate(PORTS)}
+        ports: dict[str, int] = {name: port_base + i for i, name in enumerate(PORTS)}
         clash = RESERVED & set(ports.values())
         if clash:
             raise StartupError(f"--port-base {port_base} would use {sorted(clash)} (the host's NATS/Redis)")
         return ports
-    ports: dict[str, int] = {}
+    ports = {}
     while len(ports) < len(PORTS):
         port = free_port()
         if port not in RESERVED and port not in ports.values():
@@ -94,8 +94,8 @@ def choose_ports(port_base: int | None) -> dict[str, int]:
 
 def launch_state(config: PlatformConfig, ports: dict[str, int]) -> PlatformState:
     """What `rlfleet up` would have recorded had it started everything on these ports."""
-    def record(name: str, kind: str, **fields: str) -> ProcessRecord:
-        return ProcessRecord(name, 0, 0, [], "", kind=kind, **fields)
+    def record(name: str, kind: str, address: str, url: str = "") -> ProcessRecord:
+        return ProcessRecord(name, 0, 0, [], "", kind=kind, address=address, url=url)
 
     processes = [
         # TLS only, as under `rlfleet up` (certs/nats.pem, certs/redis.pem: write_tls_secrets)
@@ -172,11 +172,12 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
             if login is not None and login.password_file:
                 login.password_file = f"{SECRETS_MOUNT}/{Path(login.password_file).name}"
         section.metrics.host, section.metrics.port = "127.0.0.1", ports[f"{name}-metrics"]
-        if process == "cpu-engine":
+        if isinstance(section, EngineConfig):
             section.host, section.port, section.engine_id = "127.0.0.1", ports[name], name
         else:
+            assert isinstance(section, ServiceConfig), process
             section.grpc.host, section.grpc.port = "127.0.0.1", ports[name]
-        if name == "controller":
+        if isinstance(section, ControllerConfig):
             section.trainer_metrics_url = f"http://127.0.0.1:{ports['trainer-metrics']}/metrics"
             section.start_run = start_run
         write_process_config(out, name, section)

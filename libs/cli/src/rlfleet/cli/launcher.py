@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
+from rlfleet.cli.platform_config import SECTIONS, EngineConfig, PlatformConfig
 from rlfleet.cli.warm_start import build_model_command
 from rlfleet.common import security, standby
 from rlfleet.common.config import ConfigError, ProcessConfig, propagate
@@ -299,6 +299,7 @@ def resolve_model(config: PlatformConfig, run_dir: Path, log: Path, timeout_s: f
     shutil.rmtree(building, ignore_errors=True)
     cmd = build_model_command(building, config.model_seed)
     builder = spawn(cmd, log, "build-model", env=service_env())
+    assert builder.process is not None  # spawn() started it
     try:
         code = builder.process.wait(timeout_s)
     except BaseException:  # timeout or Ctrl-C: do not leave the builder running
@@ -445,6 +446,7 @@ class Platform:
         for index in range(self.config.engines):
             name = f"engine-{index}"
             config = self._process_config("cpu-engine", name)
+            assert isinstance(config, EngineConfig)
             config.engine_id = name
             started.append(self._spawn(name, "rlfleet-cpu-engine", config, kind="engine"))
         for child, ready in started:

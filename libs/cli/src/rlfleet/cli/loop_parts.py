@@ -14,14 +14,19 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.cli.report import EvalResult, RunRecord, TaskOutcome, TrajectoryRecord
 from rlfleet.cli.run_config import ToolLatencyConfig
 from rlfleet.common.streams import publish, subject
-from rlfleet.envkit.sdk.environment import environment_for
+from rlfleet.envkit.actions import ToolCall
+from rlfleet.envkit.sdk.environment import Environment, SandboxHandle, ToolResult, environment_for
 from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
 from rlfleet.envkit.tasks import task_message
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
 
 log = logging.getLogger(__name__)
 PLATFORM_RETRIES = 5  # runs of one evaluation episode that a service outage may stop before it counts
@@ -104,7 +109,7 @@ class Observer:
         self.groups_done = 0
         self.trainable_groups_done = 0  # complete groups whose rewards differ (GRPO trains on them)
         self.train_trajectories = 0
-        self._subs = []
+        self._subs: list[JetStreamContext.PushSubscription] = []
 
     async def start(self) -> None:
         from nats.js.api import DeliverPolicy
@@ -221,7 +226,7 @@ def latency_sampler(config: ToolLatencyConfig, seed: int) -> Callable[[], float]
 class SlowTools:
     """An environment whose tool calls take extra time drawn from a distribution (slow tools)."""
 
-    inner: object
+    inner: Environment
     delay: Callable[[], float]
 
     @property
@@ -229,17 +234,17 @@ class SlowTools:
         return self.inner.suite
 
     @property
-    def tools(self):
+    def tools(self) -> tuple[str, ...]:
         return self.inner.tools
 
     @property
     def needs_sandbox(self) -> bool:
         return getattr(self.inner, "needs_sandbox", True)
 
-    async def setup(self, sandbox, task) -> None:
+    async def setup(self, sandbox: SandboxHandle | None, task: common_pb2.Task) -> None:
         await self.inner.setup(sandbox, task)
 
-    async def run_tool(self, sandbox, call):
+    async def run_tool(self, sandbox: SandboxHandle | None, call: ToolCall) -> ToolResult:
         result = await self.inner.run_tool(sandbox, call)
         await asyncio.sleep(self.delay())
         return result

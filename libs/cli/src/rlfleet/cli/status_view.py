@@ -159,8 +159,8 @@ async def _queues(snapshot: Snapshot, state: PlatformState) -> None:
                 if info.config.filter_subject == wanted:
                     snapshot.queues.append({"stream": stream, "consumer": info.name,
                                             "pending": info.num_pending or 0, "ack_pending": info.num_ack_pending or 0})
-        info = await js.stream_info("TRAJECTORIES", subjects_filter=subject("TRAJECTORIES", state.run_id))
-        snapshot.trajectories = sum((info.state.subjects or {}).values())
+        stream_info = await js.stream_info("TRAJECTORIES", subjects_filter=subject("TRAJECTORIES", state.run_id))
+        snapshot.trajectories = sum((stream_info.state.subjects or {}).values())
     except (NatsError, TimeoutError) as exc:  # streams not created yet, or NATS going away
         snapshot.down["nats"] = str(exc) or type(exc).__name__
     finally:

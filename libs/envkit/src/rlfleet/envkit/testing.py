@@ -130,7 +130,9 @@ class ScriptedEngine:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-        self.end_id = self.tokenizer.token_to_id(IM_END)
+        end_id = self.tokenizer.token_to_id(IM_END)
+        assert end_id is not None, f"the tokenizer has no {IM_END}"
+        self.end_id = end_id
         self.delay_s = delay_s
         self.requests = 0
 
@@ -193,7 +195,7 @@ async def _serve(tokenizer_dir: str, ready_file: str, delay_s: float) -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = runner.addresses[0][1]
     write_ready_file(ready_file, {"url": f"http://127.0.0.1:{port}", "pid": os.getpid()})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -257,7 +259,7 @@ class LaunchedPlatform:
         self.services = services
         # By section name (`session`, `trainer`, `engine`, ...); keys may be dotted.
         self.sections = sections or {}
-        self.info = None
+        self.info: RunDir | None = None
 
     def config(self) -> dict:
         """The `rlfleet up` config of this launch."""

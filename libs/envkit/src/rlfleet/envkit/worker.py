@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats
+
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import check_health
@@ -92,7 +94,11 @@ class RolloutWorker:
         self._pending = 0  # episodes of in-flight groups not finished yet
         self._changed = asyncio.Event()  # pending episodes or in-flight groups changed
         self._groups: set[asyncio.Task] = set()
-        self.nc = self.queue = self.watch = self.runner = self.depth = None
+        self.nc: nats.NATS | None = None
+        self.queue: TaskQueue | None = None
+        self.watch: MaxDeliveriesWatch | None = None
+        self.runner: GroupRunner | None = None
+        self.depth: QueueDepthPoller | None = None
         self._own_clients = False
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -107,6 +113,7 @@ class RolloutWorker:
             except BaseException:
                 await self.shutdown()
                 raise
+        assert self.queue is not None  # start() made it
         idle_since = time.monotonic()
         try:
             while not stop.is_set() and not self._reached(max_tasks):
@@ -151,6 +158,7 @@ class RolloutWorker:
             self._add_pending(-1)  # frees its slot now, not when the whole group is done
             self._episode_done(summary)
 
+        assert self.runner is not None, "start() first"
         try:
             async with delivery.heartbeat(self.config.heartbeat_s):
                 outage = 0

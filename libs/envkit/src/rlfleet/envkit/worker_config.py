@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlfleet.common.config import LogConfig, MetricsConfig, NatsConfig, StrictModel, TelemetryConfig
+from rlfleet.common.config import NatsConfig, ProcessConfig, StrictModel
 
 
 class SamplingDefaults(StrictModel):
@@ -27,7 +27,7 @@ class AdmissionConfig(StrictModel):
     give_up_after_s: float = Field(600.0, gt=0, description="then the episode fails (and is retried on redelivery)")
 
 
-class WorkerConfig(StrictModel):
+class WorkerConfig(ProcessConfig):
     """Rollout worker: takes tasks from TASKS, runs each as a group of G episodes, acks when all are published."""
 
     run_id: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="run namespace for streams and keys")
@@ -69,9 +69,6 @@ class WorkerConfig(StrictModel):
                                    "delivery this long at most, waiting for the services to answer again")
     platform_backoff_max_s: float = Field(2.0, gt=0, description="longest wait between health checks then")
     drain_timeout_s: float = Field(30.0, ge=0, description="on stop, time in-flight groups get to finish")
-    log: LogConfig = Field(default_factory=LogConfig)
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     ready_file: str = Field("", description="write {pid, metrics_port} as JSON here once consuming")
 
     @property

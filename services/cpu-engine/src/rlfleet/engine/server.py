@@ -1036,7 +1036,7 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
     await app_runner.setup()
     site = web.TCPSite(app_runner, config.host, config.port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # the real port when config.port == 0
+    port = app_runner.addresses[0][1]  # the real port when config.port == 0
     url = f"http://{config.host}:{port}"
     if config.ready_file:
         write_ready_file(

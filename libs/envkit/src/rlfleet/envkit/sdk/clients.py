@@ -45,6 +45,7 @@ class RpcTimeouts:
 
 class _Client:
     service = ""
+    _stub: object  # the service's generated stub, made by each client; `_call` looks methods up by name
 
     def __init__(self, ch: grpc.aio.Channel, timeouts: RpcTimeouts) -> None:
         self.channel = ch
@@ -100,7 +101,8 @@ class SessionClient(_Client):
         except RpcNotFound:
             return None
 
-    async def close(self, session_id: str, status: int = common_pb2.TRAJECTORY_STATUS_COMPLETED,
+    async def close(self, session_id: str,
+                    status: common_pb2.TrajectoryStatus = common_pb2.TRAJECTORY_STATUS_COMPLETED,
                     metadata: Mapping[str, str] | None = None) -> session_pb2.CloseSessionResponse:
         request = session_pb2.CloseSessionRequest(session_id=session_id, status=status, metadata=metadata or {})
         return await self._call("CloseSession", request, self.timeouts.close_s)

@@ -75,8 +75,14 @@ class SandboxHandle:
 
 @runtime_checkable
 class Environment(Protocol):
-    suite: str
-    tools: tuple[str, ...]  # tool names this environment can run
+    # Read-only members, so a plain class attribute (`tools = ("search",)`) and a property both fit.
+    @property
+    def suite(self) -> str: ...
+
+    @property
+    def tools(self) -> tuple[str, ...]:
+        """Tool names this environment can run."""
+
     # Optional attribute `needs_sandbox: bool` (True when absent): False runs the episode without a
     # sandbox, and `setup`/`run_tool` then get None for it.
 
