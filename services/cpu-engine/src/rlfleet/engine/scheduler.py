@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import torch
 
@@ -61,6 +61,11 @@ log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def is_pause_mode(value: object) -> TypeGuard[PauseMode]:
+    """Whether a mode a caller sent is one the scheduler takes (and, to mypy, a PauseMode from here)."""
+    return value in PAUSE_MODES
 
 
 @dataclass
@@ -84,7 +89,7 @@ class Request:
     """A generate request's state in the scheduler; everything below is touched by its thread only."""
 
     def __init__(
-        self, item: GenerateItem, eos_token_ids: frozenset[int], on_done: Callable[[RequestOutput], None],
+        self, item: GenerateItem, eos_token_ids: frozenset[int], on_done: Callable[[RequestOutput], object],
         adapter: Adapter | None = None,
     ):
         spec = item.sampling
@@ -300,7 +305,8 @@ class Scheduler:
                                     [r.adapter for r in self.running])
         tokens, logprobs = sample(logits, [r.sampler for r in self.running])
         self.decode_steps += 1
-        keep, done = [], []
+        keep: list[int] = []
+        done: list[int] = []
         for row, request in enumerate(self.running):
             (done if self._append(request, tokens[row], logprobs[row]) else keep).append(row)
         if done:

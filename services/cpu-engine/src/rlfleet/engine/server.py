@@ -25,12 +25,14 @@ nothing is recorded per token. Health and load polls are not traced.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,7 @@ from rlfleet.engine.protocol import (
     check_input_size,
     parse_generate,
 )
-from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
+from rlfleet.engine.scheduler import PAUSE_MODES, PauseMode, Request, RequestOutput, Scheduler, is_pause_mode
 from rlfleet.engine.store_weights import StoreLoadError, StoreWeights
 from rlfleet.weights import broadcast as distributed
 from rlfleet.weights.errors import PathOutsideStore
@@ -281,7 +283,7 @@ class EngineServer:
             # The client went away (handler cancellation is on): free its batch slots.
             for item in items:
                 self.scheduler.call(
-                    lambda rid=item.rid: self.scheduler.abort(rid=rid, message="client disconnected")
+                    functools.partial(self.scheduler.abort, rid=item.rid, message="client disconnected")
                 )
             raise
 
@@ -404,7 +406,7 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = (await _body(request)).get("mode", "abort")
-        if mode not in PAUSE_MODES:
+        if not is_pause_mode(mode):
             return _error(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
         await self._call(lambda: self.scheduler.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -440,7 +442,7 @@ class EngineServer:
         version = _optional_str(body, "weight_version")
         refused = self._outside_store(path)
         if refused:
-            return _weight_reply(False, refused, http_status=403)
+            return _weight_reply(False, refused, 403)
         async with self._weights_lock:
             try:
                 named = await asyncio.to_thread(read_checkpoint, Path(path))
@@ -475,26 +477,29 @@ class EngineServer:
         if kind not in STORE_KINDS:
             return _error(f"update_weights_from_store needs 'kind', one of {', '.join(STORE_KINDS)}")
         mode = "abort" if body.get("abort_all_requests") else body.get("pause_mode", "retract")
-        if mode not in PAUSE_MODES:
+        if not is_pause_mode(mode):
             return _error(f"unknown pause_mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
         async with self._weights_lock:
             try:
                 ref = self.store.locate(path)
+                install: Callable[[], None]
+                finish: Callable[[], object] | None
                 if kind == "delta":
-                    prepared = await asyncio.to_thread(self.store.prepare_delta, ref)
-                    install, finish = self.store.swap_delta, self.store.finish_delta
+                    delta = await asyncio.to_thread(self.store.prepare_delta, ref)
+                    install = functools.partial(self.store.swap_delta, delta)
+                    finish = functools.partial(self.store.finish_delta, delta)
                     stats = {
-                        "base_version": prepared.decoded.base_version,
-                        "fetch_s": prepared.fetch_s,
-                        "preverify_s": prepared.preverify_s,
-                        "stage_s": prepared.stage_s,
-                        "bytes": prepared.payload_bytes,
-                        "changed_fraction": prepared.changed_fraction,
+                        "base_version": delta.decoded.base_version,
+                        "fetch_s": delta.fetch_s,
+                        "preverify_s": delta.preverify_s,
+                        "stage_s": delta.stage_s,
+                        "bytes": delta.payload_bytes,
+                        "changed_fraction": delta.changed_fraction,
                     }
                 else:
-                    prepared = await asyncio.to_thread(self.store.prepare_full, ref)
-                    install, finish = self.store.install_full, None
-                    stats = {"load_s": prepared.load_s, "bytes": prepared.bytes_read}
+                    full = await asyncio.to_thread(self.store.prepare_full, ref)
+                    install, finish = functools.partial(self.store.install_full, full), None
+                    stats = {"load_s": full.load_s, "bytes": full.bytes_read}
             except StoreLoadError as exc:
                 return _weight_reply(False, f"Failed to load {path} ({kind}): {exc}")
             version = _optional_str(body, "weight_version") or str(ref.version)
@@ -506,7 +511,7 @@ class EngineServer:
                 if own_pause:
                     self.scheduler.pause(mode)
                 try:
-                    install(prepared)
+                    install()
                     self.scheduler.weight_version = version
                 finally:
                     if own_pause:
@@ -515,7 +520,7 @@ class EngineServer:
 
             paused_requests, pause_s = await self._call(swap)
             if finish is not None:
-                await asyncio.to_thread(finish, prepared)
+                await asyncio.to_thread(finish)
         return _weight_reply(
             True,
             f"Succeeded to update model weights to store version {ref.version} ({kind}).",
@@ -734,7 +739,7 @@ class EngineServer:
             return _error("update_weights_from_staging needs 'checksums' (name -> hex digest) and "
                           "'checksum_algorithm'")
         mode = body.get("pause_mode", "retract")
-        if mode not in PAUSE_MODES:
+        if not is_pause_mode(mode):
             return _error(f"unknown pause_mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
         version = _optional_str(body, "weight_version")
         if source == "distributed":
@@ -759,7 +764,7 @@ class EngineServer:
             return await self._swap(named, version, mode, adopt_store=adopt, bytes=self.staging.nbytes)
 
     async def _flip_broadcast(self, checksums: dict[str, str], algorithm: str, version: str | None,
-                              mode: str) -> web.Response:
+                              mode: PauseMode) -> web.Response:
         async with self._weights_lock:
             staged, self._staged_broadcast = self._staged_broadcast, None
             if staged is None:
@@ -775,7 +780,7 @@ class EngineServer:
             return await self._adopt(staged.prepared, version or staged.version, mode, checksums=staged.checksums,
                                      checksum_algorithm=algorithm, bytes=staged.nbytes)
 
-    async def _swap(self, named, version: str | None, mode: str, adopt_store=None, **extra) -> web.Response:
+    async def _swap(self, named, version: str | None, mode: PauseMode, adopt_store=None, **extra) -> web.Response:
         """The one step inside the pause: the tensors (already received and checked) into the model.
         An engine already paused (by the gateway or a caller) stays paused: its pauser resumes it."""
 
@@ -785,7 +790,8 @@ class EngineServer:
             return _weight_reply(False, f"Failed to update weights: {exc}")
         return await self._adopt(prepared, version, mode, adopt_store=adopt_store, **extra)
 
-    async def _adopt(self, prepared, version: str | None, mode: str, adopt_store=None, **extra) -> web.Response:
+    async def _adopt(self, prepared, version: str | None, mode: PauseMode, adopt_store=None,
+                     **extra) -> web.Response:
         """The pause: each parameter takes its prepared buffer (a pointer flip). The old buffers are
         released after the resume, so freeing them is not part of the pause. `adopt_store` (after the
         resume, still under the weights lock): makes the engine hold the store's copy of what it
@@ -922,14 +928,14 @@ async def _body(request: web.Request, max_bytes: int | None = None) -> dict[str,
     return body
 
 
-def _pause_mode(request: web.Request, body: dict) -> str:
+def _pause_mode(request: web.Request, body: dict) -> PauseMode:
     """abort when SGLang's `abort_all_requests` says so; else the rlfleet-only query parameter
     `pause_mode` (SGLang's bodies have no such field, so the broker sends it to CPU engines this way);
     else in_place: the swap runs between two decode steps and running requests carry on."""
     if body.get("abort_all_requests"):
         return "abort"
     mode = request.query.get("pause_mode", "in_place")
-    if mode not in PAUSE_MODES:
+    if not is_pause_mode(mode):
         raise web.HTTPBadRequest(text=json.dumps({"error": {"message": f"unknown pause_mode {mode!r}; expected "
                                                             f"one of {', '.join(PAUSE_MODES)}"}}),
                                  content_type="application/json")
@@ -968,7 +974,7 @@ def _lora_reply(success: bool, error_message: str | None, loaded: dict[str, str]
     return web.json_response(body, status=200 if success else 400)
 
 
-def _weight_reply(success: bool, message: str, http_status: int | None = None, **extra) -> web.Response:
+def _weight_reply(success: bool, message: str, http_status: int | None = None, /, **extra) -> web.Response:
     span = trace.get_current_span()
     if span.is_recording():
         # The reply's numbers and names (version, load format, pause, bytes, ...) describe the update.
@@ -1021,6 +1027,7 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass  # already set in this process
+    assert config.model_path is not None  # rlfleet.engine.main.serve refuses a config without one
     runner = await asyncio.to_thread(ModelRunner, config.model_path)
     scheduler = Scheduler(
         runner,

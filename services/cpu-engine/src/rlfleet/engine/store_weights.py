@@ -236,11 +236,11 @@ class StoreWeights:
         for name, tensor in decoded.changed.items():
             param = self.runner.parameter(name)
             dtype = self.served.dtypes[name]
-            if tensor.encoding == "overwrite" and tensor.positions is not None:
+            assert tensor.encoding == "overwrite" and tensor.values is not None, "preverify stages overwrites"
+            if tensor.positions is not None:
                 values = torch.from_numpy(_as_fp32(tensor.values, dtype))
                 scatters.append((param, torch.from_numpy(tensor.positions.astype(np.int64, copy=False)), values))
                 continue
-            assert tensor.encoding == "overwrite" and tensor.values is not None, "preverify stages overwrites"
             new = _as_torch(tensor.values, dtype).to(param.dtype).view(param.shape)
             if param.data_ptr() in shared:  # storage shared with another Parameter object: write into it
                 scatters.append((param, torch.arange(param.numel()), new.reshape(-1)))

@@ -112,7 +112,9 @@ def make_lora_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alp
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)  # a str is a regex
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
+    # peft's annotation is too narrow: lora_alpha is typed int, yet peft only divides by it (alpha / r).
+    lora = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
+                      lora_dropout=0.0, target_modules=targets, **config)
     peft_model = get_peft_model(model, lora)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -167,9 +169,9 @@ async def http_call(url: str, path: str, body=None, method: str = "POST", within
 def generate_in_process(runner, ids: list[int], **sampling):
     """The same request through an in-process scheduler on `runner`: the reference for HTTP results."""
     from rlfleet.engine.protocol import GenerateItem, SamplingSpec
-    from rlfleet.engine.scheduler import Request, Scheduler
+    from rlfleet.engine.scheduler import Request, RequestOutput, Scheduler
 
-    outputs = []
+    outputs: list[RequestOutput] = []
     scheduler = Scheduler(runner)
     scheduler.submit(
         Request(
@@ -247,15 +249,12 @@ async def assert_engine_serves(url: str, served) -> None:
 def served_routes() -> dict[str, list[str]]:
     """Path -> methods of every route the engine's HTTP app serves (built without a model: the app's
     route table does not touch the runner), for the contract tests against SGLang's route table."""
-    from types import SimpleNamespace
-
     from rlfleet.engine.config import EngineConfig
     from rlfleet.engine.server import EngineServer
 
     server = EngineServer.__new__(EngineServer)  # the route table only: no model, no scheduler
     server.config = EngineConfig()
     server.traced = False
-    server.runner = SimpleNamespace()
     routes: dict[str, set[str]] = {}
     for resource in server.app().router.resources():
         for route in resource:
