@@ -24,7 +24,9 @@ from rlfleet.trainer.validation import Candidate
 
 
 class GroupFilter(Protocol):
-    reason: str
+    @property
+    def reason(self) -> str:
+        """Why a group this filter drops was dropped (a metric label)."""
 
     def drops(self, members: Sequence[Candidate]) -> bool: ...
 

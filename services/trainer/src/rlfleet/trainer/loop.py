@@ -273,11 +273,13 @@ class TrainerLoop:
     async def _background(self, *coroutines):
         """Runs helper tasks beside the loop; one that fails fails the loop (it is never left dead)."""
         main = asyncio.current_task()
+        assert main is not None  # the loop runs as a task
         failures: list[BaseException] = []
 
         def check(task: asyncio.Task) -> None:
-            if not task.cancelled() and task.exception() is not None:
-                failures.append(task.exception())
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                failures.append(failure)
                 main.cancel()
 
         tasks = [asyncio.create_task(c) for c in coroutines]

@@ -337,19 +337,24 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 def ppo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
     """PPO-clip on GAE advantages; with a shared critic (value head on the policy's trunk) plus
     value_coef times the clipped value loss. A separate critic trains on `value_loss` alone."""
-    shared = cfg.critic == "shared"
-    if shared and (inp.values is None or inp.old_values is None or inp.returns is None):
-        raise ValueError("ppo_loss with critic = 'shared' needs values, old_values and returns")
+    critic = _shared_critic_inputs(inp) if cfg.critic == "shared" else None
     norm = norm or LossNorm.local(inp.mask, inp.seq_ids)
     pg_loss, metrics = _clipped_token_objective(inp, cfg, norm)
     reg, reg_metrics = _regularisers(inp, cfg, norm)
     loss = pg_loss + reg
-    if shared:
-        v_loss, v_metrics = value_loss(inp.values, inp.old_values, inp.returns, inp.mask, inp.seq_ids, cfg, norm)
+    if critic is not None:
+        v_loss, v_metrics = value_loss(*critic, inp.mask, inp.seq_ids, cfg, norm)
         loss = loss + cfg.value_coef * v_loss
         metrics.update(v_metrics)
     metrics.update(reg_metrics)
     return loss, {"loss": _item(loss), **metrics}
+
+
+def _shared_critic_inputs(inp: PolicyInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """values, old_values and returns: what the value loss of a shared critic needs."""
+    if inp.values is None or inp.old_values is None or inp.returns is None:
+        raise ValueError("ppo_loss with critic = 'shared' needs values, old_values and returns")
+    return inp.values, inp.old_values, inp.returns
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, norm: LossNorm | None = None,

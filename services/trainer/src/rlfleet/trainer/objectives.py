@@ -112,20 +112,21 @@ def rl_step(backend: TrainingBackend, samples: Sequence[TrainSample], loss_cfg: 
     separate = ppo and loss_cfg.critic == "separate"
     if separate and value_model is None:
         raise ValueError("PPO with critic = 'separate' needs a value model")
+    critic = value_model if separate else None
     # `train_step` is one optimizer step (micro-batches accumulate), so the log-probs before the update
     # are those of its own forward pass (or the rollout's, which the trajectory carries); only a shared
     # critic's values need a pass of their own first, and that pass needs no LM head.
     values = None
-    if separate:
-        values = value_model.values(batch)
+    if critic is not None:
+        values = critic.values(batch)
     elif ppo:
         values = backend.compute_values(batch)
     batch = with_advantages(batch, loss_cfg, values)
     if reference is not None:
         batch = batch.replace(ref_logprobs=reference.compute_logprobs(batch))
     metrics = backend.train_step(batch, RLObjective(loss_cfg, old_is_current=recompute_old_logprobs))
-    if separate:
-        metrics.update(value_model.train_step(batch, loss_cfg))
+    if critic is not None:
+        metrics.update(critic.train_step(batch, loss_cfg))
     versions = batch.policy_versions.float()
     metrics.update(reward_mean=float(batch.rewards.mean()), policy_version_min=float(versions.min()))
     return metrics

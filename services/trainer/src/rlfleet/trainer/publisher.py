@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
@@ -35,6 +35,9 @@ from nats.js.errors import NotFoundError
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.streams import publish, subject
 from rlfleet.trainer.learner import Worker
+
+if TYPE_CHECKING:
+    from rlfleet.trainer.weight_sender import SendSummary, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +48,14 @@ ANNOUNCE_BACKOFF_MAX_S = 2.0  # NATS back from a restart is found within this
 
 
 class VersionPublisher:
-    def __init__(self, store: Any, js: Any, run_id: str, worker: Worker, sender: Any = None) -> None:
+    def __init__(self, store: Any, js: Any, run_id: str, worker: Worker, sender: WeightSender | None = None,
+                 ) -> None:
         self.store = store
         self.js = js
         self.run_id = run_id
         self.worker = worker
-        self.sender = sender  # rlfleet.trainer.weight_sender.WeightSender, or None: the store only
-        self.last_send = None
+        self.sender = sender  # None: the store only
+        self.last_send: SendSummary | None = None
         self._shards: Callable[[list, int], list] | None = None
 
     async def publish(self, version: int, parent: int, export: Callable[[], dict], step: int,
@@ -116,9 +120,9 @@ class VersionPublisher:
 
     async def _send(self, msg: common_pb2.PolicyVersion, state: dict,
                     stored: Future[common_pb2.PolicyVersion] | None = None) -> None:
+        assert self.sender is not None  # publish sends only when there is a sender
         try:
-            summary = await asyncio.to_thread(self.sender.send, msg, state, stored,  # type: ignore[union-attr]
-                                              self._shards)
+            summary = await asyncio.to_thread(self.sender.send, msg, state, stored, self._shards)
         except Exception as exc:  # the broker is down or refused: engines catch up from the store
             log.warning("sending version %d to engines failed: %s", msg.version, exc)
             return

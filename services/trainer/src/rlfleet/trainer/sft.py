@@ -143,7 +143,8 @@ def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: f
     objective = SFTObjective()
     start = time.perf_counter()
     eval_before = _eval_nll(backend, samples, pack_length)
-    epoch_losses, tokens = [], 0
+    epoch_losses: list[float] = []
+    tokens = 0.0  # a sum of the steps' "tokens" metrics, which are floats
     total_steps = epochs * steps_per_epoch
     every = max(total_steps // 10, 1)
     for epoch in range(epochs):

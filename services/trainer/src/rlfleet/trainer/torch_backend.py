@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,10 @@ from rlfleet.trainer.batching import TrainBatch, shard_rows
 from rlfleet.trainer.config import OptimConfig, TorchBackendConfig
 from rlfleet.trainer.losses import LossNorm, Metrics, logprobs_and_entropy
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",
                    "generation_config.json")
@@ -52,7 +56,7 @@ class PolicyModel(nn.Module):
     from outside a sharded root would skip its unshard hooks.
     """
 
-    def __init__(self, lm: nn.Module, value_head: bool, values_only: bool = False) -> None:
+    def __init__(self, lm: PreTrainedModel | PeftModel, value_head: bool, values_only: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.values_only = values_only  # a critic: the LM head is never run
@@ -76,7 +80,7 @@ class PolicyModel(nn.Module):
         return logits, values
 
 
-def build_lm(cfg: TorchBackendConfig) -> nn.Module:
+def build_lm(cfg: TorchBackendConfig) -> PreTrainedModel:
     import transformers
 
     if cfg.model_dir is not None:
@@ -118,11 +122,12 @@ class TorchBackend(TrainingBackend):
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)  # before NCCL init, so that each rank owns its GPU
         self.rank, self.world_size, self._owns_group = _init_distributed(self.device_type)
-        lm = build_lm(cfg)
+        base = build_lm(cfg)
+        lm: PreTrainedModel | PeftModel = base
         self.lora = cfg.lora if cfg.lora.enabled else None
         if self.lora is not None:
             # Base frozen, adapter (lora_B = 0) trainable: the optimizer below holds the adapter only.
-            lm = lora.wrap(lm, self.lora, cfg.model_dir or "")
+            lm = lora.wrap(base, self.lora, cfg.model_dir or "")
         # Seeded after the LM so that the value head is identical on every rank and every run.
         torch.manual_seed(cfg.seed)
         self.model = PolicyModel(lm, cfg.value_head, cfg.values_only).to(self.device)
@@ -151,7 +156,23 @@ class TorchBackend(TrainingBackend):
     @property
     def hf_model(self) -> nn.Module:
         """The transformers model itself (under peft: the wrapped one, adapters injected)."""
-        return self.model.lm.get_base_model() if self.lora is not None else self.model.lm
+        return self._peft_model().get_base_model() if self.lora is not None else self.model.lm
+
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's whole state dict (gathered from every rank, on the CPU): parameters and
+        buffers, so tensors only; collective."""
+        full: dict[str, torch.Tensor] = {}
+        for name, value in get_model_state_dict(self.model, options=_full_options()).items():
+            assert isinstance(value, torch.Tensor), name
+            full[name] = value
+        return full
+
+    def _peft_model(self) -> PeftModel:
+        """The LM as peft wrapped it (LoRA only)."""
+        from peft import PeftModel  # imported already: lora.wrap made the model with it
+
+        assert isinstance(self.model.lm, PeftModel), "this backend trains no LoRA adapter"
+        return self.model.lm
 
     @property
     def lm_config(self):
@@ -235,6 +256,7 @@ class TorchBackend(TrainingBackend):
             if out.entropy is not None:
                 entropy[idx, :width] = out.entropy.float() * valid
             if values is not None:
+                assert out.values is not None  # with_values: the value head ran
                 values[idx, :width] = out.values.float() * valid
         if self.world_size > 1:
             # Every row was filled by exactly one rank and is zero elsewhere, so a sum is a gather.
@@ -284,6 +306,9 @@ class TorchBackend(TrainingBackend):
         # FSDP: accumulate unsharded gradients locally and reduce-scatter once, after the last micro-batch
         # (one collective per step instead of one per micro-batch, for the memory of a full gradient).
         if self.world_size > 1:
+            from torch.distributed.fsdp import FSDPModule
+
+            assert isinstance(self.model, FSDPModule)  # _shard made it one
             self.model.set_requires_gradient_sync(last)
 
     def _clip_grad_norm(self) -> float:
@@ -339,7 +364,7 @@ class TorchBackend(TrainingBackend):
 
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
         """HF names (`model.layers.0...`, `lm_head.weight`), no value head; full tensors on rank 0 only."""
-        full = get_model_state_dict(self.model, options=_full_options())
+        full = self._full_model_state()
         if self.rank != 0:
             return {}
         if self.lora is not None:
@@ -354,7 +379,7 @@ class TorchBackend(TrainingBackend):
 
     def base_state_for_export(self) -> dict[str, torch.Tensor]:
         """LoRA: the frozen base weights, HF-named (what every adapter version applies to); rank 0 only."""
-        full = get_model_state_dict(self.model, options=_full_options())
+        full = self._full_model_state()
         if self.rank != 0:
             return {}
         out = lora.base_tensors(full, LM_PREFIX) if self.lora is not None else \
@@ -369,10 +394,10 @@ class TorchBackend(TrainingBackend):
         empty elsewhere)."""
         if self.lora is None:
             raise ValueError("this backend trains no LoRA adapter ([trainer.lora] enabled = false)")
-        full = get_model_state_dict(self.model, options=_full_options())
+        full = self._full_model_state()
         if self.rank != 0:
             return {}, {}
-        return lora.adapter_tensors(full, LM_PREFIX), lora.adapter_config(self.model.lm)
+        return lora.adapter_tensors(full, LM_PREFIX), lora.adapter_config(self._peft_model())
 
     def save_adapter(self, out_dir: str | Path) -> None:
         """LoRA: peft's adapter directory (adapter_config.json + adapter_model.safetensors)."""

@@ -28,13 +28,16 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.grpc_server import blocking_channel
 from rlfleet.common.processes import free_port
 from rlfleet.trainer.service_config import WeightSendConfig
+
+if TYPE_CHECKING:
+    from rlfleet.weights.p2p import P2PSender, TransferAgent
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,8 @@ class WeightSender:
         self._channel = blocking_channel(config.broker_address, options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
-        self._agent = None
-        self._p2p = None
+        self._agent: TransferAgent | None = None
+        self._p2p: P2PSender | None = None
 
     def close(self) -> None:
         if self._p2p is not None:
@@ -174,7 +177,7 @@ class WeightSender:
         return thread
 
     # --- P2P ------------------------------------------------------------------------------------
-    def _sender(self, bucket_bytes: int):
+    def _sender(self, bucket_bytes: int) -> P2PSender:
         from rlfleet.weights.p2p import P2PSender, TransferAgent
 
         if self._agent is None:
