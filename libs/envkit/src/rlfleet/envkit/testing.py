@@ -54,7 +54,8 @@ from rlfleet.envkit.corpus import default_corpus
 from rlfleet.envkit.run_dir import RunDir
 from rlfleet.envkit.suites.code_templates import TEMPLATES
 
-_MESSAGE_RE = re.compile(re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)" + re.escape(IM_END), re.DOTALL)
+_MESSAGE_RE = re.compile(re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)"
+                         + re.escape(IM_END), re.DOTALL)
 _SCRIPT_RE = re.compile(r"\[script:\s*(?P<steps>[a-z, ]+)\]")
 _EXPRESSION_RE = re.compile(r"What is (?P<expr>.+?)\?")
 
@@ -160,7 +161,8 @@ class ScriptedEngine:
             meta = {"id": body.get("rid", ""), "prompt_tokens": len(body["input_ids"]),
                     "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": "0",
                     "weight_versions": [{"version": "0", "start": 0, "end": len(ids)}],
-                    "finish_reason": {"type": finish, **({"matched": self.end_id} if finish == "stop" else {})},
+                    "finish_reason": {"type": finish,
+                                      **({"matched": self.end_id} if finish == "stop" else {})},
                     "output_token_logprobs": [[-0.25, token, None] for token in ids],
                     "e2e_latency": time.monotonic() - started}
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -206,7 +208,8 @@ async def _serve(tokenizer_dir: str, ready_file: str, delay_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlfleet.envkit.testing", description="the scripted engine")
+    parser = argparse.ArgumentParser(prog="python -m rlfleet.envkit.testing",
+                                     description="the scripted engine")
     parser.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--delay-s", type=float, default=0.0)
@@ -284,8 +287,8 @@ class LaunchedPlatform:
 
     def down(self) -> None:
         if (self.run_dir / "platform.json").exists():
-            subprocess.run([str(BIN / "rlfleet"), "down", "--run-dir", str(self.run_dir)], capture_output=True,
-                           timeout=60)
+            subprocess.run([str(BIN / "rlfleet"), "down", "--run-dir", str(self.run_dir)],
+                           capture_output=True, timeout=60)
 
     def __enter__(self) -> LaunchedPlatform:
         return self.up()
