@@ -72,7 +72,8 @@ class PaddedKVCache:
         self.length += new
 
     def decode_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention mask `[rows, 1, 1, length + 1]` and position ids `[rows, 1]` for one new token per row."""
+        """Attention mask `[rows, 1, 1, length + 1]` and position ids `[rows, 1]` for one
+        new token per row."""
         columns = torch.arange(self.length + 1)
         masked = columns[None, :] < self.pad[:, None]
         mask = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, torch.finfo(dtype).min)
@@ -86,7 +87,8 @@ class PaddedKVCache:
         for layer in range(self.num_layers):
             keys, values = self.keys[layer], self.values[layer]
             if keys is not None and values is not None:
-                self.keys[layer], self.values[layer] = keys.index_select(0, index), values.index_select(0, index)
+                self.keys[layer] = keys.index_select(0, index)
+                self.values[layer] = values.index_select(0, index)
         self._trim()
 
     def extend(self, other: PaddedKVCache) -> None:

@@ -137,7 +137,8 @@ class ModelRunner:
         columns = torch.arange(start + fed)[None, None, :]
         query = (start + torch.arange(fed))[None, :, None]
         allowed = (columns >= pad[:, None, None]) & (columns <= query) | (columns == query)
-        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        lowest = torch.finfo(torch.float32).min
+        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, lowest)
         with self.lora.batch(adapters or [None] * rows):
             output = self.model(
                 input_ids=input_ids,

@@ -240,7 +240,8 @@ class Scheduler:
         cached = None if want_input else self._cached_prefix(tokens, request.reserved_tokens, request.adapter)
         if request.retractions == 0:
             request.cached_tokens = 0 if cached is None else cached.length
-        logits, cache = self.runner.prefill(tokens, all_logits=want_input, cached=cached, adapter=request.adapter)
+        logits, cache = self.runner.prefill(tokens, all_logits=want_input, cached=cached,
+                                            adapter=request.adapter)
         self.prefill_passes += 1
         request.kv_epoch = self.runner.weight_epoch
         if want_input:
@@ -277,7 +278,8 @@ class Scheduler:
         kept = [max(0, len(tokens) - fed) for _, tokens, _, _ in plans]  # cached columns each row keeps
         logits, cache = self.runner.prefill_rows(
             [tokens for _, tokens, _, _ in plans],
-            [None if keep == 0 else (hit.keys, hit.values) for (_, _, _, hit), keep in zip(plans, kept, strict=True)],
+            [None if keep == 0 else (hit.keys, hit.values)
+             for (_, _, _, hit), keep in zip(plans, kept, strict=True)],
             kept,
             fed,
             [request.adapter for request, _, _, _ in plans],
@@ -449,7 +451,8 @@ class Scheduler:
         self._drop_stale_prefixes()
         return self.prefix_cache.lookup(tokens, _namespace(adapter))
 
-    def _cached_prefix(self, tokens: list[int], reserved: int, adapter: Adapter | None) -> PaddedKVCache | None:
+    def _cached_prefix(self, tokens: list[int], reserved: int,
+                       adapter: Adapter | None) -> PaddedKVCache | None:
         """A one-row cache holding the longest prefix of `tokens` cached under `adapter`, or None."""
         hit = self._prefix_hit(tokens, adapter)
         if hit is None:

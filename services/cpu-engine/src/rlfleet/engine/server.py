@@ -2,8 +2,9 @@
 
 Route names, request fields, reply keys and error behaviour are SGLang's for everything rlfleet uses
 (tests/contract checks them against the snapshot taken from SGLang's package): `/model_info`,
-`/server_info`, `/v1/loads`, `/v1/models` (loaded adapters as model cards), per-token `meta_info.weight_versions`, LoRA adapters (`/load_lora_adapter`,
-`/unload_lora_adapter`, `lora_path` per request: `lora.py`), `update_weights_from_disk` with
+`/server_info`, `/v1/loads`, `/v1/models` (loaded adapters as model cards), per-token
+`meta_info.weight_versions`, LoRA adapters (`/load_lora_adapter`, `/unload_lora_adapter`,
+`lora_path` per request: `lora.py`), `update_weights_from_disk` with
 SGLang's load formats only (an unknown one is an error, never a silent success), `--api-key` /
 `--admin-api-key` as `Authorization: Bearer`. What SGLang has no route for lives under `/rlfleet/`
 (`/rlfleet/update_weights_from_store`: weight-store deltas and exact full loads).
@@ -16,9 +17,9 @@ scheduler command. Bad input answers 400 with `{"error": {"message": ...}}` as S
 
 Tracing (when on: an exporter configured): `/generate` and the control and weight-update routes
 are SERVER spans, children of the caller's W3C `traceparent` (the gateway's `engine POST /generate`
-client span), so an episode's trace reaches into the engine. A generate span lives as long as its handler awaits the scheduler's
-reply -- queued, prefilled, decoded, finished -- and is described once, from the reply (tokens in
-and out, finish reason, queue wait, weight version): the scheduler thread never touches it, and
+client span), so an episode's trace reaches into the engine. A generate span lives as long as its handler
+awaits the scheduler's reply -- queued, prefilled, decoded, finished -- and is described once, from the reply
+(tokens in and out, finish reason, queue wait, weight version): the scheduler thread never touches it, and
 nothing is recorded per token. Health and load polls are not traced.
 """
 
@@ -265,7 +266,8 @@ class EngineServer:
         results = [_result(item, out) for item, out in zip(items, outputs, strict=True)]
         return web.json_response(results if is_batch else results[0])
 
-    async def _run(self, items: list[GenerateItem], adapters: list[Adapter | None] | None = None) -> list[RequestOutput]:
+    async def _run(self, items: list[GenerateItem],
+                   adapters: list[Adapter | None] | None = None) -> list[RequestOutput]:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
         adapters = adapters or [None] * len(items)
@@ -295,7 +297,8 @@ class EngineServer:
             adapter = self.runner.lora.adapters.get(name)
             if adapter is None and name not in self._lora_refs:
                 raise BadRequest(f"Got LoRA adapter that has never been loaded: {name}\n"
-                                 f"All loaded adapters: {sorted(self.runner.lora.adapters)}.", field="lora_path")
+                                 f"All loaded adapters: {sorted(self.runner.lora.adapters)}.",
+                                 field="lora_path")
             resolved[name] = adapter or await self._reload(name)
         return [None if item.lora_path is None else resolved[item.lora_path] for item in items]
 
@@ -309,7 +312,8 @@ class EngineServer:
             try:
                 return (await self._load_adapter(name, path, pinned))[0]
             except LoRALoadError as exc:
-                raise BadRequest(f"Failed to implicitly load LoRA adapter {name}: {exc}", field="lora_path") from None
+                raise BadRequest(f"Failed to implicitly load LoRA adapter {name}: {exc}",
+                                 field="lora_path") from None
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -540,7 +544,8 @@ class EngineServer:
             rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
         except (KeyError, TypeError, ValueError) as exc:
             return _error(
-                f"init_weights_update_group needs master_address, master_port, rank_offset, world_size ({exc})"
+                "init_weights_update_group needs master_address, master_port, "
+                f"rank_offset, world_size ({exc})"
             )
         name = str(body.get("group_name", "weight_update_group"))
         backend = str(body.get("backend", "gloo"))
@@ -640,16 +645,19 @@ class EngineServer:
         scheduler pauses only for the install (a dict update: `pause_s` in the reply)."""
         body = await _body(request)
         name, path, pinned = body.get("lora_name"), body.get("lora_path"), body.get("pinned", False)
-        if not (isinstance(name, str) and name and isinstance(path, str) and path and isinstance(pinned, bool)):
-            return _lora_reply(False, "load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty strings) "
-                                      "and optionally 'pinned' (true or false)")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path
+                and isinstance(pinned, bool)):
+            return _lora_reply(False, "load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty "
+                                      "strings) and optionally 'pinned' (true or false)")
         async with self._lora_lock:
             try:
                 adapter, pause_s = await self._load_adapter(name, path, pinned)
             except LoRALoadError as exc:
                 return _lora_reply(False, str(exc))
-        trace.get_current_span().set_attributes({"rlfleet.lora_name": name, "rlfleet.lora_rank": adapter.rank})
-        return _lora_reply(True, None, self.runner.lora.loaded(), pause_s=pause_s, adapter_bytes=adapter.nbytes)
+        trace.get_current_span().set_attributes({"rlfleet.lora_name": name,
+                                                 "rlfleet.lora_rank": adapter.rank})
+        return _lora_reply(True, None, self.runner.lora.loaded(), pause_s=pause_s,
+                           adapter_bytes=adapter.nbytes)
 
     async def _load_adapter(self, name: str, path: str, pinned: bool) -> tuple[Adapter, float]:
         """Reads, checks and installs an adapter (caller holds the LoRA lock); (adapter, pause seconds)."""
@@ -658,8 +666,8 @@ class EngineServer:
         refused = self._outside_store(path)  # adapters, like weights, only from under the store root
         if refused:
             raise LoRALoadError(f"Failed to load LoRA adapter {name}: {refused}")
-        adapter = await asyncio.to_thread(read_adapter, path, name, self.runner.lora.linears, self.runner.vocab_size,
-                                          pinned)
+        adapter = await asyncio.to_thread(read_adapter, path, name, self.runner.lora.linears,
+                                          self.runner.vocab_size, pinned)
 
         def install() -> float:
             started = time.perf_counter()
@@ -689,8 +697,8 @@ class EngineServer:
         body = await _body(request)
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
-            return _error("update_weights_from_tensor needs 'serialized_named_tensors': a list of base64 strings, "
-                          "one per TP rank")
+            return _error("update_weights_from_tensor needs 'serialized_named_tensors': a list of base64 "
+                          "strings, one per TP rank")
         if len(entries) != 1:
             return _error(f"serialized_named_tensors has {len(entries)} entries; this engine has TP size 1")
         load_format = body.get("load_format")
@@ -758,7 +766,8 @@ class EngineServer:
             try:
                 await asyncio.to_thread(self.staging.verify, checksums, algorithm)
             except P2PError as exc:
-                return _weight_reply(False, f"staged weights refused: {exc}", mismatched=getattr(exc, "names", []))
+                return _weight_reply(False, f"staged weights refused: {exc}",
+                                     mismatched=getattr(exc, "names", []))
             named = self.staging.named()
             adopt = None if ref is None else (lambda: self.store.adopt_sent(ref, named, checksums, algorithm))
             return await self._swap(named, version, mode, adopt_store=adopt, bytes=self.staging.nbytes)
@@ -777,10 +786,12 @@ class EngineServer:
             if bad:
                 return _weight_reply(False, f"staged weights refused: {len(bad)} tensor(s) arrived with the "
                                             f"wrong checksum: {', '.join(bad[:5])}", mismatched=bad)
-            return await self._adopt(staged.prepared, version or staged.version, mode, checksums=staged.checksums,
-                                     checksum_algorithm=algorithm, bytes=staged.nbytes)
+            return await self._adopt(staged.prepared, version or staged.version, mode,
+                                     checksums=staged.checksums, checksum_algorithm=algorithm,
+                                     bytes=staged.nbytes)
 
-    async def _swap(self, named, version: str | None, mode: PauseMode, adopt_store=None, **extra) -> web.Response:
+    async def _swap(self, named, version: str | None, mode: PauseMode, adopt_store=None,
+                    **extra) -> web.Response:
         """The one step inside the pause: the tensors (already received and checked) into the model.
         An engine already paused (by the gateway or a caller) stays paused: its pauser resumes it."""
 
@@ -936,8 +947,8 @@ def _pause_mode(request: web.Request, body: dict) -> PauseMode:
         return "abort"
     mode = request.query.get("pause_mode", "in_place")
     if not is_pause_mode(mode):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": f"unknown pause_mode {mode!r}; expected "
-                                                            f"one of {', '.join(PAUSE_MODES)}"}}),
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": f"unknown pause_mode {mode!r}; "
+                                                            f"expected one of {', '.join(PAUSE_MODES)}"}}),
                                  content_type="application/json")
     return mode
 

@@ -1,4 +1,5 @@
-"""Weight loads from the rlfleet weight store: `POST /rlfleet/update_weights_from_store`, `kind` delta or full.
+"""Weight loads from the rlfleet weight store: `POST /rlfleet/update_weights_from_store`,
+`kind` delta or full.
 
 An rlfleet-only route (SGLang has no load format for store deltas; its `update_weights_from_disk`
 takes SGLang's own formats only, and so does this engine's), with `model_path` = a version directory
@@ -145,7 +146,8 @@ class StoreWeights:
         if index.kind == "adapter":
             return f"version {ref.version} is an adapter version"
         if index.checksum != algorithm:
-            return f"the store hashed version {ref.version} with {index.checksum}, the trainer with {algorithm}"
+            return (f"the store hashed version {ref.version} with {index.checksum}, "
+                    f"the trainer with {algorithm}")
         sent = dict(named)
         entries = {e.name: e for e in index.tensors}
         if set(entries) - set(sent) or set(sent) - set(entries) - set(index.aliases):
@@ -166,17 +168,20 @@ class StoreWeights:
     def locate(self, model_path: str) -> VersionRef:
         parsed = urlparse(model_path)
         if parsed.scheme not in ("", "file"):
-            raise StoreLoadError(f"model_path {model_path!r}: only local paths and file:// URIs are supported")
+            raise StoreLoadError(f"model_path {model_path!r}: only local paths and "
+                                 "file:// URIs are supported")
         path = Path(unquote(parsed.path) if parsed.scheme else model_path)
         if not path.is_absolute():
-            raise StoreLoadError(f"model_path {model_path!r} must be an absolute version directory of the store")
+            raise StoreLoadError(f"model_path {model_path!r} must be an absolute version "
+                                 "directory of the store")
         root = self.root or path.parent.parent
         try:
             resolved = confine(path, root)
         except PathOutsideStore as exc:
             raise StoreLoadError(str(exc)) from None
         if not (resolved / INDEX_FILE).is_file():
-            raise StoreLoadError(f"version not found: {model_path} is not a version directory of a weight store")
+            raise StoreLoadError(f"version not found: {model_path} is not a version "
+                                 "directory of a weight store")
         run_dir = resolved.parent
         store = self._stores.get(run_dir)
         if store is None:
@@ -205,7 +210,8 @@ class StoreWeights:
             holds = (
                 "no weight-store version"
                 if self.held is None
-                else f"version {self.held[1]}" + ("" if self.held[0] == ref.store.run_dir else f" of {self.held[0]}")
+                else f"version {self.held[1]}"
+                + ("" if self.held[0] == ref.store.run_dir else f" of {self.held[0]}")
             )
             raise StoreLoadError(
                 f"base version mismatch: delta {ref.version} applies to version {index.base_version} "
@@ -239,7 +245,8 @@ class StoreWeights:
             assert tensor.encoding == "overwrite" and tensor.values is not None, "preverify stages overwrites"
             if tensor.positions is not None:
                 values = torch.from_numpy(_as_fp32(tensor.values, dtype))
-                scatters.append((param, torch.from_numpy(tensor.positions.astype(np.int64, copy=False)), values))
+                positions = torch.from_numpy(tensor.positions.astype(np.int64, copy=False))
+                scatters.append((param, positions, values))
                 continue
             new = _as_torch(tensor.values, dtype).to(param.dtype).view(param.shape)
             if param.data_ptr() in shared:  # storage shared with another Parameter object: write into it
@@ -275,7 +282,8 @@ class StoreWeights:
             result = apply_delta(self.served, prepared.decoded, current_version=prepared.decoded.base_version,
                                  workers=self.store_config.workers)  # fmt: skip
         except WeightStoreError:
-            log.exception("updating the served bytes after swapping in version %d failed", prepared.ref.version)
+            log.exception("updating the served bytes after swapping in version %d failed",
+                          prepared.ref.version)
             self.forget()
             return None
         self.held = prepared.ref.key
@@ -283,13 +291,15 @@ class StoreWeights:
 
     # --- full -----------------------------------------------------------------------------------
     def prepare_full(self, ref: VersionRef) -> PreparedFull:
-        """Rebuilds any version exactly (full checkpoint + deltas, checksums verified); raises StoreLoadError."""
+        """Rebuilds any version exactly (full checkpoint + deltas, checksums verified);
+        raises StoreLoadError."""
         started = time.perf_counter()
         try:
             chain = ref.store.chain(ref.version)
             tensors = ref.store.load_version(ref.version)
         except WeightStoreError as exc:
-            raise StoreLoadError(f"version {ref.version} cannot be rebuilt exactly from the store: {exc}") from None
+            raise StoreLoadError(f"version {ref.version} cannot be rebuilt exactly "
+                                 f"from the store: {exc}") from None
         self._check_covers_model(tensors)
         read = sum(ref.store.index(v).total_bytes for v in chain)
         return PreparedFull(ref, tensors, time.perf_counter() - started, read)
@@ -306,7 +316,8 @@ class StoreWeights:
             name for name, p in self.runner.model.named_parameters() if p.data_ptr() not in covered
         ]
         if missing:
-            raise StoreLoadError(f"the version lacks parameters of the served model: {', '.join(missing[:8])}")
+            raise StoreLoadError("the version lacks parameters of the served model: "
+                                 f"{', '.join(missing[:8])}")
 
     def install_full(self, prepared: PreparedFull) -> None:
         """The pause of a full load: copies every tensor into the fp32 model."""
@@ -315,7 +326,8 @@ class StoreWeights:
         self.runner.weights_changed()
         with torch.no_grad():
             for name, arr in tensors.items():
-                self.runner.parameter(name).detach().view(-1).copy_(_as_torch(arr, tensors.dtypes[name]).view(-1))
+                served = _as_torch(arr, tensors.dtypes[name]).view(-1)
+                self.runner.parameter(name).detach().view(-1).copy_(served)
         self.served, self.held = tensors, prepared.ref.key
 
 

@@ -158,7 +158,8 @@ async def http_call(url: str, path: str, body=None, method: str = "POST", within
     """(status, JSON or text) of one request; a fresh session each time keeps tests independent."""
     async with aiohttp.ClientSession() as session:
         request = session.request(
-            method, url + path, json=body, timeout=aiohttp.ClientTimeout(total=within_s), headers=auth_headers(path)
+            method, url + path, json=body, timeout=aiohttp.ClientTimeout(total=within_s),
+            headers=auth_headers(path)
         )
         async with request as response:
             if response.content_type == "application/json":
@@ -227,7 +228,8 @@ async def read_engine_weights(url: str, names) -> dict:
 
     weights = {}
     for name in names:
-        status, values = await http_call(url, "/get_weights_by_name", {"name": name, "truncate_size": 1 << 30})
+        status, values = await http_call(url, "/get_weights_by_name",
+                                         {"name": name, "truncate_size": 1 << 30})
         if status != 200:
             raise AssertionError(f"get_weights_by_name {name}: {status} {values}")
         weights[name] = torch.tensor(values, dtype=torch.float32)
