@@ -54,8 +54,8 @@ class TrainerApp(PeersApp):
             await self._start_training()
         else:
             log.warning(NO_MODEL)
-        server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(self.config, self.loop),
-                   SERVICE_NAME)
+        server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
+                   TrainerServicer(self.config, self.loop), SERVICE_NAME)
 
     async def _start_training(self) -> None:
         cfg = self.config

@@ -87,7 +87,8 @@ class TrainingBackend(abc.ABC):
 
     @abc.abstractmethod
     def save_hf(self, out_dir: str | Path) -> None:
-        """config.json + model.safetensors (+ tokenizer files of the source) that transformers and the engine load."""
+        """config.json + model.safetensors (+ tokenizer files of the source) that transformers
+        and the engine load."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -160,6 +161,7 @@ class MetricReducer:
         return out
 
     def result(self) -> Metrics:
-        out = {k: v if self._is_sum(k) else v / max(self.weights.get(k, 0.0), 1e-12) for k, v in self.sums.items()}
+        out = {k: v if self._is_sum(k) else v / max(self.weights.get(k, 0.0), 1e-12)
+               for k, v in self.sums.items()}
         out.update(self.maxima)
         return out

@@ -48,8 +48,9 @@ class TrajectoryConsumer:
     async def start(self) -> None:
         """Creates the durable consumer, or updates its ack_wait/max_ack_pending, and binds to it."""
         config = ConsumerConfig(
-            durable_name=self.name, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject(STREAM, self.run_id),
-            deliver_policy=DeliverPolicy.ALL, ack_wait=self.options.ack_wait_s, max_deliver=-1,
+            durable_name=self.name, ack_policy=AckPolicy.EXPLICIT,
+            filter_subject=subject(STREAM, self.run_id), deliver_policy=DeliverPolicy.ALL,
+            ack_wait=self.options.ack_wait_s, max_deliver=-1,
             max_ack_pending=self.options.max_ack_pending)
         try:
             await self.js.add_consumer(STREAM, config)

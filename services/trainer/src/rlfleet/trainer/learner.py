@@ -245,7 +245,8 @@ class Learner:
         targets = [(p.engine_id, p.endpoint_json) for p in peers]
         gathered = self.run("send_p2p_shards", targets, bucket_bytes)
         log.info("P2P shards written by %d ranks: %s", self.core.world_size, "; ".join(
-            f"{engine_id} " + ", ".join(f"rank {rank} {g[engine_id][1]} B{'' if g[engine_id][0] else ' FAILED'}"
+            f"{engine_id} " + ", ".join(f"rank {rank} {g[engine_id][1]} "
+                                        f"B{'' if g[engine_id][0] else ' FAILED'}"
                                         for rank, g in enumerate(gathered))
             for engine_id, _ in targets))  # fmt: skip
         return merged(targets, gathered)

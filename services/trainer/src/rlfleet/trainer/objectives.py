@@ -84,7 +84,8 @@ class SFTObjective:
     def __call__(self, out: ModelOutputs, batch: TrainBatch, norm: LossNorm) -> tuple[torch.Tensor, Metrics]:
         loss, metrics = sft_loss(out.logprobs, batch.loss_mask, batch.seq_ids, norm, self.mode)
         if out.entropy is not None:
-            metrics["entropy"] = float((out.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1))
+            mask = batch.loss_mask
+            metrics["entropy"] = float((out.entropy * mask).sum() / mask.sum().clamp(min=1))
         return loss, metrics
 
 
@@ -94,7 +95,8 @@ def with_advantages(batch: TrainBatch, cfg: LossConfig, values: torch.Tensor | N
         if values is None:
             raise ValueError("PPO advantages need the critic's values")
         rewards = terminal_rewards(batch.rewards, batch.loss_mask, batch.seq_ids)
-        adv, returns = gae_advantages(rewards, values, batch.loss_mask, batch.seq_ids, cfg.gamma, cfg.gae_lambda)
+        adv, returns = gae_advantages(rewards, values, batch.loss_mask, batch.seq_ids,
+                                      cfg.gamma, cfg.gae_lambda)
         if cfg.whiten_advantages:
             adv = whiten(adv, batch.loss_mask)
         return batch.replace(advantages=adv, old_values=values * batch.loss_mask, returns=returns)

@@ -99,7 +99,8 @@ class VersionPublisher:
 
     async def publish_adapter(self, version: int, parent: int, base_version: int, export: Callable[[], tuple],
                               step: int, metrics: dict[str, float]) -> common_pb2.PolicyVersion:
-        """LoRA: writes the adapter `export()` returns as `version` on the full `base_version`, and announces it."""
+        """LoRA: writes the adapter `export()` returns as `version` on the full `base_version`,
+        and announces it."""
 
         def write() -> dict[str, Any]:
             tensors, config = export()
@@ -128,8 +129,9 @@ class VersionPublisher:
             return
         self.last_send = summary
         failed = [o.engine_id for o in summary.outcomes if not o.ok]
-        log.info("version %d sent straight to %d engine(s) in %.3f s (%s)%s", msg.version, len(summary.outcomes),
-                 summary.seconds, ", ".join(f"{k} {v} B" for k, v in summary.bytes.items()) or "nothing sent",
+        log.info("version %d sent straight to %d engine(s) in %.3f s (%s)%s", msg.version,
+                 len(summary.outcomes), summary.seconds,
+                 ", ".join(f"{k} {v} B" for k, v in summary.bytes.items()) or "nothing sent",
                  f"; {failed} fall back to the store" if failed else "",
                  extra={"version": msg.version, "send_s": round(summary.seconds, 4)})
 
@@ -140,8 +142,8 @@ class VersionPublisher:
         while True:
             attempt += 1
             try:
-                await publish(self.js, "POLICY", self.run_id, msg.SerializeToString(), msg_type="PolicyVersion",
-                              msg_id=f"{self.run_id}-v{msg.version}")
+                await publish(self.js, "POLICY", self.run_id, msg.SerializeToString(),
+                              msg_type="PolicyVersion", msg_id=f"{self.run_id}-v{msg.version}")
                 break
             except (NatsError, TimeoutError) as exc:
                 # NATS down or restarting: wait for it (the client reconnects by itself) rather than
@@ -150,8 +152,9 @@ class VersionPublisher:
                 log.warning("announcing version %d failed (%s); retrying in %.1f s (attempt %d)", msg.version,
                             exc or type(exc).__name__, delay, attempt)
                 await asyncio.sleep(delay)
-        log.info("published policy version %d (parent %d, %s, %d bytes)", msg.version, parent, manifest["kind"],
-                 manifest["bytes"], extra={"version": msg.version, "parent_version": parent})
+        log.info("published policy version %d (parent %d, %s, %d bytes)", msg.version, parent,
+                 manifest["kind"], manifest["bytes"],
+                 extra={"version": msg.version, "parent_version": parent})
         return msg
 
     def policy_version(self, manifest: dict[str, Any], parent: int, step: int,

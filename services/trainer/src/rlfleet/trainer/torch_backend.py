@@ -71,7 +71,8 @@ class PolicyModel(nn.Module):
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None,
                 with_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                        attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -136,8 +137,10 @@ class TorchBackend(TrainingBackend):
         o = self.optim_cfg = cfg.optim
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.optim_cfg))
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda s: lr_factor(s, self.optim_cfg))
         self._step = 0
 
     def _shard(self) -> None:
@@ -184,15 +187,18 @@ class TorchBackend(TrainingBackend):
                  with_entropy: bool = True) -> ModelOutputs:
         attention_mask = None if mb.attention_mask is None else mb.attention_mask.to(self.device)
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            logits, values = self.model(mb.input_ids.to(self.device), mb.position_ids.to(self.device), attention_mask,
+            logits, values = self.model(mb.input_ids.to(self.device),
+                                        mb.position_ids.to(self.device), attention_mask,
                                         with_logits=with_logprobs)
         if logits is None:  # a critic, or values alone
             logprobs, entropy = torch.zeros(mb.input_ids.shape, device=self.device), None
         else:
-            logprobs, entropy = logprobs_and_entropy(logits, mb.input_ids.to(self.device), with_entropy, entropy_grad)
+            logprobs, entropy = logprobs_and_entropy(logits, mb.input_ids.to(self.device),
+                                                     with_entropy, entropy_grad)
         if with_values:
             if values is None:
-                raise ValueError("the loss needs values but the backend has no value head (set value_head=true)")
+                raise ValueError("the loss needs values but the backend has no value head "
+                                 "(set value_head=true)")
             # The value of the state before token t lives on the hidden state of position t - 1.
             values = nn.functional.pad(values[:, :-1].float(), (1, 0))
         return ModelOutputs(logprobs=logprobs, entropy=entropy, values=values if with_values else None)
@@ -250,7 +256,8 @@ class TorchBackend(TrainingBackend):
             out = self._forward(mb, with_values, entropy_grad=False, with_logprobs=with_logprobs,
                                 with_entropy=with_entropy)
             idx, width = torch.tensor(chunks[i], device=dev), mb.input_ids.shape[1]
-            # A sequence's first token has nothing to be predicted from (packed: it would be the previous sample).
+            # A sequence's first token has nothing to be predicted from (packed: it would be
+            # the previous sample).
             valid = ((mb.seq_ids >= 0) & (mb.position_ids > 0)).float().to(dev)
             logprobs[idx, :width] = out.logprobs.float() * valid
             if out.entropy is not None:
@@ -264,7 +271,8 @@ class TorchBackend(TrainingBackend):
                 if t is not None:
                     dist.all_reduce(t)
         self.model.train()
-        return ModelOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu(), values=None if values is None else values.cpu())
+        return ModelOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu(),
+                            values=None if values is None else values.cpu())
 
     # ------------------------------------------------------------ train
 
@@ -283,7 +291,8 @@ class TorchBackend(TrainingBackend):
                 continue
             mb = _to_device(batch.select_rows(chunks[i]), self.device)
             loss, metrics = loss_fn(self._forward(mb, needs_values, entropy_grad), mb, norm)
-            # FSDP averages gradients over ranks; the loss is already this micro-batch's share of the global mean.
+            # FSDP averages gradients over ranks; the loss is already this micro-batch's
+            # share of the global mean.
             (loss * self.world_size).backward()
             reducer.add(metrics, float(mb.loss_mask.sum()))
         lr = self.optimizer.param_groups[0]["lr"]
@@ -350,8 +359,10 @@ class TorchBackend(TrainingBackend):
         saved_lora = state["trainer"].get("lora")
         mine = self.lora.model_dump() if self.lora is not None else None
         if saved_lora != mine:
-            raise ValueError(f"the checkpoint was trained with lora = {saved_lora}, this trainer has lora = {mine}: "
-                             "a LoRA checkpoint holds the adapter only and resumes only with the same [trainer.lora]")
+            raise ValueError(f"the checkpoint was trained with lora = {saved_lora}, this "
+                             f"trainer has lora = {mine}: "
+                             "a LoRA checkpoint holds the adapter only and resumes only with "
+                             "the same [trainer.lora]")
         # A LoRA checkpoint holds the trainable parameters only; the frozen base stays as loaded.
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1,
                                    strict=self.lora is None)

@@ -67,8 +67,8 @@ class ValueObjective:
         if batch.returns is None or batch.old_values is None:
             raise ValueError("the value loss needs returns and old_values; call with_advantages first")
         assert out.values is not None  # needs_values: the backend ran the value head
-        loss, metrics = value_loss(out.values, batch.old_values, batch.returns, batch.loss_mask, batch.seq_ids,
-                                   self.cfg, norm)
+        loss, metrics = value_loss(out.values, batch.old_values, batch.returns,
+                                   batch.loss_mask, batch.seq_ids, self.cfg, norm)
         return loss, {"loss": metrics["value_loss"], **metrics}
 
 

@@ -14,9 +14,9 @@ While the version is written to the weight store (catch-up, audit, rollback; `be
   keeping the memory alive until the broker answers (the engines have copied by then);
 
 then waits for the store write and reports what went through with the stored version (or the
-write's error: the broker then rejects the version and flips nothing in). Checksums of every tensor go in the request, so each engine's
-transfer is verified whatever the transport. A send that fails is logged and reported; training
-never stops for it (the engines catch up from the store).
+write's error: the broker then rejects the version and flips nothing in). Checksums of every tensor go in the
+request, so each engine's transfer is verified whatever the transport. A send that fails is logged and
+reported; training never stops for it (the engines catch up from the store).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class WeightSender:
     def __init__(self, config: WeightSendConfig) -> None:
         self.config = config
         self._channel = blocking_channel(config.broker_address, options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
         self._agent: TransferAgent | None = None
         self._p2p: P2PSender | None = None
@@ -147,8 +148,8 @@ class WeightSender:
             version=version, checksum_algorithm=self.config.checksum_algorithm,
             master_address=self.config.master_address, master_port=free_port(self.config.master_address),
             backend=backend,
-            tensors=[broker_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                                           checksum=checksums[n]) for n, t in named],
+            tensors=[broker_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."),
+                                           shape=list(t.shape), checksum=checksums[n]) for n, t in named],
         )  # fmt: skip
 
     # --- broadcast ------------------------------------------------------------------------------
@@ -181,7 +182,8 @@ class WeightSender:
         from rlfleet.weights.p2p import P2PSender, TransferAgent
 
         if self._agent is None:
-            self._agent = TransferAgent(self.config.p2p_hostname, self.config.p2p_protocol, self.config.p2p_device)
+            self._agent = TransferAgent(self.config.p2p_hostname, self.config.p2p_protocol,
+                                        self.config.p2p_device)
         if self._p2p is None or self._p2p.bucket_bytes != bucket_bytes:
             if self._p2p is not None:
                 self._p2p.close()
