@@ -34,10 +34,11 @@ def result(success, invalid=0.0, safety=0.0, time_s=1.0, label="candidate", spli
     """An evaluation of n tasks whose per-task results have the given means (the first round(success * n)
     tasks passed, the first round(invalid * n) with one invalid call, ...), or the given per-task results."""
     if tasks is None:
-        tasks = [TaskOutcome(f"t{i}", i < round(success * n), int(i < round(invalid * n)), int(i < round(safety * n)),
-                             time_s) for i in range(n)]
-    return EvalResult(version=version, split=split, episodes=len(tasks), success=success, invalid_tool_calls=invalid,
-                      safety_violations=safety, time_to_completion_s=time_s, interactions=2.0, elapsed_s=1.0,
+        tasks = [TaskOutcome(f"t{i}", i < round(success * n), int(i < round(invalid * n)),
+                             int(i < round(safety * n)), time_s) for i in range(n)]
+    return EvalResult(version=version, split=split, episodes=len(tasks), success=success,
+                      invalid_tool_calls=invalid, safety_violations=safety, time_to_completion_s=time_s,
+                      interactions=2.0, elapsed_s=1.0,
                       label=label, tasks=tasks)
 
 
@@ -103,7 +104,8 @@ def test_gate_accepts_a_candidate_that_is_significantly_better_and_shows_the_int
     decision = decide(GateConfig(), candidate, accepted)
     assert decision.accepted and decision.tasks == 102
     success = decision.checks[0]
-    assert success.name == "held-out success" and success.low > 0 and success.estimate == pytest.approx(18 / 102)
+    assert success.name == "held-out success" and success.low > 0
+    assert success.estimate == pytest.approx(18 / 102)
     assert "on 102 paired tasks" in decision.reasons[0] and "[+" in decision.reasons[1]
 
 
@@ -148,7 +150,8 @@ def test_gate_refuses_any_rise_in_safety_violations_when_strict():
     candidate, accepted = paired(wins=20, losses=2)
     candidate.tasks[5].safety_violations = 1
     assert not decide(GateConfig(), candidate, accepted).accepted
-    assert decide(GateConfig(strict_safety=False), candidate, accepted).accepted  # one event is not significant
+    # one event is not significant
+    assert decide(GateConfig(strict_safety=False), candidate, accepted).accepted
 
 
 def test_gate_refuses_a_candidate_that_got_much_slower_or_regressed():
@@ -182,7 +185,8 @@ def test_slices_cover_the_tasks_and_merge_joins_them():
     b.tasks = [TaskOutcome(f"u{i}", True, 0, 0, 3.0) for i in range(30)]
     joined = merge([a, b])
     assert joined.episodes == 40 and len(joined.tasks) == 40
-    assert joined.success == pytest.approx((5 + 30) / 40) and joined.time_to_completion_s == pytest.approx(2.5)
+    assert joined.success == pytest.approx((5 + 30) / 40)
+    assert joined.time_to_completion_s == pytest.approx(2.5)
 
 
 # -- the false-promotion rate, simulated -------------------------------------------------------------
@@ -217,14 +221,16 @@ def test_a_real_improvement_is_promoted():
 def test_report_writes_summary_plots_and_html(tmp_path):
     record = RunRecord("r", "async", {}, 0.0, wall_s=60.0)
     record.evals = [result(0.3, label="baseline", version=0), result(0.6, label="final", version=8)]
-    record.steps = [StepRecord(step=i, version=i, elapsed_s=i * 5.0, reward_mean=0.3 + i / 40) for i in range(1, 9)]
+    record.steps = [StepRecord(step=i, version=i, elapsed_s=i * 5.0, reward_mean=0.3 + i / 40)
+                    for i in range(1, 9)]
     record.gate = [GateDecision(4, True, ["held-out success 0.300 -> 0.500 (+0.200)"], 20.0)]
-    record.trajectories = [TrajectoryRecord(1.0 * i, 60, 20, float(i % 2), bool(i % 2), "completed", "train", i // 4,
-                                            i % 3, 0.05, [0.1, 0.2]) for i in range(40)]
+    record.trajectories = [TrajectoryRecord(1.0 * i, 60, 20, float(i % 2), bool(i % 2), "completed",
+                                            "train", i // 4, i % 3, 0.05, [0.1, 0.2]) for i in range(40)]
     record.weight_pauses_s = [0.001, 0.002]
     record.cpu = [(2.0, 80.0), (4.0, 90.0)]
     summary = write_report(record, tmp_path)
-    assert json.loads((tmp_path / "summary.json").read_text())["heldout_success_gain"] == summary["heldout_success_gain"]
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["heldout_success_gain"] == summary["heldout_success_gain"]
     assert abs(summary["heldout_success_gain"] - 0.3) < 1e-9
     assert summary["staleness"]["max"] == 2
     assert summary["trajectories"]["train"] == 40
@@ -235,8 +241,8 @@ def test_report_writes_summary_plots_and_html(tmp_path):
 
 
 def _episode(elapsed_s, passed, reasons, tools, invalid=0):
-    return EpisodeRecord(elapsed_s, passed, reasons, tools, invalid, generate_s=0.4, tool_s=0.2, sandbox_s=0.1,
-                         verify_s=1.0, episode_s=2.0)
+    return EpisodeRecord(elapsed_s, passed, reasons, tools, invalid, generate_s=0.4,
+                         tool_s=0.2, sandbox_s=0.1, verify_s=1.0, episode_s=2.0)
 
 
 def test_the_report_counts_tool_calls_by_tool_sandbox_time_and_failure_reasons_per_minute(tmp_path):
@@ -252,7 +258,8 @@ def test_the_report_counts_tool_calls_by_tool_sandbox_time_and_failure_reasons_p
     assert abs(figures["sandbox_s_per_episode"]["mean"] - 0.3) < 1e-9
     assert figures["phase_s_per_episode"]["verification"] == 1.0
     minutes = figures["verifier_reasons_over_time"]
-    assert [(b["from_s"], b["episodes"], b["passed"]) for b in minutes] == [(0.0, 2, 0), (60.0, 1, 1), (120.0, 1, 1)]
+    buckets = [(b["from_s"], b["episodes"], b["passed"]) for b in minutes]
+    assert buckets == [(0.0, 2, 0), (60.0, 1, 1), (120.0, 1, 1)]
     assert minutes[0]["reasons"] == {"WRONG_ANSWER": 1, "NO_ANSWER": 1}  # an episode counts once per reason
     summary = write_report(record, tmp_path)
     assert summary["episodes"] == figures

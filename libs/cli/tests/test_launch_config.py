@@ -136,7 +136,8 @@ def test_engine_pools_of_several_engines_by_config(tmp_path):
     state = PlatformState("r1", str(tmp_path), 1)
     state.processes = [ProcessRecord("nats", 0, 0, [], "", url="nats://127.0.0.1:1", kind="nats"),
                        ProcessRecord("redis", 0, 0, [], "", url="redis://127.0.0.1:2/0", kind="redis")]
-    state.processes += [ProcessRecord(f"engine-{i}", 0, 0, [], "", url=f"http://127.0.0.1:{10 + i}", kind="engine")
+    state.processes += [ProcessRecord(f"engine-{i}", 0, 0, [], "",
+                                      url=f"http://127.0.0.1:{10 + i}", kind="engine")
                         for i in range(5)]
     gateway = process_config("rollout-gateway", platform, state, tmp_path, tmp_path / "g.json", tmp_path)
     assert [(e.engine_id, e.pool) for e in gateway.engines] == [
@@ -159,7 +160,8 @@ def test_restart_policy_reaches_the_launch_and_may_change_on_resume(tmp_path):
 
 def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_once_stable(tmp_path):
     platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=[], engines=0,
-                                       restart={"first_backoff_s": 1.0, "max_backoff_s": 4.0, "stable_after_s": 30.0}))
+                                       restart={"first_backoff_s": 1.0, "max_backoff_s": 4.0,
+                                                "stable_after_s": 30.0}))
     record = ProcessRecord("trainer", 0, 0, [], "")
     points = (0.0, 0.5, 1.0, 2.5, 3.0, 5.0, 6.9, 7.0, 10.0, 11.0)
     tries = [t for t in points if platform._backoff_over(record, 1000 + t)]
@@ -171,7 +173,8 @@ def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_once_stabl
 
 def test_nothing_is_restarted_while_rlfleet_down_stops_the_platform(tmp_path):
     platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=[], engines=0))
-    platform.state.processes = [ProcessRecord("trainer", 0, 0, ["/bin/true"], str(tmp_path / "t.log"))]  # not running
+    # not running
+    platform.state.processes = [ProcessRecord("trainer", 0, 0, ["/bin/true"], str(tmp_path / "t.log"))]
     mark_stopping(tmp_path)
     assert platform.stopping()
     assert platform.restart_dead() == [] and platform.state.processes[0].restarts == 0
@@ -215,20 +218,22 @@ time.sleep(600)
 def platform_with_a_dead_trainer(tmp_path: Path, service_script: str) -> tuple[Platform, ProcessRecord, Path]:
     """A launch of one trainer (`service_script`, FAKE_SERVICE or a variant) with a standby, whose
     trainer is already dead; and the trainer's ready file."""
-    script, config_file, ready = tmp_path / "fake.py", tmp_path / "trainer.json", tmp_path / "trainer.ready.json"
+    script, config_file = tmp_path / "fake.py", tmp_path / "trainer.json"
+    ready = tmp_path / "trainer.ready.json"
     script.write_text(service_script)
     config_file.write_text(json.dumps({"ready_file": str(ready), "address": "127.0.0.1:7"}))
     gone = subprocess.Popen(["/bin/true"])
     gone.wait()  # a PID that is no longer ours
     platform = Platform(PlatformConfig(run_dir=str(tmp_path), services=["trainer"], engines=0,
                                        restart={"standby": ["trainer"]}))
-    trainer = ProcessRecord("trainer", gone.pid, 1, [sys.executable, str(script), "--config", str(config_file)],
+    trainer = ProcessRecord("trainer", gone.pid, 1,
+                            [sys.executable, str(script), "--config", str(config_file)],
                             str(tmp_path / "trainer.log"), address="127.0.0.1:7")
     platform.state.processes = [trainer]
     return platform, trainer, ready
 
 
-def test_a_dead_trainer_is_taken_over_by_its_standby_and_then_by_a_cold_start_when_the_standby_is_gone(tmp_path):
+def test_a_dead_trainer_is_taken_over_by_its_standby_then_cold_started_once_the_standby_is_gone(tmp_path):
     platform, trainer, ready = platform_with_a_dead_trainer(tmp_path, FAKE_SERVICE)
     try:
         platform.start_standbys()
@@ -239,7 +244,8 @@ def test_a_dead_trainer_is_taken_over_by_its_standby_and_then_by_a_cold_start_wh
         (event,) = platform.restart_dead()
         assert "trainer restarted from its standby" in event and trainer.restarts == 1
         assert trainer.pid == standby.pid and is_ours(trainer) and read_json(ready)["how"] == "standby"
-        assert "--standby" not in trainer.cmdline, "its record keeps the plain command line for a cold restart"
+        assert "--standby" not in trainer.cmdline, \
+            "its record keeps the plain command line for a cold restart"
         (second,) = platform.state.standbys
         assert second.pid != standby.pid and is_ours(second), "a new standby once the promoted one serves"
 

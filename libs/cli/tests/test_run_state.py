@@ -33,17 +33,20 @@ def _record() -> RunRecord:
     record.steps.append(StepRecord(1, 1, 3.0, 0.5, {"tokens": 600.0}))
     record.evals.append(EvalResult(0, "heldout", 10, 0.3, 0.1, 0.0, 1.2, 2.0, 0.5, "baseline"))
     record.gate.append(GateDecision(1, False, ["no gain"], 4.0))
-    record.trajectories.append(TrajectoryRecord(2.0, 40, 12, 1.0, True, "completed", "train", 0, 1, 0.2, [0.1]))
+    record.trajectories.append(TrajectoryRecord(2.0, 40, 12, 1.0, True, "completed", "train",
+                                                0, 1, 0.2, [0.1]))
     record.cpu.append((2.0, 80.0))
     record.memory_mb.append((2.0, 900.0))
-    record.episodes.append(EpisodeRecord(3.0, False, ["WRONG_ANSWER"], {"read_file": 1}, 0, 0.5, 0.1, 0.05, 0.9, 1.6))
+    record.episodes.append(EpisodeRecord(3.0, False, ["WRONG_ANSWER"], {"read_file": 1}, 0, 0.5, 0.1,
+                                         0.05, 0.9, 1.6))
     return record
 
 
 def test_a_record_survives_the_state_file(tmp_path):
     from dataclasses import asdict
 
-    state = RunState("interrupted", {"run_id": "r"}, "abc", loop_s=12.0, tasks_published=7, record=asdict(_record()))
+    state = RunState("interrupted", {"run_id": "r"}, "abc", loop_s=12.0, tasks_published=7,
+                     record=asdict(_record()))
     state.save(tmp_path)
     back = RunState.load(tmp_path)
     assert back.tasks_published == 7 and back.attempt == "abc"
@@ -66,7 +69,8 @@ def test_a_damaged_state_file_is_reported(tmp_path):
 
 def test_only_budget_and_eval_concurrency_may_change_on_resume():
     before = RunConfig().model_dump(mode="json")
-    longer = RunConfig(budget={"max_steps": 99, "max_minutes": 30}, eval={"concurrency": 8}).model_dump(mode="json")
+    longer = RunConfig(budget={"max_steps": 99, "max_minutes": 30},
+                       eval={"concurrency": 8}).model_dump(mode="json")
     assert config_changes(before, longer) == []
     other = RunConfig(trainer={"optim": {"lr": 1e-3}}).model_dump(mode="json")
     assert config_changes(before, other) == ["trainer.optim.lr: 5e-05 -> 0.001"]
@@ -120,8 +124,9 @@ def test_resume_restores_the_accepted_version_the_gate_and_the_budget_spent(tmp_
 
     config = RunConfig(run_dir=str(tmp_path))
     accepted = EvalResult(5, "heldout", 10, 0.6, 0.1, 0.0, 1.2, 2.0, 80.0, "candidate")
-    RunState("interrupted", config.model_dump(mode="json"), "att", loop_s=95.0, tasks_published=40, last_gated=5,
-             accepted_version=5, accepted_eval=asdict(accepted), record=asdict(_record())).save(tmp_path)
+    RunState("interrupted", config.model_dump(mode="json"), "att", loop_s=95.0,
+             tasks_published=40, last_gated=5, accepted_version=5, accepted_eval=asdict(accepted),
+             record=asdict(_record())).save(tmp_path)
     run = RLRun(RunConfig(run_dir=str(tmp_path), budget={"max_minutes": 20}), RunOptions(resume=True))
     run.take_over_run_dir()
     assert run.resuming and run.last_gated == 5 and run.record.accepted_version == 5
@@ -200,7 +205,8 @@ def test_a_background_part_that_fails_is_said_and_started_again_and_a_stop_aband
     async def scenario() -> None:
         await asyncio.wait_for(run._supervised("the promotion gate", flaky), 10)
         assert calls == [0, 1], "started again after its failure, then it ended normally"
-        assert any("the promotion gate failed (ConnectionError: broker went away)" in n for n in run.record.notes)
+        assert any("the promotion gate failed (ConnectionError: broker went away)" in n
+                   for n in run.record.notes)
         never = asyncio.get_running_loop().create_future()
         waiting = asyncio.ensure_future(run._unless_stopped(never))
         await asyncio.sleep(0.1)

@@ -28,8 +28,10 @@ def test_the_audit_subset_is_fixed_by_its_seed_and_covers_every_suite_and_label(
 def report(fp_rate_code=0.0, fn_rate=0.0):
     return verifier_pb2.AuditReport(
         n=40, false_positive_rate=fp_rate_code / 2, false_negative_rate=fn_rate,
-        suites=[verifier_pb2.SuiteAudit(suite="calc", n=20, false_positive_rate=0.0, false_negative_rate=fn_rate),
-                verifier_pb2.SuiteAudit(suite="code", n=20, false_positive_rate=fp_rate_code, false_negative_rate=0.0)],
+        suites=[verifier_pb2.SuiteAudit(suite="calc", n=20, false_positive_rate=0.0,
+                                        false_negative_rate=fn_rate),
+                verifier_pb2.SuiteAudit(suite="code", n=20, false_positive_rate=fp_rate_code,
+                                        false_negative_rate=0.0)],
         disagreements=[verifier_pb2.Disagreement(episode_id="code-hack-exit-gcd", human_passed=False,
                                                  verifier_passed=True)] if fp_rate_code else [])
 
@@ -52,12 +54,15 @@ def trajectory(status="completed", generated=100, staleness=0, split="train"):
 
 def test_the_long_tail_is_accounted_by_kind_against_the_held_out_gain():
     trajectories = ([trajectory() for _ in range(80)] + [trajectory("aborted") for _ in range(5)]
-                    + [trajectory("truncated") for _ in range(3)] + [trajectory(staleness=9) for _ in range(2)]
-                    + [trajectory("aborted", split="heldout") for _ in range(7)])  # evaluations are not rollouts
+                    + [trajectory("truncated") for _ in range(3)]
+                    + [trajectory(staleness=9) for _ in range(2)]
+                    # evaluations are not rollouts
+                    + [trajectory("aborted", split="heldout") for _ in range(7)])
     config = LongTailConfig(max_tokens_per_point=100, min_tokens=0)
     account = long_tail(trajectories, max_staleness=4, eval_retried=2, gain=0.10, config=config)
     assert account.trajectories == {"aborted": 5, "failed": 0, "truncated": 3, "stale": 2, "retried": 2}
-    assert account.tokens["aborted"] == 500 and account.tokens["stale"] == 200 and account.tokens["retried"] == 200
+    assert account.tokens["aborted"] == 500 and account.tokens["stale"] == 200
+    assert account.tokens["retried"] == 200
     assert account.total_tokens == 9000 and account.gain_points == 10.0
     assert account.tokens_per_point == 1200 / 10 and account.fired and "above 100" in account.message
     assert not long_tail(trajectories, max_staleness=4, eval_retried=0, gain=0.10,
@@ -66,9 +71,11 @@ def test_the_long_tail_is_accounted_by_kind_against_the_held_out_gain():
 
 def test_a_long_tail_without_gain_fires_once_it_costs_enough():
     trajectories = [trajectory("truncated", generated=50) for _ in range(10)]
-    small = long_tail(trajectories, max_staleness=4, eval_retried=0, gain=0.0, config=LongTailConfig(min_tokens=1000))
+    small = long_tail(trajectories, max_staleness=4, eval_retried=0, gain=0.0,
+                      config=LongTailConfig(min_tokens=1000))
     assert math.isinf(small.tokens_per_point) and not small.fired  # 500 tokens: below min_tokens
-    big = long_tail(trajectories, max_staleness=4, eval_retried=0, gain=-0.02, config=LongTailConfig(min_tokens=100))
+    big = long_tail(trajectories, max_staleness=4, eval_retried=0, gain=-0.02,
+                    config=LongTailConfig(min_tokens=100))
     assert big.fired and "no held-out gain" in big.message and big.as_dict()["tokens_per_point"] is None
     assert not long_tail(trajectories, max_staleness=4, eval_retried=0, gain=0.0,
                          config=LongTailConfig(enabled=False, min_tokens=0)).fired
@@ -78,7 +85,8 @@ def test_per_task_results_survive_the_run_state_round_trip():
     from dataclasses import asdict
 
     result = EvalResult(3, "heldout", 2, 0.5, 0.0, 0.0, 1.0, 2.0, 9.0, "candidate",
-                        tasks=[TaskOutcome("a", True, 0, 0, 1.0), TaskOutcome("b", False, 1, 0, 1.0)], retried=1)
+                        tasks=[TaskOutcome("a", True, 0, 0, 1.0),
+                               TaskOutcome("b", False, 1, 0, 1.0)], retried=1)
     again = eval_from_dict(asdict(result))
     assert again == result and isinstance(again.tasks[0], TaskOutcome)
 
@@ -90,7 +98,8 @@ def test_rlfleet_status_shows_the_stop_rules_the_run_wrote(tmp_path):
 
     assert stop_rules(tmp_path) == {}
     (tmp_path / "run_state.json").write_text(json.dumps({"record": {
-        "audits": [{"when": "before the loop", "n": 40, "false_positive_rate": 0.0, "false_negative_rate": 0.0}],
+        "audits": [{"when": "before the loop", "n": 40, "false_positive_rate": 0.0,
+                    "false_negative_rate": 0.0}],
         "long_tail": {"message": "the long tail cost 30000 generated tokens"},
         "stop_rule": "the long tail cost 30000 generated tokens: no held-out gain, above 5000"}}))
     lines = _stop_rule_lines(stop_rules(tmp_path), lambda text, ok: text)

@@ -59,7 +59,8 @@ def test_too_many_calls_error_names_the_limit():
          InvalidCall("error: unknown tool 'search'; available: calc", tool="search")),
         ("llama3_json", '{"name": "calc", "parameters": {"expression": "4*4"}}', ToolCall("calc", "4*4")),
         ("llama3_json", "I do not know.", NoAction()),
-        ("mistral", '[TOOL_CALLS] [{"name": "calc", "arguments": {"expression": "9-1"}}]', ToolCall("calc", "9-1")),
+        ("mistral", '[TOOL_CALLS] [{"name": "calc", "arguments": {"expression": "9-1"}}]',
+         ToolCall("calc", "9-1")),
         ("mistral", "[TOOL_CALLS] calc(9-1)", InvalidCall(
             "error: malformed tool call: not JSON (Expecting value at 0)", tool="")),
         # The built-in tags mean nothing to a JSON format (and a JSON call nothing to the tags).

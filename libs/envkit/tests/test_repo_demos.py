@@ -58,9 +58,10 @@ def test_the_run_observation_in_a_demo_is_what_the_visible_test_prints(tmp_path)
         for files in (dict(task.workspace), repo.fixed_workspace(task)):
             for path, text in files.items():
                 (tmp_path / path).write_text(text)
-            done = subprocess.run([sys.executable, instance.test_file], cwd=tmp_path, capture_output=True, text=True,
-                                  timeout=30)
-            assert instance.visible_output(files[instance.target_file]) == (done.stdout.rstrip("\n"), done.returncode)
+            done = subprocess.run([sys.executable, instance.test_file], cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=30)
+            visible = instance.visible_output(files[instance.target_file])
+            assert visible == (done.stdout.rstrip("\n"), done.returncode)
 
 
 def test_a_wrong_rewrite_is_neither_the_fix_nor_the_bug_and_compiles():

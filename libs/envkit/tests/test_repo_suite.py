@@ -106,7 +106,8 @@ class _FakeSandbox:
     """Records execs; answers like a sandbox that ran them with exit status `status`."""
 
     def __init__(self, stdout=b"", status=0):
-        self.calls, self.stdout, self.status, self.tool_timeout_s, self.sandbox_id = [], stdout, status, 5.0, "s"
+        self.calls, self.stdout, self.status = [], stdout, status
+        self.tool_timeout_s, self.sandbox_id = 5.0, "s"
 
     async def exec(self, argv, stdin=b"", timeout_s=None, cwd=""):
         from rlfleet.api.sandbox.v1 import sandbox_pb2
@@ -125,7 +126,8 @@ async def test_every_repo_tool_call_is_one_process_in_the_sandbox():
     await env.run_tool(box, ToolCall("run", "python3 test_a.py"))
     assert box.calls[-1][0] == ("sh", "-c", "python3 test_a.py")
     await env.run_tool(box, ToolCall("edit_file", "a.py\n    return a - b\n---\n    return a + b"))
-    assert json.loads(box.calls[-1][1]) == {"path": "a.py", "old": "    return a - b", "new": "    return a + b"}
+    assert json.loads(box.calls[-1][1]) == {"path": "a.py", "old": "    return a - b",
+                                            "new": "    return a + b"}
     assert len(box.calls) == 4
     bad = await env.run_tool(box, ToolCall("edit_file", "a.py\nno separator"))
     assert not bad.ok and "---" in bad.observation and len(box.calls) == 4

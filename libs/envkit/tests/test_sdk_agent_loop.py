@@ -48,7 +48,8 @@ class FakeSession:
             self.refuse_opens -= 1
             raise Backpressure("session", "OpenSession", grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
         self.log.append("open")
-        return session_pb2.OpenSessionResponse(session_id=request.session_id, prompt_token_ids=[1, 7, 2, 8, 1, 9])
+        return session_pb2.OpenSessionResponse(session_id=request.session_id,
+                                               prompt_token_ids=[1, 7, 2, 8, 1, 9])
 
     async def generate(self, session_id, sampling=None, timeout_s=None, observation=None):
         if self.state == session_pb2.SESSION_STATE_ABORTED:
@@ -110,7 +111,8 @@ class FakeSandbox:
         if self.killed:
             return sandbox_pb2.ExecResult(exit_code=-9, signal=9)
         out = evaluate_expression(stdin if isinstance(stdin, str) else stdin.decode())
-        return sandbox_pb2.ExecResult(exit_code=1 if out.startswith("error:") else 0, stdout=(out + "\n").encode())
+        return sandbox_pb2.ExecResult(exit_code=1 if out.startswith("error:") else 0,
+                                      stdout=(out + "\n").encode())
 
     async def destroy(self, sandbox_id):
         self.log.append("destroy")
@@ -131,8 +133,9 @@ class FakeVerifier:
 class FakeClients:
     def __init__(self, turns, **options):
         self.log = []
-        self.session = FakeSession(turns, self.log, **{k: v for k, v in options.items()
-                                                       if k in ("delay_s", "budget_after", "refuse_opens", "observation_fills")})
+        session_options = ("delay_s", "budget_after", "refuse_opens", "observation_fills")
+        self.session = FakeSession(turns, self.log,
+                                   **{k: v for k, v in options.items() if k in session_options})
         self.sandbox = FakeSandbox(self.log, options.get("fail_exec"), options.get("killed", False))
         self.verifier = FakeVerifier(self.log, options.get("fail_verify"))
 
@@ -154,7 +157,8 @@ def test_an_ideal_calc_episode_calls_the_tool_once_then_verifies_closes_and_dest
     summary = run(clients)
     assert (summary.end, summary.turns, summary.tool_calls, summary.invalid_calls) == ("answer", 2, 1, 0)
     assert summary.final_answer == "5" and summary.reward == 1.0 and summary.passed
-    assert summary.status == common_pb2.TRAJECTORY_STATUS_COMPLETED and summary.trajectory_id == "t-calc-1-x-7-s0"
+    assert summary.status == common_pb2.TRAJECTORY_STATUS_COMPLETED
+    assert summary.trajectory_id == "t-calc-1-x-7-s0"
     assert clients.session.appended == ["\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"]
     assert clients.log == ["open", "create", "generate", "append", "generate", "verify",
                            ("close", "TRAJECTORY_STATUS_COMPLETED"), "destroy"]
@@ -306,12 +310,15 @@ def test_a_worker_preferring_in_process_tools_still_sandboxes_a_suite_that_runs_
     ("llama3_json", '{"name": "calc", "parameters": {"expression": "2+3"}}<|eot_id|>'),
     ("mistral", '[TOOL_CALLS] [{"name": "calc", "arguments": {"expression": "2+3"}}]</s>'),
 ])
-def test_another_family_s_tool_call_format_runs_the_tool_and_sends_the_result_as_a_message_to_frame(fmt, call):
+def test_another_family_s_tool_call_format_runs_the_tool_and_sends_the_result_as_a_message_to_frame(
+    fmt, call
+):
     from rlfleet.envkit.sdk import framing_for
 
     clients = FakeClients([call, "<answer>5</answer>"])
     summary = run(clients, tool_call_format=fmt, framing=framing_for("template"))
-    assert (summary.end, summary.tool_calls, summary.invalid_calls, summary.final_answer) == ("answer", 1, 0, "5")
+    assert (summary.end, summary.tool_calls, summary.invalid_calls,
+            summary.final_answer) == ("answer", 1, 0, "5")
     (appended,) = clients.session.appended
     assert [(m.role, m.content) for m in appended.messages.messages] == [("tool", "5")]
     assert appended.add_generation_prompt

@@ -64,9 +64,11 @@ def test_a_turn_cut_at_max_new_tokens_is_closed_by_the_observation(tokenizer):
                                                  "<calc> is not closed by </calc>"),
                                                 ("<answer>1</answer>", True, None)])
     conversation = [*PROMPT, {"role": "assistant", "content": "<calc>37*4"},
-                             {"role": "tool", "content": "error: malformed tool call: <calc> is not closed by </calc>"},
+                             {"role": "tool",
+                              "content": "error: malformed tool call: <calc> is not closed by </calc>"},
                              {"role": "assistant", "content": "<answer>1</answer>"}]
-    assert session == encode(tokenizer, render_messages(conversation, add_generation_prompt=False).removesuffix("\n"))
+    assert session == encode(tokenizer,
+                             render_messages(conversation, add_generation_prompt=False).removesuffix("\n"))
 
 
 def test_an_observation_is_one_tool_message_that_opens_the_next_assistant_turn():
@@ -76,7 +78,8 @@ def test_an_observation_is_one_tool_message_that_opens_the_next_assistant_turn()
 
 
 @pytest.mark.parametrize(("finish", "opener"), [(common_pb2.FINISH_REASON_STOP, "\n<|im_start|>"),
-                                                (common_pb2.FINISH_REASON_LENGTH, "<|im_end|>\n<|im_start|>")])
+                                                (common_pb2.FINISH_REASON_LENGTH,
+                                                 "<|im_end|>\n<|im_start|>")])
 def test_without_token_ids_the_finish_reason_decides_whether_the_turn_is_closed(finish, opener):
     assert ChatMLFraming().observation(reply([], finish), "x").startswith(opener)
 

@@ -49,7 +49,8 @@ def test_a_minimal_hand_written_line_gets_defaults_and_its_prompt_becomes_a_user
 def test_public_view_has_the_prompt_tools_and_limits_and_nothing_the_verifier_keeps():
     task = code.generate_tasks("train", 1)[0]
     public, hidden = public_view(task), hidden_view(task)
-    assert set(public) == {"schema_version", "task_id", "suite", "split", "messages", "tools", "limits", "workspace"}
+    assert set(public) == {"schema_version", "task_id", "suite", "split", "messages", "tools",
+                           "limits", "workspace"}
     assert public["messages"][1]["content"].startswith("Write a Python function")
     assert "CASES" not in json.dumps(public) and "RESULT passed" not in json.dumps(public)
     assert set(hidden) == {"task_id", "suite", "verifier", "metadata"}

@@ -37,7 +37,8 @@ def test_a_task_message_carries_only_the_public_view():
     (common_pb2.Task(schema_version=2, task_id="t").SerializeToString(), "schema_version"),
     (common_pb2.Task(schema_version=1).SerializeToString(), "missing_task_id"),
     (common_pb2.Task(schema_version=1, task_id="t", suite="chess").SerializeToString(), "unknown_suite"),
-    (common_pb2.Task(schema_version=1, task_id="t", suite="calc", run_id="other").SerializeToString(), "wrong_run"),
+    (common_pb2.Task(schema_version=1, task_id="t", suite="calc",
+                     run_id="other").SerializeToString(), "wrong_run"),
     (common_pb2.Task(schema_version=1, task_id="t", suite="calc").SerializeToString(), "no_prompt"),
 ])
 def test_a_task_message_a_worker_cannot_run_is_a_bad_task_with_its_reason(data, reason):
@@ -56,7 +57,8 @@ def test_group_and_session_ids_are_a_function_of_the_stream_sequence_and_the_del
 
 
 def test_each_sample_of_a_group_gets_its_own_seed_and_unset_sampling_comes_from_the_worker():
-    runner = GroupRunner(None, None, None, sampling=SamplingDefaults(temperature=0.7, seed=5, max_new_tokens=99))
+    runner = GroupRunner(None, None, None,
+                         sampling=SamplingDefaults(temperature=0.7, seed=5, max_new_tokens=99))
     task = common_pb2.Task(sampling=common_pb2.SamplingParams(max_new_tokens=48, top_p=0.9))
     first, second = (runner.sampling_for(task, f"g-s{i}", i) for i in range(2))
     assert first.max_new_tokens == 48 and first.top_p == pytest.approx(0.9)
@@ -114,7 +116,8 @@ def test_tasks_another_suite_file_already_defines_are_not_repeated(tmp_path):
 def test_a_run_dir_names_the_services_and_the_verifiers_suites_dir(tmp_path):
     processes = [{"name": "nats", "url": "nats://127.0.0.1:1", "address": "127.0.0.1:1"},
                  {"name": "session-server", "address": "127.0.0.1:2"},
-                 {"name": "verifier", "address": "127.0.0.1:3", "cmdline": ["rlfleet-verifier", "--suites-dir", "/s"]}]
+                 {"name": "verifier", "address": "127.0.0.1:3",
+                  "cmdline": ["rlfleet-verifier", "--suites-dir", "/s"]}]
     (tmp_path / "platform.json").write_text(json.dumps({"run_id": "r9", "processes": processes}))
     run = RunDir.load(tmp_path)
     assert (run.run_id, run.nats_url, run.session_address, run.suites_dir.as_posix()) == \
@@ -124,8 +127,9 @@ def test_a_run_dir_names_the_services_and_the_verifiers_suites_dir(tmp_path):
 
 
 def test_worker_config_reads_flags_and_refuses_unknown_keys():
-    config = load_config(WorkerConfig, ["--run-id", "r1", "--concurrency", "3", "--sampling.temperature", "0"],
-                         prog="w", environ={})
+    config = load_config(WorkerConfig,
+                         ["--run-id", "r1", "--concurrency", "3", "--sampling.temperature", "0"], prog="w",
+                         environ={})
     assert config.concurrency == 3 and config.sampling.temperature == 0
     assert config.effective_ack_wait_s == config.episode_timeout_s + 30
     with pytest.raises(ConfigError, match="unknown key 'concurency'"):
@@ -139,7 +143,8 @@ def test_an_exec_observation_is_stdout_or_one_error_line_per_failure():
     assert (rejected.observation, rejected.ok) == ("error: division by zero", False)
     timeout = sandbox_pb2.Violation(kind=sandbox_pb2.VIOLATION_KIND_TIMEOUT, message="wall")
     slow = exec_observation(sandbox_pb2.ExecResult(exit_code=-9, violations=[timeout]), 5)
-    assert slow.observation == "error: the tool ran past its time limit of 5 s" and slow.violations == ("timeout",)
+    assert slow.observation == "error: the tool ran past its time limit of 5 s"
+    assert slow.violations == ("timeout",)
     crash = exec_observation(sandbox_pb2.ExecResult(exit_code=1, stderr=b"Traceback\nNameError: x\n"), 5)
     assert crash.observation == "NameError: x"
     long = exec_observation(sandbox_pb2.ExecResult(exit_code=0, stdout=b"x" * 5000), 5)

@@ -13,8 +13,8 @@ def run(*args, timeout=60):
 
 
 def test_the_sdk_worker_and_submit_command_do_not_import_torch():
-    code = ("import sys, rlfleet.envkit.sdk, rlfleet.envkit.worker, rlfleet.envkit.submit, rlfleet.envkit.worker_main;"
-            " assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, rlfleet.envkit.sdk, rlfleet.envkit.worker, rlfleet.envkit.submit, "
+            "rlfleet.envkit.worker_main; assert 'torch' not in sys.modules, 'torch imported'")
     result = run(sys.executable, "-c", code)
     assert result.returncode == 0, result.stderr
 
@@ -22,7 +22,8 @@ def test_the_sdk_worker_and_submit_command_do_not_import_torch():
 def test_worker_help_is_instant_and_lists_its_config():
     started = time.monotonic()
     result = run(BIN / "rlfleet-worker", "--help")
-    assert result.returncode == 0 and "--concurrency" in result.stdout and "--session-address" in result.stdout
+    assert result.returncode == 0
+    assert "--concurrency" in result.stdout and "--session-address" in result.stdout
     assert time.monotonic() - started < 5
 
 

@@ -68,7 +68,8 @@ def test_the_model_loads_in_transformers_as_a_small_tied_qwen2(model_dir):
 
 
 def test_help_is_instant_because_the_builder_imports_torch_lazily():
-    probe = "import sys, rlfleet.engine.build_model, rlfleet.engine.main; assert 'torch' not in sys.modules, 'torch imported'"
+    probe = ("import sys, rlfleet.engine.build_model, rlfleet.engine.main; "
+             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", probe], check=True)
     result = subprocess.run(
         [sys.executable, "-m", "rlfleet.engine.build_model", "--help"],

@@ -1,6 +1,6 @@
 """Weight-store loads into an engine (`/rlfleet/update_weights_from_store`): kind delta (fetch + preverify
-while serving, pause only for the swap) and full (any version rebuilt exactly), checked bit for bit against the
-trainer's published bf16 weights."""
+while serving, pause only for the swap) and full (any version rebuilt exactly), checked bit for bit against
+the trainer's published bf16 weights."""
 
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ async def weight_version(url: str) -> str:
     return (await call(url, "/model_info", method="GET"))[1]["weight_version"]
 
 
-async def test_after_n_delta_updates_the_engine_serves_the_trainers_weights_bit_for_bit(store_engine, trainer):
+async def test_after_n_delta_updates_the_engine_serves_the_trainers_weights_bit_for_bit(
+    store_engine, trainer
+):
     url, store = store_engine.url, trainer.store
     status, reply = await load(url, store.path(1), "full")
     assert status == 200 and reply["success"], reply
@@ -92,7 +94,9 @@ async def test_store_loads_empty_the_prefix_cache(store_engine, trainer):
     assert await cached_tokens() == 0
 
 
-async def test_a_delta_whose_base_the_engine_does_not_hold_is_refused_and_nothing_changes(store_engine, trainer):
+async def test_a_delta_whose_base_the_engine_does_not_hold_is_refused_and_nothing_changes(
+    store_engine, trainer
+):
     url, store = store_engine.url, trainer.store
     assert (await load(url, store.path(3), "full"))[0] == 200
     status, reply = await load(url, store.path(5), "delta")
@@ -158,20 +162,23 @@ async def test_a_missing_version_and_a_path_outside_the_store_are_refused(store_
     assert await weight_version(url) == before
 
 
-async def test_a_plain_checkpoint_load_makes_the_engine_forget_its_store_version(store_engine, trainer, model_dir,
-                                                                                  store_root):
+async def test_a_plain_checkpoint_load_makes_the_engine_forget_its_store_version(
+    store_engine, trainer, model_dir, store_root
+):
     url, store = store_engine.url, trainer.store
     assert (await load(url, store.path(1), "full"))[0] == 200
     _, info = await call(url, "/model_info", method="GET")
     assert info["weight_store_version"] == 1
     # A checkpoint outside the store root is refused (any host path is not the engine's to load) ...
-    status, reply = await call(url, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "x"})
+    status, reply = await call(url, "/update_weights_from_disk",
+                               {"model_path": str(model_dir), "weight_version": "x"})
     assert status == 403 and "outside the weight store root" in reply["message"]
     _, info = await call(url, "/model_info", method="GET")
     assert info["weight_store_version"] == 1
     # ... and one under it loads.
     plain = shutil.copytree(model_dir, Path(store_root) / "plain-checkpoint", dirs_exist_ok=True)
-    status, _ = await call(url, "/update_weights_from_disk", {"model_path": str(plain), "weight_version": "x"})
+    status, _ = await call(url, "/update_weights_from_disk",
+                           {"model_path": str(plain), "weight_version": "x"})
     assert status == 200
     status, reply = await load(url, store.path(2), "delta")
     assert status == 400 and "holds no weight-store version" in reply["message"]

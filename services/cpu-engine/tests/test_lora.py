@@ -24,7 +24,8 @@ from rlfleet.engine.testing import (
     token_logprobs,
 )
 
-PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]  # > one cache block
+# More tokens than one prefix-cache block.
+PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,10 @@ def run(scheduler: Scheduler, runner: ModelRunner, prompts, adapters, max_new_to
     """Submits every prompt at once (so they share prefill and decode passes); outputs in order."""
     outputs = {}
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
-        item = GenerateItem(f"r{i}", list(prompt), SamplingSpec(max_new_tokens=max_new_tokens, temperature=0.0,
-                                                                ignore_eos=True), return_logprob=True)
-        scheduler.submit(Request(item, runner.eos_token_ids, lambda out, i=i: outputs.__setitem__(i, out), adapter))
+        sampling = SamplingSpec(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        item = GenerateItem(f"r{i}", list(prompt), sampling, return_logprob=True)
+        scheduler.submit(Request(item, runner.eos_token_ids,
+                                 lambda out, i=i: outputs.__setitem__(i, out), adapter))
     while len(outputs) < len(prompts):
         scheduler.step()
     return [outputs[i] for i in range(len(prompts))]
@@ -90,7 +92,9 @@ def test_an_adapter_gives_the_log_probs_of_the_peft_merged_model(fresh_runner, a
     assert max_gap(base, token_logprobs(references[None], PROMPT)) <= 1e-4
 
 
-def test_target_modules_as_a_regex_and_excluded_modules_read_as_peft_reads_them(fresh_runner, model_dir, tmp_path):
+def test_target_modules_as_a_regex_and_excluded_modules_read_as_peft_reads_them(
+    fresh_runner, model_dir, tmp_path
+):
     runner = fresh_runner
     path = make_lora_adapter(model_dir, tmp_path / "c", seed=6, target_modules=r".*\.(q_proj|up_proj)",
                              exclude_modules=["layers.0.mlp.up_proj"])
@@ -121,7 +125,8 @@ def test_two_adapters_and_the_base_model_in_one_batch_each_get_their_own_outputs
         assert out.output_ids == logits[len(prompt) - 1:-1].argmax(-1).tolist()
         version = "default" if adapter is None else adapter.name
         assert out.weight_version_spans == [(version, 0, len(out.output_ids))]
-    assert outputs[0].output_ids != outputs[3].output_ids or outputs[0].output_logprobs != outputs[3].output_logprobs
+    first, last = outputs[0], outputs[3]
+    assert first.output_ids != last.output_ids or first.output_logprobs != last.output_logprobs
 
 
 def test_a_prefix_cached_under_one_adapter_is_not_reused_for_another(fresh_runner, adapters, references):
@@ -134,7 +139,8 @@ def test_a_prefix_cached_under_one_adapter_is_not_reused_for_another(fresh_runne
         out = run(scheduler, runner, [PROMPT], [adapter])[0]
         assert out.cached_tokens == 0
         reference = references[None if adapter is None else adapter.name]
-        assert max_gap(out.output_logprobs, token_logprobs(reference, PROMPT + out.output_ids)[len(PROMPT) - 1:]) <= 1e-4
+        assert max_gap(out.output_logprobs,
+                       token_logprobs(reference, PROMPT + out.output_ids)[len(PROMPT) - 1:]) <= 1e-4
     again = run(scheduler, runner, [PROMPT], [a])[0]
     assert again.cached_tokens >= 16 and again.output_ids == first.output_ids  # a's own KV is reused
     # Unloading drops the adapter's entries; a reload of the same directory is a new namespace.
@@ -151,7 +157,8 @@ def test_adapters_sglang_refuses_are_refused(fresh_runner, adapters, model_dir, 
         read_adapter(dora, "dora", runner.lora.linears, runner.vocab_size)
     foreign = shutil.copytree(adapters["a"], tmp_path / "foreign")
     config = json.loads((foreign / "adapter_config.json").read_text())
-    (foreign / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "c_attn"]}))
+    non_linear_targets = {**config, "target_modules": ["q_proj", "c_attn"]}
+    (foreign / "adapter_config.json").write_text(json.dumps(non_linear_targets))
     with pytest.raises(LoRALoadError, match=r"target modules \['c_attn'\] are not linear layers"):
         read_adapter(foreign, "foreign", runner.lora.linears, runner.vocab_size)
     (foreign / "adapter_config.json").write_text(json.dumps({**config, "r": 3}))
@@ -219,9 +226,11 @@ async def test_the_engine_client_loads_generates_with_and_unloads_adapters(lora_
 
 async def test_bad_lora_requests_get_sglangs_error_shapes(lora_engine, model_dir, tmp_path):
     dora = make_lora_adapter(model_dir, tmp_path / "dora", seed=3, use_dora=True)
-    status, body = await http_call(lora_engine.url, "/load_lora_adapter", {"lora_name": "d", "lora_path": str(dora)})
+    status, body = await http_call(lora_engine.url, "/load_lora_adapter",
+                                   {"lora_name": "d", "lora_path": str(dora)})
     assert status == 400 and body["success"] is False and "DoRA" in body["error_message"]
     status, body = await http_call(lora_engine.url, "/load_lora_adapter", {"lora_name": "x"})
     assert status == 400 and "lora_path" in body["error_message"]
-    status, body = await http_call(lora_engine.url, "/generate", {"input_ids": PROMPT, "lora_path": ["a", "b"]})
+    status, body = await http_call(lora_engine.url, "/generate",
+                                   {"input_ids": PROMPT, "lora_path": ["a", "b"]})
     assert status == 400 and "lora_path" in body["error"]["message"]

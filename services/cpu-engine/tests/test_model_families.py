@@ -56,14 +56,17 @@ def test_the_directory_loads_as_the_family_with_its_own_tokens_and_template(memb
     auto = AutoTokenizer.from_pretrained(str(model_dir))
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     assert [raw.token_to_id(t) for t in family.special_tokens] == list(range(len(family.special_tokens)))
-    assert (auto.eos_token, auto.bos_token, auto.pad_token) == (family.eos_token, family.bos_token, family.pad_token)
+    specials = (family.eos_token, family.bos_token, family.pad_token)
+    assert (auto.eos_token, auto.bos_token, auto.pad_token) == specials
     rendered = auto.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     renderer = load_chat_renderer(str(model_dir), "auto")
     assert renderer.render(CONVERSATION, add_generation_prompt=True, tools=TOOLS) == rendered
     # Each family's own markers, tool-call format included.
-    marker = {"qwen3": '<tool_call>\n{"name": "calc", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>',
+    marker = {"qwen3": '<tool_call>\n{"name": "calc", "arguments": {"expression": "2+3"}}\n'
+                       '</tool_call><|im_end|>',
               "llama": '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "calc", "parameters": '
-                       '{"expression": "2+3"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|>',
+                       '{"expression": "2+3"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n'
+                       '5<|eot_id|>',
               "mistral": '[TOOL_CALLS] [{"name": "calc", "arguments": {"expression": "2+3"}}]</s>'
                          '[TOOL_RESULTS] {"content": "5"}[/TOOL_RESULTS]'}[name]
     assert marker in rendered
@@ -83,8 +86,9 @@ def test_batched_decoding_with_prefix_reuse_gives_the_log_probs_of_a_full_forwar
     family = FAMILIES[member[0]]
     assert runner.eos_token_ids == {family.special_tokens.index(t) for t in family.stop_tokens}
     base = runner.encode(calc_dialogues(1, seed=4)[0])[:40]  # longer than a prefix-cache block
-    items = [GenerateItem(f"r{i}", base + [10 + i] * i, SamplingSpec(max_new_tokens=6 + 3 * i, sampling_seed=i,
-                                                                       ignore_eos=True), return_logprob=True)
+    items = [GenerateItem(f"r{i}", base + [10 + i] * i,
+                          SamplingSpec(max_new_tokens=6 + 3 * i, sampling_seed=i, ignore_eos=True),
+                          return_logprob=True)
              for i in range(4)]
     outputs = {}
     scheduler = Scheduler(runner)
@@ -93,7 +97,8 @@ def test_batched_decoding_with_prefix_reuse_gives_the_log_probs_of_a_full_forwar
         scheduler.step()
     while len(outputs) < len(items):
         scheduler.step()
-    later = GenerateItem("later", [*base, 10], SamplingSpec(max_new_tokens=5, sampling_seed=9, ignore_eos=True),
+    later = GenerateItem("later", [*base, 10],
+                         SamplingSpec(max_new_tokens=5, sampling_seed=9, ignore_eos=True),
                          return_logprob=True)
     scheduler.submit(Request(later, runner.eos_token_ids, lambda out: outputs.__setitem__(out.rid, out)))
     while "later" not in outputs:
@@ -127,8 +132,9 @@ def test_weights_of_another_seed_load_into_the_runner_exactly(member):
 def test_the_cli_builds_a_family_in_bf16(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt", calc_dialogues(100, seed=3))
     out = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "rlfleet.engine.build_model", "--out", str(out), "--corpus", str(corpus),
-                    "--family", "llama", "--dtype", "bfloat16", "--hidden-size", "64", "--intermediate-size", "128",
+    subprocess.run([sys.executable, "-m", "rlfleet.engine.build_model", "--out", str(out),
+                    "--corpus", str(corpus), "--family", "llama", "--dtype", "bfloat16", "--hidden-size",
+                    "64", "--intermediate-size", "128",
                     "--num-hidden-layers", "1", "--vocab-size", "400"], check=True, capture_output=True)
     config = json.loads((out / "config.json").read_text())
     assert (config["model_type"], config["dtype"], config["hidden_size"]) == ("llama", "bfloat16", 64)

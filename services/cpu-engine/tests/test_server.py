@@ -146,7 +146,8 @@ async def test_deeply_nested_json_is_a_400_logged_once_per_peer(engine):
 
 async def test_an_error_never_echoes_a_large_input_whole(engine):
     huge = "x" * (4 << 20)
-    status, reply = await call(engine.url, "/generate", {"input_ids": [1], "sampling_params": {"top_p": huge}})
+    status, reply = await call(engine.url, "/generate",
+                               {"input_ids": [1], "sampling_params": {"top_p": huge}})
     assert status == 400 and len(reply["error"]["message"]) < 1000
     async with aiohttp.ClientSession() as session:
         async with session.post(engine.url + "/generate", data=b'{"rid": "' + huge.encode(),
@@ -205,7 +206,8 @@ async def test_retract_mode_requeues_running_requests_and_they_finish_as_if_unin
     try:
         current = await load(engine.url)
         assert (
-            current["num_running_reqs"] == 0 and current["num_waiting_reqs"] == 1 and current["paused"] == "retract"
+            current["num_running_reqs"] == 0 and current["num_waiting_reqs"] == 1
+            and current["paused"] == "retract"
         )
         status, _ = await call(engine.url, "/flush_cache")
         assert status == 200
@@ -267,7 +269,8 @@ async def test_oversize_text_and_bodies_are_refused_with_413_naming_the_limit_be
     assert status == 413 and reply["error"]["size"] == 1_200_000
     status, reply = await call(engine.url, "/generate", {"input_ids": [1] * 100_000})
     assert status == 400 and reply["error"]["limit"] < 100_000 and reply["error"]["field"] == "input_ids"
-    status, reply = await call(engine.url, "/generate", {"input_ids": [100_000] * (2 << 20)})  # 16 MiB of JSON
+    # 16 MiB of JSON
+    status, reply = await call(engine.url, "/generate", {"input_ids": [100_000] * (2 << 20)})
     assert status == 413 and reply["error"]["field"] == "body" and reply["error"]["limit"] == 8 << 20
 
 

@@ -166,7 +166,8 @@ async def test_a_staged_broadcast_is_served_only_after_the_flip_and_a_corrupted_
     url = weights_engine.url
     named = read_checkpoint(model_dir_v2)
     sums = tensor_checksums(named)
-    flip = {"source": "distributed", "checksums": sums, "checksum_algorithm": "sha256", "pause_mode": "retract"}
+    flip = {"source": "distributed", "checksums": sums, "checksum_algorithm": "sha256",
+            "pause_mode": "retract"}
 
     async def broadcast(tensors, version: str) -> dict:
         port = free_port()
@@ -176,7 +177,8 @@ async def test_a_staged_broadcast_is_served_only_after_the_flip_and_a_corrupted_
         group = await asyncio.to_thread(distributed.join_group, "127.0.0.1", port, 0, 2, "st", "gloo", 60.0)
         try:
             assert (await engine_side)[1]["success"]
-            body = distributed.update_request(named, group_name="st", weight_version=version, flush_cache=True)
+            body = distributed.update_request(named, group_name="st", weight_version=version,
+                                              flush_cache=True)
             engine_side = asyncio.create_task(call(url, "/update_weights_from_distributed?staged=1", body))
             await asyncio.to_thread(distributed.send, group, tensors)
             status, reply = await engine_side
@@ -195,7 +197,8 @@ async def test_a_staged_broadcast_is_served_only_after_the_flip_and_a_corrupted_
     assert reply["checksums"][named[0][0]] != sums[named[0][0]]
     assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v1"  # staged, not served
     status, reply = await call(url, STAGING_ROUTE, {**flip, "weight_version": "v2-bad"})
-    assert status == 400 and "wrong checksum" in reply["message"] and reply["mismatched"] == [named[0][0]], reply
+    assert status == 400 and "wrong checksum" in reply["message"], reply
+    assert reply["mismatched"] == [named[0][0]], reply
     assert (await call(url, "/model_info", method="GET"))[1]["weight_version"] == "v1"
 
     await broadcast([t for _, t in named], "v2-staged")

@@ -17,7 +17,8 @@ from rlfleet.trainer.torch_backend import TorchBackend
 torch.set_num_threads(1)
 
 
-def sample(tid: str, tokens: list[int], mask: list[int], reward: float = 0.0, group: str = "g") -> TrainSample:
+def sample(tid: str, tokens: list[int], mask: list[int], reward: float = 0.0,
+           group: str = "g") -> TrainSample:
     return TrainSample(tid, group, tokens, [-0.5 * m for m in mask], mask, reward)
 
 
@@ -32,7 +33,8 @@ def test_padding_right_pads_with_an_attention_mask_and_keeps_tokens_exact():
 
 
 def test_packing_restarts_positions_per_sequence_and_has_no_attention_mask():
-    samples = [sample("a", [5, 6, 7], [0, 1, 1]), sample("b", [8, 9], [0, 1]), sample("c", [1, 2, 3, 4], [0, 0, 1, 1])]
+    samples = [sample("a", [5, 6, 7], [0, 1, 1]), sample("b", [8, 9], [0, 1]),
+               sample("c", [1, 2, 3, 4], [0, 0, 1, 1])]
     b = pack_batch(samples, pack_length=6)
     assert b.attention_mask is None
     # First-fit decreasing: c (4) opens row 0, a (3) opens row 1, b (2) fits after c.

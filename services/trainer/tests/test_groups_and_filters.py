@@ -122,7 +122,8 @@ def test_staleness_can_leave_a_group_too_small_to_train():
 
 
 def test_a_trajectory_without_generated_spans_is_never_stale():
-    assert len(screen([cand("g", 0, 1.0, version=None), cand("g", 1, 0.0, version=None)], version=100).kept) == 2
+    assert len(screen([cand("g", 0, 1.0, version=None), cand("g", 1, 0.0, version=None)],
+                      version=100).kept) == 2
 
 
 def test_a_timed_out_group_is_trained_or_dropped_as_configured():

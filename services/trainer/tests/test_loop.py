@@ -157,7 +157,9 @@ async def test_trajectories_too_many_versions_behind_are_dropped_as_stale(tmp_pa
     await loop.shutdown(task)
 
 
-async def test_a_redelivery_of_a_held_message_is_trained_once_and_its_newest_delivery_acked(tmp_path, model_dir):
+async def test_a_redelivery_of_a_held_message_is_trained_once_and_its_newest_delivery_acked(
+    tmp_path, model_dir
+):
     consumer, js = FakeConsumer(), FakeJetStream()
     loop = make_loop(tmp_path, model_dir, consumer, js)
     first, second = (t.SerializeToString() for t in trajectory_protos(1, 2, "r"))
@@ -169,7 +171,9 @@ async def test_a_redelivery_of_a_held_message_is_trained_once_and_its_newest_del
     await loop.shutdown(task)
 
 
-async def test_a_lora_loop_publishes_the_base_then_adapters_and_a_restart_trains_nothing_twice(tmp_path, model_dir):
+async def test_a_lora_loop_publishes_the_base_then_adapters_and_a_restart_trains_nothing_twice(
+    tmp_path, model_dir
+):
     consumer, js = FakeConsumer(), FakeJetStream()
     protos = trajectory_protos(3, 2, "r")
     lora = {"enabled": True, "rank": 4}

@@ -78,7 +78,8 @@ def test_grpo_token_mean_clips_the_ratio_and_applies_truncated_importance_weight
     assert m["loss"] == pytest.approx(sum(terms) / 4, abs=1e-6)
     # Token 1 of seq 0 (r = e^0.2 > 1.2, A > 0) and token 1 of seq 1 (r = e^-0.5 < 0.8, A < 0) are clipped.
     assert m["clip_frac"] == pytest.approx(2 / 4)
-    assert m["ratio_mean"] == pytest.approx((math.exp(0.2) + 1 + math.exp(-0.5) + math.exp(0.1)) / 4, abs=1e-6)
+    assert m["ratio_mean"] == pytest.approx((math.exp(0.2) + 1 + math.exp(-0.5)
+                                             + math.exp(0.1)) / 4, abs=1e-6)
     # Only the last token's weight exp(0.9) = 2.46 exceeds C = 2.
     assert m["tis_clip_frac"] == pytest.approx(1 / 4)
     assert m["tis_weight_mean"] == pytest.approx((math.exp(0.1) + math.exp(-0.3) + 1 + 2) / 4, abs=1e-6)
@@ -127,7 +128,8 @@ def test_k3_kl_penalty_is_added_with_its_coefficient():
 
 
 def test_gspo_clips_the_geometric_mean_ratio_per_sequence():
-    cfg = LossConfig(algorithm="gspo", clip_eps_low=0.05, clip_eps_high=0.05, loss_agg="seq_mean", tis_cap=2.0)
+    cfg = LossConfig(algorithm="gspo", clip_eps_low=0.05, clip_eps_high=0.05,
+                     loss_agg="seq_mean", tis_cap=2.0)
     loss, m = gspo_loss(inputs(), cfg)
     s0 = math.exp(((-1.0 + 1.2) + (-0.5 + 0.5)) / 2)  # e^0.1 = 1.105 -> clipped to 1.05
     s1 = math.exp(((-2.0 + 1.5) + (-1.0 + 1.1)) / 2)  # e^-0.2 = 0.819 -> clipped to 0.95
@@ -167,7 +169,8 @@ def test_gae_skips_observation_tokens_and_resets_between_packed_sequences():
     b2 = 0.0 + 0.9 * 0.0 - 0.3
     b1 = (0.0 + 0.9 * 0.3 - 0.1) + 0.9 * 0.8 * b2
     assert adv.tolist()[0] == pytest.approx([0, a1, a2, 0, 0, a5, 0, b1, b2], abs=1e-6)
-    assert ret.tolist()[0] == pytest.approx([0, a1 + 0.5, a2 + 0.2, 0, 0, a5 + 0.8, 0, b1 + 0.1, b2 + 0.3], abs=1e-6)
+    assert ret.tolist()[0] == pytest.approx(
+        [0, a1 + 0.5, a2 + 0.2, 0, 0, a5 + 0.8, 0, b1 + 0.1, b2 + 0.3], abs=1e-6)
 
 
 def test_ppo_with_a_shared_critic_adds_a_clipped_value_loss():
@@ -188,9 +191,11 @@ def test_ppo_with_a_shared_critic_adds_a_clipped_value_loss():
     # A separate critic: the policy's loss is the clipped objective alone, the critic's the value loss.
     separate = cfg.model_copy(update={"critic": "separate"})
     policy_loss, pm = ppo_loss(inputs(), separate)
-    assert policy_loss.item() == pytest.approx(sum(_hand_grpo_terms()) / 4, abs=1e-6) and "value_loss" not in pm
+    assert policy_loss.item() == pytest.approx(sum(_hand_grpo_terms()) / 4,
+                                               abs=1e-6) and "value_loss" not in pm
     critic_loss, cm = value_loss_fn(values, old_values, returns, MASK, SEQ_IDS, separate)
-    assert critic_loss.item() == pytest.approx(value_loss, abs=1e-6) and cm["value_clip_frac"] == pytest.approx(0.5)
+    assert critic_loss.item() == pytest.approx(value_loss,
+                                               abs=1e-6) and cm["value_clip_frac"] == pytest.approx(0.5)
 
 
 def test_micro_batch_losses_with_the_global_norm_add_up_to_the_batch_loss():
@@ -221,7 +226,8 @@ def test_each_algorithm_gets_its_own_defaults_and_explicit_values_win():
     gspo = LossConfig(algorithm="gspo")
     # The GSPO paper's sequence-ratio clip; a token-level 0.2 would clip almost nothing.
     assert (gspo.clip_eps_low, gspo.clip_eps_high, gspo.loss_agg) == (3e-4, 4e-4, "seq_mean")
-    assert (LossConfig().clip_eps_low, LossConfig().clip_eps_high, LossConfig().loss_agg) == (0.2, 0.2, "token_mean")
+    assert (LossConfig().clip_eps_low, LossConfig().clip_eps_high,
+            LossConfig().loss_agg) == (0.2, 0.2, "token_mean")
     ppo = LossConfig(algorithm="ppo")
     assert (ppo.clip_eps_low, ppo.clip_eps_high, ppo.loss_agg) == (0.2, 0.2, "token_mean")
     mine = LossConfig(algorithm="gspo", clip_eps_high=0.01, loss_agg="token_mean")

@@ -75,7 +75,8 @@ def _agg(per_seq_tokens, mode):
 def _regularisers(seqs, cfg):
     total = 0.0
     if cfg.kl_coef:
-        k3 = [[math.exp(rf - lp) - (rf - lp) - 1 for lp, rf in zip(s["logp"], s["ref"], strict=True)] for s in seqs]
+        k3 = [[math.exp(rf - lp) - (rf - lp) - 1
+               for lp, rf in zip(s["logp"], s["ref"], strict=True)] for s in seqs]
         total += cfg.kl_coef * _agg(k3, cfg.loss_agg)
     if cfg.entropy_coef:
         total -= cfg.entropy_coef * _agg([s["ent"] for s in seqs], cfg.loss_agg)
@@ -196,8 +197,8 @@ def pack(seqs, rows_of):
     """Torch [rows, length] tensors from the sequences laid out as `rows_of` (lists of indices), padded."""
     width = max(sum(len(seqs[i]["mask"]) for i in row) for row in rows_of) + 2
     shape = (len(rows_of), width)
-    fields = {k: torch.zeros(shape, dtype=torch.float64) for k in ("mask", "old", "logp", "roll", "ref", "ent",
-                                                                   "v", "old_v", "adv", "ret")}
+    names = ("mask", "old", "logp", "roll", "ref", "ent", "v", "old_v", "adv", "ret")
+    fields = {k: torch.zeros(shape, dtype=torch.float64) for k in names}
     seq_ids = torch.full(shape, -1, dtype=torch.long)
     for r, row in enumerate(rows_of):
         pos = 0
@@ -261,7 +262,8 @@ def test_loss_value_and_gradient_match_the_reference(algorithm, overrides):
     reference = REFERENCES["critic" if critic else algorithm]
 
     # The batch really does hit the cases it is meant to.
-    tis_over = sum(math.exp(o - r) > cfg.tis_cap for s in ref_seqs for o, r in zip(s["old"], s["roll"], strict=True)
+    tis_over = sum(math.exp(o - r) > cfg.tis_cap for s in ref_seqs
+                   for o, r in zip(s["old"], s["roll"], strict=True)
                    ) if cfg.tis_cap else 1
     assert tis_over > 0
     if algorithm == "gspo":
@@ -270,7 +272,8 @@ def test_loss_value_and_gradient_match_the_reference(algorithm, overrides):
     else:
         ratios = [(math.exp(lp - o), a) for s in ref_seqs for lp, o, a in zip(s["logp"], s["old"], s["adv"],
                                                                               strict=True)]
-    assert any(r > 1 + cfg.clip_eps_high and a > 0 for r, a in ratios if abs(a) > 1e-3), "upper clip never active"
+    assert any(r > 1 + cfg.clip_eps_high and a > 0
+               for r, a in ratios if abs(a) > 1e-3), "upper clip never active"
     assert any(r < 1 - cfg.clip_eps_low and a < 0 for r, a in ratios), "lower clip never active"
     assert any(1 - cfg.clip_eps_low < r < 1 + cfg.clip_eps_high and a != 0 for r, a in ratios)
 
@@ -282,7 +285,8 @@ def test_loss_value_and_gradient_match_the_reference(algorithm, overrides):
     inp = PolicyInputs(logprobs=leaves["logp"], old_logprobs=f["old"], rollout_logprobs=f["roll"],
                        advantages=f["adv"], mask=f["mask"], seq_ids=seq_ids,
                        ref_logprobs=f["ref"] if cfg.kl_coef else None, entropy=leaves["ent"],
-                       values=leaves["v"] if algorithm == "ppo" and (critic or cfg.critic == "shared") else None,
+                       values=leaves["v"] if algorithm == "ppo"
+                       and (critic or cfg.critic == "shared") else None,
                        old_values=f["old_v"] if algorithm == "ppo" else None,
                        returns=f["ret"] if algorithm == "ppo" else None)
     norm = LossNorm(float(f["mask"].sum()), len(seqs),
@@ -339,8 +343,9 @@ def test_advantages_through_the_batch_see_rewards_past_float32_precision():
     """From samples to per-token advantages (what `rl_step` does): nothing rounds rewards to float32."""
     rewards = [0.7] * 7 + [0.7 + 1e-12] + [0.7] * 8
     groups = ["near"] * 8 + ["equal"] * 8
-    samples = [TrainSample(token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], rollout_logprobs=[0.0, -1.0, -1.0, -1.0],
-                           reward=r, group_id=g, trajectory_id=f"t{i}", policy_version=0)
+    samples = [TrainSample(token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
+                           rollout_logprobs=[0.0, -1.0, -1.0, -1.0], reward=r, group_id=g,
+                           trajectory_id=f"t{i}", policy_version=0)
                for i, (r, g) in enumerate(zip(rewards, groups, strict=True))]
     batch = with_advantages(assemble_batch(samples), LossConfig())
     assert batch.rewards.dtype == torch.float64

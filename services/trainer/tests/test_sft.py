@@ -51,15 +51,16 @@ def test_sft_lowers_the_loss_on_its_demonstrations(model_dir, tmp_path):
     lines.append(json.dumps({"token_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1]}))
     data.write_text("\n".join(lines) + "\n")
     progress = []
-    metrics = run_sft(str(model_dir), str(data), str(tmp_path / "out"), epochs=4, lr=1e-2, batch_size=4, seed=0,
-                      progress=progress.append)
+    metrics = run_sft(str(model_dir), str(data), str(tmp_path / "out"), epochs=4, lr=1e-2,
+                      batch_size=4, seed=0, progress=progress.append)
     assert metrics["samples"] == 10 and metrics["steps"] == 12
     # 12 steps: a record at every step (a tenth of them rounds up to one), each epoch's last one among them.
     assert [r["step"] for r in progress] == list(range(1, 13)) and progress[-1]["epoch"] == 4
     assert all(r["steps"] == 12 and r["epochs"] == 4 for r in progress)
     assert metrics["eval_loss_after"] < 0.7 * metrics["eval_loss_before"], metrics
     assert metrics["epoch_losses"][-1] < metrics["epoch_losses"][0]
-    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
 
 
 def test_token_id_demonstrations_default_to_scoring_every_token_but_the_first(tmp_path):
@@ -78,7 +79,8 @@ def test_cli_help_is_instant_and_does_not_import_torch():
     assert time.perf_counter() - start < 5
 
 
-@pytest.mark.parametrize("name, closing", [("llama", "<|eot_id|>"), ("qwen3", "<|im_end|>"), ("mistral", "</s>")])
+@pytest.mark.parametrize("name, closing",
+                         [("llama", "<|eot_id|>"), ("qwen3", "<|im_end|>"), ("mistral", "</s>")])
 def test_a_model_s_own_template_renders_the_demonstrations_and_the_mask_covers_its_assistant_turns(
         tmp_path, name, closing):
     from tokenizers import Tokenizer
@@ -90,7 +92,8 @@ def test_a_model_s_own_template_renders_the_demonstrations_and_the_mask_covers_i
 
     family = FAMILIES[name]
     corpus = [render_messages(conversation(a, b), False) for a in range(5) for b in range(5)]
-    train_tokenizer(corpus, 300, family.special_tokens, family.split_regex).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = train_tokenizer(corpus, 300, family.special_tokens, family.split_regex)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(family.tokenizer_config(512)))
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     messages = conversation(2, 3)[1:]  # Mistral's template moves a system prompt; demos have none
@@ -112,25 +115,30 @@ def test_sft_with_lora_trains_an_adapter_and_saves_it_beside_the_merged_model(mo
     from safetensors.torch import load_file
 
     data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": conversation(a, b)}) for a in range(3) for b in range(3)) + "\n")
-    metrics = run_sft(str(model_dir), str(data), str(tmp_path / "out"), epochs=3, lr=1e-2, batch_size=3, seed=0,
-                      lora={"rank": 4, "alpha": 8.0})
+    data.write_text("\n".join(json.dumps({"messages": conversation(a, b)}) for a in range(3)
+                              for b in range(3)) + "\n")
+    metrics = run_sft(str(model_dir), str(data), str(tmp_path / "out"), epochs=3, lr=1e-2,
+                      batch_size=3, seed=0, lora={"rank": 4, "alpha": 8.0})
     assert metrics["eval_loss_after"] < metrics["eval_loss_before"], metrics
     adapter = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
     assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
-    merged, base = load_file(tmp_path / "out" / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    base = load_file(model_dir / "model.safetensors")
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[q], base[q])  # the adapter merged in
     assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not a target
 
 
-def test_scoring_only_the_first_demonstrations_leaves_the_trained_weights_unchanged(model_dir, tmp_path, monkeypatch):
+def test_scoring_only_the_first_demonstrations_leaves_the_trained_weights_unchanged(
+    model_dir, tmp_path, monkeypatch
+):
     from safetensors.torch import load_file
 
     from rlfleet.trainer import sft
 
     data = tmp_path / "demos.jsonl"
-    data.write_text("".join(json.dumps({"messages": conversation(a, b)}) + "\n" for a in range(3) for b in range(3)))
+    data.write_text("".join(json.dumps({"messages": conversation(a, b)}) + "\n" for a in range(3)
+                            for b in range(3)))
     runs = {}
     for cap in (2, 100):
         monkeypatch.setattr(sft, "EVAL_SAMPLES", cap)

@@ -27,8 +27,8 @@ def on_policy(b: TorchBackend, samples: list[TrainSample]) -> list[TrainSample]:
     """The samples with rollout log-probs of the backend's current policy (as if it had generated them)."""
     batch = pack_batch(samples, 64)
     lps = batch.per_sample(b.compute_logprobs(batch))
-    return [TrainSample(s.trajectory_id, s.group_id, s.token_ids, [lp if m else 0.0 for lp, m in
-                                                                  zip(lp_.tolist(), s.loss_mask, strict=True)],
+    return [TrainSample(s.trajectory_id, s.group_id, s.token_ids,
+                        [lp if m else 0.0 for lp, m in zip(lp_.tolist(), s.loss_mask, strict=True)],
                         s.loss_mask, s.reward, s.policy_version) for s, lp_ in zip(samples, lps, strict=True)]
 
 
@@ -54,7 +54,8 @@ def test_training_is_bit_identical_under_a_fixed_seed():
     def run() -> dict[str, torch.Tensor]:
         b = backend()
         for _ in range(3):
-            rl_step(b, make_samples(2, 4, seed=2), LossConfig(), BatchConfig(pack_length=64, micro_batch_rows=2))
+            rl_step(b, make_samples(2, 4, seed=2), LossConfig(),
+                    BatchConfig(pack_length=64, micro_batch_rows=2))
         return weights(b)
 
     first, second = run(), run()
@@ -89,9 +90,11 @@ def test_gradient_accumulation_over_micro_batches_matches_one_big_batch():
     samples = make_samples(2, 4, seed=3)
     results = []
     for rows in (1, 8):
-        # Adam's first step is ~lr * sign(g): float noise on near-zero gradients moves weights by up to ~lr * 1e-3.
+        # Adam's first step is ~lr * sign(g): float noise on near-zero gradients moves weights
+        # by up to ~lr * 1e-3.
         b = backend(batch={"micro_batch_rows": rows, "pack_length": 64}, optim={"lr": 1e-3})
-        m = rl_step(b, samples, LossConfig(loss_agg="seq_mean"), BatchConfig(pack_length=64, micro_batch_rows=rows))
+        m = rl_step(b, samples, LossConfig(loss_agg="seq_mean"),
+                    BatchConfig(pack_length=64, micro_batch_rows=rows))
         results.append((weights(b), m))
     (w1, m1), (w8, m8) = results
     assert max(float((w1[k] - w8[k]).abs().max()) for k in w1) <= 1e-5
@@ -147,9 +150,11 @@ def test_ppo_trains_the_shared_value_head_towards_the_returns():
 
 def test_gspo_step_reports_sequence_level_metrics():
     b = backend()
-    m = rl_step(b, make_samples(2, 4, seed=8), LossConfig(algorithm="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4),
+    m = rl_step(b, make_samples(2, 4, seed=8),
+                LossConfig(algorithm="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4),
                 BatchConfig(pack_length=64))
-    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # old log-probs recomputed: ratio 1 at the first step
+    # old log-probs recomputed: ratio 1 at the first step
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert math.isfinite(m["loss"]) and m["step"] == 1
 
 
@@ -158,8 +163,8 @@ def test_logprob_gap_is_reported_against_the_rollout():
     samples = on_policy(b, make_samples(1, 4, seed=9))
     m = rl_step(b, samples, LossConfig(), BatchConfig(pack_length=64))
     assert m["logprob_gap_max"] <= 1e-5 and m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
-    shifted = [TrainSample(s.trajectory_id, s.group_id, s.token_ids, [lp - 1.0 * m_ for lp, m_ in
-                                                                     zip(s.rollout_logprobs, s.loss_mask, strict=True)],
+    shifted = [TrainSample(s.trajectory_id, s.group_id, s.token_ids,
+                           [lp - 1.0 * m_ for lp, m_ in zip(s.rollout_logprobs, s.loss_mask, strict=True)],
                            s.loss_mask, s.reward) for s in samples]
     m = rl_step(b, shifted, LossConfig(tis_cap=2.0), BatchConfig(pack_length=64))
     # exp(1) = 2.72 > C = 2 on every token.
@@ -210,5 +215,6 @@ def test_a_checkpoint_of_a_model_with_tied_embeddings_saves_and_restores(tmp_pat
     backend.save_checkpoint(tmp_path / "ckpt")
     restored = TorchBackend(TorchBackendConfig(model_config_dict=config, seed=1))
     restored.load_checkpoint(tmp_path / "ckpt")
-    for (name, a), (_, b) in zip(backend.model.state_dict().items(), restored.model.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(backend.model.state_dict().items(),
+                                 restored.model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name

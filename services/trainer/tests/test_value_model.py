@@ -53,7 +53,8 @@ def test_the_critic_starts_from_the_policy_trunk_with_a_zero_head_and_its_own_op
     first = core.train(samples)
     for _ in range(5):
         last = core.train(samples)
-    assert {"value_loss", "value_clip_frac", "value_mean", "critic_grad_norm", "critic_lr", "clip_frac"} <= set(last)
+    assert {"value_loss", "value_clip_frac", "value_mean", "critic_grad_norm", "critic_lr",
+            "clip_frac"} <= set(last)
     assert last["value_loss"] < first["value_loss"]
     assert policy.step == critic.step == 6
     # Each moved its own weights only: the trunks diverge from each other.
@@ -119,7 +120,8 @@ def test_advantages_come_from_the_critic_values_before_its_update(model_dir):
 
     core.value_model.train_step = spy
     rl_step(core.backend, samples, core.config.loss, BATCH, value_model=core.value_model)
-    assert torch.allclose(seen["returns"], want.returns) and torch.allclose(seen["old_values"], want.old_values)
+    assert torch.allclose(seen["returns"], want.returns)
+    assert torch.allclose(seen["old_values"], want.old_values)
     core.close()
 
 

@@ -2,7 +2,8 @@
 them (deploy/compose/compose.yaml mounts them).
 
     rlfleet compose-config --out runs/compose [--config deploy/compose/rlfleet.toml] [--port-base N]
-                           [--tasks N] [--run-config deploy/compose/run.toml] [KEY OVERRIDES as for rlfleet up]
+                           [--tasks N] [--run-config deploy/compose/run.toml]
+                           [KEY OVERRIDES as for rlfleet up]
 
 The launch config is `rlfleet up`'s (`PlatformConfig`, the same TOML and flags). Each process's file
 `<out>/config/<process>.json` is made by the launcher's own `process_config`, from a launch state in
@@ -50,10 +51,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rlfleet.cli.launcher import PlatformState, ProcessRecord, process_config, write_process_config
-from rlfleet.cli.platform_config import ALL_SERVICES, PlatformConfig
+from rlfleet.cli.platform_config import ALL_SERVICES, ControllerConfig, EngineConfig, PlatformConfig
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.common import security
-from rlfleet.common.config import format_validation_error, load_config
+from rlfleet.common.config import ServiceConfig, format_validation_error, load_config
 from rlfleet.common.errors import StartupError
 from rlfleet.common.infra_auth import ensure_infra_secrets, nats_authorization, redis_acl, write_secret
 from rlfleet.common.processes import free_port, write_json_atomic
@@ -71,20 +72,21 @@ PORTS = ("nats", "nats-monitor", "redis", *ENGINES, *(f"{e}-metrics" for e in EN
          *ALL_SERVICES, *(f"{s}-metrics" for s in ALL_SERVICES), "worker-metrics")
 RESERVED = {4222, 6379, 8222}  # the host's own NATS/Redis (and NATS monitoring) defaults
 # The gRPC identity (rlfleet.common.security) of each service's container: its entry point's name.
-IDENTITIES = {"rollout-gateway": "gateway", "session-server": "session-server", "sandbox-manager": "sandbox-manager",
-              "verifier": "verifier", "trainer": "trainer", "weight-broker": "weight-broker",
+IDENTITIES = {"rollout-gateway": "gateway", "session-server": "session-server",
+              "sandbox-manager": "sandbox-manager", "verifier": "verifier", "trainer": "trainer",
+              "weight-broker": "weight-broker",
               "controller": "controller"}
 WORKER_CLIENT = "worker"  # the rollout workers' environment-client name (a token, no certificate)
 
 
 def choose_ports(port_base: int | None) -> dict[str, int]:
     if port_base is not None:
-        ports = {name: port_base + i for i, name in enumerate(PORTS)}
+        ports: dict[str, int] = {name: port_base + i for i, name in enumerate(PORTS)}
         clash = RESERVED & set(ports.values())
         if clash:
             raise StartupError(f"--port-base {port_base} would use {sorted(clash)} (the host's NATS/Redis)")
         return ports
-    ports: dict[str, int] = {}
+    ports = {}
     while len(ports) < len(PORTS):
         port = free_port()
         if port not in RESERVED and port not in ports.values():
@@ -94,15 +96,16 @@ def choose_ports(port_base: int | None) -> dict[str, int]:
 
 def launch_state(config: PlatformConfig, ports: dict[str, int]) -> PlatformState:
     """What `rlfleet up` would have recorded had it started everything on these ports."""
-    def record(name: str, kind: str, **fields: str) -> ProcessRecord:
-        return ProcessRecord(name, 0, 0, [], "", kind=kind, **fields)
+    def record(name: str, kind: str, address: str, url: str = "") -> ProcessRecord:
+        return ProcessRecord(name, 0, 0, [], "", kind=kind, address=address, url=url)
 
     processes = [
         # TLS only, as under `rlfleet up` (certs/nats.pem, certs/redis.pem: write_tls_secrets)
         record("nats", "nats", address=f"127.0.0.1:{ports['nats']}", url=f"tls://127.0.0.1:{ports['nats']}"),
         record("redis", "redis", address=f"127.0.0.1:{ports['redis']}",
                url=f"rediss://127.0.0.1:{ports['redis']}/0"),
-        *(record(e, "engine", address=f"127.0.0.1:{ports[e]}", url=f"http://127.0.0.1:{ports[e]}") for e in ENGINES),
+        *(record(e, "engine", address=f"127.0.0.1:{ports[e]}", url=f"http://127.0.0.1:{ports[e]}")
+          for e in ENGINES),
         *(record(name, "service", address=f"127.0.0.1:{ports[name]}") for name in config.services),
     ]
     return PlatformState(config.run_id, str(RUN_DIR), 0, processes)
@@ -138,7 +141,8 @@ def checked_run(config: PlatformConfig, text: str, where: str) -> RunConfig:
     if run.run_id != config.run_id:
         raise StartupError(f"{where}: run_id {run.run_id!r} is not the stack's ({config.run_id!r})")
     if run.group_size != config.trainer.group_size:
-        raise StartupError(f"{where}: group_size {run.group_size} is not the trainer's ({config.trainer.group_size})")
+        raise StartupError(f"{where}: group_size {run.group_size} is not the trainer's "
+                           f"({config.trainer.group_size})")
     return run
 
 
@@ -172,16 +176,18 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
             if login is not None and login.password_file:
                 login.password_file = f"{SECRETS_MOUNT}/{Path(login.password_file).name}"
         section.metrics.host, section.metrics.port = "127.0.0.1", ports[f"{name}-metrics"]
-        if process == "cpu-engine":
+        if isinstance(section, EngineConfig):
             section.host, section.port, section.engine_id = "127.0.0.1", ports[name], name
         else:
+            assert isinstance(section, ServiceConfig), process
             section.grpc.host, section.grpc.port = "127.0.0.1", ports[name]
-        if name == "controller":
+        if isinstance(section, ControllerConfig):
             section.trainer_metrics_url = f"http://127.0.0.1:{ports['trainer-metrics']}/metrics"
             section.start_run = start_run
         write_process_config(out, name, section)
-    worker = WorkerConfig(run_id=config.run_id, nats={"url": state.by_name("nats").url, "user": "worker",
-                                                      "password_file": f"{SECRETS_MOUNT}/nats-worker.password"},
+    worker = WorkerConfig(run_id=config.run_id,
+                          nats={"url": state.by_name("nats").url, "user": "worker",
+                                "password_file": f"{SECRETS_MOUNT}/nats-worker.password"},
                           session_address=state.by_name("session-server").address,
                           sandbox_address=state.by_name("sandbox-manager").address,
                           verifier_address=state.by_name("verifier").address,
@@ -272,13 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["secrets"]:  # for Kubernetes: python -m rlfleet.cli.compose_config secrets OUT [RUN_ID]
         out = Path(argv[1])
         write_secrets(out, argv[2] if len(argv) > 2 else "rlfleet", container_uid=None)
-        print(f"wrote {out}; then: kubectl -n rlfleet create secret generic rlfleet-infra-auth --from-file={out}")
+        print(f"wrote {out}; then: kubectl -n rlfleet create secret generic "
+              f"rlfleet-infra-auth --from-file={out}")
         return 0
     parser = argparse.ArgumentParser(prog="rlfleet compose-config", add_help=False)
-    parser.add_argument("--out", default="runs/compose", help="where config/, compose.env go (default runs/compose)")
+    parser.add_argument("--out", default="runs/compose",
+                        help="where config/, compose.env go (default runs/compose)")
     parser.add_argument("--port-base", type=int, help="consecutive ports from here (default: free ones)")
     parser.add_argument("--project", default="rlfleet", help="compose project name (default rlfleet)")
-    parser.add_argument("--tasks", type=int, default=200, help="calc tasks the submit job publishes (default 200)")
+    parser.add_argument("--tasks", type=int, default=200,
+                        help="calc tasks the submit job publishes (default 200)")
     parser.add_argument("--run-config", default="deploy/compose/run.toml",
                         help="the run the controller drives from its start (default deploy/compose/run.toml; "
                         "'' for none: the controller waits for StartRun)")

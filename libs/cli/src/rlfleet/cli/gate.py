@@ -45,25 +45,26 @@ from rlfleet.common.config import StrictModel
 class GateConfig(StrictModel):
     enabled: bool = Field(True, description="evaluate candidates and promote only those that pass")
     every_versions: int = Field(5, ge=1, description="evaluate a candidate every this many policy versions")
-    alpha: float = Field(0.05, gt=0, lt=0.5, description="one-sided level of every test: a candidate equal to "
-                         "the accepted version is promoted at most this often")
-    min_success_gain: float = Field(0.0, ge=0, description="the lower confidence bound of the held-out success "
-                                    "gain must be above this")
+    alpha: float = Field(0.05, gt=0, lt=0.5, description="one-sided level of every test: a candidate equal "
+                         "to the accepted version is promoted at most this often")
+    min_success_gain: float = Field(0.0, ge=0, description="the lower confidence bound of the held-out "
+                                    "success gain must be above this")
     looks: int = Field(4, ge=1, le=20, description="slices the candidate's evaluation is run in; after each "
                        "but the last the gate may refuse early, it promotes only on the whole set")
     max_regression_drop: float = Field(0.05, ge=0, description="refuse when the regression set's success "
                                        "drops significantly by more than this")
-    max_invalid_tool_call_rise: float = Field(0.05, ge=0, description="refuse when invalid tool calls per episode "
-                                              "rise significantly by more than this")
-    max_safety_violation_rise: float = Field(0.0, ge=0, description="largest allowed rise in safety violations "
-                                             "per episode")
-    strict_safety: bool = Field(True, description="any observed rise in safety violations above the limit refuses, "
-                                "not only a significant one")
+    max_invalid_tool_call_rise: float = Field(0.05, ge=0, description="refuse when invalid tool calls per "
+                                              "episode rise significantly by more than this")
+    max_safety_violation_rise: float = Field(0.0, ge=0, description="largest allowed rise in safety "
+                                             "violations per episode")
+    strict_safety: bool = Field(True, description="any observed rise in safety violations above the limit "
+                                "refuses, not only a significant one")
     max_time_to_completion_rise: float = Field(
         1.0, ge=0, description="refuse when mean episode time rises significantly by more than this share "
-        "(generous: a candidate is measured on the canary while it also serves rollouts, the accepted version was not)")
-    bootstrap_resamples: int = Field(2000, ge=100, le=100_000, description="paired bootstrap resamples of the "
-                                     "rise checks")
+        "(generous: a candidate is measured on the canary while it also serves rollouts, the "
+        "accepted version was not)")
+    bootstrap_resamples: int = Field(2000, ge=100, le=100_000, description="paired bootstrap resamples of "
+                                     "the rise checks")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +153,8 @@ class Check:
 
     def line(self) -> str:
         verdict = "ok" if self.passed else "REFUSED"
-        return (f"{self.name} {self.estimate:+.3f} [{self.low:+.3f}, {self.high:+.3f}] ({self.rule}): {verdict}")
+        return (f"{self.name} {self.estimate:+.3f} [{self.low:+.3f}, {self.high:+.3f}] "
+                f"({self.rule}): {verdict}")
 
 
 @dataclass
@@ -197,7 +199,8 @@ def pair(candidate: EvalResult, accepted: EvalResult) -> Paired:
                     for side in (0, 1)))
 
 
-def success_check(wins: int, losses: int, n: int, config: GateConfig, name: str = "held-out success") -> Check:
+def success_check(wins: int, losses: int, n: int, config: GateConfig,
+                  name: str = "held-out success") -> Check:
     low, high = paired_gain_interval(wins, losses, n, config.alpha)
     estimate = (wins - losses) / n if n else 0.0
     return Check(name, estimate, low, high, config.min_success_gain, low > config.min_success_gain,
@@ -218,7 +221,8 @@ def rise_checks(p: Paired, config: GateConfig, seed: int = 0) -> list[Check]:
             if d.any() else (estimate, estimate)
         strict = config.strict_safety and name.startswith("safety")
         refused = low > limit or (strict and estimate > limit)
-        rule = (f"any rise above {limit:.3f} refuses" if strict else f"refused when the rise's lower bound is above {limit:.3f}")
+        rule = (f"any rise above {limit:.3f} refuses" if strict
+                else f"refused when the rise's lower bound is above {limit:.3f}")
         checks.append(Check(name, estimate, low, high, limit, not refused, rule))
     if p.n and p.a_time.sum() > 0:
         ratio = lambda c, a: c.mean(axis=1) / np.maximum(a.mean(axis=1), 1e-9) - 1  # noqa: E731
@@ -248,8 +252,8 @@ def decide(config: GateConfig, candidate: EvalResult, accepted: EvalResult,
     it never promotes (its `accepted` is False even when every check passes)."""
     p = pair(candidate, accepted)
     if p.n == 0:
-        return Decision(False, ["no held-out task was evaluated for both versions (per-task results missing): "
-                                "nothing to compare"], tasks=0)
+        return Decision(False, ["no held-out task was evaluated for both versions (per-task results "
+                                "missing): nothing to compare"], tasks=0)
     wins = int(((p.c_passed == 1) & (p.a_passed == 0)).sum())
     losses = int(((p.a_passed == 1) & (p.c_passed == 0)).sum())
     checks = [success_check(wins, losses, p.n, config), *rise_checks(p, config, seed=candidate.version)]
@@ -290,6 +294,7 @@ def merge(parts: list[EvalResult]) -> EvalResult:
 
     return EvalResult(version=first.version, split=first.split, episodes=sum(p.episodes for p in parts),
                       success=mean("success"), invalid_tool_calls=mean("invalid_tool_calls"),
-                      safety_violations=mean("safety_violations"), time_to_completion_s=mean("time_to_completion_s"),
-                      interactions=mean("interactions"), elapsed_s=parts[-1].elapsed_s, label=first.label,
+                      safety_violations=mean("safety_violations"),
+                      time_to_completion_s=mean("time_to_completion_s"), interactions=mean("interactions"),
+                      elapsed_s=parts[-1].elapsed_s, label=first.label,
                       tasks=[t for p in parts for t in p.tasks], retried=sum(p.retried for p in parts))

@@ -22,7 +22,8 @@ from rlfleet.cli.gate import GateConfig, decide, interim, merge, slices
 from rlfleet.cli.report import EvalResult, TaskOutcome
 
 
-def task_probabilities(rng: np.random.Generator, n: int, mean: float = 0.5, spread: float = 2.0) -> np.ndarray:
+def task_probabilities(rng: np.random.Generator, n: int, mean: float = 0.5,
+                       spread: float = 2.0) -> np.ndarray:
     """n per-task success probabilities, Beta-distributed around `mean` (spread: a + b)."""
     return rng.beta(mean * spread, (1 - mean) * spread, size=n)
 
@@ -31,8 +32,8 @@ def evaluation(passed: np.ndarray, version: int, ids: list[str]) -> EvalResult:
     tasks = [TaskOutcome(task_id, bool(p), 0, 0, 0.0) for task_id, p in zip(ids, passed, strict=True)]
     n = len(tasks) or 1
     return EvalResult(version=version, split="heldout", episodes=len(tasks), success=float(passed.sum()) / n,
-                      invalid_tool_calls=0.0, safety_violations=0.0, time_to_completion_s=0.0, interactions=0.0,
-                      elapsed_s=0.0, label="candidate", tasks=tasks)
+                      invalid_tool_calls=0.0, safety_violations=0.0, time_to_completion_s=0.0,
+                      interactions=0.0, elapsed_s=0.0, label="candidate", tasks=tasks)
 
 
 def one_gate(config: GateConfig, rng: np.random.Generator, p_accepted: np.ndarray, gain: float,

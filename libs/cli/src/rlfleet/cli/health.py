@@ -74,7 +74,8 @@ async def probe_one(record: ProcessRecord, timeout_s: float = 2.0,
     return health
 
 
-async def _probe_one(record: ProcessRecord, timeout_s: float, credentials: security.Credentials | None) -> Health:
+async def _probe_one(record: ProcessRecord, timeout_s: float,
+                     credentials: security.Credentials | None) -> Health:
     running = is_ours(record)
     if not running:
         return Health(record.name, record.pid, record.address, False, False, "not running")
@@ -88,17 +89,20 @@ async def _probe_one(record: ProcessRecord, timeout_s: float, credentials: secur
             try:
                 tls = security.client_ssl_context(credentials=credentials)
             except (security.StartupError, ssl.SSLError, OSError):
-                return Health(record.name, record.pid, record.address, True, False, "no credentials for its TLS")
+                return Health(record.name, record.pid, record.address, True, False,
+                              "no credentials for its TLS")
         if record.kind == "nats":
             healthy = await _ping_line(record.address, (b"PONG", b"Authorization Violation"), timeout_s,
                                        greeting=True, tls=tls)
         else:
-            healthy = await _ping_line(record.address, (b"+PONG", b"-NOAUTH"), timeout_s, greeting=False, tls=tls)
+            healthy = await _ping_line(record.address, (b"+PONG", b"-NOAUTH"), timeout_s,
+                                       greeting=False, tls=tls)
     elif record.kind == "engine":
         healthy = await _http_ok(record.address, "/health", timeout_s)
     else:
         healthy = await check_health(record.address, timeout_s=timeout_s, credentials=credentials)
-    return Health(record.name, record.pid, record.address, True, healthy, "" if healthy else "health check failed")
+    return Health(record.name, record.pid, record.address, True, healthy,
+                  "" if healthy else "health check failed")
 
 
 async def probe(state: PlatformState) -> list[Health]:

@@ -2,7 +2,8 @@
 
 Everything a launch starts is recorded in `<run_dir>/platform.json` (PID, command line, log file,
 address), so `rlfleet down` and `rlfleet status` work from another shell, and stopping never
-touches a process that is not ours: a PID is only signalled while its start time still matches the one recorded.
+touches a process that is not ours: a PID is only signalled while its start time still
+matches the one recorded.
 
 Supervision (`Platform.restart_dead`, what compose's restart policy and Kubernetes do for their
 deployments): once a process serves, its ports are written into its own config file (gRPC and
@@ -33,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfleet.cli.platform_config import SECTIONS, PlatformConfig
+from rlfleet.cli.platform_config import SECTIONS, EngineConfig, PlatformConfig
 from rlfleet.cli.warm_start import build_model_command
 from rlfleet.common import security, standby
 from rlfleet.common.config import ConfigError, ProcessConfig, propagate
@@ -145,7 +146,8 @@ def stop_processes(records: list[ProcessRecord], timeout_s: float) -> list[str]:
     """Stops services first and NATS/Redis last (services drain into them), each wave with SIGTERM,
     then SIGKILL for stragglers; returns the names it had to kill."""
     infrastructure = {"nats", "redis"}
-    waves = [[r for r in records if r.kind not in infrastructure], [r for r in records if r.kind in infrastructure]]
+    waves = [[r for r in records if r.kind not in infrastructure],
+             [r for r in records if r.kind in infrastructure]]
     killed = []
     for wave in waves:
         killed += _stop_wave([r for r in reversed(wave) if is_ours(r)], timeout_s)
@@ -206,7 +208,8 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
     weights = str(run_dir / "weights")
     gateway = _address(state, "rollout-gateway")
     facts: dict[str, dict[str, Any]] = {
-        "sandbox-manager": {"redis": redis("sandbox-manager"), "driver": {"root": str(run_dir / "sandboxes")}},
+        "sandbox-manager": {"redis": redis("sandbox-manager"),
+                            "driver": {"root": str(run_dir / "sandboxes")}},
         "rollout-gateway": {"redis": redis("rollout-gateway"), **({"engines": engines} if engines else {})},
         # With trainer-sent weights (broker.sync.transport distributed | p2p | tensor, or per engine)
         # the trainer sends each version to the broker's plan: it starts after the broker.
@@ -215,8 +218,8 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
                        if config.broker.trainer_sends else {})},
         "session-server": {"nats": nats("session-server"), "redis": redis("session-server"),
                            "gateway_address": gateway, **tokenizer},
-        "weight-broker": {"nats": nats("weight-broker"), "redis": redis("weight-broker"), "gateway_address": gateway,
-                          "weight_store": weights},
+        "weight-broker": {"nats": nats("weight-broker"), "redis": redis("weight-broker"),
+                          "gateway_address": gateway, "weight_store": weights},
         "verifier": {"redis": redis("verifier"), "sandbox_address": _address(state, "sandbox-manager"),
                      "session_address": _address(state, "session-server"),
                      "suites_dir": str(run_dir / "suites"), **tokenizer},
@@ -299,6 +302,7 @@ def resolve_model(config: PlatformConfig, run_dir: Path, log: Path, timeout_s: f
     shutil.rmtree(building, ignore_errors=True)
     cmd = build_model_command(building, config.model_seed)
     builder = spawn(cmd, log, "build-model", env=service_env())
+    assert builder.process is not None  # spawn() started it
     try:
         code = builder.process.wait(timeout_s)
     except BaseException:  # timeout or Ctrl-C: do not leave the builder running
@@ -323,7 +327,8 @@ TIERS = (("sandbox-manager", "rollout-gateway"), ("session-server", "weight-brok
 SCRIPTS = {
     "sandbox-manager": "rlfleet-sandbox-manager", "rollout-gateway": "rlfleet-gateway",
     "trainer": "rlfleet-trainer", "session-server": "rlfleet-session-server",
-    "weight-broker": "rlfleet-weight-broker", "verifier": "rlfleet-verifier", "controller": "rlfleet-controller",
+    "weight-broker": "rlfleet-weight-broker", "verifier": "rlfleet-verifier",
+    "controller": "rlfleet-controller",
 }
 
 
@@ -336,14 +341,16 @@ class Platform:
             raise StartupError(f"unknown services {unknown}; known: {', '.join(SCRIPTS)}")
         unknown = sorted(set(config.restart.standby) - set(SCRIPTS))
         if unknown:
-            raise StartupError(f"restart.standby names unknown services {unknown}; known: {', '.join(SCRIPTS)}")
+            raise StartupError(f"restart.standby names unknown services {unknown}; "
+                               f"known: {', '.join(SCRIPTS)}")
         self.config = config
         self.run_dir = run_dir_for(config)
         self.logs = self.run_dir / "logs"
         self.state = PlatformState(config.run_id, str(self.run_dir), os.getpid(),
                                    config=config.model_dump(mode="json"))
         self.model: Path | None = None
-        self._restart_tries: dict[str, tuple[int, float]] = {}  # name -> (restarts since it was last stable, last)
+        # name -> (restarts since it was last stable, last)
+        self._restart_tries: dict[str, tuple[int, float]] = {}
         self._children: dict[str, ChildProcess] = {}  # what this launcher started, to learn how it exited
         self._standbys: dict[str, ChildProcess] = {}  # service name -> its standby, started by this launcher
         self._promoted: set[str] = set()  # restarts under way that are promoted standbys
@@ -405,8 +412,10 @@ class Platform:
 
     def _start_nats(self) -> None:
         nats = self.config.nats
-        authorization = nats_authorization(ensure_infra_secrets(secrets_dir(self.run_dir)), run=self.config.run_id)
-        server = NatsServer(self.run_dir / "nats", nats.max_payload_bytes, nats.binary, authorization=authorization,
+        authorization = nats_authorization(ensure_infra_secrets(secrets_dir(self.run_dir)),
+                                           run=self.config.run_id)
+        server = NatsServer(self.run_dir / "nats", nats.max_payload_bytes, nats.binary,
+                            authorization=authorization,
                             tls=security.server_tls_files(self._tls_dir(), "nats"),
                             log_path=self.logs / "nats.log", name="nats", new_session=True,
                             log_lines=1).spawn()
@@ -429,15 +438,16 @@ class Platform:
         aclfile = secrets / "redis.acl"  # users and key patterns of this run only; `default` off
         write_secret(aclfile, redis_acl(ensure_infra_secrets(secrets), run=self.config.run_id))
         server = start_redis(self.run_dir / "redis", timeout_s=min(10.0, self.config.start_timeout_s),
-                             aclfile=aclfile, before_wait=record, appendonly=True, binary=self.config.redis.binary,
+                             aclfile=aclfile, before_wait=record, appendonly=True,
+                             binary=self.config.redis.binary,
                              tls=security.server_tls_files(self._tls_dir(), "redis"),
                              log_path=self.logs / "redis.log", name="redis", new_session=True, log_lines=1)
         # Revocations made while Redis was down (the file is the record) reach every service from here.
         from rlfleet.common import revocations
 
         revoked = [t["id"] for t in security.list_tokens(self._tls_dir()) if t["revoked"]]
-        revocations.publish_ids(server.url, run_dir_login(self.run_dir, "redis", "operator"), self.config.run_id,
-                                revoked)
+        revocations.publish_ids(server.url, run_dir_login(self.run_dir, "redis", "operator"),
+                                self.config.run_id, revoked)
 
     def _start_engines(self) -> None:
         """CPU engines, all loading at once, each with its own log, config file and ready file."""
@@ -445,6 +455,7 @@ class Platform:
         for index in range(self.config.engines):
             name = f"engine-{index}"
             config = self._process_config("cpu-engine", name)
+            assert isinstance(config, EngineConfig)
             config.engine_id = name
             started.append(self._spawn(name, "rlfleet-cpu-engine", config, kind="engine"))
         for child, ready in started:
@@ -541,7 +552,8 @@ class Platform:
         try:
             self._wait_restarted(record, child)
             how = " from its standby" if child.name in self._promoted else ""
-            event = f"{record.name} restarted{how} ({record.last_exit}; restart {record.restarts}, pid {record.pid})"
+            event = (f"{record.name} restarted{how} ({record.last_exit}; restart {record.restarts}, "
+                     f"pid {record.pid})")
             record.ready_unix = time.time()
         except StartupError as exc:
             event = self._failed(record, str(exc))
@@ -606,7 +618,8 @@ class Platform:
             if current is not None and current.returncode is None:
                 continue
             record = self.state.by_name(name)
-            child = spawn([*record.cmdline, standby.FLAG], Path(record.log), f"{name}-standby", env=service_env())
+            child = spawn([*record.cmdline, standby.FLAG], Path(record.log), f"{name}-standby",
+                          env=service_env())
             self._standbys[name] = child
             self.state.standbys = [s for s in self.state.standbys if s.name != child.name]
             self.state.standbys.append(record_of(child, kind="standby"))

@@ -14,14 +14,19 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.cli.report import EvalResult, RunRecord, TaskOutcome, TrajectoryRecord
 from rlfleet.cli.run_config import ToolLatencyConfig
 from rlfleet.common.streams import publish, subject
-from rlfleet.envkit.sdk.environment import environment_for
+from rlfleet.envkit.actions import ToolCall
+from rlfleet.envkit.sdk.environment import Environment, SandboxHandle, ToolResult, environment_for
 from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
 from rlfleet.envkit.tasks import task_message
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
 
 log = logging.getLogger(__name__)
 PLATFORM_RETRIES = 5  # runs of one evaluation episode that a service outage may stop before it counts
@@ -77,7 +82,8 @@ class Feeder:
                           msg_id=f"{self.run_id}/{self.attempt}/{task.task_id}/e{epoch}")
             self.published += 1
 
-    async def keep_topped_up(self, groups_done: Callable[[], int], in_flight_target: int, stop: asyncio.Event) -> None:
+    async def keep_topped_up(self, groups_done: Callable[[], int], in_flight_target: int,
+                             stop: asyncio.Event) -> None:
         while not stop.is_set():
             missing = in_flight_target - (self.published - groups_done())
             if missing > 0:
@@ -104,13 +110,14 @@ class Observer:
         self.groups_done = 0
         self.trainable_groups_done = 0  # complete groups whose rewards differ (GRPO trains on them)
         self.train_trajectories = 0
-        self._subs = []
+        self._subs: list[JetStreamContext.PushSubscription] = []
 
     async def start(self) -> None:
         from nats.js.api import DeliverPolicy
 
-        self._subs.append(await self.js.subscribe(subject("TRAJECTORIES", self.run_id), cb=self._on_trajectory,
-                                                  ordered_consumer=True, deliver_policy=DeliverPolicy.NEW))
+        self._subs.append(await self.js.subscribe(subject("TRAJECTORIES", self.run_id),
+                                                  cb=self._on_trajectory, ordered_consumer=True,
+                                                  deliver_policy=DeliverPolicy.NEW))
         self._subs.append(await self.js.subscribe(subject("POLICY", self.run_id), cb=self._on_policy,
                                                   ordered_consumer=True, deliver_policy=DeliverPolicy.ALL))
 
@@ -132,8 +139,9 @@ class Observer:
         status = common_pb2.TrajectoryStatus.Name(traj.status).removeprefix("TRAJECTORY_STATUS_").lower()
         self.record.trajectories.append(TrajectoryRecord(
             elapsed_s=self.clock.elapsed(), length=len(traj.token_ids), generated=sum(traj.loss_mask),
-            reward=traj.verdict.reward, passed=traj.verdict.passed, status=status, split=traj.split or "train",
-            min_version=min_version, staleness=max(0, self.latest_version - min_version),
+            reward=traj.verdict.reward, passed=traj.verdict.passed, status=status,
+            split=traj.split or "train", min_version=min_version,
+            staleness=max(0, self.latest_version - min_version),
             tool_wait_s=traj.timings.tool_wait_s or sum(s.latency_s for s in observations),
             generate_latencies_s=[s.latency_s for s in generated]))
         if (traj.split or "train") == "train" and status in ("completed", "truncated"):
@@ -165,7 +173,8 @@ def eval_sampling(task: common_pb2.Task, seed: int | None) -> common_pb2.Samplin
 
 
 async def evaluate(clients, tasks: list[common_pb2.Task], *, version: int, split: str, label: str, pool: str,
-                   concurrency: int, clock: Clock, tag: str, environments=None, seed: int | None = None) -> EvalResult:
+                   concurrency: int, clock: Clock, tag: str, environments=None,
+                   seed: int | None = None) -> EvalResult:
     """Runs each task once through the platform, pinned to an engine pool, scored by the verifier;
     with `seed`, each task samples with its own fixed seed (`eval_sampling`)."""
 
@@ -181,7 +190,8 @@ async def evaluate(clients, tasks: list[common_pb2.Task], *, version: int, split
             session_id = f"eval-{tag}-{i}" + (f"-p{attempt}" if attempt else "")
             async with slots:
                 spec = EpisodeSpec(task=task, session_id=session_id, group_id=session_id,
-                                   sampling=eval_sampling(task, seed), metadata={"engine_pool": pool, "eval": label})
+                                   sampling=eval_sampling(task, seed),
+                                   metadata={"engine_pool": pool, "eval": label})
                 summary = await loop.run(spec)
             if not summary.platform_failure:
                 break
@@ -221,7 +231,7 @@ def latency_sampler(config: ToolLatencyConfig, seed: int) -> Callable[[], float]
 class SlowTools:
     """An environment whose tool calls take extra time drawn from a distribution (slow tools)."""
 
-    inner: object
+    inner: Environment
     delay: Callable[[], float]
 
     @property
@@ -229,17 +239,17 @@ class SlowTools:
         return self.inner.suite
 
     @property
-    def tools(self):
+    def tools(self) -> tuple[str, ...]:
         return self.inner.tools
 
     @property
     def needs_sandbox(self) -> bool:
         return getattr(self.inner, "needs_sandbox", True)
 
-    async def setup(self, sandbox, task) -> None:
+    async def setup(self, sandbox: SandboxHandle | None, task: common_pb2.Task) -> None:
         await self.inner.setup(sandbox, task)
 
-    async def run_tool(self, sandbox, call):
+    async def run_tool(self, sandbox: SandboxHandle | None, call: ToolCall) -> ToolResult:
         result = await self.inner.run_tool(sandbox, call)
         await asyncio.sleep(self.delay())
         return result

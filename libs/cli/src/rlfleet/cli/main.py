@@ -33,7 +33,8 @@ COMMANDS = ("run", "up", "down", "status", "compose-config", "token")
 
 def _run_dir_arg(argv: list[str], prog: str) -> str:
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--run-dir", default="runs/local", help="run directory of the launch (default runs/local)")
+    parser.add_argument("--run-dir", default="runs/local",
+                        help="run directory of the launch (default runs/local)")
     return parser.parse_args(argv).run_dir
 
 
@@ -57,7 +58,8 @@ def cmd_up(argv: list[str]) -> int:
         rows = asyncio.run(probe(state))
         print(table(rows, state), flush=True)
         if not all(row.healthy for row in rows):
-            print("rlfleet up: not every process is healthy; stopping everything", file=sys.stderr, flush=True)
+            print("rlfleet up: not every process is healthy; stopping everything",
+                  file=sys.stderr, flush=True)
             platform.down()
             return 1
         if detach:
@@ -91,7 +93,8 @@ def cmd_down(argv: list[str]) -> int:
     state = PlatformState.load(_run_dir_arg(argv, "rlfleet down"))
     mark_stopping(state.run_dir)  # a running `rlfleet run` stops its run rather than restart these
     names = [p.name for p in state.processes]
-    stop_timeout_s = float(state.config.get("stop_timeout_s", DEFAULT_STOP_TIMEOUT_S))  # as the launch was told
+    # As long as the launch was told to wait.
+    stop_timeout_s = float(state.config.get("stop_timeout_s", DEFAULT_STOP_TIMEOUT_S))
     killed = stop_processes(state.standbys + state.processes, stop_timeout_s)
     state.processes, state.standbys = [], []
     state.save()
@@ -106,11 +109,14 @@ def cmd_status(argv: list[str]) -> int:
     from rlfleet.cli.status_view import show
 
     parser = argparse.ArgumentParser(prog="rlfleet status", description="A live view of a launched platform: "
-                                     "services, engines and their versions, queue depths, staleness, throughput.")
-    parser.add_argument("--run-dir", default="runs/local", help="run directory of the launch (default runs/local)")
+                                     "services, engines and their versions, queue depths, "
+                                     "staleness, throughput.")
+    parser.add_argument("--run-dir", default="runs/local",
+                        help="run directory of the launch (default runs/local)")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit (1 if a process is "
                         "unhealthy); the default when the output is not a terminal, so scripts never hang")
-    parser.add_argument("--watch", action="store_true", help="refresh until Ctrl-C even when the output is not a terminal")
+    parser.add_argument("--watch", action="store_true",
+                        help="refresh until Ctrl-C even when the output is not a terminal")
     parser.add_argument("--json", action="store_true", help="snapshots as JSON")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     args = parser.parse_args(argv)
@@ -140,14 +146,17 @@ def cmd_token(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlfleet token", description="Issue, revoke and list the tokens "
                                      "environment clients call the platform with.")
     parser.add_argument("action", choices=("issue", "revoke", "list"))
-    parser.add_argument("subject", nargs="?", default="", help="issue: the client's name; revoke: the token id")
-    parser.add_argument("--run-dir", default="runs/local", help="run directory of the launch (default runs/local)")
+    parser.add_argument("subject", nargs="?", default="",
+                        help="issue: the client's name; revoke: the token id")
+    parser.add_argument("--run-dir", default="runs/local",
+                        help="run directory of the launch (default runs/local)")
     parser.add_argument("--run-id", default="", help="run the token is for (default: the run directory's)")
-    parser.add_argument("--expires-in-s", type=float, default=0.0, help="lifetime in seconds; 0 = until revoked")
+    parser.add_argument("--expires-in-s", type=float, default=0.0,
+                        help="lifetime in seconds; 0 = until revoked")
     parser.add_argument("--json", action="store_true", help="list as JSON")
-    parser.add_argument("--redis-url", default="", help="revoke: the run's Redis, where services on other hosts "
-                        "read revocations (default: the platform launched in --run-dir); login as the operator "
-                        "user from the run directory's secrets or RLFLEET__REDIS__USER / __PASSWORD")
+    parser.add_argument("--redis-url", default="", help="revoke: the run's Redis, where services on other "
+                        "hosts read revocations (default: the platform launched in --run-dir); login as the "
+                        "operator user from the run directory's secrets or RLFLEET__REDIS__USER / __PASSWORD")
     args = parser.parse_args(argv)
     directory = security.run_secrets_dir(args.run_dir)
     if not (directory / "token.key").exists():
@@ -206,8 +215,8 @@ def _revoke_in_redis(run_dir: Path, token_id: str, redis_url: str) -> None:
     try:
         revocations.publish_ids(redis_url, login, run_id, [token_id])
     except Exception as exc:  # redis-py's errors and a refused TLS handshake alike
-        print(f"# warning: not recorded in Redis at {redis_url} ({exc}); services on other hosts still accept "
-              "the token", file=sys.stderr)
+        print(f"# warning: not recorded in Redis at {redis_url} ({exc}); services on other hosts still "
+              "accept the token", file=sys.stderr)
         return
     print(f"# services of run {run_id!r} refuse it within ~{revocations.POLL_S:.0f} s", file=sys.stderr)
 

@@ -26,8 +26,8 @@ from rlfleet.session.config import SessionServerConfig
 from rlfleet.trainer.service_config import TrainerConfig
 from rlfleet.verifier.config import VerifierConfig
 
-ALL_SERVICES = ("sandbox-manager", "rollout-gateway", "trainer", "session-server", "weight-broker", "verifier",
-                "controller")
+ALL_SERVICES = ("sandbox-manager", "rollout-gateway", "trainer", "session-server",
+                "weight-broker", "verifier", "controller")
 # The section of the launch config that configures each process.
 SECTIONS = {"sandbox-manager": "sandbox", "rollout-gateway": "gateway", "trainer": "trainer",
             "session-server": "session", "weight-broker": "broker", "verifier": "verifier",
@@ -36,7 +36,8 @@ DEFAULT_STOP_TIMEOUT_S = 30.0
 
 
 class NatsServerConfig(StrictModel):
-    binary: str = Field("", description="nats-server executable; empty = the one installed beside this Python, else PATH")
+    binary: str = Field("", description="nats-server executable; empty = the one installed beside "
+                        "this Python, else PATH")
     max_payload_bytes: int = Field(8 << 20, ge=1 << 20, le=64 << 20, description="largest NATS message")
 
 
@@ -67,7 +68,8 @@ class ServiceSections(StrictModel):
     broker: WeightBrokerConfig = Field(default_factory=WeightBrokerConfig)
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig,
-                                         description="the run's control (`rlfleet run` starts its runs there)")
+                                         description="the run's control (`rlfleet run` "
+                                         "starts its runs there)")
     engine: EngineConfig = Field(default_factory=EngineConfig,
                                  description="every CPU engine the launch starts")
 
@@ -86,7 +88,8 @@ class PlatformConfig(ServiceSections):
     run_dir: str = Field("", description="where logs, data and state go; empty = runs/<run_id>")
     services: list[str] = Field(list(ALL_SERVICES), description="services to start")
     start_timeout_s: float = Field(60.0, gt=0, description="give up when a process is not healthy by then")
-    # 30 s, as Kubernetes' default grace period: a trainer's last checkpoint on a loaded machine took over 10 s.
+    # 30 s, as Kubernetes' default grace period: a trainer's last checkpoint on a loaded machine took
+    # over 10 s.
     stop_timeout_s: float = Field(DEFAULT_STOP_TIMEOUT_S, gt=0,
                                   description="SIGKILL what has not exited this long after SIGTERM")
     log_format: str = Field("json", pattern="^(json|text)$",
@@ -94,14 +97,15 @@ class PlatformConfig(ServiceSections):
     nats: NatsServerConfig = Field(default_factory=NatsServerConfig)
     redis: RedisServerConfig = Field(default_factory=RedisServerConfig)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
-    engines: int = Field(1, ge=0, le=16, description="CPU engines started before the gateway (0 = none: bring "
-                         "your own fleet with gateway.engines)")
+    engines: int = Field(1, ge=0, le=16, description="CPU engines started before the gateway (0 = none: "
+                         "bring your own fleet with gateway.engines)")
     model_path: str = Field("", description="HF model directory the engines serve and the session server "
                             "tokenizes with; empty = the default model, built once into the model cache")
     model_seed: int = Field(0, ge=0, description="seed of the default model (when model_path is empty)")
     model_cache_dir: str = Field("", description="where the default model is built and reused across runs; "
                                  "empty = .cache beside the run directory (runs/.cache)")
-    canary_engines: int = Field(0, ge=0, description="how many of the engines form the canary pool (the rest: fleet)")
+    canary_engines: int = Field(0, ge=0,
+                                description="how many of the engines form the canary pool (the rest: fleet)")
 
     @model_validator(mode="after")
     def _hand_down_the_launch(self) -> PlatformConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,8 @@ class TrajectoryRecord:
 
 @dataclass
 class EpisodeRecord:
-    """One training episode as the driver's rollout worker saw it: where its time went, its tools, its verdict."""
+    """One training episode as the driver's rollout worker saw it: where its time went, its tools, its
+    verdict."""
 
     elapsed_s: float
     passed: bool
@@ -129,7 +131,7 @@ def percentiles(values: list[float], points=(50, 90, 99)) -> dict[str, float]:
     return {f"p{p}": ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in points}
 
 
-def _mean(values: list[float]) -> float:
+def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
@@ -171,7 +173,8 @@ def episode_figures(episodes: list[EpisodeRecord]) -> dict[str, Any]:
                                 "generation": _mean([e.generate_s for e in episodes]),
                                 "verification": _mean([e.verify_s for e in episodes]),
                                 "episode": _mean([e.episode_s for e in episodes])},
-        "verifier_reasons_over_time": [{"from_s": k * REASON_BUCKET_S, **v} for k, v in sorted(buckets.items())],
+        "verifier_reasons_over_time": [{"from_s": k * REASON_BUCKET_S, **v}
+                                       for k, v in sorted(buckets.items())],
     }
 
 
@@ -207,7 +210,8 @@ def summarize(record: RunRecord) -> dict[str, Any]:
                       "histogram": {str(k): staleness.count(k) for k in sorted(set(staleness))}},
         "weight_update_pause_s": percentiles(record.weight_pauses_s) | {"count": len(record.weight_pauses_s)},
         "trainer_idle_fraction": record.trainer_idle_fraction,
-        "trained_tokens_per_s": sum(s.metrics.get("tokens", 0.0) for s in record.steps) / wall if wall else 0.0,
+        "trained_tokens_per_s": (sum(s.metrics.get("tokens", 0.0) for s in record.steps) / wall
+                                 if wall else 0.0),
         "heldout_curve": [{"elapsed_s": round(e.elapsed_s, 1), "version": e.version, "success": e.success,
                            "label": e.label} for e in record.evals if e.split == "heldout"],
         "gate_wait_s": round(record.gate_wait_s, 1),
@@ -238,7 +242,8 @@ def _plots(record: RunRecord, out: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     if record.steps:
-        ax.plot([s.elapsed_s for s in record.steps], [s.reward_mean for s in record.steps], label="train reward (batch mean)")
+        ax.plot([s.elapsed_s for s in record.steps], [s.reward_mean for s in record.steps],
+                label="train reward (batch mean)")
     held = [e for e in record.evals if e.split == "heldout"]
     if held:
         ax.plot([e.elapsed_s for e in held], [e.success for e in held], "o-", label="held-out success")
@@ -296,13 +301,19 @@ def _episode_tables(figures: dict[str, Any]) -> str:
     tools = [["tool", "calls", "per episode"]] + [
         [tool, str(count), f"{figures['tool_calls_per_episode'][tool]:.2f}"]
         for tool, count in figures["tool_calls_by_tool"].items()]
-    phases = [["phase", "mean s per episode"]] + [[k, f"{v:.3f}"] for k, v in figures["phase_s_per_episode"].items()]
+    phases = [["phase", "mean s per episode"]] + [
+        [k, f"{v:.3f}"] for k, v in figures["phase_s_per_episode"].items()]
     reasons = [["from (s)", "episodes", "passed", "failure reasons"]] + [
         [f"{b['from_s']:.0f}", str(b["episodes"]), str(b["passed"]),
          ", ".join(f"{k} {v}" for k, v in sorted(b["reasons"].items())) or "-"]
         for b in figures["verifier_reasons_over_time"]]
     return (f"<h2>Tool calls</h2>{_table(tools)}<h2>Time per episode by phase</h2>{_table(phases)}"
             f"<h2>Verifier failure reasons over time</h2>{_table(reasons)}")
+
+
+PAGE_STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+              "table{border-collapse:collapse;margin:1em 0}\n"
+              "td,th{border:1px solid #ccc;padding:4px 10px;text-align:left}img{max-width:100%}")
 
 
 def write_report(record: RunRecord, run_dir: Path) -> dict[str, Any]:
@@ -318,25 +329,31 @@ def write_report(record: RunRecord, run_dir: Path) -> dict[str, Any]:
                    "interactions_per_episode", "safety_violations_per_episode", "version", "episodes"):
         rows.append([metric, *(f"{comparison[k][metric]:.3g}" for k in comparison)])
     gate_rows = [["version", "accepted", "reasons"]] + [
-        [str(d["version"]), "yes" if d["accepted"] else "no", "; ".join(d["reasons"])] for d in summary["gate"]]
+        [str(d["version"]), "yes" if d["accepted"] else "no", "; ".join(d["reasons"])]
+        for d in summary["gate"]]
     stats = [["figure", "value"],
              ["trajectories/s (train)", f"{summary['trajectories']['per_second']:.2f}"],
-             ["rollout latency p50/p99 (s)", f"{summary['rollout_latency_s']['p50']:.3f} / {summary['rollout_latency_s']['p99']:.3f}"],
-             ["tool wait p50/p99 (s)", f"{summary['tool_wait_s']['p50']:.3f} / {summary['tool_wait_s']['p99']:.3f}"],
+             ["rollout latency p50/p99 (s)",
+              f"{summary['rollout_latency_s']['p50']:.3f} / {summary['rollout_latency_s']['p99']:.3f}"],
+             ["tool wait p50/p99 (s)",
+              f"{summary['tool_wait_s']['p50']:.3f} / {summary['tool_wait_s']['p99']:.3f}"],
              ["staleness max / mean", f"{summary['staleness']['max']} / {summary['staleness']['mean']:.2f}"],
-             ["weight-update pause p50/p99 (s)", f"{summary['weight_update_pause_s']['p50']:.4f} / {summary['weight_update_pause_s']['p99']:.4f}"],
+             ["weight-update pause p50/p99 (s)", f"{summary['weight_update_pause_s']['p50']:.4f} / "
+                                                 f"{summary['weight_update_pause_s']['p99']:.4f}"],
              ["trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}"],
              ["CPU use (mean % of cores)", f"{summary['cpu_percent_mean']:.0f}"],
              ["wall time (s)", f"{summary['wall_s']:.0f}"]]
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rlfleet run {html.escape(record.run_id)}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:4px 10px;text-align:left}}img{{max-width:100%}}</style></head><body>
-<h1>rlfleet run <code>{html.escape(record.run_id)}</code> ({html.escape(record.mode)})</h1>
+    run_id = html.escape(record.run_id)
+    plot_html = "".join(f'<h2>{html.escape(p.removesuffix(".png").replace("_", " "))}</h2>'
+                        f'<img src="report/{p}">' for p in plots)
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rlfleet run {run_id}</title>
+<style>{PAGE_STYLE}</style></head><body>
+<h1>rlfleet run <code>{run_id}</code> ({html.escape(record.mode)})</h1>
 <h2>Baseline vs RL (held-out split)</h2>{_table(rows)}
 <h2>Loop</h2>{_table(stats)}
 <h2>Promotion gate</h2>{_table(gate_rows)}
 {_episode_tables(summary["episodes"])}
-{''.join(f'<h2>{html.escape(p.removesuffix(".png").replace("_", " "))}</h2><img src="report/{p}">' for p in plots)}
+{plot_html}
 <h2>Notes</h2><ul>{''.join(f'<li>{html.escape(n)}</li>' for n in record.notes)}</ul>
 </body></html>"""
     (run_dir / "report.html").write_text(page)

@@ -161,12 +161,12 @@ class RLRun:
                               driven_by="controller" if self.options.attach_only else "rlfleet run")
         self.stop = asyncio.Event()
         self.interrupted = ""  # why the loop stopped before its budget, when it did
-        self.accepted_eval = None
-        self.accepted_regression = None
+        self.accepted_eval: EvalResult | None = None
+        self.accepted_regression: EvalResult | None = None
         self.audit_labels: list[dict] = []  # the labelled episodes each verifier audit sends
         self.trainer_dropped: dict[str, float] = {}  # the trainer's dropped trajectories by reason (its /metrics)
         self.last_gated = 0
-        self.feeder = None
+        self.feeder: Feeder | None = None
         self.resuming = False
         self._trainer_mark: tuple[float, float] | None = None  # (data-wait counter, loop time) last read
         self.loop_started = False  # before it, no loop time is spent (warm start, platform, baseline)
@@ -302,12 +302,12 @@ class RLRun:
         await observer.start()
         await self._admit_up_to(peers, observer.latest_version)
         worker = self._worker(peers)
-        self.feeder = Feeder(peers.js, c.run_id, task_messages(train, c.run_id, c.group_size, c.rollout.temperature,
+        self.feeder = feeder = Feeder(peers.js, c.run_id, task_messages(train, c.run_id, c.group_size, c.rollout.temperature,
                                                                c.system_prompt),
                              attempt=self.state.attempt, published=self.state.tasks_published)
         # Groups handed out before an interruption come back after their ack wait, or are already done:
         # either way they are not counted as in flight, so the loop does not idle waiting for them.
-        observer.groups_done = self.feeder.published
+        observer.groups_done = feeder.published
         done = observer.latest_version - self.state.start_version
         self.say(f"loop: {c.mode}, G={c.group_size}, {c.trainer.groups_per_step} groups/step, "
             f"budget {c.budget.max_steps} steps or {c.budget.max_minutes:g} min"
@@ -321,7 +321,7 @@ class RLRun:
                  "the admission policy": lambda: self._follow_versions(peers, observer)}
         if c.mode == "async":
             in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
-            parts["the feeder"] = lambda: self.feeder.keep_topped_up(lambda: observer.groups_done, in_flight, self.stop)
+            parts["the feeder"] = lambda: feeder.keep_topped_up(lambda: observer.groups_done, in_flight, self.stop)
             parts["the promotion gate"] = lambda: self._gate_loop(peers, heldout, regression)
         background = {name: asyncio.create_task(self._supervised(name, part)) for name, part in parts.items()}
         try:
@@ -459,6 +459,7 @@ class RLRun:
         Groups GRPO cannot learn from (all rewards equal) are dropped by the trainer, so when every
         group handed out is done and the step has not happened, the missing groups are handed out."""
         c = self.config
+        assert self.feeder is not None  # the loop made it before the steps
         while not self.stop.is_set() and not self._budget_spent(observer):
             target = observer.latest_version + 1
             needed, trainable_before, quiet_since = c.trainer.groups_per_step, observer.trainable_groups_done, None
@@ -508,6 +509,7 @@ class RLRun:
             await asyncio.sleep(1.0)
 
     async def _gate(self, peers, version: int, heldout, regression) -> None:
+        assert self.accepted_eval is not None  # the baseline, evaluated before the loop
         previous, self.last_gated = self.last_gated, version
         try:
             candidate, decision = await self._unless_stopped(self._evaluate_candidate(peers, heldout, version))
@@ -538,6 +540,7 @@ class RLRun:
         """The candidate on the held-out set in the gate's slices, paired with the accepted version's
         kept per-task results (same tasks, same seeds: see `eval.seeded`); stops at the first slice
         after which the gate can already refuse. Returns the evaluation and that refusal, or None."""
+        assert self.accepted_eval is not None  # the baseline, evaluated before the loop
         parts, early = [], None
         for start, end in slices(len(heldout), self.config.gate.looks):
             parts.append(await self._evaluate(peers, heldout[start:end], version, "heldout", "candidate", "canary",
@@ -671,6 +674,7 @@ class RLRun:
         self._trainer_mark = (waited, now)
 
     async def _progress(self, peers, observer) -> None:
+        assert self.accepted_eval is not None  # the baseline, evaluated before the loop
         while not self.stop.is_set():
             await asyncio.sleep(5.0)
             try:

@@ -245,7 +245,7 @@ class RunClient:
                 await asyncio.wait_for(done.wait(), 0.5)
 
 
-FLAGS = {"--resume": "resume", "--fresh": "fresh", "--keep-up": "keep_up", "--up-only": "up_only"}
+FLAGS = ("--resume", "--fresh", "--keep-up", "--up-only")
 USAGE = """rlfleet run CONFIG [--resume | --fresh] [--keep-up | --up-only] [config flags]
 
   --resume    continue the interrupted run in the run directory from its last checkpoint
@@ -258,7 +258,8 @@ USAGE = """rlfleet run CONFIG [--resume | --fresh] [--keep-up | --up-only] [conf
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(USAGE)
-    options = RunOptions(**{FLAGS[a]: True for a in argv if a in FLAGS})
+    options = RunOptions(resume="--resume" in argv, fresh="--fresh" in argv, keep_up="--keep-up" in argv,
+                         up_only="--up-only" in argv)
     argv = [a for a in argv if a not in FLAGS]
     if options.resume and options.fresh:
         raise StartupError("--resume and --fresh contradict each other: choose one")
@@ -272,6 +273,7 @@ def main(argv: list[str]) -> int:
     async def go() -> dict:
         loop = asyncio.get_running_loop()
         main_task = asyncio.current_task()
+        assert main_task is not None  # go() runs as the event loop's main task
 
         def interrupt() -> None:
             if run.stop.is_set():  # a second Ctrl-C: stop waiting for the orderly end

@@ -27,7 +27,8 @@ RUN_DEFAULTS: dict[str, Any] = {"trainer": {"groups_per_step": 8, "torch_threads
 class ToolLatencyConfig(StrictModel):
     """Extra latency added to every tool call, to model slow tools (long-tailed by default)."""
 
-    distribution: Literal["none", "constant", "lognormal"] = Field("none", description="none | constant | lognormal")
+    distribution: Literal["none", "constant", "lognormal"] = Field(
+        "none", description="none | constant | lognormal")
     median_s: float = Field(0.5, ge=0, description="median added latency")
     sigma: float = Field(1.0, ge=0, description="lognormal shape: larger = heavier tail")
     max_s: float = Field(20.0, ge=0, description="cap on one draw")
@@ -36,19 +37,21 @@ class ToolLatencyConfig(StrictModel):
 class RolloutConfig(StrictModel):
     concurrency: int = Field(32, ge=1, description="episodes running at once")
     temperature: float = Field(1.0, ge=0, description="sampling temperature of rollouts")
-    max_staleness: int = Field(6, ge=0, description="versions a trajectory may lag the trainer (admission and trainer)")
+    max_staleness: int = Field(6, ge=0, description="versions a trajectory may lag the trainer "
+                               "(admission and trainer)")
     max_inflight_sessions: int = Field(64, ge=1, description="admission limit on open sessions")
     backlog_groups: int = Field(8, ge=1, description="tasks kept waiting in TASKS beyond those running")
     tool_latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig)
     tool_runtime: Literal["sandbox", "in_process"] = Field(
-        "in_process", description="in_process: the calc tool (a pure function) runs in the rollout worker, with "
-        "no sandbox per episode; sandbox: a fresh sandbox per episode and a sandboxed process per call")
+        "in_process", description="in_process: the calc tool (a pure function) runs in the rollout worker, "
+        "with no sandbox per episode; sandbox: a fresh sandbox per episode and a sandboxed process per call")
     tool_call_format: Literal["tags", "hermes", "llama3_json", "mistral"] = Field(
         "tags", description="how the policy writes tool calls (rlfleet.common.tool_calls); the calc suite's "
         "prompts and demonstrations use tags")
     observation_framing: Literal["chatml", "template"] = Field(
-        "chatml", description="chatml: tool results framed as ChatML by the worker (the default model); template: "
-        "sent as chat messages the session server frames with the model's own template (any other family)")
+        "chatml", description="chatml: tool results framed as ChatML by the worker (the default model); "
+        "template: sent as chat messages the session server frames with the model's own "
+        "template (any other family)")
 
 
 class EvalConfig(StrictModel):
@@ -56,9 +59,10 @@ class EvalConfig(StrictModel):
     regression: int = Field(50, ge=0, description="fixed regression tasks per evaluation")
     temperature: float = Field(1.0, ge=0, description="sampling temperature of evaluation episodes")
     concurrency: int = Field(64, ge=1, description="evaluation episodes at once")
-    seeded: bool = Field(True, description="each evaluation task samples with its own fixed seed (from `seed` and "
-                         "its task ID), the same for every version: the gate compares weights, not draws, and the "
-                         "accepted version's per-task results can be kept instead of run again")
+    seeded: bool = Field(True, description="each evaluation task samples with its own fixed seed (from "
+                         "`seed` and its task ID), the same for every version: the gate compares weights, "
+                         "not draws, and the accepted version's per-task results can be kept "
+                         "instead of run again")
 
 
 class EnginePools(StrictModel):
@@ -66,13 +70,15 @@ class EnginePools(StrictModel):
     accepted one. Two or more in a pool: an engine that dies has its requests carried on by another
     of its pool at the same version while it restarts."""
 
-    canary: int = Field(1, ge=1, le=8, description="engines of the canary pool (rollouts and the gate's candidates)")
+    canary: int = Field(1, ge=1, le=8,
+                        description="engines of the canary pool (rollouts and the gate's candidates)")
     fleet: int = Field(1, ge=1, le=8, description="engines of the fleet pool (the accepted version)")
 
 
 class BudgetConfig(StrictModel):
     max_steps: int = Field(40, ge=1, description="stop after this many trainer steps")
-    max_minutes: float = Field(10.0, gt=0, description="stop the loop after this long (warm start not counted)")
+    max_minutes: float = Field(10.0, gt=0,
+                               description="stop the loop after this long (warm start not counted)")
 
 
 class RunConfig(ServiceSections):
@@ -80,13 +86,14 @@ class RunConfig(ServiceSections):
 
     run_id: str = Field("calc", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="run namespace")
     run_dir: str = Field("", description="run directory; empty = runs/<run_id>")
-    mode: Literal["async", "sync"] = Field("async", description="async (overlapped) or sync (lock-step, on-policy)")
+    mode: Literal["async", "sync"] = Field("async",
+                                           description="async (overlapped) or sync (lock-step, on-policy)")
     seed: int = Field(0, ge=0, description="seed of task order and sampling")
-    suite: Literal["calc", "repo"] = Field("calc", description="task suite: calc (the calculator agent) or repo "
-                                         "(fix or write code in a small repository; its tools need rollout.tool_runtime "
-                                         "= \"sandbox\")")
-    difficulty: int = Field(1, ge=1, le=3, description="calc difficulty, or repo level (1 fix, 2 fix one import away, "
-                            "3 implement)")
+    suite: Literal["calc", "repo"] = Field("calc", description="task suite: calc (the calculator agent) or "
+                                         "repo (fix or write code in a small repository; its tools need "
+                                         "rollout.tool_runtime = \"sandbox\")")
+    difficulty: int = Field(1, ge=1, le=3, description="calc difficulty, or repo level (1 fix, 2 fix one "
+                            "import away, 3 implement)")
     group_size: int = Field(8, ge=2, description="samples per task (G)")
     system_prompt: bool = Field(False, description="put the suite's system prompt in front of every task")
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -99,10 +106,11 @@ class RunConfig(ServiceSections):
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     engines: EnginePools = Field(default_factory=EnginePools)
     restart: RestartPolicy = Field(default_factory=RestartPolicy,
-                                   description="a platform process that dies is started again and the run goes on")
+                                   description="a platform process that dies is started "
+                                   "again and the run goes on")
     model_cache_dir: str = Field("", description="base policies are cached here; empty = runs/.cache")
-    start_timeout_s: float = Field(60.0, gt=0, description="give up on a platform process not healthy by then "
-                                   "(a loaded machine may need more)")
+    start_timeout_s: float = Field(60.0, gt=0, description="give up on a platform process not healthy by "
+                                   "then (a loaded machine may need more)")
 
     @model_validator(mode="before")
     @classmethod
@@ -129,7 +137,8 @@ class RunConfig(ServiceSections):
             # Every running episode holds a sandbox, and each verification of a unit-tests task takes one
             # more for a moment: a warm pool that covers the concurrency keeps creates off the critical path
             # (bench/code_episodes.py measures it).
-            propagate(self.sandbox.driver, {"pool_size": self.rollout.concurrency + 2}, where="sandbox.driver")
+            propagate(self.sandbox.driver, {"pool_size": self.rollout.concurrency + 2},
+                      where="sandbox.driver")
         return self
 
     @model_validator(mode="after")
@@ -142,7 +151,8 @@ class RunConfig(ServiceSections):
     def _staleness_covers_the_gate(self) -> RunConfig:
         # With a gate, the canary (rollout) engines get a version every `every_versions`; rollouts of
         # an older one must still be trainable, or the loop would starve between syncs.
-        if self.mode == "async" and self.gate.enabled and self.rollout.max_staleness < self.gate.every_versions:
+        if (self.mode == "async" and self.gate.enabled
+                and self.rollout.max_staleness < self.gate.every_versions):
             raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) must be at least "
                              f"gate.every_versions ({self.gate.every_versions})")
         return self

@@ -51,7 +51,8 @@ class Snapshot:
     queues: list[dict[str, Any]] = field(default_factory=list)
     trajectories: int | None = None  # messages of this run on TRAJECTORIES
     down: dict[str, str] = field(default_factory=dict)  # source -> why it did not answer
-    run: dict[str, Any] = field(default_factory=dict)  # stop rules: last audit, long tail, the rule that fired
+    # stop rules: last audit, long tail, the rule that fired
+    run: dict[str, Any] = field(default_factory=dict)
 
     @property
     def healthy(self) -> bool:
@@ -74,7 +75,8 @@ def stop_rules(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError, AttributeError):
         return {}
     audits = record.get("audits") or []
-    return {"stop_rule": record.get("stop_rule", ""), "long_tail": (record.get("long_tail") or {}).get("message", ""),
+    return {"stop_rule": record.get("stop_rule", ""),
+            "long_tail": (record.get("long_tail") or {}).get("message", ""),
             "audit": audits[-1] if audits else None}
 
 
@@ -160,9 +162,11 @@ async def _queues(snapshot: Snapshot, state: PlatformState) -> None:
             for info in await js.consumers_info(stream):
                 if info.config.filter_subject == wanted:
                     snapshot.queues.append({"stream": stream, "consumer": info.name,
-                                            "pending": info.num_pending or 0, "ack_pending": info.num_ack_pending or 0})
-        info = await js.stream_info("TRAJECTORIES", subjects_filter=subject("TRAJECTORIES", state.run_id))
-        snapshot.trajectories = sum((info.state.subjects or {}).values())
+                                            "pending": info.num_pending or 0,
+                                            "ack_pending": info.num_ack_pending or 0})
+        stream_info = await js.stream_info("TRAJECTORIES",
+                                           subjects_filter=subject("TRAJECTORIES", state.run_id))
+        snapshot.trajectories = sum((stream_info.state.subjects or {}).values())
     except (NatsError, TimeoutError) as exc:  # streams not created yet, or NATS going away
         snapshot.down["nats"] = str(exc) or type(exc).__name__
     finally:
@@ -174,7 +178,8 @@ async def _queues(snapshot: Snapshot, state: PlatformState) -> None:
 
 def staleness(snapshot: Snapshot) -> int | None:
     """Trainer version minus the oldest version a healthy engine serves."""
-    versions = [e["policy_version"] for e in snapshot.engines if e["state"] != "unhealthy" and e["policy_version"] >= 0]
+    versions = [e["policy_version"]
+                for e in snapshot.engines if e["state"] != "unhealthy" and e["policy_version"] >= 0]
     if not versions or "version" not in snapshot.trainer or snapshot.trainer["version"] < 0:
         return None
     return snapshot.trainer["version"] - min(versions)
@@ -206,7 +211,8 @@ def to_json(snapshot: Snapshot, previous: Snapshot | None) -> str:
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     lines = [header, *rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in lines]
 
 
 def _fmt(value: float | None, spec: str = ".2f", missing: str = "-") -> str:
@@ -220,37 +226,45 @@ def render(snapshot: Snapshot, previous: Snapshot | None, state: PlatformState, 
     lines = [f"rlfleet {state.run_id}  ({state.run_dir})  {time.strftime('%H:%M:%S')}", "", "services"]
     lines += _table(("process", "pid", "address", "state", "restarts"), [
         (s.name, str(s.pid), s.address or "-",
-         paint("healthy" if s.healthy else ("down" if not s.running else f"unhealthy ({s.detail})"), s.healthy),
+         paint("healthy" if s.healthy
+               else ("down" if not s.running else f"unhealthy ({s.detail})"), s.healthy),
          _restarts(s)) for s in snapshot.services])
     lines += ["", "engines"]
     if snapshot.engines:
         weights = snapshot.broker.get("weights", {})
         lines += _table(("engine", "pool", "state", "version", "in flight", "sessions", "weights"), [
             (e["engine_id"], e["pool"], paint(e["state"], e["state"] == "healthy"), str(e["policy_version"]),
-             str(e["in_flight"]), str(e["sessions"]), weights.get(e["engine_id"], "-")) for e in snapshot.engines])
+             str(e["in_flight"]), str(e["sessions"]), weights.get(e["engine_id"], "-"))
+            for e in snapshot.engines])
     else:
-        lines.append("  " + ("gateway down: " + snapshot.down["rollout-gateway"] if "rollout-gateway" in snapshot.down
+        lines.append("  " + ("gateway down: " + snapshot.down["rollout-gateway"]
+                             if "rollout-gateway" in snapshot.down
                              else "none known"))
     lines += ["", "versions"]
     trainer, broker = snapshot.trainer, snapshot.broker
     lines.append("  trainer  " + (f"v{trainer['version']}  step {trainer['step']}  {trainer['state']}  "
-                                  f"idle {_fmt(trainer['idle_fraction'] * 100, '.0f')}%  trained {trainer['trained']}"
+                                  f"idle {_fmt(trainer['idle_fraction'] * 100, '.0f')}%  "
+                                  f"trained {trainer['trained']}"
                                   if trainer else paint("down" + _why(snapshot, "trainer"), False)))
-    lines.append("  broker   " + (f"latest {_version(broker['latest'])}  canary {_version(broker['canary'])}  "
-                                  f"accepted {_version(broker['accepted'])}  fleet {_version(broker['fleet'])}"
+    lines.append("  broker   " + (f"latest {_version(broker['latest'])}  "
+                                  f"canary {_version(broker['canary'])}  "
+                                  f"accepted {_version(broker['accepted'])}  "
+                                  f"fleet {_version(broker['fleet'])}"
                                   if broker else paint("down" + _why(snapshot, "weight-broker"), False)))
     lines += ["", "queues"]
     if snapshot.queues:
         lines += _table(("stream", "consumer", "pending", "ack pending"), [
             (q["stream"], q["consumer"], str(q["pending"]), str(q["ack_pending"])) for q in snapshot.queues])
     else:
-        lines.append("  " + ("nats down: " + snapshot.down["nats"] if "nats" in snapshot.down else "no consumers yet"))
+        lines.append("  " + ("nats down: " + snapshot.down["nats"] if "nats" in snapshot.down
+                             else "no consumers yet"))
     flow = rates(snapshot, previous)
     stale = staleness(snapshot)
     last_max = trainer.get("staleness_max") if trainer else None
     lines += ["", f"staleness  {_fmt(stale, 'd')} versions (trainer - oldest engine); last step max "
                   f"{_fmt(last_max, '.0f')}",
-              f"throughput {_fmt(flow['trajectories_per_s'])} trajectories/s  {_fmt(flow['steps_per_s'], '.3f')} "
+              f"throughput {_fmt(flow['trajectories_per_s'])} "
+              f"trajectories/s  {_fmt(flow['steps_per_s'], '.3f')} "
               f"steps/s  ({_fmt(snapshot.trajectories, 'd')} trajectories published)"]
     return "\n".join(lines + _stop_rule_lines(snapshot.run, paint))
 

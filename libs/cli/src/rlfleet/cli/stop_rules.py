@@ -1,4 +1,4 @@
-"""The run's stop rules: a verifier that disagrees with the labels, and a long tail that costs more than it buys.
+"""The run's stop rules: a verifier that disagrees with the labels, a long tail that costs more than it buys.
 
 1. Verifier audit. `rlfleet run` sends a fixed subset of the labelled audit set (written by
    `python -m rlfleet.verifier.audit_set write`, labels true by construction: right and wrong
@@ -33,26 +33,31 @@ LONG_TAIL_STATUSES = ("aborted", "failed", "truncated")
 
 
 class AuditConfig(StrictModel):
-    enabled: bool = Field(True, description="audit the run's verifier against the labelled audit set before the "
-                          "loop and before each promotion; stop the run when it disagrees too often")
-    episodes: int = Field(40, ge=1, le=500, description="labelled episodes per audit (a fixed subset drawn by "
-                          "`seed`; hacking solutions cost up to their 4 s test budget each)")
+    enabled: bool = Field(True, description="audit the run's verifier against the labelled audit set before "
+                          "the loop and before each promotion; stop the run when it disagrees too often")
+    episodes: int = Field(40, ge=1, le=500, description="labelled episodes per audit (a fixed subset drawn "
+                          "by `seed`; hacking solutions cost up to their 4 s test budget each)")
     seed: int = Field(0, ge=0, description="seed of the audit set and of the subset drawn from it")
-    max_false_positive_rate: float = Field(0.0, ge=0, le=1, description="stop when the verifier passes more than "
-                                           "this share of the failing episodes (overall or of one suite)")
-    max_false_negative_rate: float = Field(0.05, ge=0, le=1, description="stop when the verifier fails more than "
-                                           "this share of the passing episodes (overall or of one suite)")
+    max_false_positive_rate: float = Field(0.0, ge=0, le=1, description="stop when the verifier passes more "
+                                           "than this share of the failing episodes "
+                                           "(overall or of one suite)")
+    max_false_negative_rate: float = Field(0.05, ge=0, le=1, description="stop when the verifier fails more "
+                                           "than this share of the passing episodes "
+                                           "(overall or of one suite)")
     timeout_s: float = Field(300.0, gt=0, description="deadline of one Audit call")
 
 
 class LongTailConfig(StrictModel):
-    enabled: bool = Field(True, description="account the compute of long-tail trajectories against held-out gain")
+    enabled: bool = Field(True,
+                          description="account the compute of long-tail trajectories against held-out gain")
     max_tokens_per_point: float = Field(
-        5000.0, gt=0, description="generated tokens spent on the long tail per point (1%) of held-out success "
-        "gained over the baseline, above which the rule fires")
-    min_tokens: int = Field(20000, ge=0, description="no verdict until the long tail has cost this many tokens")
+        5000.0, gt=0, description="generated tokens spent on the long tail per point (1%) of held-out "
+        "success gained over the baseline, above which the rule fires")
+    min_tokens: int = Field(20000, ge=0,
+                            description="no verdict until the long tail has cost this many tokens")
     action: Literal["report", "stop"] = Field("report", description="report: say so in the report and "
-                                              "`rlfleet status`; stop: also end the loop (the final evaluation runs)")
+                                              "`rlfleet status`; stop: also end the loop (the "
+                                              "final evaluation runs)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +113,8 @@ def audit_result(report: Any, when: str, config: AuditConfig) -> AuditResult:
              f"{'passed' if d.verifier_passed else 'failed'})" for d in report.disagreements][:20]
     suites = {s: {"n": n, "false_positive_rate": fp, "false_negative_rate": fn}
               for s, (n, fp, fn) in rates.items() if s}
-    return AuditResult(when, report.n, report.false_positive_rate, report.false_negative_rate, suites, breaches, wrong)
+    return AuditResult(when, report.n, report.false_positive_rate, report.false_negative_rate, suites,
+                       breaches, wrong)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +133,8 @@ class LongTail:
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["tokens_per_point"] = None if math.isinf(self.tokens_per_point) else round(self.tokens_per_point, 1)
+        per_point = self.tokens_per_point
+        out["tokens_per_point"] = None if math.isinf(per_point) else round(per_point, 1)
         return out
 
 
@@ -139,7 +146,8 @@ def long_tail(trajectories: list[TrajectoryRecord], *, max_staleness: int, eval_
     tokens = {k: 0 for k in (*LONG_TAIL_STATUSES, "stale", "retried")}
     counts = dict.fromkeys(tokens, 0)
     for t in train:
-        kind = t.status if t.status in LONG_TAIL_STATUSES else ("stale" if t.staleness > max_staleness else "")
+        stale = "stale" if t.staleness > max_staleness else ""
+        kind = t.status if t.status in LONG_TAIL_STATUSES else stale
         if kind:
             tokens[kind] += t.generated
             counts[kind] += 1

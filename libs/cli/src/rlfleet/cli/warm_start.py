@@ -36,9 +36,11 @@ class ModelSpec(StrictModel):
     hidden_size: int = Field(256, ge=32, description="width of the default Qwen2 model")
     num_hidden_layers: int = Field(4, ge=1, description="layers of the default model")
     family: Literal["qwen2", "qwen3", "llama", "mistral"] = Field(
-        "qwen2", description="architecture and chat format of the model built here (rlfleet-build-model --family)")
+        "qwen2",
+        description="architecture and chat format of the model built here (rlfleet-build-model --family)")
     path: str = Field("", description="an HF causal-LM directory to start from instead of building one (any "
-                      "family: its own tokenizer and chat template); warm-started unless warm_start.enabled = false")
+                      "family: its own tokenizer and chat template); warm-started unless "
+                      "warm_start.enabled = false")
 
     def key_fields(self) -> dict:
         """What names the base policy; the fields added after the first cached policies only when set, so
@@ -54,10 +56,12 @@ class ModelSpec(StrictModel):
 
 class WarmStartConfig(StrictModel):
     enabled: bool = Field(True, description="SFT the model on demonstrations before RL")
-    demonstrations: int = Field(4000, ge=10, description="demonstrations of the run's suite generated for SFT")
+    demonstrations: int = Field(4000, ge=10,
+                                description="demonstrations of the run's suite generated for SFT")
     imperfection: float = Field(0.5, ge=0, le=1, description="share of flawed demonstrations (envkit.demos, "
                                 "envkit.repo_demos)")
-    difficulty: int = Field(1, ge=1, le=3, description="difficulty (calc) or level (repo) of the demonstrations")
+    difficulty: int = Field(1, ge=1, le=3,
+                            description="difficulty (calc) or level (repo) of the demonstrations")
     epochs: int = Field(3, ge=1, description="SFT epochs")
     lr: float = Field(1e-3, gt=0, description="SFT learning rate")
     batch_size: int = Field(32, ge=1, description="SFT batch size (sequences)")
@@ -126,7 +130,8 @@ def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig
     if model.path:
         source = Path(model.path).resolve()
         if not (source / "config.json").is_file() or not (source / "tokenizer.json").is_file():
-            raise StartupError(f"model.path {source} is not a model directory (config.json and tokenizer.json)")
+            raise StartupError(f"model.path {source} is not a model directory "
+                               "(config.json and tokenizer.json)")
         shutil.copytree(source, initial)
         say(f"base policy: starting from {source}")
     else:
@@ -149,8 +154,8 @@ def ensure_base_policy(cache_root: Path, model: ModelSpec, warm: WarmStartConfig
               "--out", str(policy), "--epochs", str(warm.epochs), "--lr", str(warm.lr),
               "--batch-size", str(warm.batch_size), "--seed", str(model.seed)],
              log, "the SFT warm start", warm.torch_threads, say=say)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                     "generation_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "chat_template.jinja", "generation_config.json"):
             if (initial / name).exists() and not (policy / name).exists():
                 shutil.copy2(initial / name, policy / name)
     else:

@@ -90,7 +90,8 @@ def _parse_formatted(text: str, offered: list[str], fmt: str) -> Action:
         if not call.ok:
             return InvalidCall(f"error: {call.error}", tool=call.name)
         if call.name not in offered:
-            return InvalidCall(f"error: unknown tool {call.name!r}; available: {', '.join(offered)}", tool=call.name)
+            return InvalidCall(f"error: unknown tool {call.name!r}; available: {', '.join(offered)}",
+                               tool=call.name)
         return ToolCall(call.name, call.argument_text())
     answer = ANSWER_RE.search(text)
     return NoAction() if answer is None else FinalAnswer(answer["answer"].strip())

@@ -111,11 +111,15 @@ def repo_corpus(seed: int = 0, n: int = DEFAULT_N) -> list[str]:
         for demo in repo_demos.generate_demos(count, seed=seed, imperfection=imperfection, difficulty=level):
             texts.append(render_messages(demo["messages"], add_generation_prompt=False))
     prompt = [{"role": "user", "content": "Fix it."}]
-    for call in ("<run>python3 x.py", "<python>1</python>", "<edit_file>a.py\nx</edit_file>", "<read_file>a.py</run>"):
+    for call in ("<run>python3 x.py", "<python>1</python>", "<edit_file>a.py\nx</edit_file>",
+                 "<read_file>a.py</run>"):
         action = parse_action(call, repo.TOOL_NAMES)
-        error = action.error if hasattr(action, "error") else "error: edit_file needs the old text, a line ---, then the new text"
-        texts.append(render_messages([*prompt, {"role": "assistant", "content": call}, {"role": "tool", "content": error}], add_generation_prompt=False))
-    texts.append(render_messages([*prompt, {"role": "assistant", "content": "<run>ls</run>"}, {"role": "tool", "content": too_many_calls_error(4)}],
+        error = action.error if hasattr(action, "error") else \
+            "error: edit_file needs the old text, a line ---, then the new text"
+        texts.append(render_messages([*prompt, {"role": "assistant", "content": call},
+                                      {"role": "tool", "content": error}], add_generation_prompt=False))
+    texts.append(render_messages([*prompt, {"role": "assistant", "content": "<run>ls</run>"},
+                                  {"role": "tool", "content": too_many_calls_error(4)}],
                                  add_generation_prompt=False))
     texts.append(string.printable)
     return texts

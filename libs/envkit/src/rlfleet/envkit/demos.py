@@ -132,7 +132,8 @@ def mental_answer(expression: str, rng: random.Random) -> str:
 
 
 def garble_number(number: str, rng: random.Random) -> str:
-    """A different integer a person could plausibly write: off by a little, two digits swapped, one digit changed."""
+    """A different integer a person could plausibly write: off by a little, two digits swapped,
+    one digit changed."""
     value = int(number)
     digits = str(abs(value))
     choices = ["off_by_small", "change_digit"] + (["swap_digits"] if len(set(digits)) > 1 else [])

@@ -52,7 +52,8 @@ def session_id_key(credentials: security.Credentials | None = None) -> bytes:
     return hashlib.sha256(creds.token.encode()).digest()
 
 
-def session_id_of(group_id: str, sample_index: int, delivery: int = 1, outage: int = 0, key: bytes = b"") -> str:
+def session_id_of(group_id: str, sample_index: int, delivery: int = 1, outage: int = 0,
+                  key: bytes = b"") -> str:
     tag = f"-{hmac.new(key, group_id.encode(), hashlib.sha256).hexdigest()[:16]}" if key else ""
     base = f"{group_id}{tag}-s{sample_index}"
     base = base if delivery <= 1 else f"{base}-r{delivery}"
@@ -129,7 +130,8 @@ class GroupRunner:
                 await self.sessions.close(session_id)  # idempotent: publishes it if the first close could not
                 return None
             if session.state == session_pb2.SESSION_STATE_OPEN:
-                await self.sessions.abort(session_id, f"task redelivered (delivery {delivery}, attempt {outage}); "
+                await self.sessions.abort(session_id,
+                                          f"task redelivered (delivery {delivery}, attempt {outage}); "
                                                       "its worker is gone")
         return session_id_of(group_id, index, delivery, outage, key=self.id_key)
 
@@ -137,14 +139,16 @@ class GroupRunner:
                       on_episode: Callable[[EpisodeSummary], None]) -> EpisodeSummary:
         async with self.slots:
             spec = EpisodeSpec(task=task, session_id=session_id, group_id=group_id, sample_index=index,
-                               group_size=task.group_size, sampling=self.sampling_for(task, session_id, index),
+                               group_size=task.group_size,
+                               sampling=self.sampling_for(task, session_id, index),
                                max_total_tokens=self.max_total_tokens)
             summary = await self.loop.run(spec)
         on_episode(summary)
         return summary
 
     def sampling_for(self, task: common_pb2.Task, session_id: str, index: int) -> common_pb2.SamplingParams:
-        """The task's sampling, its unset fields filled from the worker's defaults; a distinct seed per sample."""
+        """The task's sampling, its unset fields filled from the worker's defaults; a
+        distinct seed per sample."""
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(task.sampling)
         defaults = self.sampling

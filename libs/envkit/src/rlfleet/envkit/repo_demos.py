@@ -30,8 +30,9 @@ FLAWS: dict[str, float] = {"no_edit": 0.30, "wrong_edit": 0.30, "edit_mismatch":
 RETRY = 0.5  # after a refused edit or a malformed call, the demo does it right this often (else gives up)
 DEFAULT_IMPERFECTION = 0.5
 # Plausible wrong rewrites of a line, tried in order: the first that changes it is the wrong edit.
-_WRONG_REWRITES = (("+", "-"), ("*", "+"), (">=", ">"), ("<", "<="), ("==", "!="), ("max", "min"), ("min", "max"),
-                   ("[-1]", "[1]"), ("[:n]", "[1:n]"), ("in ", "not in "), ("' '", "','"), ("100", "10"),
+_WRONG_REWRITES = (("+", "-"), ("*", "+"), (">=", ">"), ("<", "<="), ("==", "!="),
+                   ("max", "min"), ("min", "max"), ("[-1]", "[1]"), ("[:n]", "[1:n]"), ("in ", "not in "),
+                   ("' '", "','"), ("100", "10"),
                    ("1", "2"), ("0", "1"), ("<", ">"), ("return ", "return -"))
 
 
@@ -43,7 +44,8 @@ def generate_demos(n: int, seed: int = 0, imperfection: float = DEFAULT_IMPERFEC
     rng = random.Random(f"repo-demos:{seed}:{imperfection}:{difficulty}")
     demos = []
     for task in repo.generate_tasks("train", n, seed=seed, difficulty=difficulty):
-        flaw = rng.choices(list(FLAWS), weights=list(FLAWS.values()))[0] if rng.random() < imperfection else "none"
+        flawed = rng.random() < imperfection  # drawn first, as before the choice of flaw
+        flaw = rng.choices(list(FLAWS), weights=list(FLAWS.values()))[0] if flawed else "none"
         instance = repo.instance_of(task)
         turns = _TURNS[flaw](_Demo(instance, dict(task.workspace)), rng)
         demos.append({"messages": task.chat_messages() + turns, "task_id": task.task_id, "flaw": flaw})

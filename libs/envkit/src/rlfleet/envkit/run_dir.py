@@ -42,7 +42,8 @@ class RunDir:
         try:
             state = json.loads(state_file.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise RunDirError(f"cannot read {state_file}: {exc}; was a platform launched there (rlfleet up)?") from None
+            raise RunDirError(f"cannot read {state_file}: {exc}; was a platform "
+                              "launched there (rlfleet up)?") from None
         processes = {p["name"]: p for p in state.get("processes", [])}
         if not processes:
             raise RunDirError(f"nothing is running in {root} ({state_file} lists no process)")

@@ -53,7 +53,8 @@ class SubmitReport:
     files: list[Path] = field(default_factory=list)
 
 
-def load_tasks(source: str, split: str = "train", n: int = 100, seed: int = 0, difficulty: int = 1) -> list[Task]:
+def load_tasks(source: str, split: str = "train", n: int = 100, seed: int = 0,
+               difficulty: int = 1) -> list[Task]:
     """A built-in suite's tasks, or a suite file's (validated, line numbers in errors)."""
     path = Path(source)
     if source in SUITE_NAMES and not path.exists():
@@ -78,7 +79,8 @@ def check_suites(tasks: Iterable[Task], known: Iterable[str]) -> None:
     unknown = sorted({task.suite for task in tasks} - known)
     if unknown:
         raise SubmitError(f"no environment for suite(s) {', '.join(map(repr, unknown))} (known: "
-                          f"{', '.join(sorted(known))}); register one in your workers and pass --allow-unknown-suites")
+                          f"{', '.join(sorted(known))}); register one in your workers and pass "
+                          "--allow-unknown-suites")
 
 
 def write_for_verifier(tasks: list[Task], suites_dir: Path) -> tuple[list[Path], int]:
@@ -99,14 +101,14 @@ def write_for_verifier(tasks: list[Task], suites_dir: Path) -> tuple[list[Path],
                 by_suite[task.suite].append(line)
                 known[(task.suite, task.task_id)] = (line, suites_dir / f"{task.suite}.jsonl")
             elif where[0] != line:
-                raise SubmitError(f"task {task.task_id!r} of suite {task.suite!r} is already in {where[1]} with "
-                                  f"different content; give it a new task_id")
+                raise SubmitError(f"task {task.task_id!r} of suite {task.suite!r} is already in {where[1]} "
+                                  f"with different content; give it a new task_id")
         for suite, lines in by_suite.items():
             target = suites_dir / f"{suite}.jsonl"
             old = target.read_text(encoding="utf-8") if target.exists() else ""
             tmp = target.with_suffix(".jsonl.tmp")
-            tmp.write_text(old + ("" if not old or old.endswith("\n") else "\n") + "".join(x + "\n" for x in lines),
-                           encoding="utf-8")
+            tmp.write_text(old + ("" if not old or old.endswith("\n") else "\n")
+                           + "".join(x + "\n" for x in lines), encoding="utf-8")
             tmp.rename(target)
             files.append(target)
     return files, sum(len(lines) for lines in by_suite.values())
@@ -125,7 +127,8 @@ def _known_tasks(suites_dir: Path) -> dict[tuple[str, str], tuple[str, Path]]:
 
 
 async def publish_tasks(tasks: list[Task], run_id: str, nats_url: str, group_size: int, epoch: int = 0,
-                        temperature: float | None = None, login: dict[str, str] | None = None) -> tuple[int, int]:
+                        temperature: float | None = None,
+                        login: dict[str, str] | None = None) -> tuple[int, int]:
     """Publishes the public views on TASKS; returns (published, duplicates). `login` is the NATS
     user's (`user`, `password` or `password_file`): only the operator user may publish tasks."""
 
@@ -146,17 +149,22 @@ async def publish_tasks(tasks: list[Task], run_id: str, nats_url: str, group_siz
 
 
 def submit(tasks: list[Task], *, run_id: str, nats_url: str, suites_dir: Path, group_size: int,
-           epoch: int = 0, temperature: float | None = None, login: dict[str, str] | None = None) -> SubmitReport:
-    files, written = write_for_verifier(tasks, suites_dir)  # the verifier must know a task before a worker runs it
+           epoch: int = 0, temperature: float | None = None,
+           login: dict[str, str] | None = None) -> SubmitReport:
+    # the verifier must know a task before a worker runs it
+    files, written = write_for_verifier(tasks, suites_dir)
     published, duplicates = asyncio.run(publish_tasks(tasks, run_id, nats_url, group_size, epoch, temperature,
                                                       login))
     return SubmitReport(len(tasks), written, published, duplicates, files)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=NAME, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", metavar="SUITE_OR_JSONL", help=f"a built-in suite ({', '.join(SUITE_NAMES)}) or a suite file")
-    p.add_argument("--run-dir", help="a launched platform's run directory: fills --run-id, --nats-url, --suites-dir")
+    p = argparse.ArgumentParser(prog=NAME, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="SUITE_OR_JSONL",
+                   help=f"a built-in suite ({', '.join(SUITE_NAMES)}) or a suite file")
+    p.add_argument("--run-dir",
+                   help="a launched platform's run directory: fills --run-id, --nats-url, --suites-dir")
     p.add_argument("--run-id", help="run namespace of the TASKS subject")
     p.add_argument("--nats-url", help="NATS with JetStream")
     p.add_argument("--nats-user", default=os.environ.get("RLFLEET__NATS__USER", ""),
@@ -165,7 +173,8 @@ def parser() -> argparse.ArgumentParser:
                    help="file holding its password (env RLFLEET__NATS__PASSWORD_FILE, or the password itself "
                         "in RLFLEET__NATS__PASSWORD)")
     p.add_argument("--suites-dir", help="the verifier's suites directory")
-    p.add_argument("--split", default="train", choices=("train", "heldout", "regression"), help="built-in suites")
+    p.add_argument("--split", default="train", choices=("train", "heldout", "regression"),
+                   help="built-in suites")
     p.add_argument("--n", type=int, default=100, help="tasks to generate (built-in suites)")
     p.add_argument("--seed", type=int, default=0, help="generation seed (built-in suites)")
     p.add_argument("--difficulty", type=int, default=1, help="calc difficulty 1-3 (built-in suites)")
@@ -202,7 +211,8 @@ def _run(args: argparse.Namespace) -> int:
     if not args.allow_unknown_suites:
         check_suites(tasks, known_suites())
     if args.dry_run:
-        print(f"{len(tasks)} valid tasks from {args.source} (suites: {', '.join(sorted({t.suite for t in tasks}))})")
+        print(f"{len(tasks)} valid tasks from {args.source} "
+              f"(suites: {', '.join(sorted({t.suite for t in tasks}))})")
         return 0
     missing = [flag for flag, value in (("--run-id", run_id), ("--nats-url", nats_url),
                                         ("--suites-dir", suites_dir)) if not value]
@@ -210,7 +220,8 @@ def _run(args: argparse.Namespace) -> int:
         raise SubmitError(f"{', '.join(missing)} required (or --run-dir of a launched platform)")
     try:
         report = submit(tasks, run_id=run_id, nats_url=nats_url, suites_dir=Path(suites_dir),
-                        group_size=args.group_size, epoch=args.epoch, temperature=args.temperature, login=login)
+                        group_size=args.group_size, epoch=args.epoch,
+                        temperature=args.temperature, login=login)
     except StartupError as exc:
         raise SubmitError(str(exc)) from None
     where = ", ".join(map(str, report.files)) or "(all known already)"

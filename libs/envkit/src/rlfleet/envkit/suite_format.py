@@ -12,14 +12,14 @@ import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlfleet.common.config import StrictModel
 from rlfleet.envkit.errors import SuiteFormatError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1  # Final: its type is Literal[1], what `Task.schema_version` takes
 SPLITS = ("train", "heldout", "regression")
 VERIFIER_KINDS = ("exact", "numeric", "unit_tests")
 # Keys a rollout worker may see. Everything else (verifier, metadata) stays with the verifier.

@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import nats
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
@@ -60,7 +62,7 @@ async def ensure_dead_letter_stream(js: JetStreamContext) -> None:
 class Delivery:
     """One delivery of a TASKS message."""
 
-    msg: nats.aio.msg.Msg
+    msg: Msg
     queue: TaskQueue
 
     @property
@@ -116,7 +118,7 @@ class TaskQueue:
         self.durable = durable_name(consumer, run_id)
         self.ack_wait_s = ack_wait_s
         self.max_deliver = max_deliver
-        self._sub = None
+        self._sub: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> None:
         await ensure_dead_letter_stream(self.js)
@@ -159,7 +161,7 @@ class MaxDeliveriesWatch:
     def __init__(self, nc: nats.NATS, queue: TaskQueue) -> None:
         self.nc = nc
         self.queue = queue
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         topic = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{TASKS}.{self.queue.durable}"

@@ -30,7 +30,8 @@ class BadTask(EnvkitError, ValueError):
         super().__init__(f"{reason}: {message}")
 
 
-def task_message(task: Task, run_id: str, group_size: int = 1, temperature: float | None = None) -> common_pb2.Task:
+def task_message(task: Task, run_id: str, group_size: int = 1,
+                 temperature: float | None = None) -> common_pb2.Task:
     """The public view of a suite record as the message published on TASKS."""
     view = public_view(task)
     limits = view["limits"]
@@ -56,7 +57,8 @@ def decode_task(data: bytes, run_id: str, suites: Iterable[str]) -> common_pb2.T
     except DecodeError as exc:
         raise BadTask("undecodable", f"not a serialized Task ({len(data)} bytes): {exc}") from None
     if task.schema_version != SCHEMA_VERSION:
-        raise BadTask("schema_version", f"schema_version {task.schema_version}, this worker reads {SCHEMA_VERSION}")
+        raise BadTask("schema_version",
+                      f"schema_version {task.schema_version}, this worker reads {SCHEMA_VERSION}")
     if not task.task_id:
         raise BadTask("missing_task_id", "the task has no task_id")
     if task.run_id and task.run_id != run_id:
@@ -84,6 +86,7 @@ def workspace_of(task: common_pb2.Task) -> dict[str, str]:
         files = json.loads(text)
     except ValueError as exc:
         raise BadTask("bad_workspace", f"task {task.task_id}: workspace is not JSON: {exc}") from None
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in files.items()):
         raise BadTask("bad_workspace", f"task {task.task_id}: workspace must map paths to text")
     return files

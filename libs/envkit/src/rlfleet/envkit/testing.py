@@ -54,7 +54,8 @@ from rlfleet.envkit.corpus import default_corpus
 from rlfleet.envkit.run_dir import RunDir
 from rlfleet.envkit.suites.code_templates import TEMPLATES
 
-_MESSAGE_RE = re.compile(re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)" + re.escape(IM_END), re.DOTALL)
+_MESSAGE_RE = re.compile(re.escape(IM_START) + r"(?P<role>[a-z]+)\n(?P<content>.*?)"
+                         + re.escape(IM_END), re.DOTALL)
 _SCRIPT_RE = re.compile(r"\[script:\s*(?P<steps>[a-z, ]+)\]")
 _EXPRESSION_RE = re.compile(r"What is (?P<expr>.+?)\?")
 
@@ -130,7 +131,9 @@ class ScriptedEngine:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-        self.end_id = self.tokenizer.token_to_id(IM_END)
+        end_id = self.tokenizer.token_to_id(IM_END)
+        assert end_id is not None, f"the tokenizer has no {IM_END}"
+        self.end_id = end_id
         self.delay_s = delay_s
         self.requests = 0
 
@@ -158,7 +161,8 @@ class ScriptedEngine:
             meta = {"id": body.get("rid", ""), "prompt_tokens": len(body["input_ids"]),
                     "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": "0",
                     "weight_versions": [{"version": "0", "start": 0, "end": len(ids)}],
-                    "finish_reason": {"type": finish, **({"matched": self.end_id} if finish == "stop" else {})},
+                    "finish_reason": {"type": finish,
+                                      **({"matched": self.end_id} if finish == "stop" else {})},
                     "output_token_logprobs": [[-0.25, token, None] for token in ids],
                     "e2e_latency": time.monotonic() - started}
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -193,7 +197,7 @@ async def _serve(tokenizer_dir: str, ready_file: str, delay_s: float) -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = runner.addresses[0][1]
     write_ready_file(ready_file, {"url": f"http://127.0.0.1:{port}", "pid": os.getpid()})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -204,7 +208,8 @@ async def _serve(tokenizer_dir: str, ready_file: str, delay_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlfleet.envkit.testing", description="the scripted engine")
+    parser = argparse.ArgumentParser(prog="python -m rlfleet.envkit.testing",
+                                     description="the scripted engine")
     parser.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--delay-s", type=float, default=0.0)
@@ -257,7 +262,7 @@ class LaunchedPlatform:
         self.services = services
         # By section name (`session`, `trainer`, `engine`, ...); keys may be dotted.
         self.sections = sections or {}
-        self.info = None
+        self.info: RunDir | None = None
 
     def config(self) -> dict:
         """The `rlfleet up` config of this launch."""
@@ -282,8 +287,8 @@ class LaunchedPlatform:
 
     def down(self) -> None:
         if (self.run_dir / "platform.json").exists():
-            subprocess.run([str(BIN / "rlfleet"), "down", "--run-dir", str(self.run_dir)], capture_output=True,
-                           timeout=60)
+            subprocess.run([str(BIN / "rlfleet"), "down", "--run-dir", str(self.run_dir)],
+                           capture_output=True, timeout=60)
 
     def __enter__(self) -> LaunchedPlatform:
         return self.up()

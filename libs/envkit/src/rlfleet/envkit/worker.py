@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats
+
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import check_health
@@ -92,7 +94,11 @@ class RolloutWorker:
         self._pending = 0  # episodes of in-flight groups not finished yet
         self._changed = asyncio.Event()  # pending episodes or in-flight groups changed
         self._groups: set[asyncio.Task] = set()
-        self.nc = self.queue = self.watch = self.runner = self.depth = None
+        self.nc: nats.NATS | None = None
+        self.queue: TaskQueue | None = None
+        self.watch: MaxDeliveriesWatch | None = None
+        self.runner: GroupRunner | None = None
+        self.depth: QueueDepthPoller | None = None
         self._own_clients = False
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -107,6 +113,7 @@ class RolloutWorker:
             except BaseException:
                 await self.shutdown()
                 raise
+        assert self.queue is not None  # start() made it
         idle_since = time.monotonic()
         try:
             while not stop.is_set() and not self._reached(max_tasks):
@@ -151,6 +158,7 @@ class RolloutWorker:
             self._add_pending(-1)  # frees its slot now, not when the whole group is done
             self._episode_done(summary)
 
+        assert self.runner is not None, "start() first"
         try:
             async with delivery.heartbeat(self.config.heartbeat_s):
                 outage = 0
@@ -158,7 +166,8 @@ class RolloutWorker:
                     try:
                         result = await self.runner.run(task, delivery.sequence, delivery.number, episode_done,
                                                        outage)
-                    except RpcError as exc:  # a peer failed before the episodes could run (the session server is down)
+                    except RpcError as exc:
+                        # a peer failed before the episodes could run (the session server is down)
                         log.warning("group of task #%d could not run: %s", delivery.sequence, exc)
                         result = GroupResult(group_id_of(task.task_id, delivery.sequence),
                                              unfinished=[f"group: {exc}"],
@@ -169,7 +178,8 @@ class RolloutWorker:
                     # delivery is spent on it. Wait for the services, then run those samples again.
                     outage += 1
                     self.stats.outage_reruns += 1
-                    log.info("group of task #%d stopped by a service outage (%s); running it again (attempt %d)",
+                    log.info("group of task #%d stopped by a service outage (%s); running "
+                             "it again (attempt %d)",
                              delivery.sequence, "; ".join(result.unfinished)[:300], outage)
                     await self.wait_for_platform(outage)
                     again = len(result.unfinished) if result.episodes else 0  # their episodes ended
@@ -190,14 +200,16 @@ class RolloutWorker:
         for at most `platform_wait_s`."""
         config = self.config
         await asyncio.sleep(min(config.platform_backoff_max_s, 0.25 * 2 ** attempt))
-        addresses = [a for a in (config.session_address, config.sandbox_address, config.verifier_address) if a]
+        addresses = [a for a in (config.session_address, config.sandbox_address,
+                                 config.verifier_address) if a]
         deadline = time.monotonic() + config.platform_wait_s
         for delay in Backoff(0.2, config.platform_backoff_max_s).delays():
             answers = await asyncio.gather(*(check_health(a, timeout_s=2.0) for a in addresses))
             if all(answers):
                 return True
             if time.monotonic() + delay > deadline:
-                log.warning("services still down after %.0f s: running the samples anyway", config.platform_wait_s)
+                log.warning("services still down after %.0f s: running the samples anyway",
+                            config.platform_wait_s)
                 return False
             await asyncio.sleep(delay)
         return False
@@ -212,7 +224,8 @@ class RolloutWorker:
             self.stats.tasks_acked += 1
         elif delivery.last_chance:
             outcome = "dead_lettered"
-            await delivery.dead_letter(f"group {result.group_id} unfinished after {delivery.number} deliveries: "
+            await delivery.dead_letter(f"group {result.group_id} unfinished "
+                                       f"after {delivery.number} deliveries: "
                                        + "; ".join(result.unfinished))
             self.stats.tasks_dead_lettered += 1
         else:
@@ -221,8 +234,8 @@ class RolloutWorker:
             self.stats.tasks_retried += 1
         self.metrics.tasks.add(1, {"result": outcome})
         log.info("task %s %s", result.group_id, outcome,
-                 extra={"group_id": result.group_id, "episodes": len(result.episodes), "skipped": result.skipped,
-                        "unfinished": result.unfinished})
+                 extra={"group_id": result.group_id, "episodes": len(result.episodes),
+                        "skipped": result.skipped, "unfinished": result.unfinished})
 
     def prepare(self, task: common_pb2.Task) -> common_pb2.Task:
         """Fills what the task leaves to the worker (run, group size, time limit) and checks the bounds."""
@@ -260,10 +273,12 @@ class RolloutWorker:
         await self.watch.start()
         admission = Backoff(config.admission.first_backoff_s, config.admission.max_backoff_s,
                             give_up_after_s=config.admission.give_up_after_s)
-        hooks = EpisodeHooks(on_admission_retry=lambda exc: self.metrics.admission_retries.add(1),
-                             on_tool_result=lambda call, result, waited: self.metrics.tool_wait.record(waited))
+        hooks = EpisodeHooks(
+            on_admission_retry=lambda exc: self.metrics.admission_retries.add(1),
+            on_tool_result=lambda call, result, waited: self.metrics.tool_wait.record(waited))
         loop = AgentLoop(self.clients, environments=self.environments, admission=admission, hooks=hooks,
-                         framing=framing_for(config.observation_framing), tool_call_format=config.tool_call_format)
+                         framing=framing_for(config.observation_framing),
+                         tool_call_format=config.tool_call_format)
         self.runner = GroupRunner(loop, self.clients.session, asyncio.Semaphore(config.concurrency),
                                   sampling=config.sampling, max_total_tokens=config.max_total_tokens,
                                   id_key=session_id_key(self.clients.credentials))

@@ -20,7 +20,8 @@ TURN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 16, 32)
 class WorkerMetrics:
     def __init__(self) -> None:
         m = meter("rlfleet.worker")
-        self.tool_wait = seconds_histogram(m, "rlfleet_worker_tool_wait_seconds", "time one tool call took in the sandbox")
+        self.tool_wait = seconds_histogram(m, "rlfleet_worker_tool_wait_seconds",
+                                           "time one tool call took in the sandbox")
         self.episode_duration = seconds_histogram(m, "rlfleet_worker_episode_duration_seconds",
                                                   "admission to close of one episode")
         self.turns = m.create_histogram("rlfleet_worker_episode_turns", unit="1",
@@ -30,12 +31,16 @@ class WorkerMetrics:
                                          description="the verifier's reward per verified episode",
                                          explicit_bucket_boundaries_advisory=list(REWARD_BUCKETS))
         self.invalid_calls = m.create_counter("rlfleet_worker_invalid_tool_calls_total",
-                                              description="malformed, unknown, rejected or over-limit tool calls")
+                                              description="malformed, unknown, rejected or "
+                                              "over-limit tool calls")
         self.violations = m.create_counter("rlfleet_worker_safety_violations_total",
-                                           description="sandbox safety violations (network, filesystem, processes)")
-        self.episodes = m.create_counter("rlfleet_worker_episodes_total", description="finished episodes, by outcome")
+                                           description="sandbox safety violations (network, "
+                                           "filesystem, processes)")
+        self.episodes = m.create_counter("rlfleet_worker_episodes_total",
+                                         description="finished episodes, by outcome")
         self.tasks = m.create_counter("rlfleet_worker_tasks_total",
-                                      description="settled task deliveries: acked, retried, dead_lettered, superseded")
+                                      description="settled task deliveries: acked, retried, "
+                                      "dead_lettered, superseded")
         self.bad_tasks = m.create_counter("rlfleet_worker_bad_tasks_total",
                                           description="task messages that cannot run, by reason")
         self.admission_retries = m.create_counter("rlfleet_worker_admission_retries_total",

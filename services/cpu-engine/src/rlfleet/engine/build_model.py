@@ -117,9 +117,11 @@ def build(out: Path, texts: Sequence[str], seed: int, spec: ModelSpec, model_fam
     # requested size on a small corpus.
     model = build_model(spec, tokenizer.get_vocab_size(), seed, model_family, dtype)
     model.save_pretrained(str(out), safe_serialization=True)
-    extra = {} if model_family is QWEN2 and dtype == "float32" else {"family": model_family.name, "dtype": dtype}
+    plain = model_family is QWEN2 and dtype == "float32"
+    extra = {} if plain else {"family": model_family.name, "dtype": dtype}
     (out / "rlfleet_build.json").write_text(
-        json.dumps({"seed": seed, "corpus_texts": len(texts), **asdict(spec), **extra}, indent=2, sort_keys=True)
+        json.dumps({"seed": seed, "corpus_texts": len(texts), **asdict(spec), **extra},
+                   indent=2, sort_keys=True)
         + "\n"
     )
     return out

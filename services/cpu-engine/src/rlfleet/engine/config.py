@@ -64,8 +64,8 @@ class EngineConfig(ProcessConfig):
     p2p_hostname: str = Field(
         "127.0.0.1", description="address the Mooncake TransferEngine of the P2P receive buffer listens on "
         "(a trainer must reach it; P2PHANDSHAKE mode: no metadata server)")
-    p2p_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transport protocol: tcp, or rdma "
-                                                 "on a fleet with RDMA NICs")
+    p2p_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transport protocol: tcp, or "
+                                                 "rdma on a fleet with RDMA NICs")
     p2p_device: str = Field("", description="Mooncake device name(s) for rdma (e.g. mlx5_0); empty = auto")
     dist_timeout_s: float = Field(
         300.0, gt=0, description="timeout of torch.distributed weight-update groups"

@@ -28,7 +28,7 @@ class PaddedKVCache:
         new = key_states.shape[2]
         end = self.length + new
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if keys is None or keys.shape[2] < end:
+        if keys is None or values is None or keys.shape[2] < end:
             keys, values = self._grown(keys, values, key_states, end)
             self.keys[layer_idx], self.values[layer_idx] = keys, values
         keys[:, :, self.length : end] = key_states
@@ -49,10 +49,10 @@ class PaddedKVCache:
         length = int(keys[0].shape[2])
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             shape = (1, k.shape[1], max(capacity, length), k.shape[3])
-            cache.keys[layer] = k.new_zeros(shape)
-            cache.values[layer] = v.new_zeros(shape)
-            cache.keys[layer][:, :, :length] = k
-            cache.values[layer][:, :, :length] = v
+            layer_keys, layer_values = k.new_zeros(shape), v.new_zeros(shape)
+            layer_keys[:, :, :length] = k
+            layer_values[:, :, :length] = v
+            cache.keys[layer], cache.values[layer] = layer_keys, layer_values
         cache.length = length
         return cache
 
@@ -63,15 +63,17 @@ class PaddedKVCache:
     def row(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Views of one row's filled columns `[pad, length)`, per layer `[1, kv_heads, len, head_dim]`."""
         start = int(self.pad[row])
-        keys = [k[row : row + 1, :, start : self.length] for k in self.keys]
-        values = [v[row : row + 1, :, start : self.length] for v in self.values]
+        layers = [self._filled(layer) for layer in range(self.num_layers)]
+        keys = [k[row : row + 1, :, start : self.length] for k, _ in layers]
+        values = [v[row : row + 1, :, start : self.length] for _, v in layers]
         return keys, values
 
     def advance(self, new: int) -> None:
         self.length += new
 
     def decode_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention mask `[rows, 1, 1, length + 1]` and position ids `[rows, 1]` for one new token per row."""
+        """Attention mask `[rows, 1, 1, length + 1]` and position ids `[rows, 1]` for one
+        new token per row."""
         columns = torch.arange(self.length + 1)
         masked = columns[None, :] < self.pad[:, None]
         mask = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, torch.finfo(dtype).min)
@@ -83,9 +85,10 @@ class PaddedKVCache:
         index = torch.tensor(keep, dtype=torch.long)
         self.pad = self.pad.index_select(0, index)
         for layer in range(self.num_layers):
-            if self.keys[layer] is not None:
-                self.keys[layer] = self.keys[layer].index_select(0, index)
-                self.values[layer] = self.values[layer].index_select(0, index)
+            keys, values = self.keys[layer], self.values[layer]
+            if keys is not None and values is not None:
+                self.keys[layer] = keys.index_select(0, index)
+                self.values[layer] = values.index_select(0, index)
         self._trim()
 
     def extend(self, other: PaddedKVCache) -> None:
@@ -108,8 +111,9 @@ class PaddedKVCache:
         shift = length - self.length
         keys, values = [], []
         for layer in range(self.num_layers):
-            k = self.keys[layer][:, :, : self.length]
-            v = self.values[layer][:, :, : self.length]
+            layer_keys, layer_values = self._filled(layer)
+            k = layer_keys[:, :, : self.length]
+            v = layer_values[:, :, : self.length]
             if shift:
                 k = torch.nn.functional.pad(k, (0, 0, shift, 0))
                 v = torch.nn.functional.pad(v, (0, 0, shift, 0))
@@ -128,19 +132,26 @@ class PaddedKVCache:
             return
         # A view: the remaining capacity after the filled columns stays usable for the next steps.
         for layer in range(self.num_layers):
-            if self.keys[layer] is not None:
-                self.keys[layer] = self.keys[layer][:, :, shared:]
-                self.values[layer] = self.values[layer][:, :, shared:]
+            keys, values = self.keys[layer], self.values[layer]
+            if keys is not None and values is not None:
+                self.keys[layer], self.values[layer] = keys[:, :, shared:], values[:, :, shared:]
         self.pad = self.pad - shared
         self.length -= shared
 
-    def _grown(self, keys, values, like: torch.Tensor, needed: int):
+    def _filled(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers of `layer`, which exist once a row is in the cache."""
+        keys, values = self.keys[layer], self.values[layer]
+        assert keys is not None and values is not None, f"layer {layer} has no KV buffers yet"
+        return keys, values
+
+    def _grown(self, keys: torch.Tensor | None, values: torch.Tensor | None, like: torch.Tensor,
+               needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Doubling keeps the copies amortised O(1) per generated token.
         capacity = max(needed, 2 * (keys.shape[2] if keys is not None else 0), 64)
         shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
         new_keys = torch.zeros(shape, dtype=like.dtype)
         new_values = torch.zeros(shape, dtype=like.dtype)
-        if keys is not None:
+        if keys is not None and values is not None:
             new_keys[:, :, : self.length] = keys[:, :, : self.length]
             new_values[:, :, : self.length] = values[:, :, : self.length]
         return new_keys, new_values

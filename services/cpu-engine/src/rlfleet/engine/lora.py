@@ -53,7 +53,8 @@ class Adapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self.weights.values())
 
 
 def read_adapter(path: str | Path, name: str, linears: dict[str, torch.nn.Linear], vocab_size: int,
@@ -69,11 +70,13 @@ def read_adapter(path: str | Path, name: str, linears: dict[str, torch.nn.Linear
     for needed in (config_file, weights_file):
         if not needed.is_file():
             raise LoRALoadError(f"Failed to load LoRA adapter {name}: {path} has no {needed.name} "
-                                "(a peft adapter directory holds adapter_config.json and adapter_model.safetensors)")
+                                "(a peft adapter directory holds adapter_config.json and "
+                                "adapter_model.safetensors)")
     try:
         config = json.loads(config_file.read_text())
     except ValueError as exc:
-        raise LoRALoadError(f"Failed to load LoRA adapter {name}: {ADAPTER_CONFIG} is not JSON ({exc})") from None
+        raise LoRALoadError(f"Failed to load LoRA adapter {name}: "
+                            f"{ADAPTER_CONFIG} is not JSON ({exc})") from None
     rank, alpha = _check_config(config, name, directory, vocab_size)
     targets = _target_modules(config, linears, name)
     try:
@@ -88,21 +91,25 @@ def read_adapter(path: str | Path, name: str, linears: dict[str, torch.nn.Linear
 
 def _check_config(config: dict, name: str, directory: Path, vocab_size: int) -> tuple[int, float]:
     if config.get("peft_type", "LORA") != "LORA":
-        raise LoRALoadError(f"Failed to load LoRA adapter {name}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise LoRALoadError(f"Failed to load LoRA adapter {name}: "
+                            f"peft_type {config.get('peft_type')!r} is not LORA")
     if config.get("use_dora"):
-        raise LoRALoadError(f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters")
+        raise LoRALoadError(f"Failed to load {name} because LoRA serving currently doesn't "
+                            "support DoRA adapters")
     if _added_tokens(directory, vocab_size):
         raise LoRALoadError(f"Failed to load {name} because LoRA serving currently doesn't support adapters "
                             "that add tokens to the vocabulary")
     for key, why in (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas"),
-                     ("modules_to_save", "full copies of modules"), ("layers_to_transform", "a subset of layers")):
+                     ("modules_to_save", "full copies of modules"),
+                     ("layers_to_transform", "a subset of layers")):
         if config.get(key):
             raise LoRALoadError(f"Failed to load LoRA adapter {name}: {key} ({why}) is not supported")
     if config.get("bias", "none") != "none":
         raise LoRALoadError(f"Failed to load LoRA adapter {name}: bias={config['bias']!r} (trained biases) "
                             "is not supported; train with bias='none'")
     if config.get("fan_in_fan_out"):
-        raise LoRALoadError(f"Failed to load LoRA adapter {name}: fan_in_fan_out (Conv1D layers) is not supported")
+        raise LoRALoadError(f"Failed to load LoRA adapter {name}: fan_in_fan_out (Conv1D "
+                            "layers) is not supported")
     try:
         rank, alpha = int(config["r"]), float(config["lora_alpha"])
     except (KeyError, TypeError, ValueError):
@@ -153,11 +160,12 @@ def _matching(spec: str | list[str], modules) -> set[str]:
 
     if isinstance(spec, str):
         return {module for module in modules if re.fullmatch(spec, module)}
-    return {module for module in modules for target in spec if module == target or module.endswith("." + target)}
+    return {module for module in modules
+            for target in spec if module == target or module.endswith("." + target)}
 
 
-def _pairs(tensors: dict[str, torch.Tensor], linears: dict[str, torch.nn.Linear], targets: set[str], rank: int,
-           scaling: float, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _pairs(tensors: dict[str, torch.Tensor], linears: dict[str, torch.nn.Linear], targets: set[str],
+           rank: int, scaling: float, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(A, scaling * B) per target module, from peft's keys `base_model.model.<module>.lora_{A,B}.weight`."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -168,7 +176,8 @@ def _pairs(tensors: dict[str, torch.Tensor], linears: dict[str, torch.nn.Linear]
         halves.setdefault(module, {})[kind[0]] = tensor
     missing = sorted(targets - set(halves))
     if missing:
-        raise LoRALoadError(f"Failed to load LoRA adapter {name}: no weights for target modules {missing[:8]}")
+        raise LoRALoadError(f"Failed to load LoRA adapter {name}: no weights for target "
+                            f"modules {missing[:8]}")
     pairs = {}
     for module, half in sorted(halves.items()):
         if set(half) != {"A", "B"}:
@@ -177,8 +186,9 @@ def _pairs(tensors: dict[str, torch.Tensor], linears: dict[str, torch.nn.Linear]
         a, b = half["A"].to(torch.float32), half["B"].to(torch.float32)
         want_a, want_b = (rank, linear.in_features), (linear.out_features, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise LoRALoadError(f"Failed to load LoRA adapter {name}: {module}: lora_A {list(a.shape)}, lora_B "
-                                f"{list(b.shape)}; the base layer and r={rank} need {list(want_a)}, {list(want_b)}")
+            raise LoRALoadError(f"Failed to load LoRA adapter {name}: {module}: lora_A {list(a.shape)}, "
+                                f"lora_B {list(b.shape)}; the base layer and r={rank} "
+                                f"need {list(want_a)}, {list(want_b)}")
         pairs[module] = (a.contiguous(), (b * scaling).contiguous())
     return pairs
 
@@ -187,7 +197,8 @@ class LoRALayers:
     """The loaded adapters of one model and the hooks that apply them."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.linears = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+        self.linears = {name: module
+                        for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
         self.adapters: dict[str, Adapter] = {}
         self._hooked: set[str] = set()
         # Per forward pass: [(adapter, row indices or None for every row)], or None when no row uses one.
@@ -207,7 +218,8 @@ class LoRALayers:
         """Stops serving `name` to new requests; requests holding it finish with it (scheduler thread)."""
         adapter = self.adapters.pop(name, None)
         if adapter is None:
-            raise LoRALoadError(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.adapters)}")
+            raise LoRALoadError(f"LoRA with name {name} does not exist. "
+                                f"Loaded LoRAs: {sorted(self.adapters)}")
         return adapter
 
     def loaded(self) -> dict[str, str]:

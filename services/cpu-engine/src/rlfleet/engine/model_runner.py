@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -126,6 +126,7 @@ class ModelRunner:
             keys, values = like.new_zeros(shape), like.new_zeros(shape)
             for i, (prefix, keep) in enumerate(zip(prefixes, kept, strict=True)):
                 if keep:
+                    assert prefix is not None, f"row {i} keeps {keep} columns of no prefix"
                     keys[i, :, start - keep : start] = prefix[0][layer][0, :, :keep]
                     values[i, :, start - keep : start] = prefix[1][layer][0, :, :keep]
             cache.keys[layer], cache.values[layer] = keys, values
@@ -136,7 +137,8 @@ class ModelRunner:
         columns = torch.arange(start + fed)[None, None, :]
         query = (start + torch.arange(fed))[None, :, None]
         allowed = (columns >= pad[:, None, None]) & (columns <= query) | (columns == query)
-        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        lowest = torch.finfo(torch.float32).min
+        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, lowest)
         with self.lora.batch(adapters or [None] * rows):
             output = self.model(
                 input_ids=input_ids,
@@ -179,7 +181,7 @@ class ModelRunner:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     # --- weights --------------------------------------------------------------------------------
-    def check_weights(self, named: Iterable[tuple[str, torch.Size | list[int]]]) -> None:
+    def check_weights(self, named: Iterable[tuple[str, Sequence[int]]]) -> None:
         """Raises WeightLoadError unless every (name, shape) is a parameter of the served model."""
         unknown, mismatched = [], []
         for name, shape in named:

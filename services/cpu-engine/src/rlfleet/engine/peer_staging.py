@@ -20,7 +20,8 @@ from rlfleet.weights.sent import served_named
 
 
 class PeerStaging:
-    def __init__(self, parameters: dict[str, torch.Tensor], hostname: str, protocol: str, device: str = "") -> None:
+    def __init__(self, parameters: dict[str, torch.Tensor], hostname: str, protocol: str,
+                 device: str = "") -> None:
         self._parameters = parameters
         self.hostname, self.protocol, self.device = hostname, protocol, device
         self._staging: StagingBuffers | None = None

@@ -77,7 +77,8 @@ def check_input_size(body: Any, limits: Limits) -> None:
     chars = sum(len(t) for t in texts if isinstance(t, str))
     if chars > limits.max_text_chars:
         raise BadRequest(
-            f"'text' has {chars} characters, more than the engine's max_text_chars ({limits.max_text_chars}); "
+            f"'text' has {chars} characters, more than the engine's max_text_chars "
+            f"({limits.max_text_chars}); "
             "it was not tokenized", status=413, field="text", limit=limits.max_text_chars, size=chars)
     if isinstance(ids, list):
         rows = ids if ids and all(isinstance(r, list) for r in ids) else [ids]
@@ -86,7 +87,8 @@ def check_input_size(body: Any, limits: Limits) -> None:
                 where = f"input_ids[{i}]" if rows is ids else "input_ids"
                 raise BadRequest(
                     f"the input ({len(row)} tokens, {where}) is longer than the model's context length "
-                    f"({limits.context_length} tokens)", field=where, limit=limits.context_length, size=len(row))
+                    f"({limits.context_length} tokens)", field=where,
+                    limit=limits.context_length, size=len(row))
 
 
 # SGLang sampling parameters the CPU engine does not implement, with the value that means "off".

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import torch
 
@@ -61,6 +61,11 @@ log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def is_pause_mode(value: object) -> TypeGuard[PauseMode]:
+    """Whether a mode a caller sent is one the scheduler takes (and, to mypy, a PauseMode from here)."""
+    return value in PAUSE_MODES
 
 
 @dataclass
@@ -84,7 +89,7 @@ class Request:
     """A generate request's state in the scheduler; everything below is touched by its thread only."""
 
     def __init__(
-        self, item: GenerateItem, eos_token_ids: frozenset[int], on_done: Callable[[RequestOutput], None],
+        self, item: GenerateItem, eos_token_ids: frozenset[int], on_done: Callable[[RequestOutput], object],
         adapter: Adapter | None = None,
     ):
         spec = item.sampling
@@ -235,7 +240,8 @@ class Scheduler:
         cached = None if want_input else self._cached_prefix(tokens, request.reserved_tokens, request.adapter)
         if request.retractions == 0:
             request.cached_tokens = 0 if cached is None else cached.length
-        logits, cache = self.runner.prefill(tokens, all_logits=want_input, cached=cached, adapter=request.adapter)
+        logits, cache = self.runner.prefill(tokens, all_logits=want_input, cached=cached,
+                                            adapter=request.adapter)
         self.prefill_passes += 1
         request.kv_epoch = self.runner.weight_epoch
         if want_input:
@@ -272,7 +278,8 @@ class Scheduler:
         kept = [max(0, len(tokens) - fed) for _, tokens, _, _ in plans]  # cached columns each row keeps
         logits, cache = self.runner.prefill_rows(
             [tokens for _, tokens, _, _ in plans],
-            [None if keep == 0 else (hit.keys, hit.values) for (_, _, _, hit), keep in zip(plans, kept, strict=True)],
+            [None if keep == 0 else (hit.keys, hit.values)
+             for (_, _, _, hit), keep in zip(plans, kept, strict=True)],
             kept,
             fed,
             [request.adapter for request, _, _, _ in plans],
@@ -300,7 +307,8 @@ class Scheduler:
                                     [r.adapter for r in self.running])
         tokens, logprobs = sample(logits, [r.sampler for r in self.running])
         self.decode_steps += 1
-        keep, done = [], []
+        keep: list[int] = []
+        done: list[int] = []
         for row, request in enumerate(self.running):
             (done if self._append(request, tokens[row], logprobs[row]) else keep).append(row)
         if done:
@@ -443,7 +451,8 @@ class Scheduler:
         self._drop_stale_prefixes()
         return self.prefix_cache.lookup(tokens, _namespace(adapter))
 
-    def _cached_prefix(self, tokens: list[int], reserved: int, adapter: Adapter | None) -> PaddedKVCache | None:
+    def _cached_prefix(self, tokens: list[int], reserved: int,
+                       adapter: Adapter | None) -> PaddedKVCache | None:
         """A one-row cache holding the longest prefix of `tokens` cached under `adapter`, or None."""
         hit = self._prefix_hit(tokens, adapter)
         if hit is None:

@@ -2,8 +2,9 @@
 
 Route names, request fields, reply keys and error behaviour are SGLang's for everything rlfleet uses
 (tests/contract checks them against the snapshot taken from SGLang's package): `/model_info`,
-`/server_info`, `/v1/loads`, `/v1/models` (loaded adapters as model cards), per-token `meta_info.weight_versions`, LoRA adapters (`/load_lora_adapter`,
-`/unload_lora_adapter`, `lora_path` per request: `lora.py`), `update_weights_from_disk` with
+`/server_info`, `/v1/loads`, `/v1/models` (loaded adapters as model cards), per-token
+`meta_info.weight_versions`, LoRA adapters (`/load_lora_adapter`, `/unload_lora_adapter`,
+`lora_path` per request: `lora.py`), `update_weights_from_disk` with
 SGLang's load formats only (an unknown one is an error, never a silent success), `--api-key` /
 `--admin-api-key` as `Authorization: Bearer`. What SGLang has no route for lives under `/rlfleet/`
 (`/rlfleet/update_weights_from_store`: weight-store deltas and exact full loads).
@@ -16,21 +17,23 @@ scheduler command. Bad input answers 400 with `{"error": {"message": ...}}` as S
 
 Tracing (when on: an exporter configured): `/generate` and the control and weight-update routes
 are SERVER spans, children of the caller's W3C `traceparent` (the gateway's `engine POST /generate`
-client span), so an episode's trace reaches into the engine. A generate span lives as long as its handler awaits the scheduler's
-reply -- queued, prefilled, decoded, finished -- and is described once, from the reply (tokens in
-and out, finish reason, queue wait, weight version): the scheduler thread never touches it, and
+client span), so an episode's trace reaches into the engine. A generate span lives as long as its handler
+awaits the scheduler's reply -- queued, prefilled, decoded, finished -- and is described once, from the reply
+(tokens in and out, finish reason, queue wait, weight version): the scheduler thread never touches it, and
 nothing is recorded per token. Health and load polls are not traced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,7 @@ from rlfleet.engine.protocol import (
     check_input_size,
     parse_generate,
 )
-from rlfleet.engine.scheduler import PAUSE_MODES, Request, RequestOutput, Scheduler
+from rlfleet.engine.scheduler import PAUSE_MODES, PauseMode, Request, RequestOutput, Scheduler, is_pause_mode
 from rlfleet.engine.store_weights import StoreLoadError, StoreWeights
 from rlfleet.weights import broadcast as distributed
 from rlfleet.weights.errors import PathOutsideStore
@@ -267,7 +270,8 @@ class EngineServer:
         results = [_result(item, out) for item, out in zip(items, outputs, strict=True)]
         return web.json_response(results if is_batch else results[0])
 
-    async def _run(self, items: list[GenerateItem], adapters: list[Adapter | None] | None = None) -> list[RequestOutput]:
+    async def _run(self, items: list[GenerateItem],
+                   adapters: list[Adapter | None] | None = None) -> list[RequestOutput]:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
         adapters = adapters or [None] * len(items)
@@ -285,7 +289,7 @@ class EngineServer:
             # The client went away (handler cancellation is on): free its batch slots.
             for item in items:
                 self.scheduler.call(
-                    lambda rid=item.rid: self.scheduler.abort(rid=rid, message="client disconnected")
+                    functools.partial(self.scheduler.abort, rid=item.rid, message="client disconnected")
                 )
             raise
 
@@ -297,7 +301,8 @@ class EngineServer:
             adapter = self.runner.lora.adapters.get(name)
             if adapter is None and name not in self._lora_refs:
                 raise BadRequest(f"Got LoRA adapter that has never been loaded: {name}\n"
-                                 f"All loaded adapters: {sorted(self.runner.lora.adapters)}.", field="lora_path")
+                                 f"All loaded adapters: {sorted(self.runner.lora.adapters)}.",
+                                 field="lora_path")
             resolved[name] = adapter or await self._reload(name)
         return [None if item.lora_path is None else resolved[item.lora_path] for item in items]
 
@@ -311,7 +316,8 @@ class EngineServer:
             try:
                 return (await self._load_adapter(name, path, pinned))[0]
             except LoRALoadError as exc:
-                raise BadRequest(f"Failed to implicitly load LoRA adapter {name}: {exc}", field="lora_path") from None
+                raise BadRequest(f"Failed to implicitly load LoRA adapter {name}: {exc}",
+                                 field="lora_path") from None
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -408,7 +414,7 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = (await _body(request)).get("mode", "abort")
-        if mode not in PAUSE_MODES:
+        if not is_pause_mode(mode):
             return _error(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
         await self._call(lambda: self.scheduler.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -444,7 +450,7 @@ class EngineServer:
         version = _optional_str(body, "weight_version")
         refused = self._outside_store(path)
         if refused:
-            return _weight_reply(False, refused, http_status=403)
+            return _weight_reply(False, refused, 403)
         async with self._weights_lock:
             try:
                 named = await asyncio.to_thread(read_checkpoint, Path(path))
@@ -479,26 +485,29 @@ class EngineServer:
         if kind not in STORE_KINDS:
             return _error(f"update_weights_from_store needs 'kind', one of {', '.join(STORE_KINDS)}")
         mode = "abort" if body.get("abort_all_requests") else body.get("pause_mode", "retract")
-        if mode not in PAUSE_MODES:
+        if not is_pause_mode(mode):
             return _error(f"unknown pause_mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
         async with self._weights_lock:
             try:
                 ref = self.store.locate(path)
+                install: Callable[[], None]
+                finish: Callable[[], object] | None
                 if kind == "delta":
-                    prepared = await asyncio.to_thread(self.store.prepare_delta, ref)
-                    install, finish = self.store.swap_delta, self.store.finish_delta
+                    delta = await asyncio.to_thread(self.store.prepare_delta, ref)
+                    install = functools.partial(self.store.swap_delta, delta)
+                    finish = functools.partial(self.store.finish_delta, delta)
                     stats = {
-                        "base_version": prepared.decoded.base_version,
-                        "fetch_s": prepared.fetch_s,
-                        "preverify_s": prepared.preverify_s,
-                        "stage_s": prepared.stage_s,
-                        "bytes": prepared.payload_bytes,
-                        "changed_fraction": prepared.changed_fraction,
+                        "base_version": delta.decoded.base_version,
+                        "fetch_s": delta.fetch_s,
+                        "preverify_s": delta.preverify_s,
+                        "stage_s": delta.stage_s,
+                        "bytes": delta.payload_bytes,
+                        "changed_fraction": delta.changed_fraction,
                     }
                 else:
-                    prepared = await asyncio.to_thread(self.store.prepare_full, ref)
-                    install, finish = self.store.install_full, None
-                    stats = {"load_s": prepared.load_s, "bytes": prepared.bytes_read}
+                    full = await asyncio.to_thread(self.store.prepare_full, ref)
+                    install, finish = functools.partial(self.store.install_full, full), None
+                    stats = {"load_s": full.load_s, "bytes": full.bytes_read}
             except StoreLoadError as exc:
                 return _weight_reply(False, f"Failed to load {path} ({kind}): {exc}")
             version = _optional_str(body, "weight_version") or str(ref.version)
@@ -510,7 +519,7 @@ class EngineServer:
                 if own_pause:
                     self.scheduler.pause(mode)
                 try:
-                    install(prepared)
+                    install()
                     self.scheduler.weight_version = version
                 finally:
                     if own_pause:
@@ -519,7 +528,7 @@ class EngineServer:
 
             paused_requests, pause_s = await self._call(swap)
             if finish is not None:
-                await asyncio.to_thread(finish, prepared)
+                await asyncio.to_thread(finish)
         return _weight_reply(
             True,
             f"Succeeded to update model weights to store version {ref.version} ({kind}).",
@@ -539,7 +548,8 @@ class EngineServer:
             rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
         except (KeyError, TypeError, ValueError) as exc:
             return _error(
-                f"init_weights_update_group needs master_address, master_port, rank_offset, world_size ({exc})"
+                "init_weights_update_group needs master_address, master_port, "
+                f"rank_offset, world_size ({exc})"
             )
         name = str(body.get("group_name", "weight_update_group"))
         backend = str(body.get("backend", "gloo"))
@@ -639,16 +649,19 @@ class EngineServer:
         scheduler pauses only for the install (a dict update: `pause_s` in the reply)."""
         body = await _body(request)
         name, path, pinned = body.get("lora_name"), body.get("lora_path"), body.get("pinned", False)
-        if not (isinstance(name, str) and name and isinstance(path, str) and path and isinstance(pinned, bool)):
-            return _lora_reply(False, "load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty strings) "
-                                      "and optionally 'pinned' (true or false)")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path
+                and isinstance(pinned, bool)):
+            return _lora_reply(False, "load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty "
+                                      "strings) and optionally 'pinned' (true or false)")
         async with self._lora_lock:
             try:
                 adapter, pause_s = await self._load_adapter(name, path, pinned)
             except LoRALoadError as exc:
                 return _lora_reply(False, str(exc))
-        trace.get_current_span().set_attributes({"rlfleet.lora_name": name, "rlfleet.lora_rank": adapter.rank})
-        return _lora_reply(True, None, self.runner.lora.loaded(), pause_s=pause_s, adapter_bytes=adapter.nbytes)
+        trace.get_current_span().set_attributes({"rlfleet.lora_name": name,
+                                                 "rlfleet.lora_rank": adapter.rank})
+        return _lora_reply(True, None, self.runner.lora.loaded(), pause_s=pause_s,
+                           adapter_bytes=adapter.nbytes)
 
     async def _load_adapter(self, name: str, path: str, pinned: bool) -> tuple[Adapter, float]:
         """Reads, checks and installs an adapter (caller holds the LoRA lock); (adapter, pause seconds)."""
@@ -657,8 +670,8 @@ class EngineServer:
         refused = self._outside_store(path)  # adapters, like weights, only from under the store root
         if refused:
             raise LoRALoadError(f"Failed to load LoRA adapter {name}: {refused}")
-        adapter = await asyncio.to_thread(read_adapter, path, name, self.runner.lora.linears, self.runner.vocab_size,
-                                          pinned)
+        adapter = await asyncio.to_thread(read_adapter, path, name, self.runner.lora.linears,
+                                          self.runner.vocab_size, pinned)
 
         def install() -> float:
             started = time.perf_counter()
@@ -688,8 +701,8 @@ class EngineServer:
         body = await _body(request)
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
-            return _error("update_weights_from_tensor needs 'serialized_named_tensors': a list of base64 strings, "
-                          "one per TP rank")
+            return _error("update_weights_from_tensor needs 'serialized_named_tensors': a list of base64 "
+                          "strings, one per TP rank")
         if len(entries) != 1:
             return _error(f"serialized_named_tensors has {len(entries)} entries; this engine has TP size 1")
         load_format = body.get("load_format")
@@ -738,7 +751,7 @@ class EngineServer:
             return _error("update_weights_from_staging needs 'checksums' (name -> hex digest) and "
                           "'checksum_algorithm'")
         mode = body.get("pause_mode", "retract")
-        if mode not in PAUSE_MODES:
+        if not is_pause_mode(mode):
             return _error(f"unknown pause_mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
         version = _optional_str(body, "weight_version")
         if source == "distributed":
@@ -757,9 +770,11 @@ class EngineServer:
             try:
                 await asyncio.to_thread(self.staging.verify, checksums, algorithm)
             except P2PError as exc:
-                return _weight_reply(False, f"staged weights refused: {exc}", mismatched=getattr(exc, "names", []))
+                return _weight_reply(False, f"staged weights refused: {exc}",
+                                     mismatched=getattr(exc, "names", []))
             named = self.staging.named()
-            if ref is None:  # the store may not have it yet: kept, to be adopted once it has (adopt_store_version)
+            if ref is None:
+                # The store may not have it yet: kept, to be adopted once it has (adopt_store_version).
                 adopt = lambda: self.store.keep_sent(named, checksums, algorithm) or "not in the store yet"  # noqa: E731
             else:
                 adopt = lambda: self.store.adopt_sent(ref, named, checksums, algorithm)  # noqa: E731
@@ -779,13 +794,14 @@ class EngineServer:
             return _error(f"adopt_store_version: {exc}")
         async with self._weights_lock:
             if self.scheduler.weight_version != version:
-                return _weight_reply(False, f"the engine serves {self.scheduler.weight_version!r}, not {version!r}")
+                return _weight_reply(False, f"the engine serves {self.scheduler.weight_version!r}, "
+                                            f"not {version!r}")
             why = await asyncio.to_thread(self.store.adopt, ref)
         return _weight_reply(not why, why or f"holds store version {ref.version}",
                              weight_store_version=self.store.held_version)
 
     async def _flip_broadcast(self, checksums: dict[str, str], algorithm: str, version: str | None,
-                              mode: str) -> web.Response:
+                              mode: PauseMode) -> web.Response:
         async with self._weights_lock:
             staged, self._staged_broadcast = self._staged_broadcast, None
             if staged is None:
@@ -798,10 +814,12 @@ class EngineServer:
             if bad:
                 return _weight_reply(False, f"staged weights refused: {len(bad)} tensor(s) arrived with the "
                                             f"wrong checksum: {', '.join(bad[:5])}", mismatched=bad)
-            return await self._adopt(staged.prepared, version or staged.version, mode, checksums=staged.checksums,
-                                     checksum_algorithm=algorithm, bytes=staged.nbytes)
+            return await self._adopt(staged.prepared, version or staged.version, mode,
+                                     checksums=staged.checksums, checksum_algorithm=algorithm,
+                                     bytes=staged.nbytes)
 
-    async def _swap(self, named, version: str | None, mode: str, adopt_store=None, **extra) -> web.Response:
+    async def _swap(self, named, version: str | None, mode: PauseMode, adopt_store=None,
+                    **extra) -> web.Response:
         """The one step inside the pause: the tensors (already received and checked) into the model.
         An engine already paused (by the gateway or a caller) stays paused: its pauser resumes it."""
 
@@ -811,7 +829,8 @@ class EngineServer:
             return _weight_reply(False, f"Failed to update weights: {exc}")
         return await self._adopt(prepared, version, mode, adopt_store=adopt_store, **extra)
 
-    async def _adopt(self, prepared, version: str | None, mode: str, adopt_store=None, **extra) -> web.Response:
+    async def _adopt(self, prepared, version: str | None, mode: PauseMode, adopt_store=None,
+                     **extra) -> web.Response:
         """The pause: each parameter takes its prepared buffer (a pointer flip). The old buffers are
         released after the resume, so freeing them is not part of the pause. `adopt_store` (after the
         resume, still under the weights lock): makes the engine hold the store's copy of what it
@@ -948,16 +967,16 @@ async def _body(request: web.Request, max_bytes: int | None = None) -> dict[str,
     return body
 
 
-def _pause_mode(request: web.Request, body: dict) -> str:
+def _pause_mode(request: web.Request, body: dict) -> PauseMode:
     """abort when SGLang's `abort_all_requests` says so; else the rlfleet-only query parameter
     `pause_mode` (SGLang's bodies have no such field, so the broker sends it to CPU engines this way);
     else in_place: the swap runs between two decode steps and running requests carry on."""
     if body.get("abort_all_requests"):
         return "abort"
     mode = request.query.get("pause_mode", "in_place")
-    if mode not in PAUSE_MODES:
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": f"unknown pause_mode {mode!r}; expected "
-                                                            f"one of {', '.join(PAUSE_MODES)}"}}),
+    if not is_pause_mode(mode):
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": f"unknown pause_mode {mode!r}; "
+                                                            f"expected one of {', '.join(PAUSE_MODES)}"}}),
                                  content_type="application/json")
     return mode
 
@@ -994,7 +1013,7 @@ def _lora_reply(success: bool, error_message: str | None, loaded: dict[str, str]
     return web.json_response(body, status=200 if success else 400)
 
 
-def _weight_reply(success: bool, message: str, http_status: int | None = None, **extra) -> web.Response:
+def _weight_reply(success: bool, message: str, http_status: int | None = None, /, **extra) -> web.Response:
     span = trace.get_current_span()
     if span.is_recording():
         # The reply's numbers and names (version, load format, pause, bytes, ...) describe the update.
@@ -1047,6 +1066,7 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass  # already set in this process
+    assert config.model_path is not None  # rlfleet.engine.main.serve refuses a config without one
     runner = await asyncio.to_thread(ModelRunner, config.model_path)
     scheduler = Scheduler(
         runner,
@@ -1062,7 +1082,7 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
     await app_runner.setup()
     site = web.TCPSite(app_runner, config.host, config.port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # the real port when config.port == 0
+    port = app_runner.addresses[0][1]  # the real port when config.port == 0
     url = f"http://{config.host}:{port}"
     if config.ready_file:
         write_ready_file(

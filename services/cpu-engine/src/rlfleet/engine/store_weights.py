@@ -1,4 +1,5 @@
-"""Weight loads from the rlfleet weight store: `POST /rlfleet/update_weights_from_store`, `kind` delta or full.
+"""Weight loads from the rlfleet weight store: `POST /rlfleet/update_weights_from_store`,
+`kind` delta or full.
 
 An rlfleet-only route (SGLang has no load format for store deltas; its `update_weights_from_disk`
 takes SGLang's own formats only, and so does this engine's), with `model_path` = a version directory
@@ -149,12 +150,14 @@ class StoreWeights:
         self.keep_sent(named, checksums, algorithm)
         return self.adopt(ref)
 
-    def keep_sent(self, named: list[tuple[str, torch.Tensor]], checksums: dict[str, str], algorithm: str) -> None:
+    def keep_sent(self, named: list[tuple[str, torch.Tensor]], checksums: dict[str, str],
+                  algorithm: str) -> None:
         """After a trainer-sent version was checked against the trainer's `checksums` and swapped in: a
         copy of its served bytes (`named`, which the next transfer overwrites) and the checksums, for
         `adopt` once the store has the version. The engine holds no store version meanwhile."""
         self.forget()
-        self.sent = SentCopy({name: t.detach().contiguous().clone() for name, t in named}, dict(checksums), algorithm)
+        copies = {name: t.detach().contiguous().clone() for name, t in named}
+        self.sent = SentCopy(copies, dict(checksums), algorithm)
 
     def adopt(self, ref: VersionRef) -> str:
         """When the store's index of `ref` lists exactly the kept sent tensors with the same checksums
@@ -172,7 +175,8 @@ class StoreWeights:
         if index.kind == "adapter":
             return f"version {ref.version} is an adapter version"
         if index.checksum != algorithm:
-            return f"the store hashed version {ref.version} with {index.checksum}, the trainer with {algorithm}"
+            return (f"the store hashed version {ref.version} with {index.checksum}, "
+                    f"the trainer with {algorithm}")
         entries = {e.name: e for e in index.tensors}
         if set(entries) - set(sent) or set(sent) - set(entries) - set(index.aliases):
             return f"the store's version {ref.version} and the sent version name different tensors"
@@ -192,17 +196,20 @@ class StoreWeights:
     def locate(self, model_path: str) -> VersionRef:
         parsed = urlparse(model_path)
         if parsed.scheme not in ("", "file"):
-            raise StoreLoadError(f"model_path {model_path!r}: only local paths and file:// URIs are supported")
+            raise StoreLoadError(f"model_path {model_path!r}: only local paths and "
+                                 "file:// URIs are supported")
         path = Path(unquote(parsed.path) if parsed.scheme else model_path)
         if not path.is_absolute():
-            raise StoreLoadError(f"model_path {model_path!r} must be an absolute version directory of the store")
+            raise StoreLoadError(f"model_path {model_path!r} must be an absolute version "
+                                 "directory of the store")
         root = self.root or path.parent.parent
         try:
             resolved = confine(path, root)
         except PathOutsideStore as exc:
             raise StoreLoadError(str(exc)) from None
         if not (resolved / INDEX_FILE).is_file():
-            raise StoreLoadError(f"version not found: {model_path} is not a version directory of a weight store")
+            raise StoreLoadError(f"version not found: {model_path} is not a version "
+                                 "directory of a weight store")
         run_dir = resolved.parent
         store = self._stores.get(run_dir)
         if store is None:
@@ -231,7 +238,8 @@ class StoreWeights:
             holds = (
                 "no weight-store version"
                 if self.held is None
-                else f"version {self.held[1]}" + ("" if self.held[0] == ref.store.run_dir else f" of {self.held[0]}")
+                else f"version {self.held[1]}"
+                + ("" if self.held[0] == ref.store.run_dir else f" of {self.held[0]}")
             )
             raise StoreLoadError(
                 f"base version mismatch: delta {ref.version} applies to version {index.base_version} "
@@ -262,11 +270,12 @@ class StoreWeights:
         for name, tensor in decoded.changed.items():
             param = self.runner.parameter(name)
             dtype = self.served.dtypes[name]
-            if tensor.encoding == "overwrite" and tensor.positions is not None:
-                values = torch.from_numpy(_as_fp32(tensor.values, dtype))
-                scatters.append((param, torch.from_numpy(tensor.positions.astype(np.int64, copy=False)), values))
-                continue
             assert tensor.encoding == "overwrite" and tensor.values is not None, "preverify stages overwrites"
+            if tensor.positions is not None:
+                values = torch.from_numpy(_as_fp32(tensor.values, dtype))
+                positions = torch.from_numpy(tensor.positions.astype(np.int64, copy=False))
+                scatters.append((param, positions, values))
+                continue
             new = _as_torch(tensor.values, dtype).to(param.dtype).view(param.shape)
             if param.data_ptr() in shared:  # storage shared with another Parameter object: write into it
                 scatters.append((param, torch.arange(param.numel()), new.reshape(-1)))
@@ -301,7 +310,8 @@ class StoreWeights:
             result = apply_delta(self.served, prepared.decoded, current_version=prepared.decoded.base_version,
                                  workers=self.store_config.workers)  # fmt: skip
         except WeightStoreError:
-            log.exception("updating the served bytes after swapping in version %d failed", prepared.ref.version)
+            log.exception("updating the served bytes after swapping in version %d failed",
+                          prepared.ref.version)
             self.forget()
             return None
         self.held = prepared.ref.key
@@ -309,13 +319,15 @@ class StoreWeights:
 
     # --- full -----------------------------------------------------------------------------------
     def prepare_full(self, ref: VersionRef) -> PreparedFull:
-        """Rebuilds any version exactly (full checkpoint + deltas, checksums verified); raises StoreLoadError."""
+        """Rebuilds any version exactly (full checkpoint + deltas, checksums verified);
+        raises StoreLoadError."""
         started = time.perf_counter()
         try:
             chain = ref.store.chain(ref.version)
             tensors = ref.store.load_version(ref.version)
         except WeightStoreError as exc:
-            raise StoreLoadError(f"version {ref.version} cannot be rebuilt exactly from the store: {exc}") from None
+            raise StoreLoadError(f"version {ref.version} cannot be rebuilt exactly "
+                                 f"from the store: {exc}") from None
         self._check_covers_model(tensors)
         read = sum(ref.store.index(v).total_bytes for v in chain)
         return PreparedFull(ref, tensors, time.perf_counter() - started, read)
@@ -332,7 +344,8 @@ class StoreWeights:
             name for name, p in self.runner.model.named_parameters() if p.data_ptr() not in covered
         ]
         if missing:
-            raise StoreLoadError(f"the version lacks parameters of the served model: {', '.join(missing[:8])}")
+            raise StoreLoadError("the version lacks parameters of the served model: "
+                                 f"{', '.join(missing[:8])}")
 
     def install_full(self, prepared: PreparedFull) -> None:
         """The pause of a full load: copies every tensor into the fp32 model."""
@@ -341,7 +354,8 @@ class StoreWeights:
         self.runner.weights_changed()
         with torch.no_grad():
             for name, arr in tensors.items():
-                self.runner.parameter(name).detach().view(-1).copy_(_as_torch(arr, tensors.dtypes[name]).view(-1))
+                served = _as_torch(arr, tensors.dtypes[name]).view(-1)
+                self.runner.parameter(name).detach().view(-1).copy_(served)
         self.served, self.held = tensors, prepared.ref.key
 
 

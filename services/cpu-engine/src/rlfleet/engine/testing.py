@@ -112,7 +112,9 @@ def make_lora_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alp
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)  # a str is a regex
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
+    # peft's annotation is too narrow: lora_alpha is typed int, yet peft only divides by it (alpha / r).
+    lora = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
+                      lora_dropout=0.0, target_modules=targets, **config)
     peft_model = get_peft_model(model, lora)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -156,7 +158,8 @@ async def http_call(url: str, path: str, body=None, method: str = "POST", within
     """(status, JSON or text) of one request; a fresh session each time keeps tests independent."""
     async with aiohttp.ClientSession() as session:
         request = session.request(
-            method, url + path, json=body, timeout=aiohttp.ClientTimeout(total=within_s), headers=auth_headers(path)
+            method, url + path, json=body, timeout=aiohttp.ClientTimeout(total=within_s),
+            headers=auth_headers(path)
         )
         async with request as response:
             if response.content_type == "application/json":
@@ -167,9 +170,9 @@ async def http_call(url: str, path: str, body=None, method: str = "POST", within
 def generate_in_process(runner, ids: list[int], **sampling):
     """The same request through an in-process scheduler on `runner`: the reference for HTTP results."""
     from rlfleet.engine.protocol import GenerateItem, SamplingSpec
-    from rlfleet.engine.scheduler import Request, Scheduler
+    from rlfleet.engine.scheduler import Request, RequestOutput, Scheduler
 
-    outputs = []
+    outputs: list[RequestOutput] = []
     scheduler = Scheduler(runner)
     scheduler.submit(
         Request(
@@ -225,7 +228,8 @@ async def read_engine_weights(url: str, names) -> dict:
 
     weights = {}
     for name in names:
-        status, values = await http_call(url, "/get_weights_by_name", {"name": name, "truncate_size": 1 << 30})
+        status, values = await http_call(url, "/get_weights_by_name",
+                                         {"name": name, "truncate_size": 1 << 30})
         if status != 200:
             raise AssertionError(f"get_weights_by_name {name}: {status} {values}")
         weights[name] = torch.tensor(values, dtype=torch.float32)
@@ -247,15 +251,12 @@ async def assert_engine_serves(url: str, served) -> None:
 def served_routes() -> dict[str, list[str]]:
     """Path -> methods of every route the engine's HTTP app serves (built without a model: the app's
     route table does not touch the runner), for the contract tests against SGLang's route table."""
-    from types import SimpleNamespace
-
     from rlfleet.engine.config import EngineConfig
     from rlfleet.engine.server import EngineServer
 
     server = EngineServer.__new__(EngineServer)  # the route table only: no model, no scheduler
     server.config = EngineConfig()
     server.traced = False
-    server.runner = SimpleNamespace()
     routes: dict[str, set[str]] = {}
     for resource in server.app().router.resources():
         for route in resource:

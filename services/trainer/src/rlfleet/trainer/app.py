@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.common.config import require
@@ -24,6 +25,11 @@ from rlfleet.common.peers import PeersApp
 from rlfleet.trainer import startup
 from rlfleet.trainer.service_config import TrainerConfig
 from rlfleet.trainer.servicer import NO_MODEL, TrainerServicer
+
+if TYPE_CHECKING:
+    from rlfleet.common.queue_metrics import QueueDepthPoller
+    from rlfleet.trainer.learner import Worker
+    from rlfleet.trainer.loop import TrainerLoop
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
@@ -36,10 +42,10 @@ class TrainerApp(PeersApp):
     def __init__(self, config: TrainerConfig, name: str) -> None:
         super().__init__(config, name)
         self.config: TrainerConfig = config
-        self.loop = None
+        self.loop: TrainerLoop | None = None
         self.task: asyncio.Task | None = None
-        self.worker = None
-        self.depth = None
+        self.worker: Worker | None = None
+        self.depth: QueueDepthPoller | None = None
 
     async def start(self, server: GrpcServer) -> None:
         await self.connect()
@@ -48,8 +54,8 @@ class TrainerApp(PeersApp):
             await self._start_training()
         else:
             log.warning(NO_MODEL)
-        server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(self.config, self.loop),
-                   SERVICE_NAME)
+        server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
+                   TrainerServicer(self.config, self.loop), SERVICE_NAME)
 
     async def _start_training(self) -> None:
         cfg = self.config
@@ -93,6 +99,7 @@ class TrainerApp(PeersApp):
         if self.depth is not None:
             await self.depth.stop()
         if self.loop is not None and self.task is not None:
+            assert self.worker is not None  # made before the loop
             await self.loop.shutdown(self.task)
             await self.loop.consumer.stop()
             await self.worker.call(self.loop.learner.close)

@@ -37,7 +37,9 @@ class LossFn(Protocol):
     needs_values: bool
     needs_entropy_grad: bool
 
-    def __call__(self, outputs: ModelOutputs, batch: TrainBatch, norm: LossNorm) -> tuple[torch.Tensor, Metrics]: ...
+    # Positional-only: backends pass the three in order, so a loss may name them as it likes.
+    def __call__(self, outputs: ModelOutputs, batch: TrainBatch, norm: LossNorm, /,
+                 ) -> tuple[torch.Tensor, Metrics]: ...
 
 
 class Stateful(Protocol):
@@ -85,7 +87,8 @@ class TrainingBackend(abc.ABC):
 
     @abc.abstractmethod
     def save_hf(self, out_dir: str | Path) -> None:
-        """config.json + model.safetensors (+ tokenizer files of the source) that transformers and the engine load."""
+        """config.json + model.safetensors (+ tokenizer files of the source) that transformers
+        and the engine load."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -95,6 +98,14 @@ class TrainingBackend(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Stateful: restores what `state_dict` gave (the model and optimizer read on rank 0 are
         broadcast to the other ranks); collective."""
+
+    def base_state_for_export(self) -> dict[str, torch.Tensor]:
+        """LoRA: the frozen base weights, HF-named (what every adapter version applies to); rank 0 only."""
+        raise NotImplementedError(f"{type(self).__name__} trains no LoRA adapter")
+
+    def adapter_for_export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """LoRA: the adapter's tensors under peft's file names and its adapter_config.json; rank 0 only."""
+        raise NotImplementedError(f"{type(self).__name__} trains no LoRA adapter")
 
     @abc.abstractmethod
     def save_checkpoint(self, ckpt_dir: str | Path) -> None:
@@ -150,6 +161,7 @@ class MetricReducer:
         return out
 
     def result(self) -> Metrics:
-        out = {k: v if self._is_sum(k) else v / max(self.weights.get(k, 0.0), 1e-12) for k, v in self.sums.items()}
+        out = {k: v if self._is_sum(k) else v / max(self.weights.get(k, 0.0), 1e-12)
+               for k, v in self.sums.items()}
         out.update(self.maxima)
         return out

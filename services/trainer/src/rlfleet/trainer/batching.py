@@ -40,12 +40,14 @@ class TrainSample:
             raise ValueError(f"trajectory {self.trajectory_id}: no tokens")
         if len(self.rollout_logprobs) != n or len(self.loss_mask) != n:
             raise ValueError(f"trajectory {self.trajectory_id}: token_ids ({n}), rollout_logprobs "
-                             f"({len(self.rollout_logprobs)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+                             f"({len(self.rollout_logprobs)}) and loss_mask "
+                             f"({len(self.loss_mask)}) differ in length")
         if self.loss_mask[0]:
             # Position 0 has no context to be predicted from; a mask there means the producer is broken.
             raise ValueError(f"trajectory {self.trajectory_id}: loss_mask is 1 on the first token")
         if isinstance(self.policy_version, list) and len(self.policy_version) != n:
-            raise ValueError(f"trajectory {self.trajectory_id}: per-token policy_version has the wrong length")
+            raise ValueError(f"trajectory {self.trajectory_id}: per-token policy_version "
+                             "has the wrong length")
 
     @property
     def oldest_policy_version(self) -> int:
@@ -162,7 +164,8 @@ def pad_batch(samples: Sequence[TrainSample], pad_token_id: int = 0) -> TrainBat
     width = max(len(s.token_ids) for s in samples)
     tensors = _fill([[i] for i in range(len(samples))], width, samples, pad_token_id)
     attention_mask = (tensors["seq_ids"] >= 0).long()
-    return TrainBatch(**tensors, attention_mask=attention_mask, layout="padded", **_per_sequence_fields(samples))
+    return TrainBatch(**tensors, attention_mask=attention_mask, layout="padded",
+                      **_per_sequence_fields(samples))
 
 
 def pack_rows(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
@@ -185,7 +188,8 @@ def pack_rows(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
     return rows
 
 
-def pack_batch(samples: Sequence[TrainSample], pack_length: int | None = None, pad_token_id: int = 0) -> TrainBatch:
+def pack_batch(samples: Sequence[TrainSample], pack_length: int | None = None,
+               pad_token_id: int = 0) -> TrainBatch:
     """Whole samples concatenated into rows; no attention mask (the model derives it from position ids).
 
     pack_length None: rows as long as the longest sample. With eager/sdpa attention a packed row

@@ -1,7 +1,7 @@
 """Atomic, resumable checkpoints of the whole trainer: the backend's state plus the service's.
 
     <dir>/v00000012/                                              the trainer at policy version 12
-        model.safetensors, optimizer.pt, trainer_state.pt, rng/   the backend (weights, optimizer, schedule, RNG)
+        model.safetensors, optimizer.pt, trainer_state.pt, rng/   backend: weights, optimizer, schedule, RNG
         service_state.json                                        step, policy version, counters
         ledger.jsonl                                              trained trajectory IDs, per step
     <dir>/.tmp-v00000013-<pid>/                                   being written; never read
@@ -62,7 +62,8 @@ class Checkpointer:
     def path(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
 
-    def save(self, state: ServiceState, records: list[StepRecord], write_backend: Callable[[Path], None]) -> Path:
+    def save(self, state: ServiceState, records: list[StepRecord],
+             write_backend: Callable[[Path], None]) -> Path:
         """Writes a checkpoint of `state` (the backend's part through `write_backend(dir)`) and
         returns its path once it is durable. Idempotent for a version that already has one."""
         final = self.path(state.policy_version)

@@ -32,8 +32,8 @@ class LossConfig(StrictModel):
         "ppo: token-level clipped ratio with GAE advantages from a critic (see `critic`).")
     critic: Literal["separate", "shared"] = Field(
         "separate", description="PPO: separate: a value model with its own weights (initialised from the "
-        "policy's, or [value_model] model_path), optimizer and checkpoint, as verl, OpenRLHF and slime train it; "
-        "shared: a linear value head on the policy's own trunk, trained with the policy's loss "
+        "policy's, or [value_model] model_path), optimizer and checkpoint, as verl, OpenRLHF and slime train "
+        "it; shared: a linear value head on the policy's own trunk, trained with the policy's loss "
         "(value_coef weighs it; the only choice with the Megatron backend)")
     clip_eps_low: float = Field(0.2, ge=0.0, description="ratio is clipped below at 1 - clip_eps_low "
                                 "(default 0.2; gspo: 3e-4, the GSPO paper's sequence-ratio clip).")
@@ -48,14 +48,15 @@ class LossConfig(StrictModel):
     kl_coef: float = Field(0.0, ge=0.0, description="weight of the k3 KL penalty to the reference policy "
                            "(needs ref_logprobs in the batch when > 0).")
     entropy_coef: float = Field(0.0, ge=0.0, description="weight of an entropy bonus (0 = metric only).")
-    tis_cap: float | None = Field(2.0, gt=0.0, description="truncated importance sampling cap C: each token is "
-                                  "weighted by min(exp(old_logprob - rollout_logprob), C); None disables TIS.")
+    tis_cap: float | None = Field(2.0, gt=0.0, description="truncated importance sampling cap C: each token "
+                                  "is weighted by min(exp(old_logprob - rollout_logprob), "
+                                  "C); None disables TIS.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount per generated token.")
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
     value_clip: float | None = Field(0.2, gt=0.0, description="PPO: value predictions are clipped to "
                                      "old_value +- value_clip in the value loss; None disables.")
-    value_coef: float = Field(0.5, ge=0.0, description="PPO, critic = shared: weight of the value loss in the "
-                              "policy's loss (a separate critic minimises the value loss alone).")
+    value_coef: float = Field(0.5, ge=0.0, description="PPO, critic = shared: weight of the value loss in "
+                              "the policy's loss (a separate critic minimises the value loss alone).")
     whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the batch's "
                                     "loss tokens (mean 0, std 1).")
 
@@ -77,12 +78,14 @@ class BatchConfig(StrictModel):
     layout: Literal["packed", "padded"] = Field(
         "packed", description="packed: whole sequences concatenated into rows with position ids restarting "
         "at 0 (block-diagonal attention, no compute on padding); padded: one right-padded row per sequence.")
-    pack_length: int | None = Field(None, ge=1, description="packed: maximum tokens per row (a longer sequence "
-                                    "gets a row of its own); None: the batch's longest sequence, fastest with "
-                                    "eager/sdpa attention whose cost grows with the square of the row length.")
+    pack_length: int | None = Field(None, ge=1, description="packed: maximum tokens per row (a longer "
+                                    "sequence gets a row of its own); None: the batch's longest sequence, "
+                                    "fastest with eager/sdpa attention whose cost grows with the "
+                                    "square of the row length.")
     micro_batch_rows: int = Field(4, ge=1, description="rows per forward/backward; gradients are accumulated "
                                   "over a rank's micro-batches before one optimizer step.")
-    pad_token_id: int = Field(0, ge=0, description="token id written into padding (never attended, never scored).")
+    pad_token_id: int = Field(0, ge=0,
+                              description="token id written into padding (never attended, never scored).")
 
 
 class OptimConfig(StrictModel):
@@ -92,7 +95,8 @@ class OptimConfig(StrictModel):
     eps: float = Field(1e-8, gt=0.0)
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="clip the global grad norm; None disables.")
     schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="constant (after warmup) or cosine decay to min_lr_ratio * lr at total_steps.")
+        "constant",
+        description="constant (after warmup) or cosine decay to min_lr_ratio * lr at total_steps.")
     warmup_steps: int = Field(0, ge=0, description="linear warmup from lr / warmup_steps to lr.")
     total_steps: int = Field(1000, ge=1, description="cosine: the step at which the decay ends.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
@@ -119,11 +123,13 @@ class LoraConfig(StrictModel):
     and bit-identical, the optimizer holds the adapter's parameters only, checkpoints hold the
     adapter and its optimizer state, and each published version is an adapter on the base version."""
 
-    enabled: bool = Field(False, description="train a LoRA adapter instead of the full model (torch backend only)")
+    enabled: bool = Field(False,
+                          description="train a LoRA adapter instead of the full model (torch backend only)")
     rank: int = Field(8, ge=1, description="LoRA rank r")
     alpha: float = Field(16.0, gt=0.0, description="lora_alpha: the update is scaled by alpha / rank (SGLang "
                          "ignores rsLoRA, so rsLoRA is not offered)")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="lora_dropout on the adapter's input while training")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0,
+                           description="lora_dropout on the adapter's input while training")
     target_modules: list[str] = Field(
         default_factory=lambda: list(LORA_TARGETS), min_length=1,
         description="names of the Linear modules that get an adapter (default: all seven attention and MLP "
@@ -154,7 +160,8 @@ class TorchBackendConfig(BackendOptions):
         None, description="build a model from this config (`model_type` defaults to qwen2; random init with "
         "`seed`) instead of loading model_dir.")
     value_head: bool = Field(False, description="add a scalar value head on the final hidden state (PPO).")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="train a LoRA adapter on the frozen model")
+    lora: LoraConfig = Field(default_factory=LoraConfig,
+                             description="train a LoRA adapter on the frozen model")
     values_only: bool = Field(False, description="a critic: only the value head's output is computed (no "
                               "LM head, no log-probs); needs value_head")
     optim: OptimConfig = OptimConfig()

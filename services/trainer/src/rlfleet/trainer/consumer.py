@@ -9,11 +9,13 @@ everything it holds alive with in-progress acks (see intake.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError
 
 from rlfleet.common.streams import subject
@@ -41,13 +43,14 @@ class TrajectoryConsumer:
         self.run_id = run_id
         self.name = name
         self.options = options
-        self._sub = None
+        self._sub: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> None:
         """Creates the durable consumer, or updates its ack_wait/max_ack_pending, and binds to it."""
         config = ConsumerConfig(
-            durable_name=self.name, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject(STREAM, self.run_id),
-            deliver_policy=DeliverPolicy.ALL, ack_wait=self.options.ack_wait_s, max_deliver=-1,
+            durable_name=self.name, ack_policy=AckPolicy.EXPLICIT,
+            filter_subject=subject(STREAM, self.run_id), deliver_policy=DeliverPolicy.ALL,
+            ack_wait=self.options.ack_wait_s, max_deliver=-1,
             max_ack_pending=self.options.max_ack_pending)
         try:
             await self.js.add_consumer(STREAM, config)
@@ -56,7 +59,8 @@ class TrajectoryConsumer:
             log.warning("consumer %s exists with other settings (%s); using it as it is", self.name, exc)
         self._sub = await self.js.pull_subscribe_bind(self.name, STREAM)
 
-    async def fetch(self) -> list[Delivery]:
+    async def fetch(self) -> Sequence[Delivery]:
+        assert self._sub is not None, "start() first"
         try:
             return await self._sub.fetch(self.options.fetch_batch, timeout=self.options.fetch_timeout_s)
         except (TimeoutError, NatsTimeout):  # nats-py raises the bare one when the deadline passed early

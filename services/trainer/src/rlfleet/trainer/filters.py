@@ -24,7 +24,9 @@ from rlfleet.trainer.validation import Candidate
 
 
 class GroupFilter(Protocol):
-    reason: str
+    @property
+    def reason(self) -> str:
+        """Why a group this filter drops was dropped (a metric label)."""
 
     def drops(self, members: Sequence[Candidate]) -> bool: ...
 
@@ -78,7 +80,8 @@ class GroupFilters:
     def screen(self, group: Group, trainer_version: int) -> Screened:
         return self.screen_members(group.samples(), trainer_version, timed_out=group.timed_out)
 
-    def screen_members(self, members: Sequence[Candidate], trainer_version: int, timed_out: bool = False) -> Screened:
+    def screen_members(self, members: Sequence[Candidate], trainer_version: int,
+                       timed_out: bool = False) -> Screened:
         if timed_out and self.cfg.on_timeout == "drop":
             return Screened([], [(c, "group_timeout") for c in members])
         out = Screened([])

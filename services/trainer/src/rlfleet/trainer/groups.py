@@ -65,15 +65,15 @@ class GroupBuffer:
                            group_id=c.group_id)
         holder = group.slots.get(c.sample_index)
         if holder is not None and holder in group.members:
-            raise Rejected("duplicate_sample", f"trajectory {c.trajectory_id}: sample {c.sample_index} of group "
-                           f"{c.group_id} was already trained as {holder}", invalid=False,
+            raise Rejected("duplicate_sample", f"trajectory {c.trajectory_id}: sample {c.sample_index} of "
+                           f"group {c.group_id} was already trained as {holder}", invalid=False,
                            trajectory_id=c.trajectory_id, group_id=c.group_id)
         group.members[c.trajectory_id] = c
         group.slots[c.sample_index] = c.trajectory_id
         return self._close_if_complete(group)
 
-    def note_dropped(self, group_id: str, trajectory_id: str, group_size: int = 0, sample_index: int | None = None,
-                     rerun_expected: bool = False) -> Group | None:
+    def note_dropped(self, group_id: str, trajectory_id: str, group_size: int = 0,
+                     sample_index: int | None = None, rerun_expected: bool = False) -> Group | None:
         """A member dropped on arrival fills its slot for good, unless a re-run of it is expected
         (an aborted sample); returns the group if this completes it."""
         if not group_id or group_id in self._closed:
@@ -82,7 +82,8 @@ class GroupBuffer:
         group.dropped.add(trajectory_id)
         if rerun_expected:
             return None
-        slot = sample_index if sample_index is not None else -len(group.dropped)  # unknown index: a slot of its own
+        # unknown index: a slot of its own
+        slot = sample_index if sample_index is not None else -len(group.dropped)
         group.slots.setdefault(slot, trajectory_id)
         return self._close_if_complete(group)
 
@@ -106,8 +107,9 @@ class GroupBuffer:
 
     def _group(self, group_id: str, trajectory_id: str, group_size: int) -> Group:
         if group_id in self._closed:
-            raise Rejected("late_for_group", f"trajectory {trajectory_id}: group {group_id} was already closed",
-                           invalid=False, trajectory_id=trajectory_id, group_id=group_id)
+            raise Rejected("late_for_group",
+                           f"trajectory {trajectory_id}: group {group_id} was already closed", invalid=False,
+                           trajectory_id=trajectory_id, group_id=group_id)
         group = self._open.get(group_id)
         if group is None:
             group = self._open[group_id] = Group(group_id, group_size or self.default_size, self.clock())

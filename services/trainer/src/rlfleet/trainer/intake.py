@@ -40,8 +40,8 @@ class ReadyGroup:
 
 
 class Intake:
-    def __init__(self, consumer, limits: Limits, ledger: TrainedLedger, buffer: GroupBuffer, filters: GroupFilters,
-                 version: Callable[[], int], capacity: int, heartbeat_s: float,
+    def __init__(self, consumer, limits: Limits, ledger: TrainedLedger, buffer: GroupBuffer,
+                 filters: GroupFilters, version: Callable[[], int], capacity: int, heartbeat_s: float,
                  on_drop: Callable[[str, int], None] = lambda reason, n: None) -> None:
         self.consumer = consumer
         self.limits = limits

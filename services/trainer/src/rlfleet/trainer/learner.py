@@ -22,11 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rlfleet.trainer.config import LoraConfig
+from rlfleet.trainer.config import LoraConfig, TorchBackendConfig
 from rlfleet.trainer.service_config import TrainerConfig
 
 if TYPE_CHECKING:
+    from rlfleet.trainer.backend import TrainingBackend
     from rlfleet.trainer.p2p_shards import ShardWriter
+    from rlfleet.trainer.value_model import ValueModel
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -60,14 +62,20 @@ class LearnerCore:
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
-        self.backend = None
-        self.reference = None
-        self.value_model = None
+        self.backend: TrainingBackend | None = None
+        self.reference: TrainingBackend | None = None
+        self.value_model: ValueModel | None = None
         self.shard_writer: ShardWriter | None = None
 
     @property
     def world_size(self) -> int:
         return self.backend.world_size if self.backend is not None else 1
+
+    @property
+    def policy(self) -> TrainingBackend:
+        """The policy's backend, once `load` built it."""
+        assert self.backend is not None, "load() first"
+        return self.backend
 
     def load(self) -> None:
         import torch
@@ -89,7 +97,7 @@ class LearnerCore:
 
             self.value_model = TorchValueModel(self.config.value_model_config())
 
-    def _build(self, cfg, trainable: bool = True):
+    def _build(self, cfg: TorchBackendConfig, trainable: bool = True) -> TrainingBackend:
         if self.config.backend.name == "megatron":
             from rlfleet.trainer.megatron_backend import MegatronBackend
 
@@ -102,14 +110,14 @@ class LearnerCore:
         from rlfleet.trainer.objectives import rl_step
 
         start = time.perf_counter()
-        metrics = rl_step(self.backend, samples, self.config.loss, self.config.batch, reference=self.reference,
+        metrics = rl_step(self.policy, samples, self.config.loss, self.config.batch, reference=self.reference,
                           recompute_old_logprobs=self.config.backend.recompute_old_logprobs,
                           value_model=self.value_model)
         metrics["rl_step_s"] = time.perf_counter() - start  # batch assembly, old log-probs, update
         return metrics
 
     def save_checkpoint(self, ckpt_dir: Path) -> None:
-        self.backend.save_checkpoint(ckpt_dir)
+        self.policy.save_checkpoint(ckpt_dir)
         if self.value_model is not None:
             from rlfleet.trainer.value_model import VALUE_MODEL_DIR
 
@@ -117,7 +125,7 @@ class LearnerCore:
             self.value_model.save_checkpoint(Path(ckpt_dir) / VALUE_MODEL_DIR)
 
     def load_checkpoint(self, ckpt_dir: Path) -> None:
-        self.backend.load_checkpoint(ckpt_dir)
+        self.policy.load_checkpoint(ckpt_dir)
         if self.value_model is not None:
             from rlfleet.trainer.value_model import VALUE_MODEL_DIR
 
@@ -125,22 +133,22 @@ class LearnerCore:
 
     def export(self) -> dict[str, Any]:
         """The policy's HF-named fp32 state dict (full on rank 0, empty elsewhere)."""
-        return self.backend.state_dict_for_export()
+        return self.policy.state_dict_for_export()
 
     def export_base(self) -> dict[str, Any]:
         """LoRA: the frozen base model's HF-named state dict (what every adapter version applies to)."""
-        return self.backend.base_state_for_export()
+        return self.policy.base_state_for_export()
 
     def export_adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """LoRA: the adapter's tensors (peft's names) and its adapter_config.json."""
-        return self.backend.adapter_for_export()
+        return self.policy.adapter_for_export()
 
     def send_p2p_shards(self, peers: list[tuple[str, str]], bucket_bytes: int) -> list | None:
         """Every rank writes its own shards into each engine's P2P staging; rank 0 gets all results."""
         from rlfleet.trainer.p2p_shards import ShardWriter, write_and_gather
 
         writer = self.shard_writer = self.shard_writer or ShardWriter()
-        return write_and_gather(writer, self.backend, peers, bucket_bytes, self.config.weight_send)
+        return write_and_gather(writer, self.policy, peers, bucket_bytes, self.config.weight_send)
 
     def noop(self) -> None:
         """Keeps the followers' wait for the next command under the process group's timeout."""
@@ -170,7 +178,7 @@ def follow(config: TrainerConfig) -> None:
             raise RuntimeError(f"rank 0 sent an unknown command {name!r}")
         getattr(core, name)(*args)
         if name == "close":
-            log.info("rank %d: closed by rank 0", core.backend.rank)
+            log.info("rank %d: closed by rank 0", core.policy.rank)
             return
 
 
@@ -237,7 +245,8 @@ class Learner:
         targets = [(p.engine_id, p.endpoint_json) for p in peers]
         gathered = self.run("send_p2p_shards", targets, bucket_bytes)
         log.info("P2P shards written by %d ranks: %s", self.core.world_size, "; ".join(
-            f"{engine_id} " + ", ".join(f"rank {rank} {g[engine_id][1]} B{'' if g[engine_id][0] else ' FAILED'}"
+            f"{engine_id} " + ", ".join(f"rank {rank} {g[engine_id][1]} "
+                                        f"B{'' if g[engine_id][0] else ' FAILED'}"
                                         for rank, g in enumerate(gathered))
             for engine_id, _ in targets))  # fmt: skip
         return merged(targets, gathered)

@@ -45,7 +45,8 @@ class TrainedLedger:
     def record(self, step: int, version: int, ids: list[str]) -> None:
         again = [i for i in ids if i in self]
         if again:
-            raise ValueError(f"step {step} would train {len(again)} trajectories a second time, e.g. {again[0]}")
+            raise ValueError(f"step {step} would train {len(again)} trajectories a second "
+                             f"time, e.g. {again[0]}")
         self.uncommitted.append(StepRecord(step, version, tuple(ids)))
         self._pending.update(ids)
 

@@ -38,7 +38,8 @@ REPORTED = ("loss", "pg_loss", "entropy", "clip_frac", "approx_kl", "kl", "grad_
             "logprob_gap_max", "tis_weight_mean", "tis_clip_frac", "reward_mean", "lr", "tokens",
             "loss_tokens", "seqs", "step_time_s", "rl_step_s", "tokens_per_s", "skipped", "ratio_mean",
             # PPO: the value loss (either critic) and a separate critic's own step.
-            "value_loss", "value_mean", "value_clip_frac", "critic_grad_norm", "critic_lr", "critic_step_time_s")
+            "value_loss", "value_mean", "value_clip_frac", "critic_grad_norm", "critic_lr",
+            "critic_step_time_s")
 
 
 class TrainerLoop:
@@ -56,7 +57,8 @@ class TrainerLoop:
                                     group_relative=config.loss.algorithm != "ppo")
         self.intake = Intake(consumer, Limits(config.run_id, 0, 0), self.ledger,
                              GroupBuffer(config.group_size, config.group_filter.timeout_s), self.filters,
-                             version=lambda: self.version, capacity=config.groups_per_step + config.prefetch_groups,
+                             version=lambda: self.version,
+                             capacity=config.groups_per_step + config.prefetch_groups,
                              heartbeat_s=config.consumer.ack_wait_s / 3, on_drop=self._dropped)
         self.busy = asyncio.Lock()
         self.version = 0
@@ -121,15 +123,17 @@ class TrainerLoop:
         if self.config.lora.enabled:
             self.lora_base = await self.worker.call(self._find_lora_base, latest)
         if latest is None or latest < self.version:
-            # First start (version 0, the starting model), or a checkpoint whose version never reached the store.
+            # First start (version 0, the starting model), or a checkpoint whose version
+            # never reached the store.
             await self._publish_version(-1 if latest is None else self.parent_version, {})
         elif latest == self.version:
             announced = await self.publisher.last_announced()
             if announced is None or announced < latest:
-                await self.publisher.announce(self.store.manifest(latest), self.parent_version, self.learner.step, {})
+                await self.publisher.announce(self.store.manifest(latest), self.parent_version,
+                                              self.learner.step, {})
         else:
-            log.warning("versions %d..%d were published after the last checkpoint and are abandoned; continuing "
-                        "from version %d", self.version + 1, latest, self.version)
+            log.warning("versions %d..%d were published after the last checkpoint and are abandoned; "
+                        "continuing from version %d", self.version + 1, latest, self.version)
         self.next_version = max(latest if latest is not None else -1, self.version) + 1
 
     async def fresh(self, groups: list[ReadyGroup]) -> list[Candidate]:
@@ -151,8 +155,8 @@ class TrainerLoop:
                                  samples=len(samples), groups=len({c.group_id for c in samples}))
         self.metrics.step(metrics, staleness, len(samples))
         self.metrics.version.set(self.version)
-        log.info("step %d -> version %d: %d samples, loss %.4f", self.learner.step, self.version, len(samples),
-                 self.last_metrics.get("loss", float("nan")),
+        log.info("step %d -> version %d: %d samples, loss %.4f", self.learner.step,
+                 self.version, len(samples), self.last_metrics.get("loss", float("nan")),
                  extra={"step": self.learner.step, "version": self.version,
                         **{k: round(v, 6) for k, v in self.last_metrics.items()}})
 
@@ -179,14 +183,15 @@ class TrainerLoop:
         base version (the base itself, in full, when the store has none yet)."""
         if not self.config.lora.enabled:
             shards = self.learner.send_p2p_shards if self.learner.sends_own_shards else None
-            await self.publisher.publish(self.version, parent, self.learner.export, self.learner.step, metrics,
-                                         shards=shards)
+            await self.publisher.publish(self.version, parent, self.learner.export,
+                                         self.learner.step, metrics, shards=shards)
         elif self.lora_base is None:
-            await self.publisher.publish(self.version, parent, self.learner.export_base, self.learner.step, metrics)
+            await self.publisher.publish(self.version, parent, self.learner.export_base,
+                                         self.learner.step, metrics)
             self.lora_base = self.version
         else:
-            await self.publisher.publish_adapter(self.version, parent, self.lora_base, self.learner.export_adapter,
-                                                 self.learner.step, metrics)
+            await self.publisher.publish_adapter(self.version, parent, self.lora_base,
+                                                 self.learner.export_adapter, self.learner.step, metrics)
 
     def _find_lora_base(self, latest: int | None) -> int | None:
         """LoRA: the base version of this run's adapters (the newest full version up to the trainer's),
@@ -198,8 +203,9 @@ class TrainerLoop:
             index = self.store.index(version)
             return version if index.kind == "full" else index.base_version
         if self.version > 0:
-            raise RuntimeError(f"the checkpoint is at version {self.version} but the weight store has no base "
-                               "version for its LoRA adapter: restore the store, or start the run afresh")
+            raise RuntimeError(f"the checkpoint is at version {self.version} but the weight store has no "
+                               "base version for its LoRA adapter: restore the store, or "
+                               "start the run afresh")
         return None
 
     # ------------------------------------------------------------ control (gRPC)
@@ -273,11 +279,13 @@ class TrainerLoop:
     async def _background(self, *coroutines):
         """Runs helper tasks beside the loop; one that fails fails the loop (it is never left dead)."""
         main = asyncio.current_task()
+        assert main is not None  # the loop runs as a task
         failures: list[BaseException] = []
 
         def check(task: asyncio.Task) -> None:
-            if not task.cancelled() and task.exception() is not None:
-                failures.append(task.exception())
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                failures.append(failure)
                 main.cancel()
 
         tasks = [asyncio.create_task(c) for c in coroutines]

@@ -17,18 +17,21 @@ Two views of the trained policy:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from rlfleet.trainer.config import LoraConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter; not part of its saved file names
 PEFT_PREFIX = "base_model.model."  # what PeftModelForCausalLM puts before the HF names
 
 
-def wrap(lm: nn.Module, cfg: LoraConfig, base_name: str = "") -> nn.Module:
+def wrap(lm: PreTrainedModel, cfg: LoraConfig, base_name: str = "") -> PeftModel:
     """The LM with a fresh adapter (lora_B = 0: the wrapped model computes exactly the base model)."""
     import peft
 
@@ -84,7 +87,7 @@ def base_tensors(full: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.
             for key, value in full.items() if key.startswith(inner) and not is_adapter_key(key)}
 
 
-def adapter_config(lm: nn.Module) -> dict[str, Any]:
+def adapter_config(lm: PeftModel) -> dict[str, Any]:
     """adapter_config.json as peft's save_pretrained writes it (sets as sorted lists)."""
     config = lm.peft_config[ADAPTER_NAME].to_dict()
     return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))

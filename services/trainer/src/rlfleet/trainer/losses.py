@@ -183,7 +183,8 @@ def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap:
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, norm: LossNorm,
               mode: str) -> torch.Tensor:
-    """token_mean: sum / all loss tokens of the batch; seq_mean: per-sequence means averaged over sequences."""
+    """token_mean: sum / all loss tokens of the batch; seq_mean: per-sequence means
+    averaged over sequences."""
     if mode == "token_mean":
         return (per_token * mask).sum() / max(norm.num_tokens, 1.0)
     if mode == "seq_mean":
@@ -243,7 +244,8 @@ def _regularisers(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm) -> tuple[t
 # ---------------------------------------------------------------- objectives
 
 
-def _clipped_token_objective(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm) -> tuple[torch.Tensor, Metrics]:
+def _clipped_token_objective(inp: PolicyInputs, cfg: LossConfig,
+                             norm: LossNorm) -> tuple[torch.Tensor, Metrics]:
     m = inp.mask
     log_ratio = (inp.logprobs - inp.old_logprobs.detach()) * m
     ratio = log_ratio.exp()
@@ -263,7 +265,8 @@ def _clipped_token_objective(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm)
     return pg_loss, metrics
 
 
-def grpo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
+def grpo_loss(inp: PolicyInputs, cfg: LossConfig,
+              norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
     """Token-level clipped ratio objective (PPO-clip with TIS), plus optional k3 KL and entropy bonus."""
     norm = norm or LossNorm.local(inp.mask, inp.seq_ids)
     pg_loss, metrics = _clipped_token_objective(inp, cfg, norm)
@@ -272,14 +275,16 @@ def grpo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) 
     return loss, {"loss": _item(loss), **metrics, **reg_metrics}
 
 
-def _per_sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, norm: LossNorm) -> torch.Tensor:
+def _per_sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
+                       norm: LossNorm) -> torch.Tensor:
     """Mean of x over each sequence's loss tokens, as a [S] tensor (0 for sequences not present)."""
     sums = x.new_zeros(norm.seq_num_tokens.numel()).index_add(0, seq_ids.clamp(min=0).flatten(),
                                                              (x * mask).flatten())
     return sums / norm.seq_num_tokens.to(x.dtype).clamp(min=1.0)
 
 
-def gspo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
+def gspo_loss(inp: PolicyInputs, cfg: LossConfig,
+              norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
     """GSPO: s_i = exp(mean_t log(pi/pi_old)) per sequence, loss_i = -min(s_i A_i, clip(s_i) A_i).
 
     TIS is applied per sequence with the same geometric mean: w_i = min(exp(mean_t (old - rollout)), C).
@@ -317,8 +322,10 @@ def gspo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) 
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               seq_ids: torch.Tensor, cfg: LossConfig, norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
-    """The clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old_v + clip(v - old_v, +-value_clip)."""
+               seq_ids: torch.Tensor, cfg: LossConfig,
+               norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
+    """The clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2),
+    v_clip = old_v + clip(v - old_v, +-value_clip)."""
     norm = norm or LossNorm.local(mask, seq_ids)
     v = values.to(torch.promote_types(values.dtype, torch.float32))  # bf16 up, float64 kept
     old_v, ret = old_values.detach(), returns.detach()
@@ -334,22 +341,28 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, metrics
 
 
-def ppo_loss(inp: PolicyInputs, cfg: LossConfig, norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
+def ppo_loss(inp: PolicyInputs, cfg: LossConfig,
+             norm: LossNorm | None = None) -> tuple[torch.Tensor, Metrics]:
     """PPO-clip on GAE advantages; with a shared critic (value head on the policy's trunk) plus
     value_coef times the clipped value loss. A separate critic trains on `value_loss` alone."""
-    shared = cfg.critic == "shared"
-    if shared and (inp.values is None or inp.old_values is None or inp.returns is None):
-        raise ValueError("ppo_loss with critic = 'shared' needs values, old_values and returns")
+    critic = _shared_critic_inputs(inp) if cfg.critic == "shared" else None
     norm = norm or LossNorm.local(inp.mask, inp.seq_ids)
     pg_loss, metrics = _clipped_token_objective(inp, cfg, norm)
     reg, reg_metrics = _regularisers(inp, cfg, norm)
     loss = pg_loss + reg
-    if shared:
-        v_loss, v_metrics = value_loss(inp.values, inp.old_values, inp.returns, inp.mask, inp.seq_ids, cfg, norm)
+    if critic is not None:
+        v_loss, v_metrics = value_loss(*critic, inp.mask, inp.seq_ids, cfg, norm)
         loss = loss + cfg.value_coef * v_loss
         metrics.update(v_metrics)
     metrics.update(reg_metrics)
     return loss, {"loss": _item(loss), **metrics}
+
+
+def _shared_critic_inputs(inp: PolicyInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """values, old_values and returns: what the value loss of a shared critic needs."""
+    if inp.values is None or inp.old_values is None or inp.returns is None:
+        raise ValueError("ppo_loss with critic = 'shared' needs values, old_values and returns")
+    return inp.values, inp.old_values, inp.returns
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, norm: LossNorm | None = None,

@@ -41,6 +41,8 @@ from rlfleet.trainer.megatron_model import (
 from rlfleet.trainer.megatron_optim import build_optimizer
 from rlfleet.trainer.torch_backend import _to_device
 
+NOT_TRAINABLE = "this backend was built with trainable=False: it has no optimizer"
+
 
 def _init_process_group(device_type: str) -> bool:
     """Joins torchrun's group, or makes a group of one (Megatron's parallel state needs one)."""
@@ -93,7 +95,7 @@ class MegatronBackend(TrainingBackend):
         megatron_cpu.seed_rng_tracker(cfg.seed)
         self.policy = build_policy(cfg.model_dir, self.tp_size, cfg.bf16, self.on_cuda)
         self.model = self.policy.model
-        self.hidden = None
+        self.hidden: HiddenStates | None = None
         if cfg.value_head:
             self._add_value_head()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.on_cuda, parallel.distributed_optimizer,
@@ -156,9 +158,11 @@ class MegatronBackend(TrainingBackend):
             out = self._forward(mb, with_values, entropy_grad=False)
             idx, width = torch.tensor(rows, device=dev), mb.input_ids.shape[1]
             valid = ((mb.seq_ids >= 0) & (mb.position_ids > 0)).float().to(dev)
+            assert out.entropy is not None  # _forward always computes it
             logprobs[idx, :width] = out.logprobs.float() * valid
             entropy[idx, :width] = out.entropy.float() * valid
             if values is not None:
+                assert out.values is not None  # with_values: the value head ran
                 values[idx, :width] = out.values.float() * valid
         if self.dp_size > 1:
             # Each row was filled by one DP rank (and its TP group) and is zero elsewhere: a sum is a gather.
@@ -205,6 +209,7 @@ class MegatronBackend(TrainingBackend):
         return MetricReducer.combine(r for r in everyone if r is not None).result()
 
     def set_lr(self, lr: float) -> None:
+        assert self.optimizer is not None, NOT_TRAINABLE
         self.optimizer.set_lr(lr)
 
     # ------------------------------------------------------------ export and checkpoints
@@ -219,6 +224,7 @@ class MegatronBackend(TrainingBackend):
     def state_dict(self) -> dict[str, Any]:
         """Stateful, per TP shard (megatron_checkpoint.py lays it out): this rank's parameters, its
         optimizer state, and the schedule with the parallel layout; collective."""
+        assert self.optimizer is not None, NOT_TRAINABLE
         return {"model": {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()},
                 "optimizer": self.optimizer.state_dict(),
                 "trainer": {"backend": "megatron", "tensor_parallel": self.tp_size,
@@ -226,6 +232,7 @@ class MegatronBackend(TrainingBackend):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         megatron_checkpoint.check_layout(state["trainer"], self.tp_size, "the state")
+        assert self.optimizer is not None, NOT_TRAINABLE
         params = dict(self.model.named_parameters())
         missing, unexpected = set(params) - set(state["model"]), set(state["model"]) - set(params)
         if missing or unexpected:

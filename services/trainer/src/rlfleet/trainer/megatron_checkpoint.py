@@ -44,6 +44,7 @@ def save_hf(backend: MegatronBackend, out_dir: Path) -> None:
         config.dtype = "float32"
         config.save_pretrained(out_dir)
         save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        assert backend.cfg.model_dir is not None  # the backend refuses to start without one
         for name in TOKENIZER_FILES:
             source = Path(backend.cfg.model_dir) / name
             if source.is_file():

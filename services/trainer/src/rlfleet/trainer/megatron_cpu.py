@@ -44,10 +44,14 @@ import importlib.util
 import sys
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
 
 import torch
 
+# The wrappers installed on Megatron's classes, so that a second apply() leaves them as they are.
+_INSTALLED: set[Callable[..., Any]] = set()
 # megatron-core modules that probe for transformer_engine at import (HAVE_TE) and that the bridge
 # imports: imported before the stand-in exists, so that each records TE as absent.
 _TE_PROBES = (
@@ -83,14 +87,14 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 def _transformer_engine_stand_in() -> dict[str, types.ModuleType]:
     names = ("Linear", "LayerNormLinear", "GroupedLinear")
-    pytorch = _module("transformer_engine.pytorch",
+    ops = _module("transformer_engine.pytorch.ops",
+                  **{n: type(n, (_NotTransformerEngine,), {}) for n in
+                     ("Sequential", "Linear", "LayerNorm", "RMSNorm", "Quantize", "MakeExtraOutput")})
+    pytorch = _module("transformer_engine.pytorch", ops=ops,
                       **{n: type(n, (_NotTransformerEngine,), {}) for n in names})
-    pytorch.ops = _module("transformer_engine.pytorch.ops",
-                          **{n: type(n, (_NotTransformerEngine,), {}) for n in
-                             ("Sequential", "Linear", "LayerNorm", "RMSNorm", "Quantize", "MakeExtraOutput")})
     root = _module("transformer_engine", pytorch=pytorch)
     return {"transformer_engine": root, "transformer_engine.pytorch": pytorch,
-            "transformer_engine.pytorch.ops": pytorch.ops}
+            "transformer_engine.pytorch.ops": ops}
 
 
 def _mamba_kernels_stand_in() -> types.ModuleType:
@@ -157,7 +161,7 @@ def _check_core_sees_no_transformer_engine(imported: set[str]) -> None:
 def _keep_on_cpu(cls: type, method: str) -> None:
     """Runs cls.method with torch.cuda.current_device() answering "cpu" when there is no CUDA."""
     original = getattr(cls, method)
-    if getattr(original, "_rlfleet_cpu", False):
+    if original in _INSTALLED:
         return
 
     @functools.wraps(original)
@@ -167,25 +171,22 @@ def _keep_on_cpu(cls: type, method: str) -> None:
         with _current_device_is_cpu():
             return original(self, *args, **kwargs)
 
-    on_cpu._rlfleet_cpu = True
+    _INSTALLED.add(on_cpu)
     setattr(cls, method, on_cpu)
 
 
 @contextlib.contextmanager
 def _current_device_is_cpu() -> Iterator[None]:
-    saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
-    try:
+    # Not an int on purpose: Megatron passes current_device() on as a device, and "cpu" is one.
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
         yield
-    finally:
-        torch.cuda.current_device = saved
 
 
 def _patch_contiguous_scatter() -> None:
     from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
 
     original = MegatronParamMapping.scatter_to_tp_ranks
-    if getattr(original, "_rlfleet_contiguous", False):
+    if original in _INSTALLED:
         return
 
     @functools.wraps(original)
@@ -194,7 +195,7 @@ def _patch_contiguous_scatter() -> None:
             splits = [s.contiguous() for s in splits]
         return original(self, splits, *args, **kwargs)
 
-    scatter_to_tp_ranks._rlfleet_contiguous = True
+    _INSTALLED.add(scatter_to_tp_ranks)
     MegatronParamMapping.scatter_to_tp_ranks = scatter_to_tp_ranks
 
 

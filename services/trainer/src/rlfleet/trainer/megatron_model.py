@@ -19,12 +19,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from rlfleet.trainer import megatron_cpu
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 # HF architectures megatron-bridge 0.3.1 converts and that this backend is tested with.
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
@@ -37,7 +40,7 @@ class UnsupportedModelError(ValueError):
 @dataclass
 class BuiltPolicy:
     bridge: Any  # megatron.bridge.AutoBridge
-    model: nn.Module  # megatron.core GPTModel (unwrapped)
+    model: GPTModel  # unwrapped
     hf_config: Any  # transformers.PretrainedConfig of the source
 
 
@@ -163,7 +166,7 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 class HiddenStates:
     """Captures the final hidden state (the output layer's input) for the value head."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: GPTModel) -> None:
         self.last: torch.Tensor | None = None
         model.output_layer.register_forward_pre_hook(self._keep)
 

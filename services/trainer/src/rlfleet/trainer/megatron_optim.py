@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from torch import nn
 
 from rlfleet.trainer.config import OptimConfig
 from rlfleet.trainer.torch_backend import lr_factor
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
 
 
 class MegatronOptimizer(abc.ABC):
@@ -135,6 +138,8 @@ class TorchAdamW(MegatronOptimizer):
 
 class DistributedOptimizer(MegatronOptimizer):
     """Megatron's DDP + distributed optimizer (CUDA only)."""
+
+    model: DistributedDataParallel  # syncs the gradients of the model it wraps
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, bf16: bool, dp_size: int) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

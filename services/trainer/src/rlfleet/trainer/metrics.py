@@ -32,7 +32,8 @@ class TrainerMetrics:
         self.steps = m.create_counter("rlfleet_trainer_steps_total", description="optimizer steps taken")
         self.trained = m.create_counter("rlfleet_trainer_trained_trajectories_total",
                                         description="trajectories trained on")
-        self.tokens = m.create_counter("rlfleet_trainer_trained_tokens_total", description="tokens trained on")
+        self.tokens = m.create_counter("rlfleet_trainer_trained_tokens_total",
+                                       description="tokens trained on")
         self.dropped = m.create_counter("rlfleet_trainer_dropped_trajectories_total",
                                         description="trajectories not trained, by reason")
         self.staleness = m.create_histogram(
@@ -40,7 +41,8 @@ class TrainerMetrics:
             "generated span's version, per trained trajectory",
             explicit_bucket_boundaries_advisory=STALENESS_BUCKETS)
         self.step_time = seconds_histogram(m, "rlfleet_trainer_step_duration_seconds",
-                                           "optimizer step: batch assembly, old log-probs, forward, backward, update")
+                                           "optimizer step: batch assembly, old log-probs, "
+                                           "forward, backward, update")
         self.checkpoint_time = seconds_histogram(m, "rlfleet_trainer_checkpoint_duration_seconds",
                                                  "writing a durable checkpoint")
         self.publish_time = seconds_histogram(m, "rlfleet_trainer_publish_duration_seconds",

@@ -84,7 +84,8 @@ class SFTObjective:
     def __call__(self, out: ModelOutputs, batch: TrainBatch, norm: LossNorm) -> tuple[torch.Tensor, Metrics]:
         loss, metrics = sft_loss(out.logprobs, batch.loss_mask, batch.seq_ids, norm, self.mode)
         if out.entropy is not None:
-            metrics["entropy"] = float((out.entropy * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1))
+            mask = batch.loss_mask
+            metrics["entropy"] = float((out.entropy * mask).sum() / mask.sum().clamp(min=1))
         return loss, metrics
 
 
@@ -94,7 +95,8 @@ def with_advantages(batch: TrainBatch, cfg: LossConfig, values: torch.Tensor | N
         if values is None:
             raise ValueError("PPO advantages need the critic's values")
         rewards = terminal_rewards(batch.rewards, batch.loss_mask, batch.seq_ids)
-        adv, returns = gae_advantages(rewards, values, batch.loss_mask, batch.seq_ids, cfg.gamma, cfg.gae_lambda)
+        adv, returns = gae_advantages(rewards, values, batch.loss_mask, batch.seq_ids,
+                                      cfg.gamma, cfg.gae_lambda)
         if cfg.whiten_advantages:
             adv = whiten(adv, batch.loss_mask)
         return batch.replace(advantages=adv, old_values=values * batch.loss_mask, returns=returns)
@@ -112,20 +114,21 @@ def rl_step(backend: TrainingBackend, samples: Sequence[TrainSample], loss_cfg: 
     separate = ppo and loss_cfg.critic == "separate"
     if separate and value_model is None:
         raise ValueError("PPO with critic = 'separate' needs a value model")
+    critic = value_model if separate else None
     # `train_step` is one optimizer step (micro-batches accumulate), so the log-probs before the update
     # are those of its own forward pass (or the rollout's, which the trajectory carries); only a shared
     # critic's values need a pass of their own first, and that pass needs no LM head.
     values = None
-    if separate:
-        values = value_model.values(batch)
+    if critic is not None:
+        values = critic.values(batch)
     elif ppo:
         values = backend.compute_values(batch)
     batch = with_advantages(batch, loss_cfg, values)
     if reference is not None:
         batch = batch.replace(ref_logprobs=reference.compute_logprobs(batch))
     metrics = backend.train_step(batch, RLObjective(loss_cfg, old_is_current=recompute_old_logprobs))
-    if separate:
-        metrics.update(value_model.train_step(batch, loss_cfg))
+    if critic is not None:
+        metrics.update(critic.train_step(batch, loss_cfg))
     versions = batch.policy_versions.float()
     metrics.update(reward_mean=float(batch.rewards.mean()), policy_version_min=float(versions.min()))
     return metrics

@@ -48,7 +48,8 @@ class ShardWriter:
                 if missing:
                     raise ValueError(f"the engine expects tensors the trainer does not hold: {missing[:5]}")
                 if self._agent is None:
-                    self._agent = TransferAgent(options.p2p_hostname, options.p2p_protocol, options.p2p_device)
+                    self._agent = TransferAgent(options.p2p_hostname, options.p2p_protocol,
+                                                options.p2p_device)
                 sender = self._sender
                 if sender is None or sender.bucket_bytes != bucket_bytes:
                     if sender is not None:
@@ -89,6 +90,6 @@ def merged(peers: list[tuple[str, str]], gathered: list[dict[str, tuple[bool, in
     for engine_id, _ in peers:
         by_rank = [g.get(engine_id, (False, 0, "no report")) for g in gathered]
         errors = [e for ok, _, e in by_rank if not ok]
-        out.append(broker_pb2.PeerResult(engine_id=engine_id, sent=not errors, bytes=sum(b for _, b, _ in by_rank),
-                                         error="; ".join(errors)))
+        out.append(broker_pb2.PeerResult(engine_id=engine_id, sent=not errors,
+                                         bytes=sum(b for _, b, _ in by_rank), error="; ".join(errors)))
     return out

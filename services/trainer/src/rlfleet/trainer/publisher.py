@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
@@ -35,6 +35,9 @@ from nats.js.errors import NotFoundError
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.streams import publish, subject
 from rlfleet.trainer.learner import Worker
+
+if TYPE_CHECKING:
+    from rlfleet.trainer.weight_sender import SendSummary, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +48,14 @@ ANNOUNCE_BACKOFF_MAX_S = 2.0  # NATS back from a restart is found within this
 
 
 class VersionPublisher:
-    def __init__(self, store: Any, js: Any, run_id: str, worker: Worker, sender: Any = None) -> None:
+    def __init__(self, store: Any, js: Any, run_id: str, worker: Worker, sender: WeightSender | None = None,
+                 ) -> None:
         self.store = store
         self.js = js
         self.run_id = run_id
         self.worker = worker
-        self.sender = sender  # rlfleet.trainer.weight_sender.WeightSender, or None: the store only
-        self.last_send = None
+        self.sender = sender  # None: the store only
+        self.last_send: SendSummary | None = None
         self._shards: Callable[[list, int], list] | None = None
 
     async def publish(self, version: int, parent: int, export: Callable[[], dict], step: int,
@@ -95,7 +99,8 @@ class VersionPublisher:
 
     async def publish_adapter(self, version: int, parent: int, base_version: int, export: Callable[[], tuple],
                               step: int, metrics: dict[str, float]) -> common_pb2.PolicyVersion:
-        """LoRA: writes the adapter `export()` returns as `version` on the full `base_version`, and announces it."""
+        """LoRA: writes the adapter `export()` returns as `version` on the full `base_version`,
+        and announces it."""
 
         def write() -> dict[str, Any]:
             tensors, config = export()
@@ -116,16 +121,17 @@ class VersionPublisher:
 
     async def _send(self, msg: common_pb2.PolicyVersion, state: dict,
                     stored: Future[common_pb2.PolicyVersion] | None = None) -> None:
+        assert self.sender is not None  # publish sends only when there is a sender
         try:
-            summary = await asyncio.to_thread(self.sender.send, msg, state, stored,  # type: ignore[union-attr]
-                                              self._shards)
+            summary = await asyncio.to_thread(self.sender.send, msg, state, stored, self._shards)
         except Exception as exc:  # the broker is down or refused: engines catch up from the store
             log.warning("sending version %d to engines failed: %s", msg.version, exc)
             return
         self.last_send = summary
         failed = [o.engine_id for o in summary.outcomes if not o.ok]
-        log.info("version %d sent straight to %d engine(s) in %.3f s (%s)%s", msg.version, len(summary.outcomes),
-                 summary.seconds, ", ".join(f"{k} {v} B" for k, v in summary.bytes.items()) or "nothing sent",
+        log.info("version %d sent straight to %d engine(s) in %.3f s (%s)%s", msg.version,
+                 len(summary.outcomes), summary.seconds,
+                 ", ".join(f"{k} {v} B" for k, v in summary.bytes.items()) or "nothing sent",
                  f"; {failed} fall back to the store" if failed else "",
                  extra={"version": msg.version, "send_s": round(summary.seconds, 4)})
 
@@ -136,8 +142,8 @@ class VersionPublisher:
         while True:
             attempt += 1
             try:
-                await publish(self.js, "POLICY", self.run_id, msg.SerializeToString(), msg_type="PolicyVersion",
-                              msg_id=f"{self.run_id}-v{msg.version}")
+                await publish(self.js, "POLICY", self.run_id, msg.SerializeToString(),
+                              msg_type="PolicyVersion", msg_id=f"{self.run_id}-v{msg.version}")
                 break
             except (NatsError, TimeoutError) as exc:
                 # NATS down or restarting: wait for it (the client reconnects by itself) rather than
@@ -146,8 +152,9 @@ class VersionPublisher:
                 log.warning("announcing version %d failed (%s); retrying in %.1f s (attempt %d)", msg.version,
                             exc or type(exc).__name__, delay, attempt)
                 await asyncio.sleep(delay)
-        log.info("published policy version %d (parent %d, %s, %d bytes)", msg.version, parent, manifest["kind"],
-                 manifest["bytes"], extra={"version": msg.version, "parent_version": parent})
+        log.info("published policy version %d (parent %d, %s, %d bytes)", msg.version, parent,
+                 manifest["kind"], manifest["bytes"],
+                 extra={"version": msg.version, "parent_version": parent})
         return msg
 
     def policy_version(self, manifest: dict[str, Any], parent: int, step: int,

@@ -30,7 +30,8 @@ class GroupFilterConfig(StrictModel):
     min_samples: int = Field(2, ge=1, description="a group with fewer trainable samples than this is dropped "
                              "(too_few_samples): a group-relative advantage needs company")
     drop_all_equal_rewards: bool = Field(True, description="drop a group whose rewards are all equal "
-                                         "(all_equal_rewards): its GRPO/GSPO advantages are all zero (not applied with PPO)")
+                                         "(all_equal_rewards): its GRPO/GSPO advantages are all zero "
+                                         "(not applied with PPO)")
     timeout_s: float = Field(600.0, gt=0, description="a group still incomplete this long after its first "
                              "sample arrived is closed: see on_timeout")
     on_timeout: Literal["train", "drop"] = Field(
@@ -54,9 +55,9 @@ class ConsumerConfig(StrictModel):
     ack_wait_s: float = Field(10.0, gt=0, description="redelivery after this long without an ack; held "
                               "messages are kept alive with in-progress acks every ack_wait_s / 3, so this "
                               "is also how long a restarted trainer waits for its predecessor's messages")
-    max_ack_pending: int = Field(4096, ge=1, description="unacked messages the server lets this consumer hold; "
-                                 "must cover the samples of checkpoint.every + 2 steps, prefetched groups and "
-                                 "incomplete groups")
+    max_ack_pending: int = Field(4096, ge=1, description="unacked messages the server lets this consumer "
+                                 "hold; must cover the samples of checkpoint.every + 2 steps, prefetched "
+                                 "groups and incomplete groups")
     fetch_batch: int = Field(64, ge=1, description="messages asked for per pull")
     fetch_timeout_s: float = Field(1.0, gt=0, description="longest a pull waits for messages")
 
@@ -72,8 +73,8 @@ class ValueModelConfig(StrictModel):
                             "is never run; a zero-initialised value head is added); empty = the policy's "
                             "model_path")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=CRITIC_LR),
-                               description="the critic's AdamW and LR schedule (default lr 1e-5, verl's critic "
-                               "default, ten times the policy's)")
+                               description="the critic's AdamW and LR schedule (default lr 1e-5, verl's "
+                               "critic default, ten times the policy's)")
 
     @model_validator(mode="before")
     @classmethod
@@ -95,20 +96,22 @@ class WeightSendConfig(StrictModel):
     backend: Literal["", "gloo", "nccl"] = Field("", description="broadcast backend; empty = nccl when the "
                                                  "weights are on a GPU, gloo otherwise")
     p2p_hostname: str = Field("127.0.0.1", description="address of this trainer's Mooncake TransferEngine")
-    p2p_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake protocol: tcp, or rdma on a fleet")
+    p2p_protocol: Literal["tcp", "rdma"] = Field("tcp",
+                                                 description="Mooncake protocol: tcp, or rdma on a fleet")
     p2p_device: str = Field("", description="Mooncake device name(s) for rdma; empty = auto")
-    p2p_every_rank: bool = Field(False, description="under torchrun (torch backend, no LoRA): every rank writes "
-                                 "its own FSDP2 shard into P2P staging instead of rank 0 writing the gathered "
-                                 "state; the writes then follow the store write instead of running beside it")
+    p2p_every_rank: bool = Field(False, description="under torchrun (torch backend, no LoRA): every rank "
+                                 "writes its own FSDP2 shard into P2P staging instead of rank 0 writing the "
+                                 "gathered state; the writes then follow the store write instead "
+                                 "of running beside it")
     checksum_algorithm: Literal["sha256", "blake2b", "crc32"] = Field(
         "sha256", description="per-tensor checksums engines verify the transfer against")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="floating tensors are sent in this dtype: the store's served dtype, so "
         "engines updated directly and from the store hold identical weights")
     timeout_s: float = Field(300.0, gt=0, description="longest one direct send (all transports) may take")
-    beside_store: bool = Field(True, description="send while the store write runs (the broker flips nothing in "
-                               "before the store has the version; a failed write rejects it); false = send "
-                               "after the write")
+    beside_store: bool = Field(True, description="send while the store write runs (the broker flips nothing "
+                               "in before the store has the version; a failed write rejects it); false = "
+                               "send after the write")
 
 
 class TrainerBackendOptions(BackendOptions):
@@ -120,8 +123,8 @@ class TrainerBackendOptions(BackendOptions):
         "GPTModel converted from model_path by megatron-bridge (Qwen2/Qwen3/Llama), tensor and data "
         "parallel under torchrun (see [megatron])")
     recompute_old_logprobs: bool = Field(True, description="the trainer's own log-probs of each batch before "
-                                         "the update are the proximal policy of the clipped ratio (taken from the "
-                                         "training pass itself); false: the rollout's log-probs are")
+                                         "the update are the proximal policy of the clipped ratio (taken "
+                                         "from the training pass itself); false: the rollout's log-probs are")
 
 
 class TrainerConfig(ServiceConfig):
@@ -146,8 +149,9 @@ class TrainerConfig(ServiceConfig):
     backend: TrainerBackendOptions = Field(default_factory=TrainerBackendOptions)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     value_model: ValueModelConfig = Field(default_factory=ValueModelConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="train a LoRA adapter instead of the full "
-                             "policy (torch backend only); each version is then an adapter on the base version")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="train a LoRA adapter instead of the "
+                             "full policy (torch backend only); each version is then an "
+                             "adapter on the base version")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     weights: WeightStoreConfig = Field(default_factory=WeightStoreConfig,
                                        description="how each policy version is written to the weight store")
@@ -161,7 +165,8 @@ class TrainerConfig(ServiceConfig):
         held = self.group_size * (self.groups_per_step * (self.checkpoint.every + 2) + self.prefetch_groups)
         if self.consumer.max_ack_pending < held:
             raise ValueError(f"consumer.max_ack_pending ({self.consumer.max_ack_pending}) must be at least "
-                             f"group_size * (groups_per_step * (checkpoint.every + 2) + prefetch_groups) = {held}: "
+                             "group_size * (groups_per_step * (checkpoint.every + 2) + "
+                             f"prefetch_groups) = {held}: "
                              "trajectories stay unacked until the checkpoint that includes them")
         return self
 
@@ -175,8 +180,8 @@ class TrainerConfig(ServiceConfig):
     @model_validator(mode="after")
     def _lora_needs_the_torch_backend(self) -> TrainerConfig:
         if self.lora.enabled and self.backend.name == "megatron":
-            raise ValueError("[trainer.lora] enabled = true needs backend.name = \"torch\": the Megatron backend "
-                             "does not train LoRA adapters")
+            raise ValueError("[trainer.lora] enabled = true needs backend.name = \"torch\": the Megatron "
+                             "backend does not train LoRA adapters")
         return self
 
     @property
@@ -199,10 +204,12 @@ class TrainerConfig(ServiceConfig):
                                   lora=self.lora)
 
     def value_model_config(self) -> TorchBackendConfig:
-        """The separate critic's config: its own model and optimizer, the backend's numerics and batch layout."""
+        """The separate critic's config: its own model and optimizer, the backend's numerics
+        and batch layout."""
         options = self.backend.model_dump(include=set(BackendOptions.model_fields))
         return TorchBackendConfig(**options, model_dir=self.value_model.model_path or self.model_path,
-                                  optim=self.value_model.optim, batch=self.batch, value_head=True, values_only=True)
+                                  optim=self.value_model.optim, batch=self.batch, value_head=True,
+                                  values_only=True)
 
     def checkpoint_dir(self) -> Path:
         if self.checkpoint.dir:

@@ -47,7 +47,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if loop.state == "starting":
             raise FailedPrecondition("the trainer is still starting (loading the model or a checkpoint)")
         path = await loop.checkpoint_now()
-        return trainer_pb2.CheckpointResponse(path=str(path), step=loop.learner.step, policy_version=loop.version)
+        return trainer_pb2.CheckpointResponse(path=str(path), step=loop.learner.step,
+                                              policy_version=loop.version)
 
     async def Pause(self, request, context) -> trainer_pb2.PauseResponse:
         if self.loop is not None:

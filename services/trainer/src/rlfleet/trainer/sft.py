@@ -27,7 +27,8 @@ from typing import Any
 from rlfleet.common.chat import IM_END, IM_START, render_messages
 
 
-def encode_messages(messages: list[dict[str, str]], tokenizer: Any, render=None) -> tuple[list[int], list[int]]:
+def encode_messages(messages: list[dict[str, str]], tokenizer: Any,
+                    render=None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a mask that is 1 on assistant content + <|im_end|>
     (with `render(messages, add_generation_prompt)`, a model's own template: on what the template
     renders for each assistant turn after its generation prompt, closing tokens included, trailing
@@ -41,7 +42,8 @@ def encode_messages(messages: list[dict[str, str]], tokenizer: Any, render=None)
         text = render_messages(messages, add_generation_prompt=False)
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                start = len(render_messages(messages[:i], add_generation_prompt=False)) + len(f"{IM_START}assistant\n")
+                start = len(render_messages(messages[:i],
+                                            add_generation_prompt=False)) + len(f"{IM_START}assistant\n")
                 spans.append((start, start + len(message["content"]) + len(IM_END)))
     else:
         text = render(messages, False)
@@ -86,11 +88,13 @@ def load_demonstrations(path: str | Path, tokenizer: Any | None = None, render=N
                 raise ValueError(f"{path}:{n}: chat messages need the model's tokenizer.json")
             token_ids, loss_mask = encode_messages(record["messages"], tokenizer, render)
         elif "token_ids" in record:
-            token_ids, loss_mask = record["token_ids"], record.get("loss_mask") or [0] + [1] * (len(record["token_ids"]) - 1)
+            token_ids = record["token_ids"]
+            loss_mask = record.get("loss_mask") or [0] + [1] * (len(token_ids) - 1)
         else:
             raise ValueError(f"{path}:{n}: expected 'messages' or 'token_ids'")
         samples.append(TrainSample(trajectory_id=f"sft-{n}", group_id=f"sft-{n}", token_ids=list(token_ids),
-                                   rollout_logprobs=[0.0] * len(token_ids), loss_mask=list(loss_mask), reward=0.0))
+                                   rollout_logprobs=[0.0] * len(token_ids),
+                                   loss_mask=list(loss_mask), reward=0.0))
     if not samples:
         raise ValueError(f"{path}: no demonstrations")
     return samples
@@ -116,8 +120,8 @@ def _eval_nll(backend, samples, pack_length: int | None) -> float:
     return total / max(count, 1.0)
 
 
-def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: float = 1e-5, batch_size: int = 8,
-            seed: int = 0, pack_length: int | None = None, micro_batch_rows: int = 4,
+def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: float = 1e-5,
+            batch_size: int = 8, seed: int = 0, pack_length: int | None = None, micro_batch_rows: int = 4,
             lora: dict[str, Any] | None = None,
             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Trains on the demonstrations, saves an HF checkpoint to out_dir and returns the run's metrics.
@@ -143,7 +147,8 @@ def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: f
     objective = SFTObjective()
     start = time.perf_counter()
     eval_before = _eval_nll(backend, samples, pack_length)
-    epoch_losses, tokens = [], 0
+    epoch_losses: list[float] = []
+    tokens = 0.0  # a sum of the steps' "tokens" metrics, which are floats
     total_steps = epochs * steps_per_epoch
     every = max(total_steps // 10, 1)
     for epoch in range(epochs):
@@ -172,9 +177,11 @@ def run_sft(model_dir: str, data_path: str, out_dir: str, epochs: int = 1, lr: f
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlfleet.trainer.sft", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m rlfleet.trainer.sft",
+                                     description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True, help="HF directory of the starting model (+ tokenizer.json)")
+    parser.add_argument("--model-dir", required=True,
+                        help="HF directory of the starting model (+ tokenizer.json)")
     parser.add_argument("--data", required=True, help="demonstrations, JSONL")
     parser.add_argument("--out", required=True, help="where the fine-tuned HF checkpoint is written")
     parser.add_argument("--epochs", type=int, default=1)
@@ -184,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pack-length", type=int, default=None,
                         help="tokens per packed row (default: the longest demonstration of each batch)")
     parser.add_argument("--lora-rank", type=int, default=0,
-                        help="train a LoRA adapter of this rank (alpha = 2 x rank) instead of the whole model")
+                        help="train a LoRA adapter of this rank (alpha = 2 x rank) "
+                        "instead of the whole model")
     args = parser.parse_args(argv)
     lora = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank} if args.lora_rank else None
     metrics = run_sft(args.model_dir, args.data, args.out, args.epochs, args.lr, args.batch_size, args.seed,

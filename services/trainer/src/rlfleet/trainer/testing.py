@@ -83,7 +83,8 @@ def write_tiny_model(out_dir: str | Path, vocab_size: int = 320, seed: int = 0, 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
     model.save_pretrained(out)
-    corpus = [f"<|im_start|>user\nwhat is {a} * {a + 3}?<|im_end|>\n<|im_start|>assistant\n<calc>{a}*{a + 3}</calc>"
+    corpus = [f"<|im_start|>user\nwhat is {a} * {a + 3}?<|im_end|>\n<|im_start|>assistant\n"
+              f"<calc>{a}*{a + 3}</calc>"
               for a in range(200)]
     write_tiny_tokenizer(out, corpus, vocab_size=min(vocab_size, 300))
     return out
@@ -139,7 +140,8 @@ async def publish_trajectories_to(nats_url: str, run_id: str, trajectories: list
 
 
 def run_torchrun(script: str | Path, args: list[str], nproc: int, timeout_s: float) -> None:
-    """`torchrun --standalone` of a script with one thread per rank; raises with its log's tail if it fails."""
+    """`torchrun --standalone` of a script with one thread per rank; raises with its log's
+    tail if it fails."""
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.Popen([str(torchrun), "--standalone", f"--nproc-per-node={nproc}", str(script), *args],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
@@ -186,9 +188,11 @@ class TrainerProcess(ServiceProcess):
         from rlfleet.common import standby
 
         workdir, nats_url, run_id, model_path, args, name, nproc = self._same
-        twin = TrainerProcess(workdir, nats_url, run_id, model_path, *args, standby.FLAG, name=name, nproc=nproc)
+        twin = TrainerProcess(workdir, nats_url, run_id, model_path, *args, standby.FLAG,
+                              name=name, nproc=nproc)
         twin.spawn()
-        wait_until(lambda: standby.waiting_pid(twin.ready_file) == twin.pid, timeout_s, f"{name} standby", twin)
+        wait_until(lambda: standby.waiting_pid(twin.ready_file) == twin.pid, timeout_s,
+                   f"{name} standby", twin)
         return twin
 
     def promote(self, timeout_s: float = 300.0) -> TrainerProcess:

@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,10 @@ from rlfleet.trainer.batching import TrainBatch, shard_rows
 from rlfleet.trainer.config import OptimConfig, TorchBackendConfig
 from rlfleet.trainer.losses import LossNorm, Metrics, logprobs_and_entropy
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",
                    "generation_config.json")
@@ -52,7 +56,7 @@ class PolicyModel(nn.Module):
     from outside a sharded root would skip its unshard hooks.
     """
 
-    def __init__(self, lm: nn.Module, value_head: bool, values_only: bool = False) -> None:
+    def __init__(self, lm: PreTrainedModel | PeftModel, value_head: bool, values_only: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.values_only = values_only  # a critic: the LM head is never run
@@ -67,7 +71,8 @@ class PolicyModel(nn.Module):
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None,
                 with_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                        attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -76,7 +81,7 @@ class PolicyModel(nn.Module):
         return logits, values
 
 
-def build_lm(cfg: TorchBackendConfig) -> nn.Module:
+def build_lm(cfg: TorchBackendConfig) -> PreTrainedModel:
     import transformers
 
     if cfg.model_dir is not None:
@@ -118,11 +123,12 @@ class TorchBackend(TrainingBackend):
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)  # before NCCL init, so that each rank owns its GPU
         self.rank, self.world_size, self._owns_group = _init_distributed(self.device_type)
-        lm = build_lm(cfg)
+        base = build_lm(cfg)
+        lm: PreTrainedModel | PeftModel = base
         self.lora = cfg.lora if cfg.lora.enabled else None
         if self.lora is not None:
             # Base frozen, adapter (lora_B = 0) trainable: the optimizer below holds the adapter only.
-            lm = lora.wrap(lm, self.lora, cfg.model_dir or "")
+            lm = lora.wrap(base, self.lora, cfg.model_dir or "")
         # Seeded after the LM so that the value head is identical on every rank and every run.
         torch.manual_seed(cfg.seed)
         self.model = PolicyModel(lm, cfg.value_head, cfg.values_only).to(self.device)
@@ -131,8 +137,10 @@ class TorchBackend(TrainingBackend):
         o = self.optim_cfg = cfg.optim
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.optim_cfg))
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda s: lr_factor(s, self.optim_cfg))
         self._step = 0
 
     def _shard(self) -> None:
@@ -151,7 +159,23 @@ class TorchBackend(TrainingBackend):
     @property
     def hf_model(self) -> nn.Module:
         """The transformers model itself (under peft: the wrapped one, adapters injected)."""
-        return self.model.lm.get_base_model() if self.lora is not None else self.model.lm
+        return self._peft_model().get_base_model() if self.lora is not None else self.model.lm
+
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's whole state dict (gathered from every rank, on the CPU): parameters and
+        buffers, so tensors only; collective."""
+        full: dict[str, torch.Tensor] = {}
+        for name, value in get_model_state_dict(self.model, options=_full_options()).items():
+            assert isinstance(value, torch.Tensor), name
+            full[name] = value
+        return full
+
+    def _peft_model(self) -> PeftModel:
+        """The LM as peft wrapped it (LoRA only)."""
+        from peft import PeftModel  # imported already: lora.wrap made the model with it
+
+        assert isinstance(self.model.lm, PeftModel), "this backend trains no LoRA adapter"
+        return self.model.lm
 
     @property
     def lm_config(self):
@@ -163,15 +187,18 @@ class TorchBackend(TrainingBackend):
                  with_entropy: bool = True) -> ModelOutputs:
         attention_mask = None if mb.attention_mask is None else mb.attention_mask.to(self.device)
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            logits, values = self.model(mb.input_ids.to(self.device), mb.position_ids.to(self.device), attention_mask,
+            logits, values = self.model(mb.input_ids.to(self.device),
+                                        mb.position_ids.to(self.device), attention_mask,
                                         with_logits=with_logprobs)
         if logits is None:  # a critic, or values alone
             logprobs, entropy = torch.zeros(mb.input_ids.shape, device=self.device), None
         else:
-            logprobs, entropy = logprobs_and_entropy(logits, mb.input_ids.to(self.device), with_entropy, entropy_grad)
+            logprobs, entropy = logprobs_and_entropy(logits, mb.input_ids.to(self.device),
+                                                     with_entropy, entropy_grad)
         if with_values:
             if values is None:
-                raise ValueError("the loss needs values but the backend has no value head (set value_head=true)")
+                raise ValueError("the loss needs values but the backend has no value head "
+                                 "(set value_head=true)")
             # The value of the state before token t lives on the hidden state of position t - 1.
             values = nn.functional.pad(values[:, :-1].float(), (1, 0))
         return ModelOutputs(logprobs=logprobs, entropy=entropy, values=values if with_values else None)
@@ -229,12 +256,14 @@ class TorchBackend(TrainingBackend):
             out = self._forward(mb, with_values, entropy_grad=False, with_logprobs=with_logprobs,
                                 with_entropy=with_entropy)
             idx, width = torch.tensor(chunks[i], device=dev), mb.input_ids.shape[1]
-            # A sequence's first token has nothing to be predicted from (packed: it would be the previous sample).
+            # A sequence's first token has nothing to be predicted from (packed: it would be
+            # the previous sample).
             valid = ((mb.seq_ids >= 0) & (mb.position_ids > 0)).float().to(dev)
             logprobs[idx, :width] = out.logprobs.float() * valid
             if out.entropy is not None:
                 entropy[idx, :width] = out.entropy.float() * valid
             if values is not None:
+                assert out.values is not None  # with_values: the value head ran
                 values[idx, :width] = out.values.float() * valid
         if self.world_size > 1:
             # Every row was filled by exactly one rank and is zero elsewhere, so a sum is a gather.
@@ -242,7 +271,8 @@ class TorchBackend(TrainingBackend):
                 if t is not None:
                     dist.all_reduce(t)
         self.model.train()
-        return ModelOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu(), values=None if values is None else values.cpu())
+        return ModelOutputs(logprobs=logprobs.cpu(), entropy=entropy.cpu(),
+                            values=None if values is None else values.cpu())
 
     # ------------------------------------------------------------ train
 
@@ -261,7 +291,8 @@ class TorchBackend(TrainingBackend):
                 continue
             mb = _to_device(batch.select_rows(chunks[i]), self.device)
             loss, metrics = loss_fn(self._forward(mb, needs_values, entropy_grad), mb, norm)
-            # FSDP averages gradients over ranks; the loss is already this micro-batch's share of the global mean.
+            # FSDP averages gradients over ranks; the loss is already this micro-batch's
+            # share of the global mean.
             (loss * self.world_size).backward()
             reducer.add(metrics, float(mb.loss_mask.sum()))
         lr = self.optimizer.param_groups[0]["lr"]
@@ -284,6 +315,9 @@ class TorchBackend(TrainingBackend):
         # FSDP: accumulate unsharded gradients locally and reduce-scatter once, after the last micro-batch
         # (one collective per step instead of one per micro-batch, for the memory of a full gradient).
         if self.world_size > 1:
+            from torch.distributed.fsdp import FSDPModule
+
+            assert isinstance(self.model, FSDPModule)  # _shard made it one
             self.model.set_requires_gradient_sync(last)
 
     def _clip_grad_norm(self) -> float:
@@ -325,8 +359,10 @@ class TorchBackend(TrainingBackend):
         saved_lora = state["trainer"].get("lora")
         mine = self.lora.model_dump() if self.lora is not None else None
         if saved_lora != mine:
-            raise ValueError(f"the checkpoint was trained with lora = {saved_lora}, this trainer has lora = {mine}: "
-                             "a LoRA checkpoint holds the adapter only and resumes only with the same [trainer.lora]")
+            raise ValueError(f"the checkpoint was trained with lora = {saved_lora}, this "
+                             f"trainer has lora = {mine}: "
+                             "a LoRA checkpoint holds the adapter only and resumes only with "
+                             "the same [trainer.lora]")
         # A LoRA checkpoint holds the trainable parameters only; the frozen base stays as loaded.
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1,
                                    strict=self.lora is None)
@@ -339,7 +375,7 @@ class TorchBackend(TrainingBackend):
 
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
         """HF names (`model.layers.0...`, `lm_head.weight`), no value head; full tensors on rank 0 only."""
-        full = get_model_state_dict(self.model, options=_full_options())
+        full = self._full_model_state()
         if self.rank != 0:
             return {}
         if self.lora is not None:
@@ -354,7 +390,7 @@ class TorchBackend(TrainingBackend):
 
     def base_state_for_export(self) -> dict[str, torch.Tensor]:
         """LoRA: the frozen base weights, HF-named (what every adapter version applies to); rank 0 only."""
-        full = get_model_state_dict(self.model, options=_full_options())
+        full = self._full_model_state()
         if self.rank != 0:
             return {}
         out = lora.base_tensors(full, LM_PREFIX) if self.lora is not None else \
@@ -369,10 +405,10 @@ class TorchBackend(TrainingBackend):
         empty elsewhere)."""
         if self.lora is None:
             raise ValueError("this backend trains no LoRA adapter ([trainer.lora] enabled = false)")
-        full = get_model_state_dict(self.model, options=_full_options())
+        full = self._full_model_state()
         if self.rank != 0:
             return {}, {}
-        return lora.adapter_tensors(full, LM_PREFIX), lora.adapter_config(self.model.lm)
+        return lora.adapter_tensors(full, LM_PREFIX), lora.adapter_config(self._peft_model())
 
     def save_adapter(self, out_dir: str | Path) -> None:
         """LoRA: peft's adapter directory (adapter_config.json + adapter_model.safetensors)."""

@@ -19,7 +19,8 @@ from rlfleet.trainer.batching import TrainSample
 
 SCHEMA_VERSION = common_pb2.SCHEMA_VERSION_1
 TRAINED_STATUSES = {common_pb2.TRAJECTORY_STATUS_COMPLETED, common_pb2.TRAJECTORY_STATUS_TRUNCATED}
-DROPPED_STATUSES = {common_pb2.TRAJECTORY_STATUS_ABORTED: "aborted", common_pb2.TRAJECTORY_STATUS_FAILED: "failed"}
+DROPPED_STATUSES = {common_pb2.TRAJECTORY_STATUS_ABORTED: "aborted",
+                    common_pb2.TRAJECTORY_STATUS_FAILED: "failed"}
 
 
 class Rejected(Exception):
@@ -87,10 +88,12 @@ def validate(traj: common_pb2.Trajectory, limits: Limits) -> Candidate:
     tid, gid = traj.trajectory_id, traj.group_id
 
     def reject(reason: str, detail: str, invalid: bool = True) -> Rejected:
-        return Rejected(reason, f"trajectory {tid}: {detail}", invalid=invalid, trajectory_id=tid, group_id=gid)
+        return Rejected(reason, f"trajectory {tid}: {detail}", invalid=invalid,
+                        trajectory_id=tid, group_id=gid)
 
     if traj.schema_version != SCHEMA_VERSION:
-        raise reject("unknown_schema", f"schema_version {traj.schema_version}, this trainer reads {SCHEMA_VERSION}")
+        raise reject("unknown_schema",
+                     f"schema_version {traj.schema_version}, this trainer reads {SCHEMA_VERSION}")
     if traj.run_id and traj.run_id != limits.run_id:
         raise reject("wrong_run", f"run_id {traj.run_id!r} on run {limits.run_id!r}'s subject")
     if not gid:
@@ -126,8 +129,9 @@ def validate(traj: common_pb2.Trajectory, limits: Limits) -> Candidate:
     if not np.isfinite(reward):
         raise reject("bad_reward", f"reward {reward}")
     sample = TrainSample(trajectory_id=tid, group_id=gid, token_ids=tokens.tolist(),
-                         rollout_logprobs=np.where(mask == 1, logprobs, 0.0).tolist(), loss_mask=mask.tolist(),
-                         reward=reward, policy_version=oldest if oldest is not None else 0)
+                         rollout_logprobs=np.where(mask == 1, logprobs, 0.0).tolist(),
+                         loss_mask=mask.tolist(), reward=reward,
+                         policy_version=oldest if oldest is not None else 0)
     return Candidate(sample=sample, group_size=traj.group_size, sample_index=traj.sample_index,
                      oldest_version=oldest, trace_context=dict(traj.trace_context))
 

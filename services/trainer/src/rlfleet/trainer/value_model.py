@@ -66,8 +66,9 @@ class ValueObjective:
     def __call__(self, out: ModelOutputs, batch: TrainBatch, norm: LossNorm) -> tuple[torch.Tensor, Metrics]:
         if batch.returns is None or batch.old_values is None:
             raise ValueError("the value loss needs returns and old_values; call with_advantages first")
-        loss, metrics = value_loss(out.values, batch.old_values, batch.returns, batch.loss_mask, batch.seq_ids,
-                                   self.cfg, norm)
+        assert out.values is not None  # needs_values: the backend ran the value head
+        loss, metrics = value_loss(out.values, batch.old_values, batch.returns,
+                                   batch.loss_mask, batch.seq_ids, self.cfg, norm)
         return loss, {"loss": metrics["value_loss"], **metrics}
 
 

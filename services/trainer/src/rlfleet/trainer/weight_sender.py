@@ -17,9 +17,9 @@ then reports what went through. When the plan says `flip_before_stored` (the bro
 reports at once and the engines flip the version in while the store write goes on; the write's end
 follows in ConfirmTrainerSync (a failed write: the broker rejects the version and sends those
 engines back). Otherwise it first waits for the write and reports the stored version with the rest
-(a failed write: the broker rejects the version and flips nothing in). Checksums of every tensor go in the request, so each engine's
-transfer is verified whatever the transport. A send that fails is logged and reported; training
-never stops for it (the engines catch up from the store).
+(a failed write: the broker rejects the version and flips nothing in). Checksums of every tensor go
+in the request, so each engine's transfer is verified whatever the transport. A send that fails is
+logged and reported; training never stops for it (the engines catch up from the store).
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.common.grpc_server import blocking_channel
 from rlfleet.common.processes import free_port
 from rlfleet.trainer.service_config import WeightSendConfig
+
+if TYPE_CHECKING:
+    from rlfleet.weights.p2p import P2PSender, TransferAgent
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ class SendSummary:
     serving_s: float = 0.0  # from the start until FinishTrainerSync answered: the engines serve it
     store_wait_s: float = 0.0  # after the transfers (or the flip), until the store write beside them was done
     confirm_s: float = 0.0  # ConfirmTrainerSync, when the engines flipped it in before it was stored
-    reverted: list[str] = field(default_factory=list)  # engines sent back: the store write failed after the flip
+    # Engines sent back: the store write failed after they flipped the version in.
+    reverted: list[str] = field(default_factory=list)
     bytes: dict[str, int] = field(default_factory=dict)  # transport -> bytes sent (all engines)
     outcomes: list[Any] = field(default_factory=list)  # EngineSyncOutcome
     error: str = ""
@@ -68,10 +72,11 @@ class WeightSender:
     def __init__(self, config: WeightSendConfig) -> None:
         self.config = config
         self._channel = blocking_channel(config.broker_address, options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
-        self._agent = None
-        self._p2p = None
+        self._agent: TransferAgent | None = None
+        self._p2p: P2PSender | None = None
 
     def close(self) -> None:
         if self._p2p is not None:
@@ -143,7 +148,8 @@ class WeightSender:
         summary.seconds = time.perf_counter() - started
         return summary
 
-    def _wait_stored(self, stored: Future[common_pb2.PolicyVersion], report: Any, summary: SendSummary) -> None:
+    def _wait_stored(self, stored: Future[common_pb2.PolicyVersion], report: Any,
+                     summary: SendSummary) -> None:
         """The store write's end into `report` (a Finish- or ConfirmTrainerSyncRequest): the stored
         version, or why the write failed (or never finished), for which the broker rejects the version."""
         waiting = time.perf_counter()
@@ -161,8 +167,9 @@ class WeightSender:
         summary.confirm_s = time.perf_counter() - confirming
         summary.reverted = list(reply.reverted_engine_ids)
         if summary.reverted:
-            log.error("version %d: the store write failed after %s flipped it in (%s); the broker sends them back",
-                      summary.version, summary.reverted, confirm.store_error)  # fmt: skip
+            log.error("version %d: the store write failed after %s flipped it in (%s); "
+                      "the broker sends them back", summary.version, summary.reverted,
+                      confirm.store_error)
 
     def _plan_request(self, version, named, checksums) -> broker_pb2.StartTrainerSyncRequest:
         on_gpu = any(t.is_cuda for _, t in named)
@@ -173,8 +180,8 @@ class WeightSender:
             version=version, checksum_algorithm=self.config.checksum_algorithm,
             master_address=self.config.master_address, master_port=free_port(self.config.master_address),
             backend=backend,
-            tensors=[broker_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                                           checksum=checksums[n]) for n, t in named],
+            tensors=[broker_pb2.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."),
+                                           shape=list(t.shape), checksum=checksums[n]) for n, t in named],
         )  # fmt: skip
 
     # --- broadcast ------------------------------------------------------------------------------
@@ -203,11 +210,12 @@ class WeightSender:
         return thread
 
     # --- P2P ------------------------------------------------------------------------------------
-    def _sender(self, bucket_bytes: int):
+    def _sender(self, bucket_bytes: int) -> P2PSender:
         from rlfleet.weights.p2p import P2PSender, TransferAgent
 
         if self._agent is None:
-            self._agent = TransferAgent(self.config.p2p_hostname, self.config.p2p_protocol, self.config.p2p_device)
+            self._agent = TransferAgent(self.config.p2p_hostname, self.config.p2p_protocol,
+                                        self.config.p2p_device)
         if self._p2p is None or self._p2p.bucket_bytes != bucket_bytes:
             if self._p2p is not None:
                 self._p2p.close()

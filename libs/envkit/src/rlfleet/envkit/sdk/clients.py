@@ -45,6 +45,7 @@ class RpcTimeouts:
 
 class _Client:
     service = ""
+    _stub: object  # the service's generated stub, made by each client; `_call` looks methods up by name
 
     def __init__(self, ch: grpc.aio.Channel, timeouts: RpcTimeouts) -> None:
         self.channel = ch
@@ -89,7 +90,8 @@ class SessionClient(_Client):
                               add_generation_prompt: bool = True) -> session_pb2.AppendObservationResponse:
         """Appends messages rendered by the server's chat template."""
         request = session_pb2.AppendObservationRequest(
-            session_id=session_id, messages=chat_messages(messages), add_generation_prompt=add_generation_prompt)
+            session_id=session_id, messages=chat_messages(messages),
+            add_generation_prompt=add_generation_prompt)
         return await self._call("AppendObservation", request, self.timeouts.append_s)
 
     async def get(self, session_id: str) -> session_pb2.Session | None:
@@ -100,9 +102,11 @@ class SessionClient(_Client):
         except RpcNotFound:
             return None
 
-    async def close(self, session_id: str, status: int = common_pb2.TRAJECTORY_STATUS_COMPLETED,
+    async def close(self, session_id: str,
+                    status: common_pb2.TrajectoryStatus = common_pb2.TRAJECTORY_STATUS_COMPLETED,
                     metadata: Mapping[str, str] | None = None) -> session_pb2.CloseSessionResponse:
-        request = session_pb2.CloseSessionRequest(session_id=session_id, status=status, metadata=metadata or {})
+        request = session_pb2.CloseSessionRequest(session_id=session_id, status=status,
+                                                  metadata=metadata or {})
         return await self._call("CloseSession", request, self.timeouts.close_s)
 
     async def abort(self, session_id: str, reason: str) -> session_pb2.AbortSessionResponse:
@@ -122,7 +126,8 @@ class SandboxClient(_Client):
         self.client_id = client_id or f"env-{socket.gethostname()}-{os.getpid()}"
 
     async def create(self, session_id: str = "", labels: Mapping[str, str] | None = None,
-                     files: Mapping[str, bytes | str] | None = None, ttl_s: float = 0.0) -> sandbox_pb2.Sandbox:
+                     files: Mapping[str, bytes | str] | None = None,
+                     ttl_s: float = 0.0) -> sandbox_pb2.Sandbox:
         request = sandbox_pb2.CreateSandboxRequest(
             session_id=session_id, labels=labels or {}, files=sandbox_files(files or {}), ttl_seconds=ttl_s)
         return await self._call("CreateSandbox", request, self.timeouts.sandbox_s,
@@ -141,7 +146,8 @@ class SandboxClient(_Client):
         await self._call("WriteFiles", request, self.timeouts.sandbox_s)
 
     async def read_files(self, sandbox_id: str, paths: list[str]) -> dict[str, bytes]:
-        reply = await self._call("ReadFiles", sandbox_pb2.ReadFilesRequest(sandbox_id=sandbox_id, paths=paths),
+        reply = await self._call("ReadFiles",
+                                 sandbox_pb2.ReadFilesRequest(sandbox_id=sandbox_id, paths=paths),
                                  self.timeouts.sandbox_s)
         return {f.path: f.content for f in reply.files}
 
@@ -161,7 +167,8 @@ class VerifierClient(_Client):
         super().__init__(ch, timeouts)
         self._stub = verifier_pb2_grpc.VerifierServiceStub(ch)
 
-    async def verify(self, session_id: str, suite: str, task_id: str, sandbox_id: str = "") -> common_pb2.Verdict:
+    async def verify(self, session_id: str, suite: str, task_id: str,
+                     sandbox_id: str = "") -> common_pb2.Verdict:
         """Asks for the episode's verdict; the verifier reads the session and sandbox itself."""
         request = verifier_pb2.VerifyRequest(session_id=session_id, suite=suite, task_id=task_id,
                                              sandbox_id=sandbox_id)
@@ -180,7 +187,8 @@ def credentials_from(token: str, ca_file: str) -> security.Credentials:
     else this process's own (`security.local_credentials`)."""
     if not token:
         return security.local_credentials()
-    ca_path = ca_file or os.environ.get(security.CA_ENV, "") or str((security.secrets_dir() or Path()) / "ca.pem")
+    ca_path = (ca_file or os.environ.get(security.CA_ENV, "")
+               or str((security.secrets_dir() or Path()) / "ca.pem"))
     if not Path(ca_path).exists():
         raise StartupError(f"no CA certificate at {ca_path!r}: give --ca-file (the run's secrets/ca.pem)")
     return security.client_credentials(token, Path(ca_path).read_bytes())

@@ -75,8 +75,14 @@ class SandboxHandle:
 
 @runtime_checkable
 class Environment(Protocol):
-    suite: str
-    tools: tuple[str, ...]  # tool names this environment can run
+    # Read-only members, so a plain class attribute (`tools = ("search",)`) and a property both fit.
+    @property
+    def suite(self) -> str: ...
+
+    @property
+    def tools(self) -> tuple[str, ...]:
+        """Tool names this environment can run."""
+
     # Optional attribute `needs_sandbox: bool` (True when absent): False runs the episode without a
     # sandbox, and `setup`/`run_tool` then get None for it.
 
@@ -202,7 +208,8 @@ class RepoEnvironment:
             result = await sandbox.exec(("find", ".", "-type", "f", "-not", "-path", "*/.*"))
             if result.exit_code != 0:
                 return exec_observation(result, sandbox.tool_timeout_s)
-            names = sorted(line.removeprefix("./") for line in result.stdout.decode("utf-8", "replace").splitlines())
+            names = sorted(line.removeprefix("./")
+                           for line in result.stdout.decode("utf-8", "replace").splitlines())
             return ToolResult("\n".join(names) or "(no files)")
         if call.tool == "run":
             return await self._run(sandbox, call.args)
@@ -215,9 +222,11 @@ class RepoEnvironment:
                 return ToolResult("error: read_file takes one path", ok=False)
             return exec_observation(await sandbox.exec(("cat", "--", path)), sandbox.tool_timeout_s)
         if call.tool == "write_file":
-            result = await sandbox.exec(("sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path),
-                                        stdin=rest)
-            return exec_observation(result, sandbox.tool_timeout_s) if result.exit_code else ToolResult(f"wrote {path}")
+            script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+            result = await sandbox.exec(("sh", "-c", script, "sh", path), stdin=rest)
+            if result.exit_code:
+                return exec_observation(result, sandbox.tool_timeout_s)
+            return ToolResult(f"wrote {path}")
         old, separator, new = rest.partition(repo.EDIT_SEPARATOR)
         if not separator:
             return ToolResult("error: edit_file needs the old text, a line ---, then the new text", ok=False)
@@ -272,8 +281,8 @@ class UnknownSuite(EnvkitError, LookupError):
         self.suite = suite
         known = sorted(s for s, runtime in _REGISTRY if runtime == tool_runtime)
         if tool_runtime != "sandbox" and any(s == suite for s, _ in _REGISTRY):
-            message = (f"the {suite!r} environment has no {tool_runtime} tool runtime (its tools need a sandbox); "
-                       f"suites with one: {', '.join(known) or 'none'}")
+            message = (f"the {suite!r} environment has no {tool_runtime} tool runtime (its tools need a "
+                       f"sandbox); suites with one: {', '.join(known) or 'none'}")
         else:
             message = f"no environment for suite {suite!r}; known: {', '.join(known)}"
         super().__init__(message)
@@ -287,8 +296,10 @@ _REGISTRY: dict[tuple[str, str], Callable[[], Environment]] = {
 }
 
 
-def register_environment(suite: str, factory: Callable[[], Environment], tool_runtime: ToolRuntime = "sandbox") -> None:
-    """Makes `environment_for(suite, tool_runtime)` (and so the rollout workers) run `suite` with `factory()`."""
+def register_environment(suite: str, factory: Callable[[], Environment],
+                         tool_runtime: ToolRuntime = "sandbox") -> None:
+    """Makes `environment_for(suite, tool_runtime)` (and so the rollout workers) run `suite`
+    with `factory()`."""
     _check_runtime(tool_runtime)
     _REGISTRY[(suite, tool_runtime)] = factory
 

@@ -37,7 +37,8 @@ class EpisodeSummary:
     violations: list[str] = field(default_factory=list)  # sandbox violation kinds, lower case
     tool_wait_s: float = 0.0
     generate_s: float = 0.0
-    sandbox_s: float = 0.0  # creating, setting up and destroying the episode's sandbox (tool calls not counted)
+    # creating, setting up and destroying the episode's sandbox (tool calls not counted)
+    sandbox_s: float = 0.0
     verify_s: float = 0.0  # the Verify call (hidden tests included)
     episode_s: float = 0.0
     tools: dict[str, int] = field(default_factory=dict)  # calls run, by tool name
@@ -68,4 +69,5 @@ class EpisodeSummary:
     def apply_verdict(self, verdict: common_pb2.Verdict) -> None:
         self.reward = verdict.reward
         self.passed = verdict.passed
-        self.reasons = [common_pb2.ReasonCode.Name(r.code).removeprefix("REASON_CODE_") for r in verdict.reasons]
+        self.reasons = [common_pb2.ReasonCode.Name(r.code).removeprefix("REASON_CODE_")
+                        for r in verdict.reasons]

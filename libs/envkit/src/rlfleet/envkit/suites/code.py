@@ -56,7 +56,8 @@ def build_test_script(template: CodeTemplate) -> str:
     return hidden_test_script(title=f"Hidden tests for {function}();", cases=cases, case="(args, expected)",
                               name=f'f"test_{function}_{{index}}"', call="candidate(*args)",
                               mismatch=function + "{tuple(args)!r} returned {got!r}, expected {expected!r}",
-                              preamble='sys.path.insert(0, ".")\n', setup=_IMPORT_CANDIDATE.format(function=function))
+                              preamble='sys.path.insert(0, ".")\n',
+                              setup=_IMPORT_CANDIDATE.format(function=function))
 
 
 def prompt_of(template: CodeTemplate) -> str:

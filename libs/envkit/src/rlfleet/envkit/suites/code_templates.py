@@ -134,7 +134,8 @@ TEMPLATES: tuple[CodeTemplate, ...] = (
         "n: int",
         "bool",
         "returns True if n is a prime number (numbers below 2 are not prime)",
-        "if n < 2:\n    return False\nk = 2\nwhile k * k <= n:\n    if n % k == 0:\n        return False\n    k += 1\nreturn True",
+        "if n < 2:\n    return False\nk = 2\nwhile k * k <= n:\n    if n % k == 0:\n        return False\n"
+        "    k += 1\nreturn True",
         ((2,), True),
         ((1,), False),
         ((0,), False),
@@ -180,7 +181,8 @@ TEMPLATES: tuple[CodeTemplate, ...] = (
         "xs: list[int]",
         "list[int]",
         "returns xs without repeated values, keeping the first occurrence of each in order",
-        "seen = set()\nresult = []\nfor x in xs:\n    if x not in seen:\n        seen.add(x)\n        result.append(x)\nreturn result",
+        "seen = set()\nresult = []\nfor x in xs:\n    if x not in seen:\n        seen.add(x)\n"
+        "        result.append(x)\nreturn result",
         (([1, 2, 1, 3, 2],), [1, 2, 3]),
         (([],), []),
         (([5, 5, 5],), [5]),
@@ -276,8 +278,10 @@ TEMPLATES: tuple[CodeTemplate, ...] = (
         "median",
         "xs: list[int]",
         "float",
-        "returns the median of the non-empty list xs (the mean of the two middle values when len(xs) is even)",
-        "ys = sorted(xs)\nmid = len(ys) // 2\nif len(ys) % 2:\n    return float(ys[mid])\nreturn (ys[mid - 1] + ys[mid]) / 2",
+        "returns the median of the non-empty list xs (the mean of the two middle values "
+        "when len(xs) is even)",
+        "ys = sorted(xs)\nmid = len(ys) // 2\nif len(ys) % 2:\n    return float(ys[mid])\n"
+        "return (ys[mid - 1] + ys[mid]) / 2",
         (([3, 1, 2],), 2.0),
         (([4, 1, 3, 2],), 2.5),
         (([7],), 7.0),
@@ -297,7 +301,8 @@ TEMPLATES: tuple[CodeTemplate, ...] = (
         "caesar_shift",
         "s: str, k: int",
         "str",
-        "shifts every lower-case letter a-z of s forward by k places in the alphabet (wrapping around) and leaves other characters unchanged",
+        "shifts every lower-case letter a-z of s forward by k places in the alphabet (wrapping around) and "
+        "leaves other characters unchanged",
         "return ''.join(chr((ord(c) - 97 + k) % 26 + 97) if 'a' <= c <= 'z' else c for c in s)",
         (("abc", 1), "bcd"),
         (("xyz", 3), "abc"),
@@ -308,8 +313,10 @@ TEMPLATES: tuple[CodeTemplate, ...] = (
         "run_length_encode",
         "s: str",
         "str",
-        "returns the run-length encoding of s: each run of a repeated character becomes the character followed by the run length",
-        "out = []\ni = 0\nwhile i < len(s):\n    j = i\n    while j < len(s) and s[j] == s[i]:\n        j += 1\n"
+        "returns the run-length encoding of s: each run of a repeated character becomes the character "
+        "followed by the run length",
+        "out = []\ni = 0\nwhile i < len(s):\n    j = i\n"
+        "    while j < len(s) and s[j] == s[i]:\n        j += 1\n"
         "    out.append(f'{s[i]}{j - i}')\n    i = j\nreturn ''.join(out)",
         (("aaabcc",), "a3b1c2"),
         (("",), ""),
@@ -341,7 +348,8 @@ TEMPLATES: tuple[CodeTemplate, ...] = (
         "most_common_char",
         "s: str",
         "str",
-        "returns the character that occurs most often in the non-empty string s; on a tie, the one that occurs first in s",
+        "returns the character that occurs most often in the non-empty string s; on a tie, the one "
+        "that occurs first in s",
         "return max(s, key=lambda c: (s.count(c), -s.index(c)))",
         (("banana",), "a"),
         (("abc",), "a"),
@@ -352,9 +360,10 @@ TEMPLATES: tuple[CodeTemplate, ...] = (
         "triangle_type",
         "a: int, b: int, c: int",
         "str",
-        "returns 'invalid' if positive side lengths a, b, c cannot form a triangle (one side >= the sum of the other two), "
-        "else 'equilateral', 'isosceles' or 'scalene'",
-        "x, y, z = sorted((a, b, c))\nif x + y <= z:\n    return 'invalid'\nif x == z:\n    return 'equilateral'\n"
+        "returns 'invalid' if positive side lengths a, b, c cannot form a triangle (one side >= the sum of "
+        "the other two), else 'equilateral', 'isosceles' or 'scalene'",
+        "x, y, z = sorted((a, b, c))\nif x + y <= z:\n    return 'invalid'\nif x == z:\n"
+        "    return 'equilateral'\n"
         "if x == y or y == z:\n    return 'isosceles'\nreturn 'scalene'",
         ((3, 3, 3), "equilateral"),
         ((3, 3, 5), "isosceles"),
@@ -366,7 +375,8 @@ TEMPLATES: tuple[CodeTemplate, ...] = (
         "is_leap_year",
         "year: int",
         "bool",
-        "returns True if year is a leap year in the Gregorian calendar (divisible by 4, except centuries not divisible by 400)",
+        "returns True if year is a leap year in the Gregorian calendar (divisible by 4, except centuries "
+        "not divisible by 400)",
         "return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)",
         ((2024,), True),
         ((1900,), False),

@@ -52,5 +52,5 @@ def hidden_test_script(*, title: str, cases: list[Any], case: str, name: str, ca
     f-string, the FAIL line's reason when the value is wrong. `preamble` runs before CASES is bound and
     `setup` (indented) first in main()."""
     modules = "\n".join(f"import {module}" for module in sorted({"math", "sys", *imports}))
-    return _SCRIPT.format(title=title, imports=modules, preamble=preamble, cases=cases, setup=setup, case=case,
-                          name=name, call=call, mismatch=mismatch)
+    return _SCRIPT.format(title=title, imports=modules, preamble=preamble, cases=cases,
+                          setup=setup, case=case, name=name, call=call, mismatch=mismatch)

@@ -57,7 +57,8 @@ TOOLS = (
     ToolSpec(name="list_files", description="lists the workspace's files"),
     ToolSpec(name="read_file", description="the path; returns the file's text"),
     ToolSpec(name="write_file", description="first line: the path; the rest: the file's contents"),
-    ToolSpec(name="edit_file", description="first line: the path; then the old text, a line ---, the new text"),
+    ToolSpec(name="edit_file",
+             description="first line: the path; then the old text, a line ---, the new text"),
     ToolSpec(name="run", description="runs a shell command in the workspace (time limit, output capped)"),
 )
 TOOL_NAMES = tuple(tool.name for tool in TOOLS)
@@ -122,7 +123,8 @@ class Instance:
     def library_source(self) -> str:
         """The module holding the target function (the helper at level 2)."""
         target = self.function.source(self.bug, stub=self.level == 3)
-        parts = [self.companion.source(), target] if self.companion_first else [target, self.companion.source()]
+        companion = self.companion.source()
+        parts = [companion, target] if self.companion_first else [target, companion]
         return "\n\n".join(parts)
 
     def visible_cases(self) -> tuple[str, str, list]:
@@ -170,15 +172,18 @@ class Instance:
         if self.level == 1:
             return f"{f.name}() in {self.module}.py {f.doc}, but it has a bug. Fix it. {check}"
         if self.level == 2:
-            return f"{self.wrapper}() in {self.module}.py gives wrong results. Find the bug and fix it. {check}"
+            return (f"{self.wrapper}() in {self.module}.py gives wrong results. Find the bug and fix it. "
+                    f"{check}")
         return f"Implement {f.name}() in {self.module}.py: it {f.doc}. {check}"
 
     def hidden_cases(self) -> list[tuple[str, str, list[Any], Any]]:
         target_module = self.helper or self.module
-        cases = [(target_module, self.function.name, list(args), expected) for args, expected in self.function.hidden]
+        cases = [(target_module, self.function.name, list(args), expected)
+                 for args, expected in self.function.hidden]
         if self.level == 2:
             items = [list(args) for args, _ in self.function.hidden]
-            cases.append((self.module, self.wrapper, [items], [expected for _, expected in self.function.hidden]))
+            cases.append((self.module, self.wrapper, [items],
+                          [expected for _, expected in self.function.hidden]))
         return cases
 
     def hidden_tests(self) -> str:
@@ -221,20 +226,24 @@ def make_task(instance: Instance) -> Task:
         task_id=f"repo-{instance.level}-{_hex(instance.key)[:12]}",
         suite=SUITE,
         split=split_of(instance),
-        messages=(Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content=instance.prompt())),
+        messages=(Message(role="system", content=SYSTEM_PROMPT),
+                  Message(role="user", content=instance.prompt())),
         workspace=instance.workspace(),
-        verifier=UnitTestsVerifier(kind="unit_tests", tests=instance.hidden_tests(), test_file="test_hidden.py",
-                                   solution_files=instance.solution_files(), timeout_s=HIDDEN_TIMEOUT_S),
+        verifier=UnitTestsVerifier(kind="unit_tests", tests=instance.hidden_tests(),
+                                   test_file="test_hidden.py", solution_files=instance.solution_files(),
+                                   timeout_s=HIDDEN_TIMEOUT_S),
         tools=TOOLS,
         limits=LIMITS[instance.level],
         metadata={"level": instance.level, "function": instance.function.name, "module": instance.module,
-                  "helper": instance.helper, "target_file": instance.target_file, "test_file": instance.test_file,
+                  "helper": instance.helper, "target_file": instance.target_file,
+                  "test_file": instance.test_file,
                   "bug": instance.bug.kind if instance.bug else "not_implemented",
                   "failure_modes": instance.failure_modes(), "instance": instance.key},
     )
 
 
-def generate_instances(split: str, n: int, seed: int = 0, difficulty: int | tuple[int, ...] = 1) -> list[Instance]:
+def generate_instances(split: str, n: int, seed: int = 0,
+                       difficulty: int | tuple[int, ...] = 1) -> list[Instance]:
     """``n`` distinct instances of ``split``; ``difficulty`` one level or several (mixed evenly)."""
     levels = (difficulty,) if isinstance(difficulty, int) else tuple(difficulty)
     for level in levels:
@@ -253,7 +262,8 @@ def generate_instances(split: str, n: int, seed: int = 0, difficulty: int | tupl
         if instance.key not in found and split_of(instance) == split:
             found[instance.key] = instance
     if len(found) < n:
-        raise TaskGenerationError(f"could only find {len(found)} of {n} distinct {split} repo tasks at {levels}")
+        raise TaskGenerationError(f"could only find {len(found)} of {n} distinct {split} "
+                                  f"repo tasks at {levels}")
     return list(found.values())
 
 
@@ -267,8 +277,8 @@ def instance_of(task: Task) -> Instance:
     level, name, bug_kind, module, helper, companion, first = task.metadata["instance"].split(":")
     function = next(f for f in FUNCTIONS if f.name == name)
     bug = next((b for b in function.bugs if b.kind == bug_kind), None)
-    return Instance(int(level), function, bug, module, next(f for f in FUNCTIONS if f.name == companion), helper,
-                    first == "1")
+    return Instance(int(level), function, bug, module,
+                    next(f for f in FUNCTIONS if f.name == companion), helper, first == "1")
 
 
 def fixed_workspace(task: Task) -> dict[str, str]:

@@ -36,7 +36,8 @@ class FunctionTemplate:
     def source(self, bug: Bug | None = None, stub: bool = False) -> str:
         """The function's source: correct, with `bug` in it, or a stub raising NotImplementedError."""
         lines = ["    raise NotImplementedError"] if stub else [
-            "    " + (bug.buggy if bug is not None and line == bug.line else line) for line in self.body.split("\n")]
+            "    " + (bug.buggy if bug is not None and line == bug.line else line)
+            for line in self.body.split("\n")]
         return f"def {self.name}({self.params}):\n    \"\"\"{self.doc[0].upper()}{self.doc[1:]}.\"\"\"\n" + \
             "\n".join(lines) + "\n"
 
@@ -46,7 +47,8 @@ class FunctionTemplate:
 
 def _f(name: str, params: str, doc: str, body: str, bugs: list[tuple[str, str, str]],
        visible: list[Case], hidden: list[Case]) -> FunctionTemplate:
-    return FunctionTemplate(name, params, doc, body, tuple(Bug(*b) for b in bugs), tuple(visible), tuple(hidden))
+    return FunctionTemplate(name, params, doc, body, tuple(Bug(*b) for b in bugs),
+                            tuple(visible), tuple(hidden))
 
 
 FUNCTIONS: tuple[FunctionTemplate, ...] = (
@@ -70,7 +72,8 @@ FUNCTIONS: tuple[FunctionTemplate, ...] = (
        [(([1, 2, 3],), 3)], [(([5, 6],), 6), (([9],), 9), ((["a", "b", "c"],), "c")]),
     _f("first_n", "xs, n", "returns the first n items of xs", "return xs[:n]",
        [("off_by_one", "return xs[:n]", "return xs[:n - 1]")],
-       [(([1, 2, 3, 4], 2), [1, 2])], [(([5, 6, 7], 3), [5, 6, 7]), (([1, 2], 1), [1]), (([4, 5, 6], 0), [])]),
+       [(([1, 2, 3, 4], 2), [1, 2])],
+       [(([5, 6, 7], 3), [5, 6, 7]), (([1, 2], 1), [1]), (([4, 5, 6], 0), [])]),
     _f("count_up", "n", "returns the list 1, 2, ..., n", "return list(range(1, n + 1))",
        [("off_by_one", "return list(range(1, n + 1))", "return list(range(1, n))")],
        [((3,), [1, 2, 3])], [((1,), [1]), ((5,), [1, 2, 3, 4, 5]), ((0,), [])]),
@@ -88,9 +91,12 @@ FUNCTIONS: tuple[FunctionTemplate, ...] = (
        [(("abc",), "cba")], [(("hello",), "olleh"), (("",), ""), (("ab",), "ba")]),
     _f("greet", "name", "returns the greeting 'Hello, NAME!'", "return 'Hello, ' + name + '!'",
        [("wrong_constant", "return 'Hello, ' + name + '!'", "return 'Hello ' + name + '!'")],
-       [(("Ann",), "Hello, Ann!")], [(("Bo",), "Hello, Bo!"), (("",), "Hello, !"), (("Zed",), "Hello, Zed!")]),
-    _f("count_positive", "xs", "returns how many numbers in xs are above zero", "return len([x for x in xs if x > 0])",
-       [("wrong_comparison", "return len([x for x in xs if x > 0])", "return len([x for x in xs if x >= 0])")],
+       [(("Ann",), "Hello, Ann!")],
+       [(("Bo",), "Hello, Bo!"), (("",), "Hello, !"), (("Zed",), "Hello, Zed!")]),
+    _f("count_positive", "xs", "returns how many numbers in xs are above zero",
+       "return len([x for x in xs if x > 0])",
+       [("wrong_comparison", "return len([x for x in xs if x > 0])",
+         "return len([x for x in xs if x >= 0])")],
        [(([1, -2, 3],), 2)], [(([0, 0, 1],), 1), (([],), 0), (([-1, 0, 5, 6],), 2)]),
     _f("percent", "part, whole", "returns part as a percentage of whole", "return 100 * part / whole",
        [("swapped_arguments", "return 100 * part / whole", "return 100 * whole / part")],
@@ -104,7 +110,8 @@ FUNCTIONS: tuple[FunctionTemplate, ...] = (
     _f("clamp", "x, lo, hi", "returns x limited to the range lo to hi", "return max(lo, min(x, hi))",
        [("wrong_function", "return max(lo, min(x, hi))", "return max(lo, max(x, hi))")],
        [((5, 0, 10), 5)], [((-3, 0, 10), 0), ((12, 0, 10), 10), ((7, 1, 9), 7)]),
-    _f("with_tax", "price, rate", "returns price plus rate percent of tax", "return price + price * rate / 100",
+    _f("with_tax", "price, rate", "returns price plus rate percent of tax",
+       "return price + price * rate / 100",
        [("wrong_operator", "return price + price * rate / 100", "return price * rate / 100")],
        [((100, 10), 110.0)], [((200, 5), 210.0), ((50, 0), 50.0), ((10, 50), 15.0)]),
     _f("sign", "x", "returns 1 for a positive x, -1 for a negative one and 0 for zero",
