@@ -775,7 +775,9 @@ class EngineServer:
             named = self.staging.named()
             if ref is None:
                 # The store may not have it yet: kept, to be adopted once it has (adopt_store_version).
-                adopt = lambda: self.store.keep_sent(named, checksums, algorithm) or "not in the store yet"  # noqa: E731
+                def adopt() -> str:
+                    self.store.keep_sent(named, checksums, algorithm)
+                    return "not in the store yet: kept to adopt"
             else:
                 adopt = lambda: self.store.adopt_sent(ref, named, checksums, algorithm)  # noqa: E731
             return await self._swap(named, version, mode, adopt_store=adopt, bytes=self.staging.nbytes)
