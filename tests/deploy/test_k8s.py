@@ -608,12 +608,15 @@ def test_generated_secrets_carry_no_ca_key(generated_secrets):
 
 
 def test_only_the_controller_may_touch_the_run_state(generated_secrets, rendered):
-    """The run's state (JetStream KV RLFLEET_RUNS): the controller's user gets its run's keys, no one else any."""
+    """The run's state (JetStream KV RLFLEET_RUNS): the controller's user gets its run's keys, no one
+    else any."""
     auth = base64.b64decode(generated_secrets[0]["rlfleet-infra-auth"]["data"]["nats-auth.conf"]).decode()
-    users = {u["user"]: u.get("permissions", {}) for u in json.loads(auth.split("authorization", 1)[1])["users"]}
+    listed = json.loads(auth.split("authorization", 1)[1])["users"]
+    users = {u["user"]: u.get("permissions", {}) for u in listed}
     assert {name for name, p in users.items() if "RLFLEET_RUNS" in json.dumps(p)} == {"controller"}
     objects = rendered["cpu-local"]
-    env = h.resolve_env(h.pod_spec(h.by_kind_name(objects)[("Deployment", "controller")])["containers"][0], objects)
+    controller = h.pod_spec(h.by_kind_name(objects)[("Deployment", "controller")])["containers"][0]
+    env = h.resolve_env(controller, objects)
     assert f"$KV.RLFLEET_RUNS.{env['RLFLEET__RUN_ID']}.>" in users["controller"]["publish"]["allow"]
 
 

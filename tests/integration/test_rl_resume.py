@@ -228,8 +228,9 @@ def test_an_interrupted_run_resumes_from_its_run_directory(tmp_path):
         stored = asyncio.run(_stored_state(nats_url, run_dir))
         copy = json.loads((run_dir / "run_state.json").read_text())
         assert stored.head.status == stored.state.status == copy["status"] == "finished"
-        assert (stored.state.attempt, stored.state.tasks_published, stored.state.accepted_version,
-                len(stored.state.resumes)) == (copy["attempt"], copy["tasks_published"], copy["accepted_version"], 2)
+        state = stored.state
+        assert (state.attempt, state.tasks_published, state.accepted_version, len(state.resumes)) == \
+               (copy["attempt"], copy["tasks_published"], copy["accepted_version"], 2)
 
         # 4. Another resume with a bigger budget attaches to the platform that is still up.
         config.write_text(CONFIG.format(steps=34))

@@ -127,8 +127,8 @@ async def test_only_the_controller_may_write_or_read_the_run_state(nats_url, inf
                 bucket=RUN_STATE_BUCKET, history=1, storage=StorageType.FILE, direct=True))
         await mine.create(key, b"the controller's")
         # The intruder binds the bucket by hand (stream info is everyone's) and tries what the store does.
-        theirs = KeyValue(name=RUN_STATE_BUCKET, stream=f"KV_{RUN_STATE_BUCKET}", pre=f"$KV.{RUN_STATE_BUCKET}.",
-                          js=intruder.jetstream(timeout=1.0), direct=True)
+        theirs = KeyValue(name=RUN_STATE_BUCKET, stream=f"KV_{RUN_STATE_BUCKET}",
+                          pre=f"$KV.{RUN_STATE_BUCKET}.", js=intruder.jetstream(timeout=1.0), direct=True)
         with caplog.at_level(logging.WARNING, "rlfleet.nats"):
             with pytest.raises(TimeoutError):
                 await theirs.put(key, b"forged")
@@ -152,7 +152,8 @@ def test_the_controller_may_touch_only_its_runs_state_keys():
         f"$JS.API.STREAM.CREATE.KV_{RUN_STATE_BUCKET}", f"$KV.{RUN_STATE_BUCKET}.r1.>"]
     for role in NATS_ROLES:
         if role != "controller":
-            assert not [s for s in nats_permissions(role, "r1")["publish"]["allow"] if RUN_STATE_BUCKET in s], role
+            allowed = nats_permissions(role, "r1")["publish"]["allow"]
+            assert not [s for s in allowed if RUN_STATE_BUCKET in s], role
 
 
 async def test_a_consumer_cannot_rewrite_a_stream_it_does_not_publish(nats_url, infra_secrets):

@@ -44,9 +44,9 @@ def controller_nats(nats_url: str, infra_secrets) -> dict:
 def start_controller(workdir: Path, run_id: str, nats: dict, name: str, **extra) -> ServiceProcess:
     """A controller whose run directory is its own and whose peers are nowhere (see the docstring)."""
     nowhere = f"127.0.0.1:{free_port()}"
-    config = {"run_id": run_id, "run_dir": str(workdir / name / "run"), "nats": nats, "metrics.enabled": False,
-              **{f"{peer}_address": nowhere for peer in ("gateway", "trainer", "broker", "verifier", "session",
-                                                         "sandbox")}, **extra}
+    peers = ("gateway", "trainer", "broker", "verifier", "session", "sandbox")
+    config = {"run_id": run_id, "run_dir": str(workdir / name / "run"), "nats": nats,
+              "metrics.enabled": False, **{f"{peer}_address": nowhere for peer in peers}, **extra}
     return ServiceProcess("rlfleet-controller", workdir / name, config=config, name=name).start(120)
 
 
@@ -65,7 +65,8 @@ def seeded_state(run_id: str, run_dir: Path) -> RunState:
     record.audits.append({"when": "before the loop", "breaches": []})
     accepted = EvalResult(5, "heldout", 4, 0.75, 0.0, 0.0, 1.0, 2.0, 60.0, "candidate")
     return RunState("running", config, "seeded-attempt", loop_s=95.0, tasks_published=40, last_gated=5,
-                    accepted_version=5, accepted_eval=asdict(accepted), driven_by="controller", record=asdict(record))
+                    accepted_version=5, accepted_eval=asdict(accepted), driven_by="controller",
+                    record=asdict(record))
 
 
 def a_dead_owner() -> Owner:
@@ -77,7 +78,8 @@ def a_dead_owner() -> Owner:
     return owner
 
 
-async def store_as_controller(nats_url: str, infra_secrets, run_id: str, owner: Owner | None = None) -> RunStore:
+async def store_as_controller(nats_url: str, infra_secrets, run_id: str,
+                              owner: Owner | None = None) -> RunStore:
     nc = await connect_nats(NatsConfig(**controller_nats(nats_url, infra_secrets)), "t-seed")
     store = await RunStore.open(nc.jetstream(), run_id, RunStoreConfig(mirror=False))
     store.nc = nc  # type: ignore[attr-defined]  # closed by `stored`
@@ -100,7 +102,8 @@ def stored(nats_url: str, infra_secrets, run_id: str) -> Snapshot:
 def get_run(controller: ServiceProcess) -> controller_pb2.RunInfo | None:
     with blocking_channel(controller.address) as channel:
         try:
-            return controller_pb2_grpc.RunControlStub(channel).GetRun(controller_pb2.GetRunRequest(), timeout=10)
+            stub = controller_pb2_grpc.RunControlStub(channel)
+            return stub.GetRun(controller_pb2.GetRunRequest(), timeout=10)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -109,7 +112,8 @@ def get_run(controller: ServiceProcess) -> controller_pb2.RunInfo | None:
 
 def start_run(controller: ServiceProcess, config: RunConfig, **flags: bool) -> controller_pb2.RunInfo:
     with blocking_channel(controller.address) as channel:
-        request = controller_pb2.StartRunRequest(config_json=json.dumps(config.model_dump(mode="json")), **flags)
+        config_json = json.dumps(config.model_dump(mode="json"))
+        request = controller_pb2.StartRunRequest(config_json=config_json, **flags)
         return controller_pb2_grpc.RunControlStub(channel).StartRun(request, timeout=30)
 
 
@@ -120,7 +124,8 @@ def eventually(what: str, check, timeout_s: float = 60.0, controller: ServicePro
         if result:
             return result
         time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s" + (f"\n{controller.log()[-4000:]}" if controller else ""))
+    log = f"\n{controller.log()[-4000:]}" if controller else ""
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s{log}")
 
 
 def test_a_killed_controller_s_run_is_continued_by_another_from_the_store(tmp_path, nats_url, infra_secrets):
@@ -130,7 +135,8 @@ def test_a_killed_controller_s_run_is_continued_by_another_from_the_store(tmp_pa
     async def seed() -> None:
         store = await store_as_controller(nats_url, infra_secrets, run_id, owner=a_dead_owner())
         try:
-            await ensure_streams(store.nc.jetstream())  # type: ignore[attr-defined]  # as the platform's services do
+            # The platform's streams, as its services make them at start.
+            await ensure_streams(store.nc.jetstream())  # type: ignore[attr-defined]
             await store.claim(seeded_state(run_id, tmp_path / "seeded-run"), await store.read())
         finally:
             await store.nc.close()  # type: ignore[attr-defined]
@@ -141,7 +147,8 @@ def test_a_killed_controller_s_run_is_continued_by_another_from_the_store(tmp_pa
     second = third = None
     try:
         # The first resumes the run it finds in the store (its holder gone from this machine).
-        info = eventually("the first controller resumes the stored run", lambda: get_run(first), controller=first)
+        info = eventually("the first controller resumes the stored run", lambda: get_run(first),
+                          controller=first)
         assert (info.accepted_version, info.steps, info.gate_decisions, info.resumes) == (5, 7, 2, 1)
         assert info.driven_by == "controller" and info.run_dir == str(tmp_path / "first" / "run")
         held = stored(nats_url, infra_secrets, run_id)
@@ -152,28 +159,31 @@ def test_a_killed_controller_s_run_is_continued_by_another_from_the_store(tmp_pa
         with pytest.raises(grpc.RpcError) as refused:
             start_run(second, run_config(run_id, tmp_path / "second" / "run"), resume=True)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert f"pid {first.pid}" in refused.value.details() and "driven by another controller" in refused.value.details()
+        assert f"pid {first.pid}" in refused.value.details()
+        assert "driven by another controller" in refused.value.details()
         assert get_run(second) is None, "it waits and drives nothing"
         assert not (tmp_path / "second" / "run" / STATE_FILE).exists()
 
         # The first killed mid-run: the second continues it at once (the holder is gone from this
         # machine) from the store alone, with the counts, accepted version and gate where they were.
         first.kill()
-        info = eventually("the second controller continues the run", lambda: get_run(second), controller=second)
+        info = eventually("the second controller continues the run", lambda: get_run(second),
+                          controller=second)
         assert (info.accepted_version, info.steps, info.gate_decisions, info.resumes) == (5, 7, 2, 2)
         state = eventually("the second holds the run", lambda: (s := stored(nats_url, infra_secrets, run_id))
                            .head.owner.pid == second.pid and s, controller=second).state
         assert (state.attempt, state.tasks_published, state.last_gated, state.accepted_version) == \
                ("seeded-attempt", 40, 5, 5)
         assert state.accepted_eval["success"] == 0.75 and len(state.resumes) == 2
-        assert state.record["config"]["run_dir"] == str(tmp_path / "second" / "run"), "continued in its own directory"
+        assert state.record["config"]["run_dir"] == str(tmp_path / "second" / "run"), "in its own directory"
         assert (tmp_path / "second" / "run" / STATE_FILE).exists(), "its own copy, once it holds the run"
 
         # A fresh run (on a third controller, the second killed) replaces the stored one.
         second.kill()
         third = start_controller(tmp_path, run_id, nats, "third", resume_on_start=False)
         started = start_run(third, run_config(run_id, tmp_path / "third" / "run"), fresh=True)
-        assert (started.accepted_version, started.steps, started.gate_decisions, started.resumes) == (0, 0, 0, 0)
+        assert (started.accepted_version, started.steps, started.gate_decisions, started.resumes) == \
+               (0, 0, 0, 0)
         fresh = stored(nats_url, infra_secrets, run_id)
         assert fresh.head.owner.pid == third.pid
         assert fresh.state.attempt != "seeded-attempt" and fresh.state.tasks_published == 0

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 async def controller_nats(nats_url, infra_secrets):
     """NATS as the controller's own user (its subject permissions), as the service connects."""
-    nc = await connect_nats(NatsConfig(url=without_login(nats_url), **infra_secrets.nats["controller"].nats()),
-                            "t-controller")
+    login = infra_secrets.nats["controller"].nats()
+    nc = await connect_nats(NatsConfig(url=without_login(nats_url), **login), "t-controller")
     yield nc
     await nc.close()
 
@@ -39,8 +39,9 @@ def a_state(tasks: int = 40, accepted: int = 5, notes: tuple[str, ...] = ()) -> 
     record = RunRecord("r", "async", {"run_id": "r"}, 1.0, accepted_version=accepted, notes=list(notes))
     record.steps += [StepRecord(step=v, version=v, elapsed_s=2.0 * v, reward_mean=0.5) for v in range(1, 8)]
     record.gate.append(GateDecision(accepted, True, ["held-out success +0.1"], 10.0))
-    return RunState("running", {"run_id": "r"}, "att", loop_s=95.0, tasks_published=tasks, last_gated=accepted,
-                    accepted_version=accepted, driven_by="controller", record=asdict(record))
+    return RunState("running", {"run_id": "r"}, "att", loop_s=95.0, tasks_published=tasks,
+                    last_gated=accepted, accepted_version=accepted, driven_by="controller",
+                    record=asdict(record))
 
 
 async def store_of(nc, run_id: str, tmp_path, name: str, owner: Owner | None = None, **config) -> RunStore:
@@ -63,7 +64,8 @@ def owner_of(proc: subprocess.Popen, host: str | None = None) -> Owner:
     return Owner(f"o{proc.pid}", host or host_identity(), proc.pid, start_ticks(proc.pid) or 0)
 
 
-async def test_a_state_larger_than_a_nats_message_is_stored_in_parts_and_read_back_whole(controller_nats, tmp_path):
+async def test_a_state_larger_than_a_nats_message_is_stored_in_parts_and_read_back_whole(controller_nats,
+                                                                                         tmp_path):
     run_id = unique_run_id("state")
     big = os.urandom(1_500_000).hex()  # 3 MB of JSON that compression cannot shrink below 1 MB
     store = await store_of(controller_nats, run_id, tmp_path, "a", part_bytes=256 * 1024)
@@ -80,7 +82,8 @@ async def test_a_state_larger_than_a_nats_message_is_stored_in_parts_and_read_ba
     assert not (tmp_path / "b" / STATE_FILE).exists(), "a reader writes nothing"
 
 
-async def test_a_second_controller_is_refused_while_the_first_holds_the_run(controller_nats, tmp_path, live_process):
+async def test_a_second_controller_is_refused_while_the_first_holds_the_run(controller_nats, tmp_path,
+                                                                            live_process):
     run_id = unique_run_id("state")
     first = await store_of(controller_nats, run_id, tmp_path, "a", owner=owner_of(live_process))
     await first.claim(a_state(), await first.read())
@@ -107,8 +110,8 @@ async def test_a_second_controller_is_refused_while_the_first_holds_the_run(cont
         await first.kv.get(first.key(f"{first.owner.id}.a", "0"))
 
 
-async def test_a_controller_on_another_machine_is_taken_over_only_once_its_lease_lapsed(controller_nats, tmp_path,
-                                                                                       live_process):
+async def test_a_controller_on_another_machine_is_taken_over_only_once_its_lease_lapsed(
+        controller_nats, tmp_path, live_process):
     run_id = unique_run_id("state")
     elsewhere = owner_of(live_process, host="node-7/boot/pid:[1]")
     first = await store_of(controller_nats, run_id, tmp_path, "a", owner=elsewhere, lease_s=3.0)
@@ -125,7 +128,8 @@ async def test_a_controller_on_another_machine_is_taken_over_only_once_its_lease
     assert (await second.read()).head.owner == second.owner
 
 
-async def test_a_run_that_ended_is_free_to_claim_and_its_parts_are_replaced(controller_nats, tmp_path, live_process):
+async def test_a_run_that_ended_is_free_to_claim_and_its_parts_are_replaced(controller_nats, tmp_path,
+                                                                            live_process):
     run_id = unique_run_id("state")
     first = await store_of(controller_nats, run_id, tmp_path, "a", owner=owner_of(live_process))
     await first.claim(a_state(), await first.read())
@@ -140,7 +144,8 @@ async def test_a_run_that_ended_is_free_to_claim_and_its_parts_are_replaced(cont
     assert back.head.slots == {f"{second.owner.id}.a": 1}
 
 
-async def test_a_run_directory_from_before_the_store_is_read_once_then_the_store_holds_it(controller_nats, tmp_path):
+async def test_a_run_directory_from_before_the_store_is_read_once_then_the_store_holds_it(controller_nats,
+                                                                                          tmp_path):
     run_id = unique_run_id("state")
     older = tmp_path / "older"
     older.mkdir()

@@ -46,7 +46,8 @@ SECRETS_DIR = "secrets"
 # The platform's streams, their subject suffixes (rlfleet.<run>.<suffix>), who publishes each.
 STREAM_SUFFIXES = {"TASKS": "tasks", "TRAJECTORIES": "trajectories", "POLICY": "policy", "TASKS_DEAD": "tasks_dead"}
 PLATFORM_STREAMS = ("TASKS", "TRAJECTORIES", "POLICY")  # what every process ensures at start
-RUN_STATE_BUCKET = "RLFLEET_RUNS"  # JetStream KV: the run's state, keys `<run>.*` (rlfleet.controller.state_store)
+# JetStream KV: the run's state, keys `<run>.*` (rlfleet.controller.state_store).
+RUN_STATE_BUCKET = "RLFLEET_RUNS"
 
 NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
     "session-server": {"publish": ("TRAJECTORIES",), "consume": ()},

@@ -40,8 +40,9 @@ class ControllerApp(App):
         platform = platform_view(config)
         metrics = ControllerMetrics()
         self.nc = await connect_nats(config.nats, "rlfleet-controller-state")
-        store = await RunStore.open(self.nc.jetstream(), config.run_id, config.state, Path(config.run_dir), metrics)
-        self.control = RunControl(Path(config.run_dir), config.run_id, store, platform, config.keep_lines, metrics)
+        run_dir = Path(config.run_dir)
+        store = await RunStore.open(self.nc.jetstream(), config.run_id, config.state, run_dir, metrics)
+        self.control = RunControl(run_dir, config.run_id, store, platform, config.keep_lines, metrics)
         server.add(controller_pb2_grpc.add_RunControlServicer_to_server, RunControlServicer(self.control),
                    SERVICE_NAME)
         configured = self.control.configured_run(config.start_run) if config.start_run else None

@@ -17,6 +17,6 @@ class ControllerMetrics:
         self.ends = m.create_counter("rlfleet_controller_run_ends_total", description="runs ended, by status")
         self.lines = m.create_counter("rlfleet_controller_progress_lines_total", description="progress lines said")
         self.state_saves = m.create_counter("rlfleet_controller_state_saves_total",
-                                            description="saves of the run's state to JetStream KV, by outcome")
+                                            description="saves of the run's state (JetStream KV), by outcome")
         self.state_bytes = m.create_histogram("rlfleet_controller_state_bytes",
                                               description="compressed size of the run's state at each save")

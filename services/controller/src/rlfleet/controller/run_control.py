@@ -138,8 +138,10 @@ class RunControl:
                 log.error("cannot resume on start: %s", snapshot.damaged)
                 return False
             state = snapshot.state
+            stopped_with_it = state is not None and state.status == "interrupted" \
+                and state.reason == CONTROLLER_STOPPED
             driving = state is not None and state.driven_by == "controller" and (
-                state.status == "running" or (state.status == "interrupted" and state.reason == CONTROLLER_STOPPED))
+                state.status == "running" or stopped_with_it)
             if state is None or not driving:
                 return False
             # The run as it was configured, in this controller's run directory (which may be another).
@@ -163,7 +165,8 @@ class RunControl:
         async with self._starting:
             snapshot = await self.store.read()
             state = snapshot.state
-            if state is not None and state.status == "finished" and state.config.get("run_id") == config.run_id:
+            if state is not None and state.status == "finished" \
+                    and state.config.get("run_id") == config.run_id:
                 log.info("start_run: run %s is finished; nothing to start", config.run_id)
                 return
             try:
