@@ -35,11 +35,11 @@ async def controller_nats(nats_url, infra_secrets):
     await nc.close()
 
 
-def a_state(tasks: int = 40, accepted: int = 5, notes: tuple[str, ...] = ()) -> RunState:
-    record = RunRecord("r", "async", {"run_id": "r"}, 1.0, accepted_version=accepted, notes=list(notes))
+def a_state(tasks: int = 40, accepted: int = 5, notes: tuple[str, ...] = (), run_id: str = "r") -> RunState:
+    record = RunRecord(run_id, "async", {"run_id": run_id}, 1.0, accepted_version=accepted, notes=list(notes))
     record.steps += [StepRecord(step=v, version=v, elapsed_s=2.0 * v, reward_mean=0.5) for v in range(1, 8)]
     record.gate.append(GateDecision(accepted, True, ["held-out success +0.1"], 10.0))
-    return RunState("running", {"run_id": "r"}, "att", loop_s=95.0, tasks_published=tasks,
+    return RunState("running", {"run_id": run_id}, "att", loop_s=95.0, tasks_published=tasks,
                     last_gated=accepted, accepted_version=accepted, driven_by="controller",
                     record=asdict(record))
 
@@ -149,7 +149,7 @@ async def test_a_run_directory_from_before_the_store_is_read_once_then_the_store
     run_id = unique_run_id("state")
     older = tmp_path / "older"
     older.mkdir()
-    a_state(tasks=17).save(older)  # run_state.json as `rlfleet run` wrote it before the store
+    a_state(tasks=17, run_id=run_id).save(older)  # run_state.json as `rlfleet run` wrote it before the store
     store = await store_of(controller_nats, run_id, tmp_path, "older")
     snapshot = await store.read()
     assert snapshot.state.tasks_published == 17 and snapshot.head is None
@@ -158,6 +158,8 @@ async def test_a_run_directory_from_before_the_store_is_read_once_then_the_store
 
     elsewhere = await (await store_of(controller_nats, run_id, tmp_path, "new")).read()
     assert elsewhere.state.tasks_published == 17 and "JetStream KV" in elsewhere.where
+    other = await (await store_of(controller_nats, unique_run_id("state"), tmp_path, "older")).read()
+    assert other.state is None, "another run's run_state.json is not taken for this run's"
 
 
 async def test_saves_renew_the_lease_and_keep_two_generations_at_most(controller_nats, tmp_path):

@@ -309,6 +309,9 @@ class RunStore:
             state = RunState.from_json(path.read_text(), str(path))
         except StartupError as exc:
             return Snapshot(None, None, revision, str(path), damaged=str(exc))
+        if state.config.get("run_id", self.run_id) != self.run_id:
+            log.warning("%s is run %s's, not %s's: not read", path, state.config.get("run_id"), self.run_id)
+            return Snapshot(None, None, revision, self.where)
         log.info("the store has no state of run %s: read %s (the claim stores it)", self.run_id, path)
         return Snapshot(state, None, revision, str(path))
 
