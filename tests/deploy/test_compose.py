@@ -225,6 +225,18 @@ def test_nats_server_accepts_the_config_with_the_generated_users(generated, tmp_
     assert '"user": "session-server"' in (tmp_path / "auth.conf").read_text()
 
 
+def test_only_the_stack_s_controller_may_touch_the_run_state(generated):
+    """The run's state (JetStream KV RLFLEET_RUNS): the controller's user gets its run's keys, nobody
+    else any."""
+    out, env, _ = generated
+    text = (out / "secrets" / "nats-auth.conf").read_text()
+    listed = json.loads(text.split("authorization", 1)[1])["users"]
+    users = {u["user"]: u.get("permissions", {}) for u in listed}
+    touching = {name for name, p in users.items() if "RLFLEET_RUNS" in json.dumps(p)}
+    assert touching == {"controller"}
+    assert f"$KV.RLFLEET_RUNS.{env['RLFLEET_RUN_ID']}.>" in users["controller"]["publish"]["allow"]
+
+
 def mounted_secrets(service: dict) -> dict[str, str]:
     """{path under /run/secrets: compose secret} of one container (short and long syntax)."""
     found = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -623,6 +624,19 @@ def test_generated_secrets_carry_no_ca_key(generated_secrets):
         assert "ca.key" not in secret["data"], name
         for key, value in secret["data"].items():
             assert ca_key.strip() not in base64.b64decode(value), f"{name}/{key} holds the CA key"
+
+
+def test_only_the_controller_may_touch_the_run_state(generated_secrets, rendered):
+    """The run's state (JetStream KV RLFLEET_RUNS): the controller's user gets its run's keys, no one
+    else any."""
+    auth = base64.b64decode(generated_secrets[0]["rlfleet-infra-auth"]["data"]["nats-auth.conf"]).decode()
+    listed = json.loads(auth.split("authorization", 1)[1])["users"]
+    users = {u["user"]: u.get("permissions", {}) for u in listed}
+    assert {name for name, p in users.items() if "RLFLEET_RUNS" in json.dumps(p)} == {"controller"}
+    objects = rendered["cpu-local"]
+    controller = h.pod_spec(h.by_kind_name(objects)[("Deployment", "controller")])["containers"][0]
+    env = h.resolve_env(controller, objects)
+    assert f"$KV.RLFLEET_RUNS.{env['RLFLEET__RUN_ID']}.>" in users["controller"]["publish"]["allow"]
 
 
 def test_generated_certificates_are_signed_by_the_run_ca(generated_secrets, tmp_path):

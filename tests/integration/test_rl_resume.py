@@ -20,7 +20,9 @@ import pytest
 from rlfleet.common.grpc_server import blocking_channel
 from rlfleet.common.testing import BackgroundRun
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Its own warm start (SFT) alone took 3 minutes at a load of ~12 here: the suite's 300 s limit cut a
+# run that was going well.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 RLFLEET = str(Path(sys.executable).parent / "rlfleet")
 
@@ -124,6 +126,25 @@ async def _train_trajectories(nats_url: str, run_dir) -> list[tuple[float, objec
     return found
 
 
+async def _stored_state(nats_url: str, run_dir: Path):
+    """The run's state as the controller keeps it: JetStream KV, read with the controller's login."""
+    from rlfleet.cli.run_state import RunState
+    from rlfleet.common.config import NatsConfig
+    from rlfleet.common.infra_auth import run_dir_login
+    from rlfleet.common.streams import connect_nats
+    from rlfleet.controller.config import RunStoreConfig
+    from rlfleet.controller.state_store import RunStore
+
+    nc = await connect_nats(NatsConfig(url=nats_url, **run_dir_login(run_dir, "nats", "controller")), "itest")
+    try:
+        store = await RunStore.open(nc.jetstream(), "resume", RunStoreConfig(mirror=False))
+        snapshot = await store.read()
+        assert isinstance(snapshot.state, RunState), snapshot
+        return snapshot
+    finally:
+        await nc.close()
+
+
 def _trainer_drops(run_dir: Path) -> dict[str, int]:
     from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -207,6 +228,14 @@ def test_an_interrupted_run_resumes_from_its_run_directory(tmp_path):
         lost = owed - set(trained)
         assert not lost, f"{len(lost)} of {len(owed)} trajectories published before the kill were not trained " \
                          f"(trainer drops: {_trainer_drops(run_dir)})"
+
+        # The run's state is the store's (JetStream KV); run_state.json is the controller's copy of it.
+        stored = asyncio.run(_stored_state(nats_url, run_dir))
+        copy = json.loads((run_dir / "run_state.json").read_text())
+        assert stored.head.status == stored.state.status == copy["status"] == "finished"
+        state = stored.state
+        assert (state.attempt, state.tasks_published, state.accepted_version, len(state.resumes)) == \
+               (copy["attempt"], copy["tasks_published"], copy["accepted_version"], 2)
 
         # 4. Another resume with a bigger budget attaches to the platform that is still up.
         config.write_text(CONFIG.format(steps=34))

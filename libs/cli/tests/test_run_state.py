@@ -23,6 +23,7 @@ from rlfleet.cli.run_state import (
     RunState,
     clear_run_outputs,
     config_changes,
+    host_identity,
     record_from_dict,
 )
 from rlfleet.common.errors import StartupError
@@ -142,6 +143,26 @@ def test_a_live_driver_keeps_its_run_dir(tmp_path):
              driver_start=start_ticks(os.getpid())).save(tmp_path)
     with pytest.raises(StartupError, match="another `rlfleet run`"):
         _run(tmp_path, resume=True).take_over_run_dir()
+
+
+def test_a_driver_on_another_machine_is_left_to_the_store_s_lease(tmp_path):
+    """A PID is only checked where it lives: the controller's store decides the rest by its lease."""
+    from dataclasses import asdict
+
+    from rlfleet.cli.launcher import start_ticks
+
+    RunState("running", RunConfig(run_dir=str(tmp_path)).model_dump(mode="json"), "a", driver_pid=os.getpid(),
+             driver_start=start_ticks(os.getpid()), driver_host="node-7/boot/pid:[1]",
+             record=asdict(_record())).save(tmp_path)
+    run = _run(tmp_path, resume=True)
+    run.take_over_run_dir()
+    assert run.resuming and run.current_state().driver_host == host_identity()
+
+
+def test_a_resumed_run_may_go_on_in_another_run_directory(tmp_path):
+    # A controller started on another machine continues the run in a run directory of its own.
+    before = RunConfig(run_dir=str(tmp_path / "a")).model_dump(mode="json")
+    assert config_changes(before, RunConfig(run_dir=str(tmp_path / "b")).model_dump(mode="json")) == []
 
 
 def test_contradicting_flags_are_refused(tmp_path):

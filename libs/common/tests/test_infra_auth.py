@@ -17,6 +17,7 @@ from rlfleet.common.errors import StartupError
 from rlfleet.common.infra_auth import (
     NATS_ROLES,
     REDIS_ROLES,
+    RUN_STATE_BUCKET,
     ensure_infra_secrets,
     nats_permissions,
     redis_acl,
@@ -104,6 +105,55 @@ async def test_only_the_trainer_may_publish_a_policy_version(nats_url, infra_sec
     finally:
         await session.close()
         await trainer.close()
+
+
+@pytest.mark.parametrize("user", ["operator", "worker", "trainer", "session-server", "weight-broker"])
+async def test_only_the_controller_may_write_or_read_the_run_state(nats_url, infra_secrets, user, caplog):
+    """The run's state (JetStream KV RLFLEET_RUNS, rlfleet.controller.state_store) is the controller's
+    alone: another user can neither forge it (a second driver's tasks) nor read it."""
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError
+    from nats.js.kv import KeyValue
+
+    run_id = unique_run_id("auth")
+    key = f"{run_id}.head"
+    controller = await connect_nats(nats_as(nats_url, infra_secrets, "controller"), "t-controller")
+    intruder = await connect_nats(nats_as(nats_url, infra_secrets, user), "t-intruder")
+    try:
+        try:
+            mine = await controller.jetstream().key_value(RUN_STATE_BUCKET)
+        except BucketNotFoundError:  # as the controller's store makes it
+            mine = await controller.jetstream().create_key_value(KeyValueConfig(
+                bucket=RUN_STATE_BUCKET, history=1, storage=StorageType.FILE, direct=True))
+        await mine.create(key, b"the controller's")
+        # The intruder binds the bucket by hand (stream info is everyone's) and tries what the store does.
+        theirs = KeyValue(name=RUN_STATE_BUCKET, stream=f"KV_{RUN_STATE_BUCKET}",
+                          pre=f"$KV.{RUN_STATE_BUCKET}.", js=intruder.jetstream(timeout=1.0), direct=True)
+        with caplog.at_level(logging.WARNING, "rlfleet.nats"):
+            with pytest.raises(TimeoutError):
+                await theirs.put(key, b"forged")
+            with pytest.raises(TimeoutError):
+                await theirs.purge(key)
+            with pytest.raises(TimeoutError):
+                await theirs.get(key)
+            with pytest.raises(TimeoutError):
+                await intruder.jetstream(timeout=1.0).create_key_value(KeyValueConfig(bucket="RLFLEET_RUNS2"))
+        assert "permissions violation for publish" in caplog.text.lower()
+        assert (await mine.get(key)).value == b"the controller's"
+    finally:
+        await intruder.close()
+        await controller.close()
+
+
+def test_the_controller_may_touch_only_its_runs_state_keys():
+    allowed = nats_permissions("controller", "r1")["publish"]["allow"]
+    assert [s for s in allowed if RUN_STATE_BUCKET in s] == [
+        f"$JS.API.DIRECT.GET.KV_{RUN_STATE_BUCKET}.$KV.{RUN_STATE_BUCKET}.r1.>",
+        f"$JS.API.STREAM.CREATE.KV_{RUN_STATE_BUCKET}", f"$KV.{RUN_STATE_BUCKET}.r1.>"]
+    for role in NATS_ROLES:
+        if role != "controller":
+            allowed = nats_permissions(role, "r1")["publish"]["allow"]
+            assert not [s for s in allowed if RUN_STATE_BUCKET in s], role
 
 
 async def test_a_consumer_cannot_rewrite_a_stream_it_does_not_publish(nats_url, infra_secrets):

@@ -15,9 +15,10 @@ compose's, Kubernetes'): every background part of the loop is supervised (a fail
 part started again), every call to a service has a deadline, and a stop abandons a gate evaluation
 at once.
 
-The run directory holds everything needed to go on after an interruption (a stop, the controller
-killed, a death with `restart.enabled = false`): a resume continues from the trainer's last
-checkpoint, with the tasks, trajectories and budget where they were (see run_state.py).
+The platform (and the run's state, which the driver saves through its `StateSink`) holds
+everything needed to go on after an interruption (a stop, the controller killed, a death with
+`restart.enabled = false`): a resume continues from the trainer's last checkpoint, with the tasks,
+trajectories and budget where they were (see run_state.py).
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ from rlfleet.cli.platform_config import SECTIONS
 from rlfleet.cli.report import EpisodeRecord, EvalResult, GateDecision, RunRecord, StepRecord, write_report
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import (
+    RESUMABLE_CHANGES,
+    STATE_FILE,
+    RunDirFile,
     RunState,
+    StateSink,
     config_changes,
+    driver_alive,
     eval_from_dict,
+    host_identity,
     record_from_dict,
 )
 from rlfleet.cli.stop_rules import audit_result, audit_subset, long_tail
@@ -149,12 +156,14 @@ class Peers:
 
 class RLRun:
     def __init__(self, config: RunConfig, options: RunOptions | None = None,
-                 output: Callable[[str], None] | None = None, platform: PlatformView | None = None) -> None:
+                 output: Callable[[str], None] | None = None, platform: PlatformView | None = None,
+                 sink: StateSink | None = None) -> None:
         self.config = config
         self.platform = platform  # where the platform is; None: the launch record in the run directory
         self.say = output or say  # where the run's progress lines go (the controller streams them)
         self.options = options or RunOptions()
         self.run_dir = Path(config.run_dir or f"runs/{config.run_id}").resolve()
+        self.sink = sink or RunDirFile(self.run_dir)  # where its state is saved (the controller: its store)
         self.clock = Clock()
         self.record = RunRecord(config.run_id, config.mode, config.model_dump(mode="json"), time.time())
         self.state = RunState("running", config.model_dump(mode="json"), uuid.uuid4().hex[:12],
@@ -187,28 +196,32 @@ class RLRun:
         finally:
             self.record.wall_s = self.record.wall_s or (self.clock.elapsed() if self.loop_started else 0.0)
             self.record.status = "interrupted" if self.interrupted else "finished"
-            self.save_state()
+            await self.save_state()
         summary = write_report(self.record, self.run_dir)
         self._print_summary(summary)
         return summary
 
     def take_over_run_dir(self) -> None:
-        """Decides from the run directory whether this is a new run or the continuation of one."""
+        """Decides from the run directory's run_state.json whether this is a new run or the
+        continuation of one (`rlfleet run`, before its platform is up)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        previous = RunState.load(self.run_dir)
-        if previous is not None and previous.status == "running" and previous.driver_pid > 0 \
-                and start_ticks(previous.driver_pid) == previous.driver_start:
+        self.take_over(RunState.load(self.run_dir), f"{self.run_dir} (no {STATE_FILE})")
+
+    def take_over(self, previous: RunState | None, where: str) -> None:
+        """Decides from the run's last saved state (None: there is none in `where`) whether this is
+        a new run or the continuation of one."""
+        if previous is not None and previous.status == "running" \
+                and driver_alive(previous.driver_pid, previous.driver_start, previous.driver_host):
             driver = "`rlfleet run`" if previous.driven_by == "rlfleet run" else previous.driven_by
             raise StartupError(f"another {driver} (pid {previous.driver_pid}) is driving "
                                f"{self.run_dir}; stop it first")
         if self.options.resume:
             if previous is None:
-                raise StartupError(f"nothing to resume in {self.run_dir} (no run_state.json); "
-                                   f"run without --resume to start a run")
+                raise StartupError(f"nothing to resume in {where}; run without --resume to start a run")
             changes = config_changes(previous.config, self.config.model_dump(mode="json"))
             if changes:
                 raise StartupError("the config differs from the run being resumed in what it trains "
-                                   f"(only budget, eval.concurrency and restart may change): {'; '.join(changes)}")
+                                   f"(only {', '.join(RESUMABLE_CHANGES)} may change): {'; '.join(changes)}")
             self._restore(previous)
             return
         if previous is not None and previous.status != "finished" and not self.options.fresh:
@@ -225,6 +238,7 @@ class RLRun:
                                  + (f" after: {previous.reason}" if previous.reason else ""))
         self.record.config = self.config.model_dump(mode="json")  # the budget may have grown
         self.record.wall_s = 0.0
+        self.record.status = "running"  # again (a finished run resumed with a larger budget)
         self.accepted_eval = eval_from_dict(previous.accepted_eval)
         self.accepted_regression = eval_from_dict(previous.accepted_regression)
         self.record.accepted_version = previous.accepted_version
@@ -232,7 +246,11 @@ class RLRun:
         self.say(f"resume: {self.run_dir} at {previous.loop_s:.0f} s of loop time, accepted version "
             f"{previous.accepted_version}, {previous.tasks_published} tasks handed out")
 
-    def save_state(self) -> None:
+    async def save_state(self) -> None:
+        await self.sink.save(self.current_state())
+
+    def current_state(self) -> RunState:
+        """The run's state as of now (what `save_state` saves)."""
         s = self.state
         s.status = "interrupted" if self.interrupted else ("finished" if self.record.status == "finished" else "running")
         s.reason = self.interrupted
@@ -246,7 +264,8 @@ class RLRun:
             s.tasks_published = self.feeder.published
         s.record = asdict(self.record)
         s.driver_pid, s.driver_start = self.driver
-        s.save(self.run_dir)
+        s.driver_host = host_identity()
+        return s
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -534,7 +553,7 @@ class RLRun:
             self.accepted_eval, self.accepted_regression = candidate, cand_reg
             self.record.accepted_version = version
         self._account_long_tail()
-        self.save_state()
+        await self.save_state()
 
     async def _evaluate_candidate(self, peers, heldout, version: int) -> tuple[EvalResult, Decision | None]:
         """The candidate on the held-out set in the gate's slices, paired with the accepted version's
@@ -744,7 +763,7 @@ class RLRun:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), every_s)
             if not self.stop.is_set():
-                self.save_state()
+                await self.save_state()
 
     def _print_summary(self, summary: dict) -> None:
         rows = summary["baseline_vs_rl"]

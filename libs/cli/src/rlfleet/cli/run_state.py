@@ -1,15 +1,20 @@
-"""What `rlfleet run` keeps in its run directory so an interrupted run can be resumed.
+"""What the run's driver keeps so an interrupted run can be resumed: `RunState`, and where it goes.
 
-The platform's own state is already durable there: JetStream's file store (`nats/`: tasks not yet
-settled, trajectories not yet acked), Redis's append-only file (`redis/`: sessions, versions, the
-broker's targets), the weight store (`weights/`) and the trainer's checkpoints (`checkpoints/`, each
-with the ledger of the trajectories it learned from). What only the driver knows goes to
-`run_state.json`: the run's record so far, the accepted version and its evaluation, the gate's
-position, how many tasks were handed out, and the loop time already spent from the budget.
+The platform's own state is already durable: JetStream's file store (tasks not yet settled,
+trajectories not yet acked), Redis's append-only file (sessions, versions, the broker's targets), the
+weight store and the trainer's checkpoints (each with the ledger of the trajectories it learned from).
+What only the driver knows is the `RunState`: the run's record so far, the accepted version and its
+evaluation, the gate's position, how many tasks were handed out, and the loop time already spent
+from the budget.
 
-The driver writes it every few seconds and at every gate decision, atomically (temporary file and
-rename), so even a driver killed with SIGKILL leaves a state at most a few seconds old; what it
-misses is only bookkeeping (a few trajectories absent from the report), never training data.
+The driver (the controller) saves it every few seconds and at every gate decision through a
+`StateSink`: the controller's is the platform's store (JetStream KV, rlfleet.controller.state_store),
+so a controller started on any machine continues the run; it also writes the same state to the run
+directory's `run_state.json` (`RunDirFile`), which is what `rlfleet run` reads before its platform
+(and so its NATS) is up, to refuse or resume, and what `rlfleet status` shows the stop rules from.
+Each save is atomic (a KV head swapped by revision; the file by temporary file and rename), so even
+a controller killed with SIGKILL leaves a state at most a few seconds old; what it misses is only
+bookkeeping (a few trajectories absent from the report), never training data.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from rlfleet.cli.launcher import flatten_keys
+from rlfleet.cli.launcher import flatten_keys, start_ticks
 from rlfleet.cli.report import (
     EpisodeRecord,
     EvalResult,
@@ -41,8 +47,10 @@ RUN_OUTPUTS = ("nats", "redis", "weights", "checkpoints", "logs", "ready", "suit
                "summary.json", "report.html", STATE_FILE)
 
 # Keys a resumed run may change: how long it goes on, how it is watched and how its processes are
-# supervised. Everything else shapes what is trained and must stay as it was.
-RESUMABLE_CHANGES = ("budget", "eval.concurrency", "restart")
+# supervised, where the driver keeps its files (a controller started on another machine continues
+# the run in a run directory of its own) and how it keeps the run's state (its lease, parts, copy).
+# Everything else shapes what is trained and must stay as it was.
+RESUMABLE_CHANGES = ("budget", "eval.concurrency", "restart", "run_dir", "controller.state")
 
 
 @dataclass
@@ -59,15 +67,27 @@ class RunState:
     accepted_regression: dict[str, Any] | None = None
     reason: str = ""                # why it stopped, when interrupted
     resumes: list[float] = field(default_factory=list)  # loop time of each resume
-    driver_pid: int = 0             # the `rlfleet run` writing this state, and its start time: two
-    driver_start: int = 0           # drivers on one run directory would hand out tasks twice
+    driver_pid: int = 0             # the driver writing this state, its start time and the machine (and
+    driver_start: int = 0           # PID namespace) it runs on: two drivers of one run would hand out
+    driver_host: str = ""           # tasks twice ("": a state from before hosts were recorded, local)
     driven_by: str = "rlfleet run"  # "controller": the controller service drives it, and resumes it on its start
     record: dict[str, Any] = field(default_factory=dict)
 
-    def save(self, run_dir: Path) -> None:
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), default=str)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> RunState:
+        try:
+            return cls(**json.loads(text))
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+            raise StartupError(f"{where} is damaged ({exc}); start over with --fresh") from None
+
+    def save(self, run_dir: Path, text: str | None = None) -> None:
+        """Writes run_state.json atomically; `text` is this state's JSON when the caller has it."""
         path = run_dir / STATE_FILE
         tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self), default=str))
+        tmp.write_text(self.to_json() if text is None else text)
         tmp.replace(path)
 
     @classmethod
@@ -75,10 +95,46 @@ class RunState:
         path = run_dir / STATE_FILE
         if not path.exists():
             return None
-        try:
-            return cls(**json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise StartupError(f"{path} is damaged ({exc}); start over with --fresh") from None
+        return cls.from_json(path.read_text(), str(path))
+
+
+class StateSink(Protocol):
+    """Where a driver saves the run's state (every few seconds, at every gate decision, at its end)."""
+
+    async def save(self, state: RunState) -> None: ...
+
+
+class RunDirFile:
+    """The run directory's run_state.json as a `StateSink`."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    async def save(self, state: RunState) -> None:
+        state.save(self.run_dir)
+
+
+def host_identity() -> str:
+    """This machine and PID namespace (host name, boot id, PID namespace): a PID and its start time
+    say whether a process lives only where this is the same."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return f"{socket.gethostname()}/{boot}/{pidns}"
+
+
+def driver_alive(pid: int, start: int, host: str) -> bool | None:
+    """Whether the driver process (`pid` started at `start` clock ticks, on `host`) still runs:
+    None when it runs elsewhere, where this machine cannot tell. `host` "" is a state written
+    before hosts were recorded, by a driver on this machine."""
+    if host and host != host_identity():
+        return None
+    return pid > 0 and start_ticks(pid) == start
 
 
 def record_from_dict(data: dict[str, Any]) -> RunRecord:

@@ -9,7 +9,7 @@ Each refresh asks every source once, with short deadlines, and shows what answer
     staleness  trainer version minus the oldest engine version (and the last step's max)
     throughput trajectories/s and steps/s from the change since the previous refresh
     stop rules the run's last verifier audit and long-tail account, and a stop rule that fired
-               (from the run directory's run_state.json, which `rlfleet run` writes)
+               (from the run directory's run_state.json: the controller's copy of the run's state)
 
 A source that does not answer is shown as down with the reason; the view itself never fails on it.
 """

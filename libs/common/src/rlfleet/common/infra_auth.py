@@ -17,6 +17,10 @@ NATS permissions follow the streams in `rlfleet.common.streams` and the worker's
 | operator       | TASKS (`rlfleet-submit`) | TRAJECTORIES, POLICY, TASKS_DEAD (watching), stream and consumer info |
 | controller     | TASKS (the run's feed), TASKS_DEAD | the operator's and the worker's: it runs the rollout worker in its process |
 
+The run's state (the controller's, rlfleet.controller.state_store) is the JetStream KV bucket
+`RLFLEET_RUNS`: only the controller may create it and read or write its run's keys
+(`$KV.RLFLEET_RUNS.<run>.>`, reads by direct get on those subjects); nobody else may even read it.
+
 Every user may read stream info and create the platform's streams (each process ensures them at
 start, whoever comes first), but only a stream's publisher may update its config: an update could
 add a source with a subject transform, which is a way to publish into it. Replies come on a per-user
@@ -42,6 +46,8 @@ SECRETS_DIR = "secrets"
 # The platform's streams, their subject suffixes (rlfleet.<run>.<suffix>), who publishes each.
 STREAM_SUFFIXES = {"TASKS": "tasks", "TRAJECTORIES": "trajectories", "POLICY": "policy", "TASKS_DEAD": "tasks_dead"}
 PLATFORM_STREAMS = ("TASKS", "TRAJECTORIES", "POLICY")  # what every process ensures at start
+# JetStream KV: the run's state, keys `<run>.*` (rlfleet.controller.state_store).
+RUN_STATE_BUCKET = "RLFLEET_RUNS"
 
 NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
     "session-server": {"publish": ("TRAJECTORIES",), "consume": ()},
@@ -51,8 +57,10 @@ NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
                "advisories": ("TASKS",)},
     "operator": {"publish": ("TASKS",), "consume": ("TRAJECTORIES", "POLICY", "TASKS_DEAD"), "list": ("TASKS",)},
     # The run's control: the operator's feed and watch, and the rollout worker it runs in its process.
+    # It alone keeps the run's state (KV buckets: create, read and write its run's keys).
     "controller": {"publish": ("TASKS", "TASKS_DEAD"), "consume": ("TASKS", "TRAJECTORIES", "POLICY", "TASKS_DEAD"),
-                   "read": ("TASKS",), "delete": ("TASKS",), "advisories": ("TASKS",), "list": ("TASKS",)},
+                   "read": ("TASKS",), "delete": ("TASKS",), "advisories": ("TASKS",), "list": ("TASKS",),
+                   "kv": (RUN_STATE_BUCKET,)},
 }
 
 # Redis key parts (rlfleet:<run>:<part>...) each service reads or writes.
@@ -211,9 +219,18 @@ def nats_permissions(role: str, run: str = "*") -> dict[str, dict[str, list[str]
     for stream in (*spec["consume"], *spec.get("list", ())):
         publish += [f"$JS.API.CONSUMER.LIST.{stream}", f"$JS.API.CONSUMER.NAMES.{stream}",
                     f"$JS.API.CONSUMER.INFO.{stream}.>"]
+    for bucket in spec.get("kv", ()):
+        publish += kv_permissions(bucket, run)
     subscribe = [f"{inbox_prefix(role)}.>"]
     subscribe += [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s}.>" for s in spec.get("advisories", ())]
     return {"publish": {"allow": sorted(set(publish))}, "subscribe": {"allow": subscribe}}
+
+
+def kv_permissions(bucket: str, run: str = "*") -> list[str]:
+    """Create a KV bucket, and put, update (a revision check rides on the publish), purge and read
+    (direct get) the keys of `run` in it: `<run>.<anything>`."""
+    keys = f"$KV.{bucket}.{run}.>"
+    return [f"$JS.API.STREAM.CREATE.KV_{bucket}", keys, f"$JS.API.DIRECT.GET.KV_{bucket}.{keys}"]
 
 
 def nats_authorization(infra: InfraSecrets, run: str = "*", superusers: tuple[str, ...] = ()) -> str:

@@ -7,10 +7,14 @@
     WatchRun  -> the lines from a given one on, then the end
     StopRun   -> an orderly stop: the loop checkpoints and is recorded as interrupted (resumable)
 
-Recovery: the run's state (run_state.json, `driven_by = "controller"`) is saved every few seconds
-and at every gate decision. A controller started again finds a state it was driving still marked
-running (or interrupted only by its own stop) and resumes it (`resume_on_start`): JetStream deduplicates the tasks handed out again, and
-the trainer's ledger keeps any trajectory from being trained twice.
+Recovery: the run's state (`driven_by = "controller"`) is saved every few seconds and at every gate
+decision to the platform's store (JetStream KV, state_store.py), which the controller claims when
+it starts or resumes a run and holds by a lease it renews. A controller started again, on this
+machine or another, with this run directory or another, finds a state a controller was driving
+still marked running (or interrupted only by its controller's stop) and resumes it
+(`resume_on_start`), at once when the previous holder's process is gone from this machine, else
+once its lease lapsed: JetStream deduplicates the tasks handed out again, and the trainer's ledger
+keeps any trajectory from being trained twice. A controller whose run was taken over stops driving.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from pydantic import ValidationError
 from rlfleet.api.controller.v1 import controller_pb2
 from rlfleet.cli.rl_loop import PlatformView, RLRun, RunOptions
 from rlfleet.cli.run_config import RunConfig
-from rlfleet.cli.run_state import RunState
 from rlfleet.common.config import format_validation_error
 from rlfleet.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, StartupError
 from rlfleet.controller.metrics import ControllerMetrics
+from rlfleet.controller.state_store import RunHeld, RunStore, RunTakenOver, Snapshot, StateUnavailable
 
 log = logging.getLogger(__name__)
 STOPPED_BY_REQUEST = "stopped by a request"
@@ -81,11 +85,12 @@ class ProgressLog:
 
 
 class RunControl:
-    """At most one run at a time, driven on the platform of `run_dir`."""
+    """At most one run at a time, driven on the platform of `run_dir`, its state in `store`."""
 
-    def __init__(self, run_dir: Path, run_id: str, platform: PlatformView | None = None, keep_lines: int = 5000,
-                 metrics: ControllerMetrics | None = None) -> None:
+    def __init__(self, run_dir: Path, run_id: str, store: RunStore, platform: PlatformView | None = None,
+                 keep_lines: int = 5000, metrics: ControllerMetrics | None = None) -> None:
         self.run_dir = run_dir.resolve()
+        self.store = store
         self.platform = platform  # None: the launch record in the run directory says where it is
         self.run_id = run_id
         self.keep_lines = keep_lines
@@ -93,50 +98,83 @@ class RunControl:
         self.run: RLRun | None = None
         self.progress = ProgressLog(keep_lines)
         self.task: asyncio.Task | None = None
+        self.lease: asyncio.Task | None = None
         self.failure = ""  # the error that ended the last run, when one did
+        self._starting = asyncio.Lock()  # one decision on the run at a time (StartRun, the resume on start)
 
     def active(self) -> bool:
         return self.task is not None and not self.task.done()
 
     # -- starting -------------------------------------------------------------------------------
 
-    def resume_on_start(self) -> bool:
-        """Continues the run this controller was driving when it stopped, if the state says so."""
-        try:
-            state = RunState.load(self.run_dir)
-        except StartupError as exc:
-            log.error("cannot resume on start: %s", exc)
-            return False
-        driving = state is not None and state.driven_by == "controller" and (
-            state.status == "running" or (state.status == "interrupted" and state.reason == CONTROLLER_STOPPED))
-        if state is None or not driving:
-            return False
-        config = RunConfig.model_validate(state.config)
-        self.start(config, resume=True, fresh=False, how="resumed")
-        return True
+    async def begin(self, resume: bool, configured: RunConfig | None) -> None:
+        """On the service's start: the run a controller was driving when it stopped is continued
+        (waiting while another controller holds it), else the configured run is started."""
+        said = ""
+        while True:
+            try:
+                if not (resume and await self.resume_on_start()) and configured is not None:
+                    await self.start_configured(configured)
+                return
+            except RunHeld as exc:
+                if exc.details["holder"] != said:  # once per holder
+                    log.warning("waiting for the run: %s", exc)
+                    said = exc.details["holder"]
+                await self.store.wait_until_free()
+            except StateUnavailable as exc:
+                log.warning("cannot read the run's state yet: %s", exc)
+                await asyncio.sleep(2.0)
+            except FailedPrecondition as exc:
+                log.error("the run was not started: %s", exc)
+                return
 
-    def start_configured(self, path: str) -> None:
-        """Starts the run of a config file (TOML, `rlfleet run`'s format) unless the run directory
-        already holds that run finished, or one to resume or discard (said in the log)."""
+    async def resume_on_start(self) -> bool:
+        """Continues the run a controller was driving when it stopped, if the stored state says so."""
+        async with self._starting:
+            if self.active():
+                return True
+            snapshot = await self.store.read()
+            if snapshot.damaged:
+                log.error("cannot resume on start: %s", snapshot.damaged)
+                return False
+            state = snapshot.state
+            stopped_with_it = state is not None and state.status == "interrupted" \
+                and state.reason == CONTROLLER_STOPPED
+            driving = state is not None and state.driven_by == "controller" and (
+                state.status == "running" or stopped_with_it)
+            if state is None or not driving:
+                return False
+            # The run as it was configured, in this controller's run directory (which may be another).
+            config = RunConfig.model_validate({**state.config, "run_dir": str(self.run_dir)})
+            await self._start(config, resume=True, fresh=False, how="resumed", snapshot=snapshot)
+            return True
+
+    def configured_run(self, path: str) -> RunConfig:
+        """The run of a config file (TOML, `rlfleet run`'s format), checked as StartRun checks it."""
         import tomllib
 
         try:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise StartupError(f"start_run {path}: {exc}") from None
-        config = self.parse_config(json.dumps(data))
-        try:
-            state = RunState.load(self.run_dir)
-        except StartupError as exc:
-            log.error("start_run: %s", exc)
-            return
-        if state is not None and state.status == "finished" and state.config.get("run_id") == config.run_id:
-            log.info("start_run: the run in %s is finished; nothing to start", self.run_dir)
-            return
-        try:
-            self.start(config, resume=False, fresh=False, how="configured")
-        except FailedPrecondition as exc:
-            log.error("start_run: %s", exc)
+        return self.parse_config(json.dumps(data))
+
+    async def start_configured(self, config: RunConfig) -> None:
+        """Starts the configured run unless the store holds that run finished, or one to resume or
+        discard (said in the log)."""
+        async with self._starting:
+            snapshot = await self.store.read()
+            state = snapshot.state
+            if state is not None and state.status == "finished" \
+                    and state.config.get("run_id") == config.run_id:
+                log.info("start_run: run %s is finished; nothing to start", config.run_id)
+                return
+            try:
+                await self._start(config, resume=False, fresh=False, how="configured", snapshot=snapshot)
+            except RunHeld:
+                raise
+            except FailedPrecondition as exc:
+                log.error("start_run: %s", exc)
 
     def parse_config(self, config_json: str) -> RunConfig:
         try:
@@ -159,21 +197,59 @@ class RunControl:
                                   field="config_json.run_id", run_id=self.run_id)
         return config
 
-    def start(self, config: RunConfig, *, resume: bool, fresh: bool, how: str = "") -> RLRun:
+    async def start(self, config: RunConfig, *, resume: bool, fresh: bool, how: str = "") -> RLRun:
+        async with self._starting:
+            return await self._start(config, resume=resume, fresh=fresh, how=how)
+
+    async def _start(self, config: RunConfig, *, resume: bool, fresh: bool, how: str,
+                     snapshot: Snapshot | None = None) -> RLRun:
+        """Takes the run over as `rlfleet run` would (new, resumed, or refused), claims it in the
+        store (refused while another controller holds it) and starts the loop."""
         if self.active():
             raise AlreadyExists(f"run {self.run_id!r} is already being driven here; WatchRun follows it, "
                                 "StopRun stops it", run_id=self.run_id)
+        snapshot = snapshot or await self.store.read()
+        if snapshot.damaged and not fresh:
+            raise FailedPrecondition(f"{snapshot.damaged} (StartRun with fresh, `rlfleet run --fresh`)",
+                                     run_id=self.run_id)
+        self.store.check_free(snapshot)
         progress = ProgressLog(self.keep_lines)
         run = RLRun(config, RunOptions(resume=resume, fresh=fresh, attach_only=True), output=progress.add,
-                    platform=self.platform)
+                    platform=self.platform, sink=self.store)
         try:
-            run.take_over_run_dir()
-        except StartupError as exc:
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            run.take_over(None if snapshot.damaged else snapshot.state, snapshot.where)
+        except (StartupError, OSError) as exc:
             raise FailedPrecondition(str(exc), run_dir=str(self.run_dir)) from None
+        await self.store.claim(run.current_state(), snapshot)
+        holder = snapshot.head.owner if snapshot.head is not None else None
+        if run.resuming and holder is not None and holder.id != self.store.owner.id:
+            progress.add(f"state: continued from {holder.describe()} ({self.store.where})")
         self.run, self.progress, self.failure = run, progress, ""
         self.metrics.runs.add(1, {"how": how or ("resumed" if resume else "started")})
         self.task = asyncio.create_task(self._drive(run, progress), name="the run")
+        self.lease = asyncio.create_task(self._keep_lease(run, self.task), name="the run's lease")
         return run
+
+    async def _keep_lease(self, run: RLRun, task: asyncio.Task) -> None:
+        """Renews this controller's lease on the run until the run ends; a run another controller
+        took over (this one's lease had lapsed) is stopped: it hands out nothing more."""
+        every = self.store.config.lease_s / 3
+        while not task.done():
+            await asyncio.wait({task}, timeout=every)
+            if task.done():
+                return
+            try:
+                await self.store.renew()
+            except RunTakenOver as exc:
+                run.interrupted = run.interrupted or str(exc)
+                run.say(f"stopping: {exc}")
+                run.stop.set()
+                return
+            except StateUnavailable as exc:  # NATS restarting: the next round tries again
+                log.warning("the run's lease was not renewed: %s", exc)
+            except Exception as exc:  # said, and tried again next round: the lease must not stop in silence
+                log.error("renewing the run's lease failed", exc_info=exc)
 
     async def _drive(self, run: RLRun, progress: ProgressLog) -> None:
         try:
@@ -209,6 +285,10 @@ class RunControl:
                 await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
             if not self.task.done():
                 self.task.cancel()
+        if self.lease is not None:
+            self.lease.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.lease
 
     # -- what it looks like ---------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ class RunControlServicer(controller_pb2_grpc.RunControlServicer):
 
     async def StartRun(self, request: controller_pb2.StartRunRequest, context) -> controller_pb2.RunInfo:
         config = self.control.parse_config(request.config_json)
-        self.control.start(config, resume=request.resume, fresh=request.fresh)
+        await self.control.start(config, resume=request.resume, fresh=request.fresh)
         return self.control.info()
 
     async def GetRun(self, request: controller_pb2.GetRunRequest, context) -> controller_pb2.RunInfo:

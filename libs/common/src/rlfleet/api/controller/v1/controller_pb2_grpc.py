@@ -61,8 +61,9 @@ class RunControlServicer:
 
     def StartRun(self, request, context):
         """Starts the run `config_json` describes (a `rlfleet run` config, resolved); with `resume`,
-        continues the interrupted run of the run directory. One run at a time: ALREADY_EXISTS while
-        another is driven, FAILED_PRECONDITION when the run directory holds a run to resume or discard.
+        continues the interrupted run. One run at a time: ALREADY_EXISTS while another is driven here,
+        FAILED_PRECONDITION when the stored state holds a run to resume or discard, or another
+        controller holds the run (ErrorInfo names it: holder, holder_host, holder_pid, lease_left_s).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
