@@ -504,7 +504,7 @@ def test_the_stack_trains_and_compose_restarts_a_killed_container(tmp_path):
             return info is not None and info.gate_decisions >= 1
 
         wait_for("the controller's run reaches a gate decision", gated, 900,
-                 lambda: f"{run_info}\n{run(*compose, 'logs', '--no-color', '--tail', '40', 'controller', check=False).stdout[-8000:]}")  # noqa: E501, RUF100
+                 lambda: f"{run_info}\n{run(*compose, 'logs', '--no-color', '--tail', '40', 'controller', check=False).stdout[-8000:]}")  # noqa: E501
         gate_s = time.monotonic() - up_done
         info = run_info[0]
         assert info.driven_by == "controller" and info.status == "running", info

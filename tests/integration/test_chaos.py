@@ -2,8 +2,8 @@
 
 The gateway, session server, sandbox manager, verifier, broker, a canary engine (of two), trainer, NATS,
 Redis and the controller are each killed once (their whole process group, by the PID platform.json
-records), in a random order, a random 0-3 s after the previous one recovered. The launcher's supervision starts
-each again on its own ports and the run goes on: it must end on its budget with exit 0, and from
+records), in a random order, a random 0-3 s after the previous one recovered. The launcher's supervision
+starts each again on its own ports and the run goes on: it must end on its budget with exit 0, and from
 the TRAJECTORIES stream and the trainer's ledger, no trajectory is lost and none is trained twice.
 For each kill the seconds until the next trained version are printed (the README's recovery figures).
 
@@ -94,7 +94,8 @@ def _version(run_dir: Path) -> int:
 
 
 def _record(run_dir: Path, name: str) -> dict:
-    return next(p for p in json.loads((run_dir / "platform.json").read_text())["processes"] if p["name"] == name)
+    return next(p for p in json.loads((run_dir / "platform.json").read_text())["processes"]
+                if p["name"] == name)
 
 
 def _kill(run_dir: Path, name: str) -> None:
@@ -152,10 +153,12 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
     print(f"\nchaos seed {seed}: kill order {', '.join(order)}", flush=True)
 
     config = tmp_path / "chaos.toml"
-    steps = 250  # the kills, each waited out, take 100 to 130 steps (steps are fast); the rest run undisturbed
+    # the kills, each waited out, take 100 to 130 steps (steps are fast); the rest run undisturbed
+    steps = 250
     config.write_text(CONFIG.format(steps=steps))
     run_dir = tmp_path / "run"
-    cache = os.environ.get("CHAOS_MODEL_CACHE") or str(tmp_path / "cache")  # to reuse a warm start across tries
+    # to reuse a warm start across tries
+    cache = os.environ.get("CHAOS_MODEL_CACHE") or str(tmp_path / "cache")
     driver = Driver(str(config), "--run-dir", str(run_dir), "--model-cache-dir", cache, "--keep-up",
                     log_path=tmp_path / "driver.log")
     try:
@@ -176,15 +179,18 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
             _kill(run_dir, name)
             killed = time.monotonic()
             while _version(run_dir) <= before:
-                assert driver.proc.poll() is None, f"the run stopped after {name} was killed:\n" + driver.output(4000)
-                assert time.monotonic() - killed < 300, f"no version trained 300 s after {name} was killed:\n" \
-                                                         + driver.output(4000)
+                assert driver.proc.poll() is None, \
+                    f"the run stopped after {name} was killed:\n" + driver.output(4000)
+                assert time.monotonic() - killed < 300, \
+                    f"no version trained 300 s after {name} was killed:\n" + driver.output(4000)
                 time.sleep(0.2)
             recovery[name] = time.monotonic() - killed
             kill_times[name] = time.time() - recovery[name]
             while _record(run_dir, name).get("ready_unix", 0) < kill_times[name]:  # back, serving
-                assert driver.proc.poll() is None, f"the run stopped after {name} was killed:\n" + driver.output(4000)
-                assert time.monotonic() - killed < 300, f"{name} not back 300 s after its kill:\n" + driver.output(4000)
+                assert driver.proc.poll() is None, \
+                    f"the run stopped after {name} was killed:\n" + driver.output(4000)
+                assert time.monotonic() - killed < 300, \
+                    f"{name} not back 300 s after its kill:\n" + driver.output(4000)
                 time.sleep(0.2)
             back[name] = _record(run_dir, name)["ready_unix"] - kill_times[name]
             last_recovered = time.time()
@@ -210,9 +216,11 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
         # 0 lost: every learnable group (all G samples finished, rewards not all equal) published
         # before the last kill had recovered was trained; the run went on for many steps after it.
         nats_url = _record(run_dir, "nats")["url"]
-        published = [(at, t) for at, t in asyncio.run(_stream(nats_url, "TRAJECTORIES", common_pb2.Trajectory, run_dir))
+        published = [(at, t) for at, t in
+                     asyncio.run(_stream(nats_url, "TRAJECTORIES", common_pb2.Trajectory, run_dir))
                      if (t.split or "train") == "train"]
-        announced = {v.version: at for at, v in asyncio.run(_stream(nats_url, "POLICY", common_pb2.PolicyVersion, run_dir))}
+        announced = {v.version: at for at, v in
+                     asyncio.run(_stream(nats_url, "POLICY", common_pb2.PolicyVersion, run_dir))}
         by_id = {t.trajectory_id: t for _, t in published}
         samples = [(by_id[i].group_id, by_id[i].sample_index) for i in trained if i in by_id]
         assert len(samples) == len(set(samples)), "one sample of a group was trained twice"
@@ -245,7 +253,8 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
             "restarted" in line or "did not come back" in line or "failed" in line)), flush=True)
     finally:
         if driver.proc.poll() is None:
-            driver.proc.send_signal(signal.SIGINT)  # its orderly stop ends what it started (a model build too)
+            # its orderly stop ends what it started (a model build too)
+            driver.proc.send_signal(signal.SIGINT)
             try:
                 driver.wait(120)
             except subprocess.TimeoutExpired:

@@ -84,7 +84,8 @@ def _wait_for_steps(driver: Driver, run_dir: Path, n: int, timeout: float = 300)
     deadline = time.monotonic() + timeout
     while _steps(run_dir) < n:
         assert driver.proc.poll() is None, driver.output()[-3000:]
-        assert time.monotonic() < deadline, f"fewer than {n} steps after {timeout} s:\n" + driver.output()[-3000:]
+        assert time.monotonic() < deadline, \
+            f"fewer than {n} steps after {timeout} s:\n" + driver.output()[-3000:]
         time.sleep(1)
 
 
@@ -151,7 +152,8 @@ def _trainer_drops(run_dir: Path) -> dict[str, int]:
     address = next(p["address"] for p in json.loads((run_dir / "platform.json").read_text())["processes"]
                    if p["name"] == "trainer")
     with blocking_channel(address) as channel:
-        status = trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+        status = trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(),
+                                                                        timeout=10)
     return dict(status.dropped_by_reason)
 
 
@@ -176,14 +178,16 @@ def test_an_interrupted_run_resumes_from_its_run_directory(tmp_path):
     assert steps_at_sigint >= 2
 
     # A new run in the same directory is refused rather than silently replacing the interrupted one.
-    refused = subprocess.run([RLFLEET, "run", str(config), *common], capture_output=True, text=True, timeout=120)
+    refused = subprocess.run([RLFLEET, "run", str(config), *common], capture_output=True, text=True,
+                             timeout=120)
     assert refused.returncode != 0 and "--resume" in refused.stderr + refused.stdout
 
     # 2. Resume with restarts off; then the trainer dies mid-run (SIGKILL): the driver notices and
     # stops as interrupted (with restarts on, the default, it would start the trainer again: test_chaos.py).
     second = Driver(str(config), *common, "--resume", "--restart.enabled", "false")
     _wait_for_steps(second, run_dir, _steps(run_dir) + 2)
-    trainer = next(p for p in json.loads((run_dir / "platform.json").read_text())["processes"] if p["name"] == "trainer")
+    trainer = next(p for p in json.loads((run_dir / "platform.json").read_text())["processes"]
+                   if p["name"] == "trainer")
     os.kill(trainer["pid"], signal.SIGKILL)
     killed_at = time.time()
     assert second.wait(240) == 1
@@ -219,12 +223,13 @@ def test_an_interrupted_run_resumes_from_its_run_directory(tmp_path):
         for members in groups.values():
             done = [t for _, t in members if t.status in finished]
             if (len(members) == members[0][1].group_size and len(done) >= 2
-                    and len({t.verdict.reward for t in done}) > 1 and max(at for at, _ in members) < killed_at):
+                    and len({t.verdict.reward for t in done}) > 1
+                    and max(at for at, _ in members) < killed_at):
                 owed |= {t.trajectory_id for t in done}
         assert owed, "no learnable group was published before the kill"
         lost = owed - set(trained)
-        assert not lost, f"{len(lost)} of {len(owed)} trajectories published before the kill were not trained " \
-                         f"(trainer drops: {_trainer_drops(run_dir)})"
+        assert not lost, f"{len(lost)} of {len(owed)} trajectories published before the kill were not " \
+                         f"trained (trainer drops: {_trainer_drops(run_dir)})"
 
         # The run's state is the store's (JetStream KV); run_state.json is the controller's copy of it.
         stored = asyncio.run(_stored_state(nats_url, run_dir))

@@ -38,7 +38,8 @@ def redis_as(redis_url: str, infra_secrets, user: str) -> RedisConfig:
 async def trajectory_count(nats_url: str, run_id: str) -> int:
     nc = await connect_nats(NatsConfig(url=nats_url), "t-count")
     try:
-        info = await nc.jetstream().stream_info("TRAJECTORIES", subjects_filter=subject("TRAJECTORIES", run_id))
+        info = await nc.jetstream().stream_info("TRAJECTORIES",
+                                                subjects_filter=subject("TRAJECTORIES", run_id))
         return sum((info.state.subjects or {}).values())
     finally:
         await nc.close()
@@ -100,7 +101,8 @@ async def test_only_the_trainer_may_publish_a_policy_version(nats_url, infra_sec
     trainer = await connect_nats(nats_as(nats_url, infra_secrets, "trainer"), "t-trainer")
     try:
         with pytest.raises(TimeoutError):
-            await publish(session.jetstream(), "POLICY", run_id, b"v9", msg_type="PolicyVersion", timeout_s=1.0)
+            await publish(session.jetstream(), "POLICY", run_id, b"v9", msg_type="PolicyVersion",
+                          timeout_s=1.0)
         assert await publish(trainer.jetstream(), "POLICY", run_id, b"v1", msg_type="PolicyVersion")
     finally:
         await session.close()

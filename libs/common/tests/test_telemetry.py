@@ -122,7 +122,7 @@ with trace.get_tracer("t").start_as_current_span("root"), trace.get_tracer("t").
     pass
 state.shutdown(0.5)
 print(tracing_enabled())
-"""  # noqa: E501, RUF100 (the script's text)
+"""  # noqa: E501 (the script's text)
     path = tmp_path / "spans.jsonl"
     result = subprocess.run([sys.executable, "-c", script, str(path)],
                             capture_output=True, text=True, timeout=60)

@@ -38,7 +38,7 @@ async def test_tasks_of_every_suite_file_are_found_with_their_hidden_fields(tmp_
         await catalog.task("chess", "a")
 
 
-async def test_a_file_with_a_bad_or_unconfigured_kind_is_rejected_with_its_line_and_the_rest_still_serve(tmp_path):  # noqa: E501, RUF100
+async def test_a_file_with_a_bad_or_unconfigured_kind_is_rejected_with_its_line_and_the_rest_still_serve(tmp_path):  # noqa: E501
     write(tmp_path / "good.jsonl", line("g"))
     write(tmp_path / "regex.jsonl", line("r1", suite="regex"), line("r2", suite="regex", kind="regex"))
     write(tmp_path / "code.jsonl", line("c1", suite="code", kind="unit_tests"))

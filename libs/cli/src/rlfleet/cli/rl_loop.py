@@ -104,7 +104,8 @@ class RunOptions:
     keep_up: bool = False   # leave the platform running at the end (`rlfleet run`)
     up_only: bool = False   # bring the platform up for this run and return (`rlfleet run`)
     config_path: str = ""   # for the hints printed
-    attach_only: bool = False  # drive the run on a platform someone else launched and supervises (the controller)
+    # drive the run on a platform someone else launched and supervises (the controller)
+    attach_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,10 @@ class PlatformView:
                    worker_nats=NatsConfig(url=url, **run_dir_login(state.run_dir, "nats", "worker")),
                    gateway=state.by_name("rollout-gateway").address, trainer=trainer.address,
                    broker=state.by_name("weight-broker").address, verifier=state.by_name("verifier").address,
-                   session=state.by_name("session-server").address, sandbox=state.by_name("sandbox-manager").address,
-                   trainer_metrics_url=f"http://127.0.0.1:{trainer.metrics_port}/metrics" if trainer.metrics_port else "",
+                   session=state.by_name("session-server").address,
+                   sandbox=state.by_name("sandbox-manager").address,
+                   trainer_metrics_url=(f"http://127.0.0.1:{trainer.metrics_port}/metrics"
+                                        if trainer.metrics_port else ""),
                    pids=tuple(p.pid for p in state.processes))
 
 
@@ -173,7 +176,8 @@ class RLRun:
         self.accepted_eval: EvalResult | None = None
         self.accepted_regression: EvalResult | None = None
         self.audit_labels: list[dict] = []  # the labelled episodes each verifier audit sends
-        self.trainer_dropped: dict[str, float] = {}  # the trainer's dropped trajectories by reason (its /metrics)
+        # the trainer's dropped trajectories by reason (its /metrics)
+        self.trainer_dropped: dict[str, float] = {}
         self.last_gated = 0
         self.feeder: Feeder | None = None
         self.resuming = False
@@ -225,7 +229,8 @@ class RLRun:
             self._restore(previous)
             return
         if previous is not None and previous.status != "finished" and not self.options.fresh:
-            raise StartupError(f"{self.run_dir} holds an interrupted run ({previous.reason or previous.status}, "
+            raise StartupError(f"{self.run_dir} holds an interrupted run "
+                               f"({previous.reason or previous.status}, "
                                f"{previous.loop_s:.0f} s of loop time); `--resume` continues it, "
                                f"`--fresh` discards it and starts over")
 
@@ -252,7 +257,8 @@ class RLRun:
     def current_state(self) -> RunState:
         """The run's state as of now (what `save_state` saves)."""
         s = self.state
-        s.status = "interrupted" if self.interrupted else ("finished" if self.record.status == "finished" else "running")
+        s.status = "interrupted" if self.interrupted else (
+            "finished" if self.record.status == "finished" else "running")
         s.reason = self.interrupted
         if self.loop_started:
             s.loop_s = self.clock.elapsed()
@@ -276,7 +282,8 @@ class RLRun:
         channels = [channel(address) for address in (platform.gateway, platform.trainer, platform.broker,
                                                      platform.verifier)]
         nc = await connect_nats(platform.nats, "rlfleet-run")
-        clients = Clients.connect(session=platform.session, sandbox=platform.sandbox, verifier=platform.verifier)
+        clients = Clients.connect(session=platform.session, sandbox=platform.sandbox,
+                                  verifier=platform.verifier)
         peers = Peers(platform=platform, nc=nc, js=nc.jetstream(), clients=clients,
                       gateway=gateway_pb2_grpc.GatewayServiceStub(channels[0]),
                       trainer=trainer_pb2_grpc.TrainerServiceStub(channels[1]),
@@ -321,9 +328,10 @@ class RLRun:
         await observer.start()
         await self._admit_up_to(peers, observer.latest_version)
         worker = self._worker(peers)
-        self.feeder = feeder = Feeder(peers.js, c.run_id, task_messages(train, c.run_id, c.group_size, c.rollout.temperature,
-                                                               c.system_prompt),
-                             attempt=self.state.attempt, published=self.state.tasks_published)
+        self.feeder = feeder = Feeder(peers.js, c.run_id,
+                                      task_messages(train, c.run_id, c.group_size, c.rollout.temperature,
+                                                    c.system_prompt),
+                                      attempt=self.state.attempt, published=self.state.tasks_published)
         # Groups handed out before an interruption come back after their ack wait, or are already done:
         # either way they are not counted as in flight, so the loop does not idle waiting for them.
         observer.groups_done = feeder.published
@@ -334,13 +342,16 @@ class RLRun:
         self._trainer_mark = None
         await self._measure_trainer_idle(peers)
         sampler = CpuSampler(list(peers.platform.pids), self.record, self.clock)
-        parts = {"the rollout worker": lambda: worker.run(self.stop), "the CPU sampler": lambda: sampler.run(self.stop),
-                 "the pause watch": lambda: self._watch_pauses(peers), "the state saver": self._keep_state_saved,
+        parts = {"the rollout worker": lambda: worker.run(self.stop),
+                 "the CPU sampler": lambda: sampler.run(self.stop),
+                 "the pause watch": lambda: self._watch_pauses(peers),
+                 "the state saver": self._keep_state_saved,
                  "the progress line": lambda: self._progress(peers, observer),
                  "the admission policy": lambda: self._follow_versions(peers, observer)}
         if c.mode == "async":
             in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
-            parts["the feeder"] = lambda: feeder.keep_topped_up(lambda: observer.groups_done, in_flight, self.stop)
+            parts["the feeder"] = lambda: feeder.keep_topped_up(lambda: observer.groups_done, in_flight,
+                                                                self.stop)
             parts["the promotion gate"] = lambda: self._gate_loop(peers, heldout, regression)
         background = {name: asyncio.create_task(self._supervised(name, part)) for name, part in parts.items()}
         try:
@@ -353,7 +364,8 @@ class RLRun:
             self.stop.set()
             for name, task in background.items():
                 # The worker lets running groups finish (its drain_timeout_s, 30 s) before it returns.
-                await _stopped(task, name, say=self.say, timeout_s=60.0 if task is background["the rollout worker"] else 15.0)
+                await _stopped(task, name, say=self.say,
+                               timeout_s=60.0 if task is background["the rollout worker"] else 15.0)
             await observer.stop()
         await self._measure_trainer_idle(peers)
         if self.interrupted:
@@ -374,9 +386,11 @@ class RLRun:
         self.say(f"baseline: evaluating version {version} on {len(heldout)} held-out and {len(regression)} "
             f"regression tasks ...")
         # A stop during the baseline abandons it (Stopped): a resumed run evaluates it again.
-        baseline = await self._unless_stopped(self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet"))
+        baseline = await self._unless_stopped(
+            self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet"))
         self.accepted_regression = await self._unless_stopped(
-            self._evaluate(peers, regression, version, "regression", "baseline", "fleet")) if regression else None
+            self._evaluate(peers, regression, version, "regression", "baseline", "fleet")) \
+            if regression else None
         self.accepted_eval = baseline
         self.say(f"baseline: held-out success {self.accepted_eval.success:.3f}")
         for result in (self.accepted_eval, self.accepted_regression):
@@ -400,8 +414,8 @@ class RLRun:
         c = self.config
         train = generate_tasks(c.suite, "train", 2000, seed=c.seed, difficulty=c.difficulty)
         heldout = generate_tasks(c.suite, "heldout", c.eval.heldout, seed=c.seed, difficulty=c.difficulty)
-        regression = generate_tasks(c.suite, "regression", c.eval.regression, seed=c.seed, difficulty=c.difficulty) \
-            if c.eval.regression else []
+        regression = generate_tasks(c.suite, "regression", c.eval.regression, seed=c.seed,
+                                    difficulty=c.difficulty) if c.eval.regression else []
         write_for_verifier(train + heldout + regression, self.run_dir / "suites")
         as_messages = lambda tasks: task_messages(tasks, c.run_id, 1, c.eval.temperature, c.system_prompt)  # noqa: E731
         return train, as_messages(heldout), as_messages(regression)
@@ -419,7 +433,8 @@ class RLRun:
                               concurrency=c.rollout.concurrency, tool_runtime=c.rollout.tool_runtime,
                               tool_call_format=c.rollout.tool_call_format,
                               observation_framing=c.rollout.observation_framing, metrics={"enabled": False})
-        return RolloutWorker(config, environments=environments, clients=peers.clients, on_episode=self._note_episode)
+        return RolloutWorker(config, environments=environments, clients=peers.clients,
+                             on_episode=self._note_episode)
 
     def _note_episode(self, summary) -> None:
         """A training episode's phases, tools and verdict, for the report (the worker's own account)."""
@@ -437,7 +452,8 @@ class RLRun:
 
         return environments(self.config.rollout.tool_runtime)
 
-    async def _evaluate(self, peers, tasks, version: int, split: str, label: str, pool: str, keep: bool = True):
+    async def _evaluate(self, peers, tasks, version: int, split: str, label: str, pool: str,
+                        keep: bool = True):
         c = self.config
         result = await evaluate(peers.clients, tasks, version=version, split=split, label=label, pool=pool,
                                 concurrency=c.eval.concurrency, clock=self.clock,
@@ -481,7 +497,8 @@ class RLRun:
         assert self.feeder is not None  # the loop made it before the steps
         while not self.stop.is_set() and not self._budget_spent(observer):
             target = observer.latest_version + 1
-            needed, trainable_before, quiet_since = c.trainer.groups_per_step, observer.trainable_groups_done, None
+            needed, trainable_before, quiet_since = (c.trainer.groups_per_step,
+                                                     observer.trainable_groups_done, None)
             while not self.stop.is_set() and observer.latest_version < target:
                 if self.feeder.published - observer.groups_done <= 0:
                     got = observer.trainable_groups_done - trainable_before
@@ -531,7 +548,8 @@ class RLRun:
         assert self.accepted_eval is not None  # the baseline, evaluated before the loop
         previous, self.last_gated = self.last_gated, version
         try:
-            candidate, decision = await self._unless_stopped(self._evaluate_candidate(peers, heldout, version))
+            candidate, decision = await self._unless_stopped(
+                self._evaluate_candidate(peers, heldout, version))
             cand_reg = await self._unless_stopped(
                 self._evaluate(peers, regression, version, "regression", "candidate", "canary")) \
                 if regression and decision is None else None
@@ -541,15 +559,18 @@ class RLRun:
             return
         decision = decision or decide(self.config.gate, candidate, self.accepted_eval, cand_reg,
                                       self.accepted_regression)
-        if decision.accepted and not await self._verifier_trusted(peers, f"before promoting version {version}"):
+        if (decision.accepted
+                and not await self._verifier_trusted(peers, f"before promoting version {version}")):
             decision.accepted = False
             decision.reasons.append("not promoted: the verifier failed its audit")
-        self.record.gate.append(GateDecision(version, decision.accepted, decision.reasons, self.clock.elapsed(),
-                                             decision.check_dicts(), decision.tasks, decision.early))
+        self.record.gate.append(GateDecision(version, decision.accepted, decision.reasons,
+                                             self.clock.elapsed(), decision.check_dicts(), decision.tasks,
+                                             decision.early))
         verdict = "accepted" if decision.accepted else "refused"
         self.say(f"gate: version {version} {verdict}:\n  " + "\n  ".join(decision.reasons))
         if decision.accepted:
-            await _rpc(peers.broker.Promote, broker_pb2.PromoteRequest(version=version, reason="; ".join(decision.reasons)))
+            await _rpc(peers.broker.Promote,
+                       broker_pb2.PromoteRequest(version=version, reason="; ".join(decision.reasons)))
             self.accepted_eval, self.accepted_regression = candidate, cand_reg
             self.record.accepted_version = version
         self._account_long_tail()
@@ -562,8 +583,8 @@ class RLRun:
         assert self.accepted_eval is not None  # the baseline, evaluated before the loop
         parts, early = [], None
         for start, end in slices(len(heldout), self.config.gate.looks):
-            parts.append(await self._evaluate(peers, heldout[start:end], version, "heldout", "candidate", "canary",
-                                              keep=False))
+            parts.append(await self._evaluate(peers, heldout[start:end], version, "heldout", "candidate",
+                                              "canary", keep=False))
             if end < len(heldout) and (early := interim(self.config.gate, merge(parts), self.accepted_eval)):
                 break
         result = merge(parts)
@@ -582,7 +603,8 @@ class RLRun:
             subprocess.run([sys.executable, "-m", "rlfleet.verifier.audit_set", "write", str(where),
                             "--seed", str(c.seed)], check=True, capture_output=True, timeout=300)
         try:
-            tasks = [t for suite in sorted((where / "suites").glob("*.jsonl")) for t in load_tasks(str(suite))]
+            tasks = [t for suite in sorted((where / "suites").glob("*.jsonl"))
+                     for t in load_tasks(str(suite))]
             write_for_verifier(tasks, self.run_dir / "suites")
         except SubmitError as exc:
             raise StartupError(f"the verifier audit set does not fit this run's suites: {exc}") from None
@@ -616,7 +638,8 @@ class RLRun:
 
     def _account_long_tail(self) -> None:
         c = self.config.long_tail
-        baseline = next((e for e in self.record.evals if e.label == "baseline" and e.split == "heldout"), None)
+        baseline = next((e for e in self.record.evals if e.label == "baseline" and e.split == "heldout"),
+                        None)
         if not c.enabled or baseline is None or self.accepted_eval is None:
             return
         account = long_tail(self.record.trajectories, max_staleness=self.config.rollout.max_staleness,
@@ -689,7 +712,8 @@ class RLRun:
             if self.record.trainer_watched_s > 0:
                 # The counter grows when a wait ends, so a reading can hold waiting from before the
                 # last one: over the whole loop the ratio is exact, between two readings it can pass 1.
-                self.record.trainer_idle_fraction = min(1.0, self.record.trainer_wait_s / self.record.trainer_watched_s)
+                self.record.trainer_idle_fraction = min(1.0, self.record.trainer_wait_s
+                                                        / self.record.trainer_watched_s)
         self._trainer_mark = (waited, now)
 
     async def _progress(self, peers, observer) -> None:
@@ -710,7 +734,8 @@ class RLRun:
             pause = pauses[len(pauses) // 2] * 1000 if pauses else 0.0
             rate = observer.train_trajectories / max(self.clock.elapsed(), 1e-9)
             self.say(f"[{self.clock.elapsed():5.0f}s] step {status.step:3d}  v{status.policy_version:<3d} "
-                f"reward {reward:.2f}  held-out {self.accepted_eval.success:.2f} (accepted v{self.record.accepted_version})  "
+                f"reward {reward:.2f}  held-out {self.accepted_eval.success:.2f} "
+                f"(accepted v{self.record.accepted_version})  "
                 f"staleness max {stale}  {rate:.1f} traj/s  pause p50 {pause:.0f} ms  "
                 f"trainer idle {self.record.trainer_idle_fraction:.0%}")
 
@@ -720,7 +745,8 @@ class RLRun:
             self.record.accepted_version = max(s.version for s in self.record.steps)  # auto-promoted
         accepted = self.record.accepted_version
         if not await self._wait_served(peers, accepted, pool="fleet", until_stopped=False):
-            self.record.notes.append(f"the fleet did not serve version {accepted} in time for the final evaluation")
+            self.record.notes.append(f"the fleet did not serve version {accepted} in time for the final "
+                                     f"evaluation")
         self.say(f"final: evaluating the accepted version {accepted} on the held-out split ...")
         await self._evaluate(peers, heldout, accepted, "heldout", "final", "fleet")
         if regression:
@@ -768,22 +794,24 @@ class RLRun:
     def _print_summary(self, summary: dict) -> None:
         rows = summary["baseline_vs_rl"]
         self.say("")
-        self.say(f"run {summary['run_id']} ({summary['mode']}): {summary['steps']} steps in {summary['wall_s']:.0f} s, "
-            f"accepted version {summary['accepted_version']}")
+        self.say(f"run {summary['run_id']} ({summary['mode']}): {summary['steps']} steps in "
+            f"{summary['wall_s']:.0f} s, accepted version {summary['accepted_version']}")
         for name, row in rows.items():
             self.say(f"  {name:12s} held-out success {row['task_success']:.3f}  invalid tool calls/ep "
                 f"{row['invalid_tool_calls_per_episode']:.3f}  time {row['time_to_completion_s']:.2f} s  "
-                f"turns {row['interactions_per_episode']:.2f}  safety {row['safety_violations_per_episode']:.3f}")
+                f"turns {row['interactions_per_episode']:.2f}  "
+                f"safety {row['safety_violations_per_episode']:.3f}")
         for d in summary["gate"]:
             success = next((c for c in d.get("checks", []) if c["name"] == "held-out success"), None)
-            interval = f" gain {success['estimate']:+.3f} [{success['low']:+.3f}, {success['high']:+.3f}]" if success else ""
+            interval = (f" gain {success['estimate']:+.3f} [{success['low']:+.3f}, {success['high']:+.3f}]"
+                        if success else "")
             refused = [c["name"] for c in d.get("checks", []) if not c["passed"]]
-            self.say(f"  gate v{d['version']:<4d} {'accepted' if d['accepted'] else 'refused '} on {d.get('tasks', 0)} "
-                f"paired tasks{' (early)' if d.get('early') else ''}:{interval}"
+            self.say(f"  gate v{d['version']:<4d} {'accepted' if d['accepted'] else 'refused '} "
+                f"on {d.get('tasks', 0)} paired tasks{' (early)' if d.get('early') else ''}:{interval}"
                 + (f"  refused by: {', '.join(refused)}" if refused else ""))
         for audit in summary["verifier_audits"]:
-            self.say(f"  verifier audit ({audit['when']}): n {audit['n']}  FP rate {audit['false_positive_rate']:.3f}  "
-                f"FN rate {audit['false_negative_rate']:.3f}")
+            self.say(f"  verifier audit ({audit['when']}): n {audit['n']}  "
+                f"FP rate {audit['false_positive_rate']:.3f}  FN rate {audit['false_negative_rate']:.3f}")
         if summary["long_tail"]:
             self.say(f"  long tail: {summary['long_tail']['message']}")
         if summary["stop_rule"]:
@@ -792,14 +820,16 @@ class RLRun:
         if episodes:
             tools = ", ".join(f"{t} {n:.2f}" for t, n in episodes["tool_calls_per_episode"].items())
             phases = episodes["phase_s_per_episode"]
-            self.say(f"  tool calls per episode ({episodes['episodes']} training episodes): {tools or 'none'}")
-            self.say(f"  time per episode: sandbox create+destroy {phases['sandbox_create_destroy']:.2f} s, tool execs "
-                f"{phases['tool_execs']:.2f} s, generation {phases['generation']:.2f} s, verification "
-                f"{phases['verification']:.2f} s (sandbox time p50 {episodes['sandbox_s_per_episode']['p50']:.2f} s)")
+            self.say(f"  tool calls per episode ({episodes['episodes']} training episodes): "
+                f"{tools or 'none'}")
+            self.say(f"  time per episode: sandbox create+destroy {phases['sandbox_create_destroy']:.2f} s, "
+                f"tool execs {phases['tool_execs']:.2f} s, generation {phases['generation']:.2f} s, "
+                f"verification {phases['verification']:.2f} s "
+                f"(sandbox time p50 {episodes['sandbox_s_per_episode']['p50']:.2f} s)")
             for bucket in episodes["verifier_reasons_over_time"]:
                 reasons = ", ".join(f"{k} {v}" for k, v in sorted(bucket["reasons"].items())) or "none"
-                self.say(f"  [{bucket['from_s']:5.0f}s] {bucket['passed']}/{bucket['episodes']} passed; failure reasons: "
-                    f"{reasons}")
+                self.say(f"  [{bucket['from_s']:5.0f}s] {bucket['passed']}/{bucket['episodes']} passed; "
+                    f"failure reasons: {reasons}")
         self.say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
 
 

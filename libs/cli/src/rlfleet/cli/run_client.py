@@ -73,7 +73,8 @@ class Controller:
             return await self._call(self.stub.StartRun, request)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS and options.resume:
-                return await self._call(self.stub.GetRun, controller_pb2.GetRunRequest())  # it resumed on its own
+                # it resumed on its own
+                return await self._call(self.stub.GetRun, controller_pb2.GetRunRequest())
             raise StartupError(f"the controller refused the run: {exc.details()}") from None
 
     async def stop(self, reason: str) -> None:
@@ -125,7 +126,8 @@ class RunClient:
         base = await asyncio.to_thread(self.base_policy)
         platform, owned = await asyncio.to_thread(self.platform, base, resuming)
         if self.options.up_only:
-            say(f"platform: up for run {self.config.run_id}; `rlfleet run {self.config_arg()}` attaches to it, "
+            say(f"platform: up for run {self.config.run_id}; "
+                f"`rlfleet run {self.config_arg()}` attaches to it, "
                 f"`rlfleet down --run-dir {self.run_dir}` stops it")
             return {}
         controller = Controller(platform.state.by_name("controller").address)
@@ -174,9 +176,10 @@ class RunClient:
         await controller.stop(self.interrupted or SIGNALLED)
 
     def base_policy(self) -> Path:
-        cache = Path(self.config.model_cache_dir).resolve() if self.config.model_cache_dir else self.run_dir.parent / ".cache"
-        return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt, say,
-                                  suite=self.config.suite)
+        cache = (Path(self.config.model_cache_dir).resolve() if self.config.model_cache_dir
+                 else self.run_dir.parent / ".cache")
+        return ensure_base_policy(cache, self.config.model, self.config.warm_start, self.config.system_prompt,
+                                  say, suite=self.config.suite)
 
     def platform_config(self, base: Path) -> PlatformConfig:
         """The launch of this run: the engine pools (canary: rollouts and candidates; fleet: the
@@ -184,8 +187,8 @@ class RunClient:
         policy, the run's service sections as resolved, the controller among them."""
         c = self.config
         sections = {name: section.model_copy(deep=True) for name, section in c.sections().items()}
-        return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir), engines=c.engines.canary + c.engines.fleet,
-                              canary_engines=c.engines.canary,
+        return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir),
+                              engines=c.engines.canary + c.engines.fleet, canary_engines=c.engines.canary,
                               model_path=str(base), log_format="json", restart=c.restart.model_copy(),
                               start_timeout_s=c.start_timeout_s, **sections)
 
@@ -202,21 +205,25 @@ class RunClient:
             down = [p.name for p in running.processes if not is_ours(p)]
             if down:
                 raise StartupError(f"the platform in {self.run_dir} is partly down ({', '.join(down)}); "
-                                   f"`rlfleet down --run-dir {self.run_dir}` and run again (add --resume to continue)")
+                                   f"`rlfleet down --run-dir {self.run_dir}` and run again "
+                                   f"(add --resume to continue)")
             differs = platform_differences(running.config, wanted.model_dump(mode="json"))
             if differs:
-                raise StartupError(f"the platform running in {self.run_dir} was not started for this config "
-                                   f"({'; '.join(differs)}); stop it with `rlfleet down --run-dir {self.run_dir}`, "
-                                   f"or start it for this run with `rlfleet run {self.config_arg()} --up-only`")
+                raise StartupError(f"the platform running in {self.run_dir} was not started for this "
+                                   f"config ({'; '.join(differs)}); stop it with "
+                                   f"`rlfleet down --run-dir {self.run_dir}`, or start it for this run with "
+                                   f"`rlfleet run {self.config_arg()} --up-only`")
             say(f"platform: attached to the one running in {self.run_dir}")
-            use_run_secrets(self.run_dir, wanted.run_id)  # call its services with the run's operator certificate
+            # call its services with the run's operator certificate
+            use_run_secrets(self.run_dir, wanted.run_id)
             attached = Platform(wanted)
             attached.state = running
             return attached, False
         if not resuming:
             removed = clear_run_outputs(self.run_dir)
             if removed:
-                say(f"platform: starting over in {self.run_dir} (removed the previous run's {', '.join(removed)})")
+                say(f"platform: starting over in {self.run_dir} "
+                    f"(removed the previous run's {', '.join(removed)})")
         say(f"platform: starting in {self.run_dir} ...")
         platform = Platform(wanted)
         platform.up()

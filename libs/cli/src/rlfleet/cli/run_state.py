@@ -70,7 +70,8 @@ class RunState:
     driver_pid: int = 0             # the driver writing this state, its start time and the machine (and
     driver_start: int = 0           # PID namespace) it runs on: two drivers of one run would hand out
     driver_host: str = ""           # tasks twice ("": a state from before hosts were recorded, local)
-    driven_by: str = "rlfleet run"  # "controller": the controller service drives it, and resumes it on its start
+    # "controller": the controller service drives it, and resumes it on its start
+    driven_by: str = "rlfleet run"
     record: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -96,7 +96,7 @@ HERMES_TEMPLATE = """\
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""  # noqa: E501, RUF100 (the template's text)
+"""  # noqa: E501 (the template's text)
 
 # Llama 3.1 with JSON tool calls: headers around each role, <|eot_id|> ending each turn, the tool
 # list in the system turn (the template's tools_in_user_message=false path), a call as one
@@ -147,7 +147,7 @@ LLAMA3_TEMPLATE = """\
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
-"""  # noqa: E501, RUF100 (the template's text)
+"""  # noqa: E501 (the template's text)
 
 # Mistral-7B-Instruct-v0.3 with tool calls: [INST] ... [/INST] user turns (the system prompt
 # joins the last user turn), the tool list before the last user turn in [AVAILABLE_TOOLS], a
@@ -194,7 +194,7 @@ MISTRAL_TEMPLATE = """\
 {{- raise_exception('Only user, assistant and tool roles are supported after the system message!') }}
 {%- endif %}
 {%- endfor %}
-"""  # noqa: E501, RUF100 (the template's text)
+"""  # noqa: E501 (the template's text)
 
 QWEN2 = Family(
     name="qwen2", model_type="qwen2", special_tokens=(END_OF_TEXT, IM_START, IM_END), bos_token=None,

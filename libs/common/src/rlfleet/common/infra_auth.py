@@ -13,9 +13,12 @@ NATS permissions follow the streams in `rlfleet.common.streams` and the worker's
 | session-server | TRAJECTORIES                    | -                               |
 | trainer        | POLICY                          | TRAJECTORIES                    |
 | weight-broker  | -                               | POLICY                          |
-| worker         | TASKS_DEAD (dead letters)       | TASKS (+ its max-deliveries advisories, get/delete of a lost task) |
-| operator       | TASKS (`rlfleet-submit`) | TRAJECTORIES, POLICY, TASKS_DEAD (watching), stream and consumer info |
-| controller     | TASKS (the run's feed), TASKS_DEAD | the operator's and the worker's: it runs the rollout worker in its process |
+| worker         | TASKS_DEAD (dead letters)       | TASKS (+ its max-deliveries advisories, get/delete
+                                                     of a lost task) |
+| operator       | TASKS (`rlfleet-submit`) | TRAJECTORIES, POLICY, TASKS_DEAD (watching), stream and
+                                              consumer info |
+| controller     | TASKS (the run's feed), TASKS_DEAD | the operator's and the worker's: it runs the rollout
+                                                        worker in its process |
 
 The run's state (the controller's, rlfleet.controller.state_store) is the JetStream KV bucket
 `RLFLEET_RUNS`: only the controller may create it and read or write its run's keys
@@ -44,7 +47,8 @@ from urllib.parse import urlparse
 SECRETS_DIR = "secrets"
 
 # The platform's streams, their subject suffixes (rlfleet.<run>.<suffix>), who publishes each.
-STREAM_SUFFIXES = {"TASKS": "tasks", "TRAJECTORIES": "trajectories", "POLICY": "policy", "TASKS_DEAD": "tasks_dead"}
+STREAM_SUFFIXES = {"TASKS": "tasks", "TRAJECTORIES": "trajectories", "POLICY": "policy",
+                   "TASKS_DEAD": "tasks_dead"}
 PLATFORM_STREAMS = ("TASKS", "TRAJECTORIES", "POLICY")  # what every process ensures at start
 # JetStream KV: the run's state, keys `<run>.*` (rlfleet.controller.state_store).
 RUN_STATE_BUCKET = "RLFLEET_RUNS"
@@ -55,10 +59,12 @@ NATS_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
     "weight-broker": {"publish": (), "consume": ("POLICY",)},
     "worker": {"publish": ("TASKS_DEAD",), "consume": ("TASKS",), "read": ("TASKS",), "delete": ("TASKS",),
                "advisories": ("TASKS",)},
-    "operator": {"publish": ("TASKS",), "consume": ("TRAJECTORIES", "POLICY", "TASKS_DEAD"), "list": ("TASKS",)},
+    "operator": {"publish": ("TASKS",), "consume": ("TRAJECTORIES", "POLICY", "TASKS_DEAD"),
+                 "list": ("TASKS",)},
     # The run's control: the operator's feed and watch, and the rollout worker it runs in its process.
     # It alone keeps the run's state (KV buckets: create, read and write its run's keys).
-    "controller": {"publish": ("TASKS", "TASKS_DEAD"), "consume": ("TASKS", "TRAJECTORIES", "POLICY", "TASKS_DEAD"),
+    "controller": {"publish": ("TASKS", "TASKS_DEAD"),
+                   "consume": ("TASKS", "TRAJECTORIES", "POLICY", "TASKS_DEAD"),
                    "read": ("TASKS",), "delete": ("TASKS",), "advisories": ("TASKS",), "list": ("TASKS",),
                    "kv": (RUN_STATE_BUCKET,)},
 }
@@ -68,8 +74,8 @@ REDIS_ROLES: dict[str, tuple[str, ...]] = {
     # verdicts: read at CloseSession; admission slots, counts and engine affinities (the gateway's,
     # rlfleet.common.session_slots): taken by the script that creates a session, given back by the
     # one that seals it.
-    "session-server": ("session", "sessions", "verdicts", "admission:inflight", "admission:counts", "affinity",
-                       "engine_sessions"),
+    "session-server": ("session", "sessions", "verdicts", "admission:inflight", "admission:counts",
+                       "affinity", "engine_sessions"),
     "rollout-gateway": ("affinity", "engine_sessions", "admission", "engines", "engine", "adapter_routes"),
     "weight-broker": ("broker", "adapter_routes"),  # adapter routes: the broker writes, the gateway reads
     "sandbox-manager": ("sandbox",),
@@ -90,8 +96,8 @@ REDIS_READ_ROLES: dict[str, tuple[str, ...]] = {
     "sandbox-manager": ("revoked_tokens",)}
 # Which NATS / Redis user each process logs in as.
 NATS_USER_OF = {"session-server": "session-server", "trainer": "trainer", "weight-broker": "weight-broker",
-                "worker": "worker", "rlfleet-controller": "controller", "rlfleet-run": "operator", "rlfleet-status": "operator",
-                "rlfleet-submit": "operator"}
+                "worker": "worker", "rlfleet-controller": "controller", "rlfleet-run": "operator",
+                "rlfleet-status": "operator", "rlfleet-submit": "operator"}
 
 
 @dataclass(frozen=True)
@@ -209,11 +215,13 @@ def nats_permissions(role: str, run: str = "*") -> dict[str, dict[str, list[str]
     publish = ["$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                *(f"$JS.API.STREAM.CREATE.{s}" for s in PLATFORM_STREAMS)]
     for stream in spec["publish"]:
-        publish += [_subject(stream, run), f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
+        publish += [_subject(stream, run), f"$JS.API.STREAM.CREATE.{stream}",
+                    f"$JS.API.STREAM.UPDATE.{stream}"]
     for stream in spec["consume"]:
         publish += _consumer_api(stream)
     for stream in spec.get("read", ()):
-        publish += [f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
+        publish += [f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
+                    f"$JS.API.DIRECT.GET.{stream}.>"]
     for stream in spec.get("delete", ()):
         publish.append(f"$JS.API.STREAM.MSG.DELETE.{stream}")
     for stream in (*spec["consume"], *spec.get("list", ())):

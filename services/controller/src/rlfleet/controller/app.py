@@ -75,7 +75,8 @@ def platform_view(config: ControllerConfig) -> PlatformView:
     return PlatformView(nats=config.nats, worker_nats=config.nats, gateway=config.gateway_address,
                         trainer=config.trainer_address, broker=config.broker_address,
                         verifier=config.verifier_address, session=config.session_address,
-                        sandbox=config.sandbox_address, trainer_metrics_url=config.trainer_metrics_url, pids=pids)
+                        sandbox=config.sandbox_address, trainer_metrics_url=config.trainer_metrics_url,
+                        pids=pids)
 
 
 def build(config: ControllerConfig) -> ControllerApp:

@@ -34,8 +34,9 @@ class ControllerConfig(ServiceConfig):
                          "the report, a copy of the run's state); required. The run's state itself is in "
                          "NATS (`state`), so a controller with another run directory continues the run")
     nats: NatsConfig = Field(default_factory=NatsConfig,
-                             description="the run's NATS, as the controller (hands out tasks, follows trajectories "
-                             "and versions, keeps the run's state; its rollout worker takes the tasks)")
+                             description="the run's NATS, as the controller (hands out tasks, follows "
+                             "trajectories and versions, keeps the run's state; its rollout worker takes "
+                             "the tasks)")
     state: RunStoreConfig = Field(default_factory=RunStoreConfig,
                                   description="the run's state in JetStream KV: its lease, parts and copy")
     gateway_address: str = Field("", description="host:port of the rollout gateway (admission policy)")
@@ -50,6 +51,7 @@ class ControllerConfig(ServiceConfig):
                                   "was driving when it stopped (a restart after a crash, here or on another "
                                   "machine); while another controller holds it, wait for its lease to lapse")
     start_run: str = Field("", description="a run config (TOML, `rlfleet run`'s format) started when the "
-                           "controller starts and has no run to resume: how a compose or Kubernetes stack trains "
-                           "and gates with nobody calling StartRun")
-    keep_lines: int = Field(5000, ge=100, description="progress lines kept for WatchRun (older ones are dropped)")
+                           "controller starts and has no run to resume: how a compose or Kubernetes stack "
+                           "trains and gates with nobody calling StartRun")
+    keep_lines: int = Field(5000, ge=100,
+                            description="progress lines kept for WatchRun (older ones are dropped)")

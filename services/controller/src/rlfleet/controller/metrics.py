@@ -13,9 +13,11 @@ class ControllerMetrics:
 
     def __init__(self) -> None:
         m = meter("rlfleet.controller")
-        self.runs = m.create_counter("rlfleet_controller_runs_total", description="runs driven, by how they began")
+        self.runs = m.create_counter("rlfleet_controller_runs_total",
+                                     description="runs driven, by how they began")
         self.ends = m.create_counter("rlfleet_controller_run_ends_total", description="runs ended, by status")
-        self.lines = m.create_counter("rlfleet_controller_progress_lines_total", description="progress lines said")
+        self.lines = m.create_counter("rlfleet_controller_progress_lines_total",
+                                      description="progress lines said")
         self.state_saves = m.create_counter("rlfleet_controller_state_saves_total",
                                             description="saves of the run's state (JetStream KV), by outcome")
         self.state_bytes = m.create_histogram("rlfleet_controller_state_bytes",

@@ -182,19 +182,21 @@ class RunControl:
         except json.JSONDecodeError as exc:
             raise InvalidArgument(f"config_json is not JSON: {exc}", field="config_json") from None
         if not isinstance(data, dict):
-            raise InvalidArgument("config_json must be a JSON object of RunConfig fields", field="config_json")
+            raise InvalidArgument("config_json must be a JSON object of RunConfig fields",
+                                  field="config_json")
         data.setdefault("run_dir", str(self.run_dir))
         data.setdefault("run_id", self.run_id)
         try:
             config = RunConfig.model_validate(data)
         except ValidationError as exc:
-            raise InvalidArgument(f"config_json: {format_validation_error(exc)}", field="config_json") from None
+            raise InvalidArgument(f"config_json: {format_validation_error(exc)}",
+                                  field="config_json") from None
         if Path(config.run_dir).resolve() != self.run_dir:
-            raise InvalidArgument(f"the run's run_dir {config.run_dir!r} is not this controller's ({self.run_dir})",
-                                  field="config_json.run_dir", run_dir=str(self.run_dir))
+            raise InvalidArgument(f"the run's run_dir {config.run_dir!r} is not this controller's "
+                                  f"({self.run_dir})", field="config_json.run_dir", run_dir=str(self.run_dir))
         if config.run_id != self.run_id:
-            raise InvalidArgument(f"the run's run_id {config.run_id!r} is not this platform's ({self.run_id!r})",
-                                  field="config_json.run_id", run_id=self.run_id)
+            raise InvalidArgument(f"the run's run_id {config.run_id!r} is not this platform's "
+                                  f"({self.run_id!r})", field="config_json.run_id", run_id=self.run_id)
         return config
 
     async def start(self, config: RunConfig, *, resume: bool, fresh: bool, how: str = "") -> RLRun:
