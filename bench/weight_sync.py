@@ -56,9 +56,11 @@ trainer service run (`rlfleet.broker.transports`, `rlfleet.weights.p2p` / `tenso
 For each: `e2e` = from the trainer holding the new version (the optimizer step done) to the engine
 answering that it serves it. The disk paths include the store write (before the load). The direct
 ones run the store write beside the transfer, as the trainer service does, and flip the version in
-as soon as it arrived and passed its checksums, before the write is done (the broker's default
-`sync.flip_before_stored`): the write competes for the same cores but is not waited for (its time
-shown as `store write`; `--flip-after-stored` waits for it before the flip, the old order);
+as soon as it arrived and passed its checksums, before the store has it (the broker's default
+`sync.flip_before_stored`), and the store write starts after the flip (the trainer's default
+`weight_send.store_after_flip`), so it competes with nothing on the update's path (its time shown
+as `store write`). `--flip-after-stored` is the other order: the write beside the transfer, and
+the flip once both are done;
 `pause` = the engine's own pause (its reply's `pause_s`; the full reload is timed around the whole
 paused load); `moved` = bytes that travelled to the engine for this update.
 
@@ -402,16 +404,18 @@ async def run_transports(name: str, steps: int, workdir: Path, infra: Infra | No
                                                              version, state))
 
             async def direct(transport: str, transfer, flip) -> None:
-                """`transfer()` beside the store write, then `flip(transfer's result)`: one row."""
+                """`transfer()`, then `flip(transfer's result)`, then the store write, as the trainer
+                service does by default (`weight_send.store_after_flip`); with `flip_after_stored`
+                the write runs beside the transfer and the flip waits for it. One row."""
                 started = time.perf_counter()
-                writing = beside(transport)
+                writing = beside(transport) if flip_after_stored else None
                 sent = await transfer()
-                if flip_after_stored:
+                if writing is not None:
                     await asyncio.shield(writing)
                 outcome = await flip(sent)
                 e2e = time.perf_counter() - started
                 assert outcome.ok, outcome.message
-                row(transport, e2e, outcome.pause_s, outcome.bytes, await writing)
+                row(transport, e2e, outcome.pause_s, outcome.bytes, await (writing or beside(transport)))
 
             async def broadcast_transfer(state: dict = state, version: int = version):
                 named = served_named(state)
@@ -535,8 +539,11 @@ class TrainerSent:
 
         stored: Future = Future()
         write_s = [0.0]
+        may_write = threading.Event()
 
         def write() -> None:
+            if self.sender.config.store_after_flip:  # as VersionPublisher: once the engines flipped it in
+                may_write.wait()
             started = time.perf_counter()
             try:
                 manifest = self.store.write_version(version, state)
@@ -551,7 +558,7 @@ class TrainerSent:
         partial = common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1, run_id=self.run,
                                            version=version, parent_version=version - 1, step=version)
         try:
-            summary = self.sender.send(partial, state, stored)
+            summary = self.sender.send(partial, state, stored, store_may_start=may_write)
         finally:
             writer.join()
         if summary.error:

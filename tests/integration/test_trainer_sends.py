@@ -70,6 +70,9 @@ async def both_serve(engines, version: int, store: DirectoryWeightStore) -> None
         return all([await weight_version(engines[n].url) == str(version) for n in engines])
 
     await eventually(check, 60.0, message=f"both engines serve version {version}")
+    # Engines may flip a version in before the trainer's store write is done (flip_before_stored).
+    await eventually(lambda: version in store.list_versions(), 60.0,
+                     message=f"version {version} in the store")
     served = store.load_version(version)
     for name in engines:
         await assert_engine_serves(engines[name].url, served)

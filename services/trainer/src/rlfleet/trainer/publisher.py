@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -82,12 +83,17 @@ class VersionPublisher:
     async def _send_beside_store(self, version: int, parent: int, step: int, metrics: dict[str, float],
                                  state: dict, write: Callable[[dict], dict[str, Any]]) -> dict[str, Any]:
         """The send and the store write side by side; the sender reports the stored version (or the
-        write's error, which is raised here after the broker heard of it)."""
+        write's error, which is raised here after the broker heard of it). With `store_after_flip`
+        the write starts once the engines flipped the version in (when the broker flips before the
+        store has it)."""
         stored: Future[common_pb2.PolicyVersion] = Future()
         partial = common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1, run_id=self.run_id,
                                            version=version, parent_version=parent, step=step)  # fmt: skip
-        sending = asyncio.create_task(self._send(partial, state, stored))
+        may_write = threading.Event()
+        sending = asyncio.create_task(self._send(partial, state, stored, may_write))
         try:
+            if self.sender is not None and self.sender.config.store_after_flip:
+                await asyncio.to_thread(may_write.wait)  # set by the send at the latest when it ends
             manifest = await self.worker.call(write, state)
         except BaseException as exc:
             stored.set_exception(exc)
@@ -120,13 +126,18 @@ class VersionPublisher:
         return call
 
     async def _send(self, msg: common_pb2.PolicyVersion, state: dict,
-                    stored: Future[common_pb2.PolicyVersion] | None = None) -> None:
+                    stored: Future[common_pb2.PolicyVersion] | None = None,
+                    may_write: threading.Event | None = None) -> None:
+        """`may_write`: set when the store write need not wait any longer (always, once this ends)."""
         assert self.sender is not None  # publish sends only when there is a sender
         try:
-            summary = await asyncio.to_thread(self.sender.send, msg, state, stored, self._shards)
+            summary = await asyncio.to_thread(self.sender.send, msg, state, stored, self._shards, may_write)
         except Exception as exc:  # the broker is down or refused: engines catch up from the store
             log.warning("sending version %d to engines failed: %s", msg.version, exc)
             return
+        finally:
+            if may_write is not None:
+                may_write.set()
         self.last_send = summary
         failed = [o.engine_id for o in summary.outcomes if not o.ok]
         log.info("version %d sent straight to %d engine(s) in %.3f s (%s)%s", msg.version,

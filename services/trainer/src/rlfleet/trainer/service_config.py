@@ -112,6 +112,10 @@ class WeightSendConfig(StrictModel):
     beside_store: bool = Field(True, description="send while the store write runs (the broker flips nothing "
                                "in before the store has the version; a failed write rejects it); false = "
                                "send after the write")
+    store_after_flip: bool = Field(True, description="with beside_store, when the broker flips a version in "
+                                   "before it is stored (its sync.flip_before_stored): start the store write "
+                                   "once the engines flipped it in, so that the write never competes with "
+                                   "the transfer and the engines' checks for cores or disk")
 
 
 class TrainerBackendOptions(BackendOptions):

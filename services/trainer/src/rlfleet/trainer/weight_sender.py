@@ -86,14 +86,26 @@ class WeightSender:
     # --- one version ----------------------------------------------------------------------------
     def send(self, version: common_pb2.PolicyVersion, state: Mapping[str, Any],
              stored: Future[common_pb2.PolicyVersion] | None = None,
-             shards: Callable[[list, int], list] | None = None) -> SendSummary:
+             shards: Callable[[list, int], list] | None = None,
+             store_may_start: threading.Event | None = None) -> SendSummary:
         """Blocking: plan, transfers, report. Never raises for a transfer's failure (it is reported).
 
         With `stored`, the store write runs beside the send: `version` need only carry its number, and
         `stored` resolves to the version as the store holds it (or raises the write's error), which
         goes in the report, or (the plan's flip_before_stored) in the confirmation that follows the
-        flip. With `shards`, the P2P writes are
-        every rank's own: `shards(plan peers, bucket bytes)` returns one PeerResult per peer."""
+        flip. `store_may_start` is set once the write need no longer wait: when the engines flipped
+        the version in (flip_before_stored), else once the plan is known, and whenever the send ends.
+        With `shards`, the P2P writes are every rank's own: `shards(plan peers, bucket bytes)`
+        returns one PeerResult per peer."""
+        may_start = store_may_start or threading.Event()
+        try:
+            return self._send(version, state, stored, shards, may_start)
+        finally:
+            may_start.set()
+
+    def _send(self, version: common_pb2.PolicyVersion, state: Mapping[str, Any],
+              stored: Future[common_pb2.PolicyVersion] | None, shards: Callable[[list, int], list] | None,
+              store_may_start: threading.Event) -> SendSummary:
         from rlfleet.weights.sent import served_named, tensor_checksums
 
         started = time.perf_counter()
@@ -103,6 +115,9 @@ class WeightSender:
         request.store_pending = stored is not None
         plan = self._stub.StartTrainerSync(request, timeout=self.config.timeout_s)
         summary.plan_s = time.perf_counter() - started
+        flip_first = stored is not None and plan.flip_before_stored
+        if not flip_first:  # the broker waits for the store, or nothing is sent: no reason to hold the write
+            store_may_start.set()
         if not plan.sync_id:
             summary.seconds = time.perf_counter() - started
             return summary
@@ -129,7 +144,6 @@ class WeightSender:
         except Exception as exc:  # whatever broke, the broker must hear of it to release the engines
             log.exception("sending version %d failed", version.version)
             summary.error = finish.error = f"{type(exc).__name__}: {exc}"
-        flip_first = stored is not None and plan.flip_before_stored
         if stored is not None and not flip_first:
             self._wait_stored(stored, finish, summary)
         finish.store_follows = flip_first
@@ -142,6 +156,7 @@ class WeightSender:
         finally:
             if shared is not None:
                 shared.close()
+            store_may_start.set()
         if flip_first:
             assert stored is not None
             self._confirm(plan.sync_id, stored, summary)
