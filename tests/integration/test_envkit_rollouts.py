@@ -29,7 +29,7 @@ from rlfleet.common.config import NatsConfig
 from rlfleet.common.processes import ChildProcess
 from rlfleet.common.streams import connect_nats, durable_name, publish, subject
 from rlfleet.common.testing import client_env, unique_run_id
-from rlfleet.envkit.groups import session_id_key, session_id_of
+from rlfleet.envkit.groups import GroupRunner, session_id_key, session_id_of
 from rlfleet.envkit.run_dir import RunDir
 from rlfleet.envkit.sdk import AgentLoop, Clients, EpisodeSpec
 from rlfleet.envkit.submit import publish_tasks, write_for_verifier
@@ -39,7 +39,7 @@ from rlfleet.envkit.task_queue import DEAD_LETTER_STREAM, REASON_HEADER, dead_le
 from rlfleet.envkit.tasks import TASK_TYPE, task_message
 from rlfleet.envkit.testing import LaunchedPlatform, build_tokenizer, start_scripted_engine
 from rlfleet.envkit.worker import RolloutWorker
-from rlfleet.envkit.worker_config import WorkerConfig
+from rlfleet.envkit.worker_config import SamplingDefaults, WorkerConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -251,6 +251,23 @@ async def test_a_worker_killed_mid_group_loses_no_task_another_worker_finishes_i
     # worker A's, for the audit
     assert {t.session_id for t in aborted} == {sid(group_id, i) for i in range(3)}
     assert await queue_is_empty(rig.info)
+
+
+async def test_a_redelivered_group_skips_samples_an_earlier_delivery_closed_as_truncated(rig):
+    """A sample that ran out of turns is closed TRUNCATED and published; a redelivery of its group
+    (the chaos run's verifier kill stopped its other samples) skips it rather than failing every
+    delivery until the task is dead-lettered."""
+    task = custom_task(f"itest-trunc-{rig.info.run_id}", "2+3", "calc, calc, calc", max_turns=1)
+    write_for_verifier([task], rig.info.suites_dir)
+    message = task_message(task, rig.info.run_id)
+    message.group_size = 2
+    async with clients(rig.info) as services:
+        runner = GroupRunner(AgentLoop(services), services.session, asyncio.Semaphore(2),
+                             sampling=SamplingDefaults(), id_key=session_id_key())
+        first = await runner.run(message, sequence=1, delivery=1)
+        assert [e.status for e in first.episodes] == [common_pb2.TRAJECTORY_STATUS_TRUNCATED] * 2, first
+        again = await runner.run(message, sequence=1, delivery=2)
+    assert again.skipped == 2 and again.complete and not again.episodes, again
 
 
 def worker_process(rig: Rig, name: str, *flags: str) -> tuple[ChildProcess, Path]:

@@ -127,7 +127,10 @@ class GroupRunner:
             if session is None:
                 continue
             if session.state == session_pb2.SESSION_STATE_CLOSED:
-                await self.sessions.close(session_id)  # idempotent: publishes it if the first close could not
+                # Idempotent: publishes it if the first close could not. Closed as whatever it was
+                # (UNSPECIFIED): a sample closed TRUNCATED or FAILED is as published as a COMPLETED
+                # one, and asking for COMPLETED was refused, failing every redelivery of its group.
+                await self.sessions.close(session_id, common_pb2.TRAJECTORY_STATUS_UNSPECIFIED)
                 return None
             if session.state == session_pb2.SESSION_STATE_OPEN:
                 await self.sessions.abort(session_id,
