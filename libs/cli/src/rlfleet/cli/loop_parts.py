@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.cli.report import EvalResult, RunRecord, TaskOutcome, TrajectoryRecord
 from rlfleet.cli.run_config import ToolLatencyConfig
-from rlfleet.common.streams import publish, subject
+from rlfleet.common.streams import ORDERED_HEARTBEAT_S, publish, subject
 from rlfleet.envkit.actions import ToolCall
 from rlfleet.envkit.sdk.environment import Environment, SandboxHandle, ToolResult, environment_for
 from rlfleet.envkit.sdk.episode import AgentLoop, EpisodeSpec
@@ -117,9 +117,11 @@ class Observer:
 
         self._subs.append(await self.js.subscribe(subject("TRAJECTORIES", self.run_id),
                                                   cb=self._on_trajectory, ordered_consumer=True,
+                                                  idle_heartbeat=ORDERED_HEARTBEAT_S,
                                                   deliver_policy=DeliverPolicy.NEW))
         self._subs.append(await self.js.subscribe(subject("POLICY", self.run_id), cb=self._on_policy,
-                                                  ordered_consumer=True, deliver_policy=DeliverPolicy.ALL))
+                                                  ordered_consumer=True, idle_heartbeat=ORDERED_HEARTBEAT_S,
+                                                  deliver_policy=DeliverPolicy.ALL))
 
     async def stop(self) -> None:
         for sub in self._subs:

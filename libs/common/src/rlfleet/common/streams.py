@@ -34,6 +34,10 @@ SCHEMA_HEADER = "Rlfleet-Schema"
 SCHEMA_VERSION = "1"
 TYPE_HEADER = "Rlfleet-Type"
 MSG_ID_HEADER = "Nats-Msg-Id"
+# Idle heartbeat of the ordered push consumers that follow a stream. nats-py recreates one that
+# missed two heartbeats; at its 5 s default a consumer that a NATS restart dropped stayed silent
+# for 10-20 s, which starved the run's task feed (the chaos run's stall after the NATS kill).
+ORDERED_HEARTBEAT_S = 1.0
 
 
 @dataclass(frozen=True)
