@@ -131,7 +131,9 @@ def test_worker_config_reads_flags_and_refuses_unknown_keys():
                          ["--run-id", "r1", "--concurrency", "3", "--sampling.temperature", "0"], prog="w",
                          environ={})
     assert config.concurrency == 3 and config.sampling.temperature == 0
-    assert config.effective_ack_wait_s == config.episode_timeout_s + 30
+    assert config.effective_ack_wait_s == 15.0 and config.heartbeat_s == 3.75
+    unset = load_config(WorkerConfig, ["--run-id", "r1", "--ack-wait-s", "0"], prog="w", environ={})
+    assert unset.effective_ack_wait_s == unset.episode_timeout_s + 30
     with pytest.raises(ConfigError, match="unknown key 'concurency'"):
         load_config(WorkerConfig, ["--set", "concurency=3"], prog="w", environ={})
 

@@ -68,8 +68,11 @@ class WorkerConfig(ProcessConfig):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     consumer: str = Field("rollout-workers", pattern=r"^[A-Za-z0-9_-]{1,64}$",
                           description="durable consumer name prefix; workers sharing it share the tasks")
-    ack_wait_s: float = Field(0.0, ge=0, description="a task is redelivered this long after its worker went "
-                              "silent (running groups send heartbeats); 0 = episode_timeout_s + 30")
+    # Short: running groups heartbeat every ack_wait/4, so this bounds only how long a dead worker's
+    # tasks wait. Tied to the episode timeout (90 s) it held a killed controller's groups back 87 s.
+    ack_wait_s: float = Field(15.0, ge=0, description="a task is redelivered this long after its worker "
+                              "went silent (running groups send heartbeats every ack_wait/4); "
+                              "0 = episode_timeout_s + 30")
     max_deliver: int = Field(5, ge=1, description="deliveries of a task before it is dead-lettered")
     nak_delay_s: float = Field(2.0, ge=0,
                                description="wait before redelivering a group that could not finish")
