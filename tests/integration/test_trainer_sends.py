@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import Future
 
 import grpc
 import pytest
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
+from rlfleet.api.common.v1 import common_pb2
 from rlfleet.broker.testing import BrokerProcess, policy_version
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.grpc_server import channel as open_channel
@@ -76,6 +78,13 @@ async def both_serve(engines, version: int, store: DirectoryWeightStore) -> None
     served = store.load_version(version)
     for name in engines:
         await assert_engine_serves(engines[name].url, served)
+
+
+async def relabel(engines, run: str) -> None:
+    """The engines are shared with other tests' runs: no version label of theirs may pass for one of
+    `run`'s (an engine that took a version straight from a trainer names no store directory)."""
+    for name in engines:
+        await call(engines[name].url, "/update_weight_version", {"new_version": f"before-{run}"})
 
 
 async def status(broker) -> broker_pb2.BrokerStatus:
@@ -331,10 +340,6 @@ def send_beside_store(sender, trainer, store_fails: str = "", write_after: threa
     """What the trainer service does (`weight_send.beside_store`): the send starts with only the version's
     number while the store write runs; the write's outcome (the stored version, or its error) follows.
     With `write_after`, the write waits for that event."""
-    from concurrent.futures import Future
-
-    from rlfleet.api.common.v1 import common_pb2
-
     stored: Future = Future()
     version = trainer.version + 1
     partial = common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1, version=version,
@@ -354,6 +359,63 @@ def send_beside_store(sender, trainer, store_fails: str = "", write_after: threa
         return version, sender.send(partial, trainer.model.state_dict(), stored)
     finally:
         writer.join()
+
+
+async def test_a_version_sent_again_by_a_restarted_trainer_before_the_first_send_was_confirmed_is_not_served(
+    engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes
+):
+    """A trainer dies after the engines flipped its version 3 in and before its store write ended; its
+    successor sends a version 3 of its own. The engines are sent back from the first one, the number
+    is not served directly again, and the next version goes straight to both engines as usual."""
+    from rlfleet.engine.testing import StoreTrainer
+    from rlfleet.trainer.service_config import WeightSendConfig
+    from rlfleet.trainer.weight_sender import WeightSender
+
+    class DiesBeforeConfirming(WeightSender):
+        def _confirm(self, sync_id, stored, summary):
+            pass  # the process is gone: no ConfirmTrainerSync
+
+    run = unique_run_id("tsr")
+    store = DirectoryWeightStore(store_root, run)
+    broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p",
+                          **{"sync.trainer_wait_s": 0.5})
+    trainer = StoreTrainer(model_dir, store)
+    for _ in range(2):
+        manifest = trainer.publish()
+        trainer.step()
+    await relabel(engines, run)
+    async with open_channel(broker.address) as channel:  # version 2 by the store: what the pools fall back to
+        await broker_pb2_grpc.BrokerServiceStub(channel).PublishVersion(policy_version(manifest))
+    await both_serve(engines, 2, store)
+    config = WeightSendConfig(broker_address=broker.address)
+    dead, successor = DiesBeforeConfirming(config), WeightSender(config)
+    try:
+        partial = common_pb2.PolicyVersion(schema_version=common_pb2.SCHEMA_VERSION_1, version=3,
+                                           parent_version=2)
+        never: Future = Future()  # the dead trainer's store write never ends
+        first = await asyncio.to_thread(dead.send, partial, trainer.model.state_dict(), never)
+        assert first.ok and first.awaits_confirm and await _serves(engines, "3"), first
+        trainer.step()  # the successor's version 3: other weights
+        version, summary = await asyncio.to_thread(send_beside_store, successor, trainer)
+        assert version == 3 and all(not o.ok for o in summary.outcomes), summary
+        assert not summary.awaits_confirm and not summary.error, summary
+        await both_serve(engines, 2, store)  # sent back to the pools' fallback, from the store
+        trainer.step()
+        version, summary = await asyncio.to_thread(send_beside_store, successor, trainer)
+        assert version == 4 and summary.ok and {o.engine_id for o in summary.outcomes} == {"c0", "f0"}
+        await both_serve(engines, 4, store)
+    finally:
+        dead.close()
+        successor.close()
+    async with open_channel(broker.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        listed = await stub.ListVersions(broker_pb2.ListVersionsRequest())
+    (record,) = [r for r in listed.versions if r.version.version == 3]
+    assert record.state == broker_pb2.VERSION_STATE_REJECTED and "sent again" in record.reason, record
+
+
+async def _serves(engines, label: str) -> bool:
+    return all([await weight_version(engines[n].url) == label for n in engines])
 
 
 class FailsToReach:
@@ -483,8 +545,7 @@ async def test_a_failed_store_write_beside_the_send_rejects_the_version_and_no_e
     for _ in range(3):
         manifest = trainer.publish()
         trainer.step()
-    for name in engines:  # the engines are shared with other runs: no label of theirs may pass for this one's
-        await call(engines[name].url, "/update_weight_version", {"new_version": f"before-{run}"})
+    await relabel(engines, run)
     async with open_channel(broker.address) as channel:  # version 3 by the store: what the pools fall back to
         await broker_pb2_grpc.BrokerServiceStub(channel).PublishVersion(policy_version(manifest))
     await both_serve(engines, 3, store)

@@ -57,6 +57,7 @@ class SendSummary:
     serving_s: float = 0.0  # from the start until FinishTrainerSync answered: the engines serve it
     store_wait_s: float = 0.0  # after the transfers (or the flip), until the store write beside them was done
     confirm_s: float = 0.0  # ConfirmTrainerSync, when the engines flipped it in before it was stored
+    awaits_confirm: bool = False  # the broker flipped it in before it was stored and waits for the write
     # Engines sent back: the store write failed after they flipped the version in.
     reverted: list[str] = field(default_factory=list)
     bytes: dict[str, int] = field(default_factory=dict)  # transport -> bytes sent (all engines)
@@ -153,11 +154,12 @@ class WeightSender:
             summary.finish_s = time.perf_counter() - finishing
             summary.serving_s = time.perf_counter() - started
             summary.outcomes = list(reply.outcomes)
+            summary.awaits_confirm = reply.awaits_confirm
         finally:
             if shared is not None:
                 shared.close()
             store_may_start.set()
-        if flip_first:
+        if flip_first and summary.awaits_confirm:
             assert stored is not None
             self._confirm(plan.sync_id, stored, summary)
         summary.seconds = time.perf_counter() - started

@@ -111,6 +111,14 @@ class TrainerSyncs:
         b = self.broker
         _check(request)
         version = request.version.version
+        for earlier in [p for p in self.unconfirmed.values() if p.version == version]:
+            # Flipped in but never confirmed, and sent again: the trainer that sent it died before its
+            # store write ended, and its successor reuses the number with other weights. The engines
+            # holding the first one go back to the store; the number is not served directly again.
+            if earlier.watchdog is not None:
+                earlier.watchdog.cancel()
+            await self._revert(earlier, f"version {version} is being sent again before its first send's "
+                                        "store write was confirmed (a restarted trainer)")
         wanted = lambda e: self.transport(e) in TRAINER_SENT  # noqa: E731
         if request.store_pending:  # the version becomes a target only once the store has it (finish)
             engines = await b.hold_for_trainer(wanted)
@@ -271,7 +279,8 @@ class TrainerSyncs:
         pending.flipped = [o.engine_id for o in outcomes if o.ok]
         await self._settle(pending, outcomes)
         pending.watchdog = asyncio.create_task(self._expire_unconfirmed(pending.sync_id))
-        return broker_pb2.FinishTrainerSyncResponse(outcomes=[_proto(o) for o in outcomes])
+        return broker_pb2.FinishTrainerSyncResponse(outcomes=[_proto(o) for o in outcomes],
+                                                    awaits_confirm=True)
 
     # --- confirm --------------------------------------------------------------------------------
     async def confirm(

@@ -329,7 +329,9 @@ class EngineSyncOutcome(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., ok: _Optional[bool] = ..., pause_s: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., falls_back: _Optional[bool] = ...) -> None: ...
 
 class FinishTrainerSyncResponse(_message.Message):
-    __slots__ = ("outcomes",)
+    __slots__ = ("outcomes", "awaits_confirm")
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    AWAITS_CONFIRM_FIELD_NUMBER: _ClassVar[int]
     outcomes: _containers.RepeatedCompositeFieldContainer[EngineSyncOutcome]
-    def __init__(self, outcomes: _Optional[_Iterable[_Union[EngineSyncOutcome, _Mapping]]] = ...) -> None: ...
+    awaits_confirm: bool
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[EngineSyncOutcome, _Mapping]]] = ..., awaits_confirm: _Optional[bool] = ...) -> None: ...
