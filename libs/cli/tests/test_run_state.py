@@ -206,7 +206,7 @@ def test_sync_mode_hands_out_more_groups_when_the_trainer_dropped_some(tmp_path)
     run._wait_served = served
 
     async def go():
-        await asyncio.gather(run._sync_steps(None, observer, [], []), platform())
+        await asyncio.gather(run._sync_steps(None, observer, None), platform())
 
     asyncio.run(asyncio.wait_for(go(), 10))
     assert published == [2, 2]
@@ -229,7 +229,7 @@ def test_a_background_part_that_fails_is_said_and_started_again_and_a_stop_aband
         assert any("the promotion gate failed (ConnectionError: broker went away)" in n
                    for n in run.record.notes)
         never = asyncio.get_running_loop().create_future()
-        waiting = asyncio.ensure_future(run._unless_stopped(never))
+        waiting = asyncio.ensure_future(run.ctx.unless_stopped(never))
         await asyncio.sleep(0.1)
         run.stop.set()
         with pytest.raises(Stopped):

@@ -108,7 +108,7 @@ def test_rlfleet_status_shows_the_stop_rules_the_run_wrote(tmp_path):
 
 
 def test_the_trainer_drop_counters_are_read_by_reason():
-    from rlfleet.cli.rl_loop import trainer_dropped
+    from rlfleet.cli.loop_watch import trainer_dropped
 
     page = """# HELP rlfleet_trainer_dropped_trajectories_total trajectories not trained, by reason
 # TYPE rlfleet_trainer_dropped_trajectories_total counter

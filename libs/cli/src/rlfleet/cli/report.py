@@ -358,3 +358,49 @@ def write_report(record: RunRecord, run_dir: Path) -> dict[str, Any]:
 </body></html>"""
     (run_dir / "report.html").write_text(page)
     return summary
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The run's end on screen: held-out success before and after, the gate's decisions, the audits,
+    the stop rule, the episodes' tools, phases and failure reasons."""
+    lines: list[str] = []
+    say = lines.append
+    rows = summary["baseline_vs_rl"]
+    say("")
+    say(f"run {summary['run_id']} ({summary['mode']}): {summary['steps']} steps in "
+        f"{summary['wall_s']:.0f} s, accepted version {summary['accepted_version']}")
+    for name, row in rows.items():
+        say(f"  {name:12s} held-out success {row['task_success']:.3f}  invalid tool calls/ep "
+            f"{row['invalid_tool_calls_per_episode']:.3f}  time {row['time_to_completion_s']:.2f} s  "
+            f"turns {row['interactions_per_episode']:.2f}  "
+            f"safety {row['safety_violations_per_episode']:.3f}")
+    for d in summary["gate"]:
+        success = next((c for c in d.get("checks", []) if c["name"] == "held-out success"), None)
+        interval = (f" gain {success['estimate']:+.3f} [{success['low']:+.3f}, {success['high']:+.3f}]"
+                    if success else "")
+        refused = [c["name"] for c in d.get("checks", []) if not c["passed"]]
+        say(f"  gate v{d['version']:<4d} {'accepted' if d['accepted'] else 'refused '} "
+            f"on {d.get('tasks', 0)} paired tasks{' (early)' if d.get('early') else ''}:{interval}"
+            + (f"  refused by: {', '.join(refused)}" if refused else ""))
+    for audit in summary["verifier_audits"]:
+        say(f"  verifier audit ({audit['when']}): n {audit['n']}  "
+            f"FP rate {audit['false_positive_rate']:.3f}  FN rate {audit['false_negative_rate']:.3f}")
+    if summary["long_tail"]:
+        say(f"  long tail: {summary['long_tail']['message']}")
+    if summary["stop_rule"]:
+        say(f"  stop rule: {summary['stop_rule']}")
+    episodes = summary.get("episodes") or {}
+    if episodes:
+        tools = ", ".join(f"{t} {n:.2f}" for t, n in episodes["tool_calls_per_episode"].items())
+        phases = episodes["phase_s_per_episode"]
+        say(f"  tool calls per episode ({episodes['episodes']} training episodes): "
+            f"{tools or 'none'}")
+        say(f"  time per episode: sandbox create+destroy {phases['sandbox_create_destroy']:.2f} s, "
+            f"tool execs {phases['tool_execs']:.2f} s, generation {phases['generation']:.2f} s, "
+            f"verification {phases['verification']:.2f} s "
+            f"(sandbox time p50 {episodes['sandbox_s_per_episode']['p50']:.2f} s)")
+        for bucket in episodes["verifier_reasons_over_time"]:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(bucket["reasons"].items())) or "none"
+            say(f"  [{bucket['from_s']:5.0f}s] {bucket['passed']}/{bucket['episodes']} passed; "
+                f"failure reasons: {reasons}")
+    return lines

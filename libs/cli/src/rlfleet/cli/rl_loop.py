@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +40,7 @@ import grpc
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from rlfleet.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from rlfleet.cli.gate import Decision, decide, interim, merge, slices
+from rlfleet.api.verifier.v1 import verifier_pb2_grpc
 from rlfleet.cli.launcher import PlatformState, flatten_keys, start_ticks
 from rlfleet.cli.loop_parts import (
     Clock,
@@ -56,9 +52,12 @@ from rlfleet.cli.loop_parts import (
     latency_sampler,
     task_messages,
 )
+from rlfleet.cli.loop_watch import LoopWatch
 from rlfleet.cli.platform_config import SECTIONS
-from rlfleet.cli.report import EpisodeRecord, EvalResult, GateDecision, RunRecord, StepRecord, write_report
+from rlfleet.cli.promotion import PromotionGate
+from rlfleet.cli.report import EpisodeRecord, EvalResult, RunRecord, StepRecord, summary_lines, write_report
 from rlfleet.cli.run_config import RunConfig
+from rlfleet.cli.run_context import LoopContext, Stopped, rpc, say, stopped
 from rlfleet.cli.run_state import (
     RESUMABLE_CHANGES,
     STATE_FILE,
@@ -71,7 +70,7 @@ from rlfleet.cli.run_state import (
     host_identity,
     record_from_dict,
 )
-from rlfleet.cli.stop_rules import audit_result, audit_subset, long_tail
+from rlfleet.cli.stop_checks import StopChecks
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.errors import StartupError
 from rlfleet.common.grpc_server import channel
@@ -79,20 +78,14 @@ from rlfleet.common.infra_auth import run_dir_login
 from rlfleet.common.streams import connect_nats
 from rlfleet.envkit.sdk.clients import Clients
 from rlfleet.envkit.sdk.environment import environments
-from rlfleet.envkit.submit import SubmitError, load_tasks, write_for_verifier
+from rlfleet.envkit.submit import write_for_verifier
 from rlfleet.envkit.suites import generate_tasks
 from rlfleet.envkit.worker import RolloutWorker
 from rlfleet.envkit.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
-
-class Stopped(Exception):
-    """The run's stop was set while waiting for something that no longer matters."""
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
+__all__ = ["Peers", "PlatformView", "RLRun", "RunOptions", "Stopped", "platform_differences", "say"]
 
 
 @dataclass
@@ -158,32 +151,59 @@ class Peers:
 
 
 class RLRun:
+    """One run of the loop: its state (saved through its `StateSink`, resumed from it), the loop
+    itself, and the named parts it starts (rollout worker, feeder, promotion gate, stop checks,
+    watch, CPU sampler, state saver), each supervised."""
+
     def __init__(self, config: RunConfig, options: RunOptions | None = None,
                  output: Callable[[str], None] | None = None, platform: PlatformView | None = None,
                  sink: StateSink | None = None) -> None:
         self.config = config
         self.platform = platform  # where the platform is; None: the launch record in the run directory
-        self.say = output or say  # where the run's progress lines go (the controller streams them)
         self.options = options or RunOptions()
         self.run_dir = Path(config.run_dir or f"runs/{config.run_id}").resolve()
         self.sink = sink or RunDirFile(self.run_dir)  # where its state is saved (the controller: its store)
-        self.clock = Clock()
-        self.record = RunRecord(config.run_id, config.mode, config.model_dump(mode="json"), time.time())
+        record = RunRecord(config.run_id, config.mode, config.model_dump(mode="json"), time.time())
+        self.ctx = LoopContext(config, self.run_dir, record, say=output or say)
         self.state = RunState("running", config.model_dump(mode="json"), uuid.uuid4().hex[:12],
                               driven_by="controller" if self.options.attach_only else "rlfleet run")
-        self.stop = asyncio.Event()
-        self.interrupted = ""  # why the loop stopped before its budget, when it did
-        self.accepted_eval: EvalResult | None = None
-        self.accepted_regression: EvalResult | None = None
-        self.audit_labels: list[dict] = []  # the labelled episodes each verifier audit sends
-        # the trainer's dropped trajectories by reason (its /metrics)
-        self.trainer_dropped: dict[str, float] = {}
-        self.last_gated = 0
         self.feeder: Feeder | None = None
         self.resuming = False
-        self._trainer_mark: tuple[float, float] | None = None  # (data-wait counter, loop time) last read
         self.loop_started = False  # before it, no loop time is spent (warm start, platform, baseline)
         self.driver = (os.getpid(), start_ticks(os.getpid()) or 0)  # recorded so a second driver is refused
+
+    # What the run's callers (the controller, `rlfleet run`, tests) read and set: the shared state's.
+    @property
+    def record(self) -> RunRecord:
+        return self.ctx.record
+
+    @property
+    def stop(self) -> asyncio.Event:
+        return self.ctx.stop
+
+    @property
+    def clock(self) -> Clock:
+        return self.ctx.clock
+
+    @property
+    def say(self) -> Callable[[str], None]:
+        return self.ctx.say
+
+    @property
+    def interrupted(self) -> str:
+        return self.ctx.interrupted
+
+    @interrupted.setter
+    def interrupted(self, why: str) -> None:
+        self.ctx.interrupted = why
+
+    @property
+    def accepted_eval(self) -> EvalResult | None:
+        return self.ctx.accepted_eval
+
+    @property
+    def last_gated(self) -> int:
+        return self.ctx.last_gated
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -202,7 +222,9 @@ class RLRun:
             self.record.status = "interrupted" if self.interrupted else "finished"
             await self.save_state()
         summary = write_report(self.record, self.run_dir)
-        self._print_summary(summary)
+        for line in summary_lines(summary):
+            self.say(line)
+        self.say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
         return summary
 
     def take_over_run_dir(self) -> None:
@@ -235,40 +257,41 @@ class RLRun:
                                f"`--fresh` discards it and starts over")
 
     def _restore(self, previous: RunState) -> None:
+        ctx = self.ctx
         self.resuming = True
         self.state = previous
         self.state.resumes.append(previous.loop_s)
-        self.record = record_from_dict(previous.record)
-        self.record.notes.append(f"resumed at {previous.loop_s:.0f} s of loop time"
-                                 + (f" after: {previous.reason}" if previous.reason else ""))
-        self.record.config = self.config.model_dump(mode="json")  # the budget may have grown
-        self.record.wall_s = 0.0
-        self.record.status = "running"  # again (a finished run resumed with a larger budget)
-        self.accepted_eval = eval_from_dict(previous.accepted_eval)
-        self.accepted_regression = eval_from_dict(previous.accepted_regression)
-        self.record.accepted_version = previous.accepted_version
-        self.last_gated = previous.last_gated
+        ctx.record = record = record_from_dict(previous.record)
+        record.notes.append(f"resumed at {previous.loop_s:.0f} s of loop time"
+                            + (f" after: {previous.reason}" if previous.reason else ""))
+        record.config = self.config.model_dump(mode="json")  # the budget may have grown
+        record.wall_s = 0.0
+        record.status = "running"  # again (a finished run resumed with a larger budget)
+        ctx.accepted_eval = eval_from_dict(previous.accepted_eval)
+        ctx.accepted_regression = eval_from_dict(previous.accepted_regression)
+        record.accepted_version = previous.accepted_version
+        ctx.last_gated = previous.last_gated
         self.say(f"resume: {self.run_dir} at {previous.loop_s:.0f} s of loop time, accepted version "
-            f"{previous.accepted_version}, {previous.tasks_published} tasks handed out")
+                 f"{previous.accepted_version}, {previous.tasks_published} tasks handed out")
 
     async def save_state(self) -> None:
         await self.sink.save(self.current_state())
 
     def current_state(self) -> RunState:
         """The run's state as of now (what `save_state` saves)."""
-        s = self.state
-        s.status = "interrupted" if self.interrupted else (
-            "finished" if self.record.status == "finished" else "running")
-        s.reason = self.interrupted
+        s, ctx = self.state, self.ctx
+        s.status = "interrupted" if ctx.interrupted else (
+            "finished" if ctx.record.status == "finished" else "running")
+        s.reason = ctx.interrupted
         if self.loop_started:
-            s.loop_s = self.clock.elapsed()
-        s.last_gated = self.last_gated
-        s.accepted_version = self.record.accepted_version
-        s.accepted_eval = asdict(self.accepted_eval) if self.accepted_eval else None
-        s.accepted_regression = asdict(self.accepted_regression) if self.accepted_regression else None
+            s.loop_s = ctx.clock.elapsed()
+        s.last_gated = ctx.last_gated
+        s.accepted_version = ctx.record.accepted_version
+        s.accepted_eval = asdict(ctx.accepted_eval) if ctx.accepted_eval else None
+        s.accepted_regression = asdict(ctx.accepted_regression) if ctx.accepted_regression else None
         if self.feeder is not None:
             s.tasks_published = self.feeder.published
-        s.record = asdict(self.record)
+        s.record = asdict(ctx.record)
         s.driver_pid, s.driver_start = self.driver
         s.driver_host = host_identity()
         return s
@@ -299,21 +322,16 @@ class RLRun:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    async def _loop(self, peers) -> None:
-        c = self.config
-        train, heldout, regression = self._tasks(peers)
-        # A resumed run (a restarted controller) passed its audit before the loop first started, on a
-        # verifier whose config a resume cannot change, and is audited again before every promotion:
-        # auditing again here held the restarted loop's rollouts up for the audit's 40 episodes
-        # (24 s at load ~9), and an audit beside the loop scored episodes failed by a sandbox
-        # manager killed meanwhile as the verifier's errors and stopped the run.
-        audited = self.resuming and any(a.get("when") == "before the loop" and not a.get("breaches")
-                                        for a in self.record.audits)
-        if audited:
-            self.say("verifier audit: passed before the loop; the next is before the next promotion")
-        elif not await self._verifier_trusted(peers, "before the loop"):
+    async def _loop(self, peers: Peers) -> None:
+        c, ctx = self.config, self.ctx
+        train, heldout, regression = self._tasks()
+        checks = StopChecks(ctx, peers.verifier)
+        gate = PromotionGate(ctx, peers.broker, partial(self._evaluate, peers), checks, self.save_state,
+                             heldout, regression)
+        watch = LoopWatch(ctx, peers.broker, peers.trainer, peers.platform.trainer_metrics_url)
+        if not await self._audited_before_the_loop(checks):
             return
-        if self.accepted_eval is None:  # a new run, or one interrupted before its baseline was done
+        if ctx.accepted_eval is None:  # a new run, or one interrupted before its baseline was done
             try:
                 await self._baseline(peers, heldout, regression)
             except Stopped:
@@ -321,9 +339,9 @@ class RLRun:
                 return
             self.record.started_unix = time.time()
         # Loop time (the budget, every figure's time axis) starts after the baseline evaluation.
-        self.clock = Clock(self.state.loop_s)
+        ctx.clock = Clock(self.state.loop_s)
         self.loop_started = True
-        observer = Observer(peers.js, c.run_id, self.record, self.clock)
+        observer = Observer(peers.js, c.run_id, self.record, ctx.clock)
         observer.version_listeners.append(self._note_step)
         await observer.start()
         await self._admit_up_to(peers, observer.latest_version)
@@ -337,63 +355,74 @@ class RLRun:
         observer.groups_done = feeder.published
         done = observer.latest_version - self.state.start_version
         self.say(f"loop: {c.mode}, G={c.group_size}, {c.trainer.groups_per_step} groups/step, "
-            f"budget {c.budget.max_steps} steps or {c.budget.max_minutes:g} min"
-            + (f" ({done} steps and {self.clock.elapsed():.0f} s done)" if self.resuming else ""))
-        self._trainer_mark = None
-        await self._measure_trainer_idle(peers)
-        sampler = CpuSampler(list(peers.platform.pids), self.record, self.clock)
-        parts = {"the rollout worker": lambda: worker.run(self.stop),
-                 "the CPU sampler": lambda: sampler.run(self.stop),
-                 "the pause watch": lambda: self._watch_pauses(peers),
+                 f"budget {c.budget.max_steps} steps or {c.budget.max_minutes:g} min"
+                 + (f" ({done} steps and {ctx.clock.elapsed():.0f} s done)" if self.resuming else ""))
+        await watch.trainer_idle()  # marks where the trainer's account starts
+        sampler = CpuSampler(list(peers.platform.pids), self.record, ctx.clock)
+        parts = {"the rollout worker": lambda: worker.run(ctx.stop),
+                 "the CPU sampler": lambda: sampler.run(ctx.stop),
+                 "the pause watch": watch.pauses,
                  "the state saver": self._keep_state_saved,
-                 "the progress line": lambda: self._progress(peers, observer),
+                 "the progress line": lambda: watch.progress(observer),
                  "the admission policy": lambda: self._follow_versions(peers, observer)}
         if c.mode == "async":
             in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
             parts["the feeder"] = lambda: feeder.keep_topped_up(lambda: observer.groups_done, in_flight,
-                                                                self.stop)
-            parts["the promotion gate"] = lambda: self._gate_loop(peers, heldout, regression)
+                                                                ctx.stop)
+            parts["the promotion gate"] = gate.follow_the_canary
         background = {name: asyncio.create_task(self._supervised(name, part)) for name, part in parts.items()}
         try:
             if c.mode == "async":
                 await self._until_budget(observer)
             else:
-                await self._sync_steps(peers, observer, heldout, regression)
+                await self._sync_steps(peers, observer, gate)
         finally:
-            self.record.wall_s = self.clock.elapsed()
-            self.stop.set()
+            self.record.wall_s = ctx.clock.elapsed()
+            ctx.stop.set()
             for name, task in background.items():
                 # The worker lets running groups finish (its drain_timeout_s, 30 s) before it returns.
-                await _stopped(task, name, say=self.say,
-                               timeout_s=60.0 if task is background["the rollout worker"] else 15.0)
+                await stopped(task, name, say=self.say,
+                              timeout_s=60.0 if task is background["the rollout worker"] else 15.0)
             await observer.stop()
-        await self._measure_trainer_idle(peers)
+        await watch.trainer_idle()
         if self.interrupted:
             await self._checkpoint(peers)
         else:
-            await self._finish(peers, heldout, regression)
+            await self._finish(peers, checks, heldout, regression)
 
-    async def _baseline(self, peers, heldout, regression) -> None:
+    async def _audited_before_the_loop(self, checks: StopChecks) -> bool:
+        # A resumed run (a restarted controller) passed its audit before the loop first started, on a
+        # verifier whose config a resume cannot change, and is audited again before every promotion:
+        # auditing again here held the restarted loop's rollouts up for the audit's 40 episodes
+        # (24 s at load ~9), and an audit beside the loop scored episodes failed by a sandbox
+        # manager killed meanwhile as the verifier's errors and stopped the run.
+        if self.resuming and any(a.get("when") == "before the loop" and not a.get("breaches")
+                                 for a in self.record.audits):
+            self.say("verifier audit: passed before the loop; the next is before the next promotion")
+            return True
+        return await checks.verifier_trusted("before the loop")
+
+    async def _baseline(self, peers: Peers, heldout, regression) -> None:
         """The version the fleet serves before RL: 0 on a new platform, the accepted one on a platform
         attached to after earlier runs."""
-
-        status = await _rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
+        ctx = self.ctx
+        status = await rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
         fleet = [e.policy_version for e in status.engines if e.pool == "fleet"]
         version = min(fleet) if fleet else 0
-        trainer = await _rpc(peers.trainer.GetStatus, trainer_pb2.GetStatusRequest(), timeout_s=30)
+        trainer = await rpc(peers.trainer.GetStatus, trainer_pb2.GetStatusRequest(), timeout_s=30)
         self.state.start_version = max(0, trainer.policy_version)
-        self.record.accepted_version = self.last_gated = version
+        self.record.accepted_version = ctx.last_gated = version
         self.say(f"baseline: evaluating version {version} on {len(heldout)} held-out and {len(regression)} "
-            f"regression tasks ...")
+                 f"regression tasks ...")
         # A stop during the baseline abandons it (Stopped): a resumed run evaluates it again.
-        baseline = await self._unless_stopped(
+        baseline = await ctx.unless_stopped(
             self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet"))
-        self.accepted_regression = await self._unless_stopped(
+        ctx.accepted_regression = await ctx.unless_stopped(
             self._evaluate(peers, regression, version, "regression", "baseline", "fleet")) \
             if regression else None
-        self.accepted_eval = baseline
-        self.say(f"baseline: held-out success {self.accepted_eval.success:.3f}")
-        for result in (self.accepted_eval, self.accepted_regression):
+        ctx.accepted_eval = baseline
+        self.say(f"baseline: held-out success {baseline.success:.3f}")
+        for result in (ctx.accepted_eval, ctx.accepted_regression):
             if result is not None:
                 result.elapsed_s = 0.0  # the start of loop time
 
@@ -410,7 +439,7 @@ class RLRun:
                                                 reward_mean=float(version.metrics.get("reward_mean", 0.0)),
                                                 metrics=dict(version.metrics)))
 
-    def _tasks(self, peers):
+    def _tasks(self):
         c = self.config
         train = generate_tasks(c.suite, "train", 2000, seed=c.seed, difficulty=c.difficulty)
         heldout = generate_tasks(c.suite, "heldout", c.eval.heldout, seed=c.seed, difficulty=c.difficulty)
@@ -420,12 +449,15 @@ class RLRun:
         as_messages = lambda tasks: task_messages(tasks, c.run_id, 1, c.eval.temperature, c.system_prompt)  # noqa: E731
         return train, as_messages(heldout), as_messages(regression)
 
-    def _worker(self, peers):
+    def _worker(self, peers: Peers) -> RolloutWorker:
         c, platform = self.config, peers.platform
         delay = latency_sampler(c.rollout.tool_latency, c.seed)
-        environments = self._environments()
+        # Evaluations score with the plain environments: the slow-tool latency models the training
+        # fleet's tools, not the scoring.
+        plain = environments(c.rollout.tool_runtime)
+        training = plain
         if c.rollout.tool_latency.distribution != "none":
-            environments = lambda suite, plain=environments: SlowTools(plain(suite), delay)  # noqa: E731
+            training = lambda suite: SlowTools(plain(suite), delay)  # noqa: E731
         config = WorkerConfig(run_id=c.run_id,
                               nats=platform.worker_nats.model_dump(),
                               session_address=platform.session, sandbox_address=platform.sandbox,
@@ -433,7 +465,7 @@ class RLRun:
                               concurrency=c.rollout.concurrency, tool_runtime=c.rollout.tool_runtime,
                               tool_call_format=c.rollout.tool_call_format,
                               observation_framing=c.rollout.observation_framing, metrics={"enabled": False})
-        return RolloutWorker(config, environments=environments, clients=peers.clients,
+        return RolloutWorker(config, environments=training, clients=peers.clients,
                              on_episode=self._note_episode)
 
     def _note_episode(self, summary) -> None:
@@ -446,29 +478,26 @@ class RLRun:
             tool_s=summary.tool_wait_s, sandbox_s=summary.sandbox_s, verify_s=summary.verify_s,
             episode_s=summary.episode_s))
 
-    def _environments(self):
-        """Environments with the run's tool runtime, for training episodes and evaluations alike
-        (without the slow-tool latency: it models the training fleet's tools, not the scoring)."""
-
-        return environments(self.config.rollout.tool_runtime)
-
-    async def _evaluate(self, peers, tasks, version: int, split: str, label: str, pool: str,
-                        keep: bool = True):
+    async def _evaluate(self, peers: Peers, tasks, version: int, split: str, label: str, pool: str,
+                        keep: bool = True) -> EvalResult:
         c = self.config
         result = await evaluate(peers.clients, tasks, version=version, split=split, label=label, pool=pool,
                                 concurrency=c.eval.concurrency, clock=self.clock,
-                                environments=self._environments(), seed=c.seed if c.eval.seeded else None,
+                                environments=environments(c.rollout.tool_runtime),
+                                seed=c.seed if c.eval.seeded else None,
                                 tag=f"{label}-v{version}-{split}-{time.monotonic_ns()}")
         if keep:
             self.record.evals.append(result)
         return result
 
-    async def _admit_up_to(self, peers, trainer_version: int) -> None:
-        await _rpc(peers.gateway.SetAdmissionPolicy, gateway_pb2.AdmissionPolicy(
+    # -- pacing: admission, the budget, lock-step ---------------------------------------------------
+
+    async def _admit_up_to(self, peers: Peers, trainer_version: int) -> None:
+        await rpc(peers.gateway.SetAdmissionPolicy, gateway_pb2.AdmissionPolicy(
             max_inflight_sessions=self.config.rollout.max_inflight_sessions, trainer_version=trainer_version,
             max_staleness=self.config.rollout.max_staleness))
 
-    async def _follow_versions(self, peers, observer) -> None:
+    async def _follow_versions(self, peers: Peers, observer: Observer) -> None:
         """Moves the gateway's admission (staleness bound) along with each new trainer version."""
         admitted = observer.latest_version
         while not self.stop.is_set():
@@ -479,16 +508,16 @@ class RLRun:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), 0.2)
 
-    def _budget_spent(self, observer) -> bool:
+    def _budget_spent(self, observer: Observer) -> bool:
         budget = self.config.budget
         return (observer.latest_version - self.state.start_version >= budget.max_steps
                 or self.clock.elapsed() >= budget.max_minutes * 60)
 
-    async def _until_budget(self, observer) -> None:
+    async def _until_budget(self, observer: Observer) -> None:
         while not self.stop.is_set() and not self._budget_spent(observer):  # noqa: ASYNC110 - a clock, not an event
             await asyncio.sleep(0.5)
 
-    async def _sync_steps(self, peers, observer, heldout, regression) -> None:
+    async def _sync_steps(self, peers: Peers | None, observer: Observer, gate: PromotionGate | None) -> None:
         """Lock-step: hand out one step's groups, wait for the step and for its version to be served.
 
         Groups GRPO cannot learn from (all rewards equal) are dropped by the trainer, so when every
@@ -514,233 +543,27 @@ class RLRun:
                         quiet_since = None
                 await asyncio.sleep(0.05)
             await self._wait_served(peers, target, pool="canary")
-            if c.gate.enabled and target - self.last_gated >= c.gate.every_versions:
+            if gate is not None and gate.due(target):
                 began = self.clock.elapsed()
-                await self._gate(peers, target, heldout, regression)
+                await gate.decide(target)
                 self.record.gate_wait_s += self.clock.elapsed() - began
 
-    async def _wait_served(self, peers, version: int, pool: str, timeout_s: float = 120.0,
+    async def _wait_served(self, peers: Peers | None, version: int, pool: str, timeout_s: float = 120.0,
                            until_stopped: bool = True) -> bool:
-
+        assert peers is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not (until_stopped and self.stop.is_set()):
-            status = await _rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
+            status = await rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
             engines = [e for e in status.engines if e.pool == pool]
             if engines and all(e.policy_version >= version for e in engines):
                 return True
             await asyncio.sleep(0.1)
         return False
 
-    # -- the promotion gate ----------------------------------------------------------------------
+    # -- the end ----------------------------------------------------------------------------------
 
-    async def _gate_loop(self, peers, heldout, regression) -> None:
-        if not self.config.gate.enabled:
-            return
-        while not self.stop.is_set():
-            status = await _rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
-            canary = [e.policy_version for e in status.engines if e.pool == "canary"]
-            version = min(canary) if canary else 0
-            if version >= self.last_gated + self.config.gate.every_versions:
-                await self._gate(peers, version, heldout, regression)
-            await asyncio.sleep(1.0)
-
-    async def _gate(self, peers, version: int, heldout, regression) -> None:
-        assert self.accepted_eval is not None  # the baseline, evaluated before the loop
-        previous, self.last_gated = self.last_gated, version
-        try:
-            candidate, decision = await self._unless_stopped(
-                self._evaluate_candidate(peers, heldout, version))
-            cand_reg = await self._unless_stopped(
-                self._evaluate(peers, regression, version, "regression", "candidate", "canary")) \
-                if regression and decision is None else None
-        except Stopped:
-            self.last_gated = previous  # not decided: a resumed run gates this version again
-            self.say(f"gate: evaluation of version {version} abandoned (stopping)")
-            return
-        decision = decision or decide(self.config.gate, candidate, self.accepted_eval, cand_reg,
-                                      self.accepted_regression)
-        if (decision.accepted
-                and not await self._verifier_trusted(peers, f"before promoting version {version}")):
-            decision.accepted = False
-            decision.reasons.append("not promoted: the verifier failed its audit")
-        self.record.gate.append(GateDecision(version, decision.accepted, decision.reasons,
-                                             self.clock.elapsed(), decision.check_dicts(), decision.tasks,
-                                             decision.early))
-        verdict = "accepted" if decision.accepted else "refused"
-        self.say(f"gate: version {version} {verdict}:\n  " + "\n  ".join(decision.reasons))
-        if decision.accepted:
-            await _rpc(peers.broker.Promote,
-                       broker_pb2.PromoteRequest(version=version, reason="; ".join(decision.reasons)))
-            self.accepted_eval, self.accepted_regression = candidate, cand_reg
-            self.record.accepted_version = version
-        self._account_long_tail()
-        await self.save_state()
-
-    async def _evaluate_candidate(self, peers, heldout, version: int) -> tuple[EvalResult, Decision | None]:
-        """The candidate on the held-out set in the gate's slices, paired with the accepted version's
-        kept per-task results (same tasks, same seeds: see `eval.seeded`); stops at the first slice
-        after which the gate can already refuse. Returns the evaluation and that refusal, or None."""
-        assert self.accepted_eval is not None  # the baseline, evaluated before the loop
-        parts, early = [], None
-        for start, end in slices(len(heldout), self.config.gate.looks):
-            parts.append(await self._evaluate(peers, heldout[start:end], version, "heldout", "candidate",
-                                              "canary", keep=False))
-            if end < len(heldout) and (early := interim(self.config.gate, merge(parts), self.accepted_eval)):
-                break
-        result = merge(parts)
-        self.record.evals.append(result)
-        return result, early
-
-    # -- the stop rules (stop_rules.py) ---------------------------------------------------------
-
-    def _audit_set(self) -> list[dict]:
-        """The labelled audit set (written once into the run directory by the verifier's own
-        command), its tasks added to the suites the run's verifier reads; the subset each audit sends."""
-        c = self.config.audit
-        where = self.run_dir / "audit_set"
-        labels = where / "labels.jsonl"
-        if not labels.exists():
-            subprocess.run([sys.executable, "-m", "rlfleet.verifier.audit_set", "write", str(where),
-                            "--seed", str(c.seed)], check=True, capture_output=True, timeout=300)
-        try:
-            tasks = [t for suite in sorted((where / "suites").glob("*.jsonl"))
-                     for t in load_tasks(str(suite))]
-            write_for_verifier(tasks, self.run_dir / "suites")
-        except SubmitError as exc:
-            raise StartupError(f"the verifier audit set does not fit this run's suites: {exc}") from None
-        return audit_subset([json.loads(line) for line in labels.read_text().splitlines() if line.strip()],
-                            c.episodes, c.seed)
-
-    async def _verifier_trusted(self, peers, when: str) -> bool:
-        """Audits the run's verifier (`audit.*`); when a rate passes its threshold the run stops,
-        with the reason on screen, in the report and in the run state."""
-        c = self.config.audit
-        if not c.enabled:
-            return True
-        if not self.audit_labels:
-            self.audit_labels = await asyncio.to_thread(self._audit_set)
-        request = verifier_pb2.AuditRequest(episodes=[verifier_pb2.LabelledEpisode(
-            suite=e.get("suite", ""), task_id=e["task_id"], final_answer=e.get("final_answer", ""),
-            files={k: v.encode() for k, v in e.get("files", {}).items()}, transcript=e.get("transcript", ""),
-            human_passed=e["human_passed"], episode_id=e.get("episode_id", "")) for e in self.audit_labels])
-        report = await _rpc(peers.verifier.Audit, request, timeout_s=c.timeout_s, within_s=2 * c.timeout_s)
-        result = audit_result(report, when, c)
-        self.record.audits.append(asdict(result))
-        self.say(result.line())
-        if not result.breaches:
-            return True
-        self.record.stop_rule = f"verifier audit {when}: " + "; ".join(result.breaches)
-        self.interrupted = f"stop rule: {self.record.stop_rule}"
-        self.say(f"stop rule: {self.record.stop_rule}; stopping the run (disagreements: "
-            f"{', '.join(result.disagreements) or '-'})")
-        self.stop.set()
-        return False
-
-    def _account_long_tail(self) -> None:
-        c = self.config.long_tail
-        baseline = next((e for e in self.record.evals if e.label == "baseline" and e.split == "heldout"),
-                        None)
-        if not c.enabled or baseline is None or self.accepted_eval is None:
-            return
-        account = long_tail(self.record.trajectories, max_staleness=self.config.rollout.max_staleness,
-                            eval_retried=sum(e.retried for e in self.record.evals),
-                            gain=self.accepted_eval.success - baseline.success, config=c)
-        # The trainer's own count of what it did not train, by reason, beside the driver's account.
-        self.record.long_tail = account.as_dict() | {"trainer_dropped": dict(self.trainer_dropped)}
-        if not account.fired or self.record.stop_rule:
-            return
-        self.record.stop_rule = account.message
-        self.record.notes.append(f"stop rule: {account.message}")
-        if c.action == "stop":
-            self.say(f"stop rule: {account.message}; stopping the loop (long_tail.action = \"stop\")")
-            self.stop.set()
-        else:
-            self.say(f"stop rule: {account.message} (reported only: long_tail.action = \"report\")")
-
-    async def _unless_stopped(self, work):
-        """`await work`, abandoned (cancelled, `Stopped` raised) as soon as the stop is set: an
-        orderly stop never waits for an evaluation to run out its retries."""
-        task = asyncio.ensure_future(work)
-        stopping = asyncio.ensure_future(self.stop.wait())
-        try:
-            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(task, 30.0)  # its episodes abort their sessions, each bounded
-        raise Stopped
-
-    # -- watching and printing -------------------------------------------------------------------
-
-    async def _watch_pauses(self, peers) -> None:
-        updates: dict[str, int] = {}
-        while not self.stop.is_set():
-            try:
-                status = await _rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
-            except Exception:  # the broker restarting: try again next round
-                await asyncio.sleep(1.0)
-                continue
-            for engine in status.engines:
-                if engine.updates > updates.get(engine.engine_id, 0):
-                    updates[engine.engine_id] = engine.updates
-                    self.record.weight_pauses_s.append(engine.last_pause_s)
-            await asyncio.sleep(0.5)
-
-    async def _measure_trainer_idle(self, peers) -> None:
-        """Adds the trainer's data-wait time since the last reading to the loop's account (its own
-        counter, so the baseline evaluation before the loop does not count as idle)."""
-
-        try:
-            url = peers.platform.trainer_metrics_url
-            if not url:
-                return
-            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=3).read().decode())
-        except OSError:
-            return  # a trainer that is gone: its share of the loop is not measured
-        self.trainer_dropped = trainer_dropped(text) or self.trainer_dropped
-        waited = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("rlfleet_trainer_data_wait_seconds_total")), None)
-        if waited is None:
-            return
-        now = self.clock.elapsed()
-        if self._trainer_mark is not None and waited >= self._trainer_mark[0]:
-            self.record.trainer_wait_s += waited - self._trainer_mark[0]
-            self.record.trainer_watched_s += now - self._trainer_mark[1]
-            if self.record.trainer_watched_s > 0:
-                # The counter grows when a wait ends, so a reading can hold waiting from before the
-                # last one: over the whole loop the ratio is exact, between two readings it can pass 1.
-                self.record.trainer_idle_fraction = min(1.0, self.record.trainer_wait_s
-                                                        / self.record.trainer_watched_s)
-        self._trainer_mark = (waited, now)
-
-    async def _progress(self, peers, observer) -> None:
-        assert self.accepted_eval is not None  # the baseline, evaluated before the loop
-        while not self.stop.is_set():
-            await asyncio.sleep(5.0)
-            try:
-                status = await peers.trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=5)
-            except grpc.aio.AioRpcError as exc:
-                self.say(f"[{self.clock.elapsed():5.0f}s] the trainer is not answering ({exc.code().name}); "
-                    f"see {self.run_dir / 'logs' / 'trainer.log'}")
-                continue
-            await self._measure_trainer_idle(peers)
-            recent = [t for t in self.record.trajectories[-200:] if t.split == "train"]
-            reward = sum(t.reward for t in recent) / len(recent) if recent else 0.0
-            stale = max((t.staleness for t in recent), default=0)
-            pauses = sorted(self.record.weight_pauses_s[-20:])
-            pause = pauses[len(pauses) // 2] * 1000 if pauses else 0.0
-            rate = observer.train_trajectories / max(self.clock.elapsed(), 1e-9)
-            self.say(f"[{self.clock.elapsed():5.0f}s] step {status.step:3d}  v{status.policy_version:<3d} "
-                f"reward {reward:.2f}  held-out {self.accepted_eval.success:.2f} "
-                f"(accepted v{self.record.accepted_version})  "
-                f"staleness max {stale}  {rate:.1f} traj/s  pause p50 {pause:.0f} ms  "
-                f"trainer idle {self.record.trainer_idle_fraction:.0%}")
-
-    async def _finish(self, peers, heldout, regression) -> None:
-        self._account_long_tail()
+    async def _finish(self, peers: Peers, checks: StopChecks, heldout, regression) -> None:
+        checks.account_long_tail()
         if not self.config.gate.enabled and self.record.steps:
             self.record.accepted_version = max(s.version for s in self.record.steps)  # auto-promoted
         accepted = self.record.accepted_version
@@ -752,7 +575,7 @@ class RLRun:
         if regression:
             await self._evaluate(peers, regression, accepted, "regression", "final", "fleet")
 
-    async def _checkpoint(self, peers) -> None:
+    async def _checkpoint(self, peers: Peers) -> None:
         """After an interruption: make every step taken durable, so a resume retrains nothing."""
 
         try:
@@ -764,7 +587,9 @@ class RLRun:
             self.record.notes.append(f"no checkpoint at the interruption ({exc.code().name}): the trainer "
                                      "resumes from its last one")
 
-    async def _supervised(self, name: str, part) -> None:
+    # -- keeping the parts alive ------------------------------------------------------------------
+
+    async def _supervised(self, name: str, part: Callable[[], Awaitable[Any]]) -> None:
         """Runs one background part of the loop until the stop. A part that fails is said loudly
         (on screen, in the log and in the report's notes) and started again with bounded backoff:
         it is never left dead in silence."""
@@ -790,97 +615,6 @@ class RLRun:
                 await asyncio.wait_for(self.stop.wait(), every_s)
             if not self.stop.is_set():
                 await self.save_state()
-
-    def _print_summary(self, summary: dict) -> None:
-        rows = summary["baseline_vs_rl"]
-        self.say("")
-        self.say(f"run {summary['run_id']} ({summary['mode']}): {summary['steps']} steps in "
-            f"{summary['wall_s']:.0f} s, accepted version {summary['accepted_version']}")
-        for name, row in rows.items():
-            self.say(f"  {name:12s} held-out success {row['task_success']:.3f}  invalid tool calls/ep "
-                f"{row['invalid_tool_calls_per_episode']:.3f}  time {row['time_to_completion_s']:.2f} s  "
-                f"turns {row['interactions_per_episode']:.2f}  "
-                f"safety {row['safety_violations_per_episode']:.3f}")
-        for d in summary["gate"]:
-            success = next((c for c in d.get("checks", []) if c["name"] == "held-out success"), None)
-            interval = (f" gain {success['estimate']:+.3f} [{success['low']:+.3f}, {success['high']:+.3f}]"
-                        if success else "")
-            refused = [c["name"] for c in d.get("checks", []) if not c["passed"]]
-            self.say(f"  gate v{d['version']:<4d} {'accepted' if d['accepted'] else 'refused '} "
-                f"on {d.get('tasks', 0)} paired tasks{' (early)' if d.get('early') else ''}:{interval}"
-                + (f"  refused by: {', '.join(refused)}" if refused else ""))
-        for audit in summary["verifier_audits"]:
-            self.say(f"  verifier audit ({audit['when']}): n {audit['n']}  "
-                f"FP rate {audit['false_positive_rate']:.3f}  FN rate {audit['false_negative_rate']:.3f}")
-        if summary["long_tail"]:
-            self.say(f"  long tail: {summary['long_tail']['message']}")
-        if summary["stop_rule"]:
-            self.say(f"  stop rule: {summary['stop_rule']}")
-        episodes = summary.get("episodes") or {}
-        if episodes:
-            tools = ", ".join(f"{t} {n:.2f}" for t, n in episodes["tool_calls_per_episode"].items())
-            phases = episodes["phase_s_per_episode"]
-            self.say(f"  tool calls per episode ({episodes['episodes']} training episodes): "
-                f"{tools or 'none'}")
-            self.say(f"  time per episode: sandbox create+destroy {phases['sandbox_create_destroy']:.2f} s, "
-                f"tool execs {phases['tool_execs']:.2f} s, generation {phases['generation']:.2f} s, "
-                f"verification {phases['verification']:.2f} s "
-                f"(sandbox time p50 {episodes['sandbox_s_per_episode']['p50']:.2f} s)")
-            for bucket in episodes["verifier_reasons_over_time"]:
-                reasons = ", ".join(f"{k} {v}" for k, v in sorted(bucket["reasons"].items())) or "none"
-                self.say(f"  [{bucket['from_s']:5.0f}s] {bucket['passed']}/{bucket['episodes']} passed; "
-                    f"failure reasons: {reasons}")
-        self.say(f"report: {self.run_dir / 'report.html'}  summary: {self.run_dir / 'summary.json'}")
-
-
-async def _stopped(task: asyncio.Task, what: str, timeout_s: float = 90.0,
-                   say: Callable[[str], None] = say) -> None:
-    """Waits for a background task that was told to stop; one that failed says so (never silently),
-    one that does not stop in time is cancelled."""
-    try:
-        await asyncio.wait_for(asyncio.shield(task), timeout_s)
-    except TimeoutError:
-        task.cancel()
-        say(f"{what} did not stop within {timeout_s:.0f} s; cancelled it")
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    except asyncio.CancelledError:
-        if not task.done():
-            task.cancel()
-        raise
-    except Exception as exc:  # reported, not swallowed
-        say(f"{what} failed: {type(exc).__name__}: {exc}")
-        log.error("%s failed", what, exc_info=exc)
-
-
-RPC_TIMEOUT_S = 10.0
-PLATFORM_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-async def _rpc(method, request, *, timeout_s: float = RPC_TIMEOUT_S, within_s: float = 120.0):
-    """One call to a platform service, with a deadline. A peer that is down or restarting
-    (UNAVAILABLE, DEADLINE_EXCEEDED) is called again with backoff bounded to 2 s, for `within_s` at
-    most (the supervisor brings it back meanwhile); any other status is raised at once."""
-    deadline = time.monotonic() + within_s
-    delay = 0.25
-    while True:
-        try:
-            return await method(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in PLATFORM_CODES or time.monotonic() + delay > deadline:
-                raise
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 2.0)
-
-
-def trainer_dropped(metrics_text: str) -> dict[str, float]:
-    """`rlfleet_trainer_dropped_trajectories_total` by its `reason` label, from a Prometheus text page."""
-    found: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("rlfleet_trainer_dropped_trajectories_total{") and 'reason="' in line:
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            found[reason] = found.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
 
 
 def platform_differences(running: dict, wanted: dict) -> list[str]:
