@@ -46,6 +46,27 @@ def test_a_lora_step_changes_only_the_adapter_and_leaves_the_base_bit_identical(
     assert set(b.optimizer.state) == {p for p in b.model.parameters() if p.requires_grad}
 
 
+def test_lora_plus_steps_lora_b_at_its_ratio_of_the_learning_rate():
+    plain, plus = backend(), backend(lora={**LORA, "b_lr_ratio": 16.0})
+    assert len(plain.optimizer.param_groups) == 1
+    groups = plus.optimizer.param_groups
+    names = {id(p): n for n, p in plus.model.named_parameters()}
+    assert [g["lr"] for g in groups] == [1e-2, 1e-2 * 16]
+    assert all(".lora_A." in names[id(p)] for p in groups[0]["params"])
+    assert groups[1]["params"] and all(".lora_B." in names[id(p)] for p in groups[1]["params"])
+    # The first step moves only B (A's gradient is zero while B is): Adam's first step is lr * sign,
+    # so B moves 16 times as far under LoRA+.
+    samples = make_samples(1, 4, seed=7)
+    moved = []
+    for b in (plain, plus):
+        before = params(b)
+        b.train_step(pack_batch(samples, 64), SFTObjective())
+        moved.append(max((params(b)[k] - before[k]).abs().max().item() for k in before if ".lora_B." in k))
+    assert moved[1] == pytest.approx(16 * moved[0], rel=1e-3)
+    plus.set_lr(1e-3)  # a new learning rate keeps the ratio
+    assert [g["initial_lr"] for g in plus.optimizer.param_groups] == pytest.approx([1e-3, 16e-3])
+
+
 def test_sft_on_a_lora_backend_trains_the_adapter_only():
     b = backend()
     before = params(b)
@@ -96,11 +117,14 @@ def test_the_exported_adapter_is_the_directory_peft_loads(tmp_path):
     assert torch.allclose(ours, theirs, atol=1e-5)
 
 
-def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_and_resumes_the_same_next_step(tmp_path):
+@pytest.mark.parametrize("b_lr_ratio", [1.0, 16.0])
+def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_and_resumes_the_same_next_step(
+        tmp_path, b_lr_ratio):
     model_dir = write_tiny_model(tmp_path / "base")
     optim = {"lr": 1e-2, "schedule": "cosine", "warmup_steps": 1, "total_steps": 4, "weight_decay": 0.1}
     batches = [make_samples(2, 4, seed=s, vocab_size=320) for s in (4, 5, 6)]
-    a = backend(model_config_dict=None, model_dir=str(model_dir), optim=optim)
+    lora_settings = {**LORA, "b_lr_ratio": b_lr_ratio}
+    a = backend(model_config_dict=None, model_dir=str(model_dir), optim=optim, lora=lora_settings)
     rl_step(a, batches[0], *STEP)
     rl_step(a, batches[1], *STEP)
     a.save_checkpoint(tmp_path / "ckpt")
@@ -111,7 +135,7 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_and_resumes_the_s
     optimizer = torch.load(tmp_path / "ckpt" / "optimizer.pt", weights_only=True)
     assert set(optimizer["state"]) == set(saved)  # Adam moments of the adapter, by name
     # A different seed initialises a different lora_A: the adapter must come from the checkpoint.
-    b = backend(model_config_dict=None, model_dir=str(model_dir), optim=optim, seed=123)
+    b = backend(model_config_dict=None, model_dir=str(model_dir), optim=optim, seed=123, lora=lora_settings)
     b.load_checkpoint(tmp_path / "ckpt")
     assert b.step == 2
     got = rl_step(b, batches[2], *STEP)

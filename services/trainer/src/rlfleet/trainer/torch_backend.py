@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from rlfleet.trainer import checkpoint, lora
 from rlfleet.trainer.backend import LossFn, MetricReducer, ModelOutputs, TrainingBackend
 from rlfleet.trainer.batching import TrainBatch, shard_rows
-from rlfleet.trainer.config import OptimConfig, TorchBackendConfig
+from rlfleet.trainer.config import LoraConfig, OptimConfig, TorchBackendConfig
 from rlfleet.trainer.losses import LossNorm, Metrics, logprobs_and_entropy
 
 if TYPE_CHECKING:
@@ -135,13 +135,23 @@ class TorchBackend(TrainingBackend):
         if self.world_size > 1:
             self._shard()
         o = self.optim_cfg = cfg.optim
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps,
+        self.optimizer = torch.optim.AdamW(self._param_groups(o.lr), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda s: lr_factor(s, self.optim_cfg))
         self._step = 0
+
+    def _param_groups(self, lr: float) -> list[dict[str, Any]]:
+        """The trainable parameters; with LoRA+ (`lora.b_lr_ratio` > 1) lora_B in a group of its own
+        at the larger learning rate (the scheduler scales both groups alike)."""
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        ratio = self.lora.b_lr_ratio if self.lora is not None else 1.0
+        if ratio == 1.0:
+            return [{"params": [p for _, p in trainable], "lr_ratio": 1.0}]
+        b = [p for n, p in trainable if ".lora_B." in n]
+        rest = [p for n, p in trainable if ".lora_B." not in n]
+        return [{"params": rest, "lr_ratio": 1.0}, {"params": b, "lr": lr * ratio, "lr_ratio": ratio}]
 
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -334,11 +344,12 @@ class TorchBackend(TrainingBackend):
         return MetricReducer.combine(r for r in everyone if r is not None).result()
 
     def set_lr(self, lr: float) -> None:
-        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        groups = self.optimizer.param_groups
+        self.scheduler.base_lrs = [lr * g.get("lr_ratio", 1.0) for g in groups]
         factor = lr_factor(self.scheduler.last_epoch, self.optim_cfg)
-        for group in self.optimizer.param_groups:
-            group["initial_lr"] = lr
-            group["lr"] = lr * factor
+        for group, base in zip(groups, self.scheduler.base_lrs, strict=True):
+            group["initial_lr"] = base
+            group["lr"] = base * factor
 
     # ------------------------------------------------------------ state, export and checkpoints
 
@@ -357,6 +368,8 @@ class TorchBackend(TrainingBackend):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Stateful (collective): rank 0's model and optimizer state, broadcast to the other ranks."""
         saved_lora = state["trainer"].get("lora")
+        if saved_lora is not None:  # with today's defaults for settings added since it was written
+            saved_lora = {**LoraConfig().model_dump(), **saved_lora}
         mine = self.lora.model_dump() if self.lora is not None else None
         if saved_lora != mine:
             raise ValueError(f"the checkpoint was trained with lora = {saved_lora}, this "
