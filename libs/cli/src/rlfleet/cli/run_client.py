@@ -66,8 +66,11 @@ class Controller:
                     raise
             await asyncio.sleep(RECONNECT_S)
 
-    async def start(self, config: RunConfig, options: RunOptions) -> controller_pb2.RunInfo:
-        request = controller_pb2.StartRunRequest(config_json=json.dumps(config.model_dump(mode="json")),
+    async def start(self, config: RunConfig, options: RunOptions, run_dir: Path) -> controller_pb2.RunInfo:
+        """StartRun with the run directory as this client resolved it (absolute: the controller's
+        working directory is not this one's)."""
+        sent = config.model_copy(update={"run_dir": str(run_dir)})
+        request = controller_pb2.StartRunRequest(config_json=json.dumps(sent.model_dump(mode="json")),
                                                  resume=options.resume, fresh=options.fresh)
         try:
             return await self._call(self.stub.StartRun, request)
@@ -134,7 +137,7 @@ class RunClient:
         done = asyncio.Event()
         watching = asyncio.create_task(self.watch_processes(platform, controller, done))
         try:
-            await controller.start(self.config, self.options)
+            await controller.start(self.config, self.options, self.run_dir)
             stopping = asyncio.create_task(self._stop_when_asked(controller))
             try:
                 final = await controller.follow(say, self.stop)

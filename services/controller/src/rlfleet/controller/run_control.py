@@ -184,7 +184,10 @@ class RunControl:
         if not isinstance(data, dict):
             raise InvalidArgument("config_json must be a JSON object of RunConfig fields",
                                   field="config_json")
-        data.setdefault("run_dir", str(self.run_dir))
+        # No run_dir (a config that names none, as examples/*.toml) is this controller's own: a client
+        # cannot know where the controller's working directory resolves a relative one.
+        if not data.get("run_dir"):
+            data["run_dir"] = str(self.run_dir)
         data.setdefault("run_id", self.run_id)
         try:
             config = RunConfig.model_validate(data)
