@@ -115,10 +115,12 @@ max_minutes = 1.5
 def test_a_short_code_run_through_real_sandboxes_trains_and_advances_versions(tmp_path):
     config = tmp_path / "code.toml"
     config.write_text(CONFIG)
-    run_dir = tmp_path / "run"
-    result = subprocess.run([RLFLEET, "run", str(config), "--run-dir", str(run_dir),
+    # As `make run-code` runs it: no run directory named, so `runs/<run_id>` below the working directory
+    # (the controller is handed that directory, not the config's empty run_dir).
+    run_dir = tmp_path / "runs" / "itest-code"
+    result = subprocess.run([RLFLEET, "run", str(config),
                              "--model-cache-dir", str(tmp_path / "cache")],
-                            capture_output=True, text=True, timeout=880)
+                            capture_output=True, text=True, timeout=880, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_version"] >= 2, summary  # trajectories were trained on: versions advanced

@@ -28,7 +28,7 @@ from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import STATE_FILE, RunState, host_identity
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.grpc_server import blocking_channel
-from rlfleet.common.processes import ServiceProcess, free_port
+from rlfleet.common.processes import ServiceProcess, free_port, wait_until
 from rlfleet.common.streams import connect_nats, ensure_streams
 from rlfleet.common.testing import unique_run_id, without_login
 from rlfleet.controller.config import RunStoreConfig
@@ -117,17 +117,6 @@ def start_run(controller: ServiceProcess, config: RunConfig, **flags: bool) -> c
         return controller_pb2_grpc.RunControlStub(channel).StartRun(request, timeout=30)
 
 
-def eventually(what: str, check, timeout_s: float = 60.0, controller: ServiceProcess | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.5)
-    log = f"\n{controller.log()[-4000:]}" if controller else ""
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s{log}")
-
-
 def test_a_killed_controller_s_run_is_continued_by_another_from_the_store(tmp_path, nats_url, infra_secrets):
     run_id = unique_run_id("ctl")
     nats = controller_nats(nats_url, infra_secrets)
@@ -147,8 +136,8 @@ def test_a_killed_controller_s_run_is_continued_by_another_from_the_store(tmp_pa
     second = third = None
     try:
         # The first resumes the run it finds in the store (its holder gone from this machine).
-        info = eventually("the first controller resumes the stored run", lambda: get_run(first),
-                          controller=first)
+        info = wait_until(lambda: get_run(first), 60, "the first controller resuming the stored run", first,
+                          every_s=0.5)
         assert (info.accepted_version, info.steps, info.gate_decisions, info.resumes) == (5, 7, 2, 1)
         assert info.driven_by == "controller" and info.run_dir == str(tmp_path / "first" / "run")
         held = stored(nats_url, infra_secrets, run_id)
@@ -167,11 +156,11 @@ def test_a_killed_controller_s_run_is_continued_by_another_from_the_store(tmp_pa
         # The first killed mid-run: the second continues it at once (the holder is gone from this
         # machine) from the store alone, with the counts, accepted version and gate where they were.
         first.kill()
-        info = eventually("the second controller continues the run", lambda: get_run(second),
-                          controller=second)
+        info = wait_until(lambda: get_run(second), 60, "the second controller continuing the run", second,
+                          every_s=0.5)
         assert (info.accepted_version, info.steps, info.gate_decisions, info.resumes) == (5, 7, 2, 2)
-        state = eventually("the second holds the run", lambda: (s := stored(nats_url, infra_secrets, run_id))
-                           .head.owner.pid == second.pid and s, controller=second).state
+        state = wait_until(lambda: (s := stored(nats_url, infra_secrets, run_id)).head.owner.pid == second.pid
+                           and s, 60, "the second holding the run", second, every_s=0.5).state
         assert (state.attempt, state.tasks_published, state.last_gated, state.accepted_version) == \
                ("seeded-attempt", 40, 5, 5)
         assert state.accepted_eval["success"] == 0.75 and len(state.resumes) == 2
