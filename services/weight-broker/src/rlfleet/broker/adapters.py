@@ -7,7 +7,7 @@ adapter (fleet target) are loaded side by side on the *same* engines: canary wit
 engine. Which requests use which is the gateway's business, told through the adapter routes
 (rlfleet.common.adapter_routes: role canary / fleet -> lora_name, version).
 
-One round, in the order LORA_INTERFACE.md asks for:
+One round, in the order docs/lora-interface.md asks for:
 
     0. observe what every engine holds now (`/v1/models`); adapters it lost are loaded again in 1
     1. load    every wanted adapter on every engine that serves its base (`/load_lora_adapter`,
