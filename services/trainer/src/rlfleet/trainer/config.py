@@ -132,9 +132,9 @@ class LoraConfig(StrictModel):
                            description="lora_dropout on the adapter's input while training")
     b_lr_ratio: float = Field(
         1.0, ge=1.0, le=64.0,
-        description="LoRA+: lora_B's learning rate is this times optim.lr (lora_A keeps optim.lr). B starts "
-        "at zero and its gradient is r/in times smaller per value than a full weight's; a larger step on "
-        "B learns faster at the same cost (Hayou et al. 2024 suggest 16). 1 = plain LoRA")
+        description="LoRA+ (Hayou et al. 2024, who suggest 16): lora_B's learning rate is this times "
+        "optim.lr, lora_A keeps optim.lr. On calc, 4 and 16 learned faster early and then fell back "
+        "(README). 1 = plain LoRA")
     target_modules: list[str] = Field(
         default_factory=lambda: list(LORA_TARGETS), min_length=1,
         description="names of the Linear modules that get an adapter (default: all seven attention and MLP "
