@@ -86,6 +86,21 @@ async def relabel(engines, run: str) -> None:
     for name in engines:
         await call(engines[name].url, "/update_weight_version", {"new_version": f"before-{run}"})
 
+async def served_from_the_store(engines, broker, store: DirectoryWeightStore, model_dir, versions: int):
+    """A stand-in trainer writes `versions` versions to the store; the broker publishes the last one and
+    both engines serve it (the version the pools fall back to). Returns the stand-in trainer."""
+    from rlfleet.engine.testing import StoreTrainer
+
+    trainer = StoreTrainer(model_dir, store)
+    for _ in range(versions):
+        manifest = trainer.publish()
+        trainer.step()
+    await relabel(engines, store.run_id)
+    async with open_channel(broker.address) as channel:
+        await broker_pb2_grpc.BrokerServiceStub(channel).PublishVersion(policy_version(manifest))
+    await both_serve(engines, versions, store)
+    return trainer
+
 
 async def status(broker) -> broker_pb2.BrokerStatus:
     async with open_channel(broker.address) as channel:
@@ -367,7 +382,6 @@ async def test_a_version_sent_again_by_a_restarted_trainer_before_the_first_send
     """A trainer dies after the engines flipped its version 3 in and before its store write ended; its
     successor sends a version 3 of its own. The engines are sent back from the first one, the number
     is not served directly again, and the next version goes straight to both engines as usual."""
-    from rlfleet.engine.testing import StoreTrainer
     from rlfleet.trainer.service_config import WeightSendConfig
     from rlfleet.trainer.weight_sender import WeightSender
 
@@ -379,14 +393,7 @@ async def test_a_version_sent_again_by_a_restarted_trainer_before_the_first_send
     store = DirectoryWeightStore(store_root, run)
     broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p",
                           **{"sync.trainer_wait_s": 0.5})
-    trainer = StoreTrainer(model_dir, store)
-    for _ in range(2):
-        manifest = trainer.publish()
-        trainer.step()
-    await relabel(engines, run)
-    async with open_channel(broker.address) as channel:  # version 2 by the store: what the pools fall back to
-        await broker_pb2_grpc.BrokerServiceStub(channel).PublishVersion(policy_version(manifest))
-    await both_serve(engines, 2, store)
+    trainer = await served_from_the_store(engines, broker, store, model_dir, 2)
     config = WeightSendConfig(broker_address=broker.address)
     dead, successor = DiesBeforeConfirming(config), WeightSender(config)
     try:
@@ -534,21 +541,13 @@ async def test_with_flip_before_stored_the_engines_serve_a_version_while_its_sto
 async def test_a_failed_store_write_beside_the_send_rejects_the_version_and_no_engine_keeps_serving_it(
     engines, model_dir, store_root, tmp_path, nats_url, redis_url, processes, flip_before_stored
 ):
-    from rlfleet.engine.testing import StoreTrainer
     from rlfleet.trainer.service_config import WeightSendConfig
 
     run = unique_run_id("tss")
     store = DirectoryWeightStore(store_root, run)
     broker = start_broker(processes, tmp_path, run, store_root, engines, nats_url, redis_url, "p2p",
                           **{"sync.flip_before_stored": flip_before_stored, "sync.trainer_wait_s": 0.5})
-    trainer = StoreTrainer(model_dir, store)
-    for _ in range(3):
-        manifest = trainer.publish()
-        trainer.step()
-    await relabel(engines, run)
-    async with open_channel(broker.address) as channel:  # version 3 by the store: what the pools fall back to
-        await broker_pb2_grpc.BrokerServiceStub(channel).PublishVersion(policy_version(manifest))
-    await both_serve(engines, 3, store)
+    trainer = await served_from_the_store(engines, broker, store, model_dir, 3)
     before = {n: await weight_version(engines[n].url) for n in engines}
     sender = WeightSendConfig(broker_address=broker.address)
     from rlfleet.trainer.weight_sender import WeightSender
