@@ -10,6 +10,7 @@ import asyncio
 import re
 import urllib.request
 
+import grpc
 import pytest
 
 from rlfleet.api.common.v1 import common_pb2
@@ -71,6 +72,56 @@ async def test_a_session_survives_a_session_server_restart_mid_episode(rollout):
     assert (trajectory.num_turns, trajectory.num_observations) == (2, 1)
     assert [t.trajectory_id for t in await read_trajectories(rollout.nats_url, rollout.run_id)] == [
         closed.trajectory_id]
+
+
+async def test_an_open_whose_server_died_inside_its_first_turn_is_answered_by_the_retried_open(rollout):
+    """The chaos run's lost samples: the session server SIGKILLed while an OpenSession generated the
+    first turn left the session created, with no first turn and a turn lease nobody renews. The
+    retried open (the client retries an UNAVAILABLE open) must answer with a first turn, generated
+    once, rather than with none, which sent the client into that lease (SESSION_BUSY) and failed it."""
+    request = open_request(7, max_new_tokens=900)
+    request.session_id, request.first_turn = unique_run_id("open-kill"), True
+    request.sampling.ignore_eos = True
+
+    async def generated() -> int:
+        total = 0
+        for engine in rollout.engines.values():
+            status, info = await http_call(engine.url, "/server_info", method="GET")
+            assert status == 200, info
+            total += info["generated_tokens"]
+        return total
+
+    before = await generated()
+    async with channel(rollout.session.address) as ch:
+        stub = session_pb2_grpc.SessionServiceStub(ch)
+
+        async def open_it():
+            return await stub.OpenSession(request)
+
+        opening = asyncio.create_task(open_it())
+
+        async def first_turn_running() -> bool:
+            return await generated() > before
+
+        await eventually(first_turn_running, within_s=20)
+        rollout.session.kill()
+        with pytest.raises(grpc.aio.AioRpcError) as killed:
+            await opening
+        assert killed.value.code() == grpc.StatusCode.UNAVAILABLE
+    rollout.start_session_server()
+    async with channel(rollout.session.address) as ch:
+        sessions = session_pb2_grpc.SessionServiceStub(ch)
+        again = await sessions.OpenSession(request, timeout=60)
+        assert again.HasField("first_turn") and len(again.first_turn.token_ids) == 900
+        state = await sessions.GetSession(pb.GetSessionRequest(session_id=request.session_id))
+        assert [s.kind for s in state.spans] == [common_pb2.SPAN_KIND_PROMPT, GENERATED]
+        assert list(state.token_ids) == [*again.prompt_token_ids, *again.first_turn.token_ids]
+        # answered once: a second retry repeats the same turn, and the episode goes on
+        assert await sessions.OpenSession(request, timeout=60) == again
+        second = await sessions.Generate(pb.GenerateRequest(session_id=request.session_id,
+                                                            sampling=common_pb2.SamplingParams(max_new_tokens=4)))
+        assert second.span_index == 2
+        await sessions.AbortSession(pb.AbortSessionRequest(session_id=request.session_id))
 
 
 async def test_sessions_of_a_killed_engine_continue_on_the_other_engine_and_the_reroute_is_reported(rollout):

@@ -79,6 +79,14 @@ class GatewayUnavailable(SessionError, Unavailable):
     """The gateway (or every engine behind it) cannot serve the call now."""
 
 
+class FirstTurnPending(SessionError, Unavailable):
+    """A retried OpenSession whose first turn another call is still generating (its server alive and
+    renewing the turn lease): retry the open after `retry_after_s`, which then answers with that turn."""
+
+    def __init__(self, message: str, *, session_id: str, retry_after_s: float) -> None:
+        super().__init__(message, session_id=session_id, retry_after_s=retry_after_s)
+
+
 class GatewayRejected(SessionError, InvalidArgument):
     """The gateway or its engine found the request invalid; the message is theirs."""
 

@@ -18,6 +18,7 @@ from rlfleet.common.errors import PermissionDenied, require_known_enums
 from rlfleet.common.stored_sessions import SESSION_ID, SESSION_ID_RULE
 from rlfleet.session.closing import ABORTED_STATUS, VERDICT_MISSING, Closer
 from rlfleet.session.errors import (
+    FirstTurnPending,
     InvalidSessionRequest,
     SessionBusy,
     SessionExists,
@@ -54,7 +55,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             raise SessionExists(f"session id {session_id!r} is taken; a new episode needs a new session_id "
                                 "(leave it empty for a generated one)", session_id=session_id)
         if existing is not None:  # a retried open: same answer
-            return self._reopened(existing, request)
+            return await self._reopened(existing, request)
         budget = self.inputs.budget(request.max_total_tokens)
         prompt = await self.inputs.prompt_ids_off_loop(request, budget)
         self.inputs.check_sampling_defaults(request.sampling, budget)
@@ -78,7 +79,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                 await self.gateway.release(session_id)
                 raise
         if outcome != "created":  # opened concurrently under the same id
-            return self._reopened(await self.store.load(session_id), request)
+            return await self._reopened(await self.store.load(session_id), request)
         self.metrics.sessions_opened.add(1)
         opened = _opened(state)
         if lease:  # the first turn, under the lease the create took (nobody else knows the session yet)
@@ -202,10 +203,10 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return session_pb2.AbortSessionResponse(trajectory_id=closed.trajectory.trajectory_id)
 
     # --- helpers --------------------------------------------------------------------------------
-    def _reopened(self, existing: SessionState,
-                  request: session_pb2.OpenSessionRequest) -> session_pb2.OpenSessionResponse:
-        """A retried open gets the same answer; an open of the same id with another prompt or task is
-        refused."""
+    async def _reopened(self, existing: SessionState,
+                        request: session_pb2.OpenSessionRequest) -> session_pb2.OpenSessionResponse:
+        """A retried open gets the same answer, its first turn included; an open of the same id with
+        another prompt or task is refused."""
         opened = _opened(existing)
         try:
             prompt = self.inputs.prompt_ids(request, existing.session.max_total_tokens)
@@ -216,9 +217,46 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                 f"session {existing.session_id!r} exists with another prompt or task_id; "
                 "a retried OpenSession must repeat the first one's, a new episode needs a new session_id",
                 session_id=existing.session_id)
-        if request.first_turn and (first := self._first_turn_of(existing)) is not None:
+        if request.first_turn:
+            first = self._first_turn_of(existing) or await self._first_turn_again(existing.session_id)
             opened.first_turn.CopyFrom(first)
         return opened
+
+    async def _first_turn_again(self, session_id: str) -> session_pb2.GenerateResponse:
+        """The first turn for a retried open that finds none committed: the open it retries created
+        the session and stopped inside its first turn. A server killed there leaves its turn lease to
+        lapse (within `turn_lease_s`), and the turn is generated here under a lease of this call's own;
+        one still renewed belongs to a live call, whose committed turn is the answer. Without this the
+        retried open answered with no first turn and the client's Generate met the dead server's lease
+        (SessionBusy), failing the episode."""
+        deadline = time.monotonic() + 2 * self.turn_lease_s
+        delay = 0.05
+        while True:
+            started = time.monotonic()
+            state, lease = await self.store.begin_turn_and_load(session_id, self.turn_lease_s)
+            first = self._first_turn_of(state)
+            if lease is not None:
+                if first is not None:  # the other call committed it just now
+                    await self.store.end_turn(session_id, lease)
+                    return first
+                try:
+                    self._check_open(state)
+                    if len(state.session.spans) > 1:  # turns without a first one: not this open's session
+                        raise SessionExists(f"session {session_id!r} was opened without a first turn; a "
+                                            "retried OpenSession must repeat the first one's",
+                                            session_id=session_id)
+                except (SessionNotOpen, SessionExists):
+                    await self.store.end_turn(session_id, lease)
+                    raise
+                return await self._turn(state, session_pb2.GenerateRequest(session_id=session_id), started,
+                                        lease)
+            if first is not None:
+                return first
+            if time.monotonic() + delay > deadline:
+                raise FirstTurnPending(f"session {session_id!r}: another call is still generating its first "
+                                       "turn; retry the open", session_id=session_id, retry_after_s=1.0)
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     def _first_turn_of(self, state: SessionState) -> session_pb2.GenerateResponse | None:
         """The first turn as its Generate answered it, rebuilt from the session (a retried open)."""
