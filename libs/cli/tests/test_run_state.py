@@ -189,6 +189,9 @@ def test_sync_mode_hands_out_more_groups_when_the_trainer_dropped_some(tmp_path)
             self.published += n
             handed_out.put_nowait(n)
 
+        async def in_flight(self):
+            return self.published - observer.groups_done
+
     run.feeder = FakeFeeder()
 
     async def platform():

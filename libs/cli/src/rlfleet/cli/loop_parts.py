@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nats.errors import Error as NatsError
+
 from rlfleet.api.common.v1 import common_pb2
 from rlfleet.cli.report import EvalResult, RunRecord, TaskOutcome, TrajectoryRecord
 from rlfleet.cli.run_config import ToolLatencyConfig
@@ -82,10 +84,23 @@ class Feeder:
                           msg_id=f"{self.run_id}/{self.attempt}/{task.task_id}/e{epoch}")
             self.published += 1
 
-    async def keep_topped_up(self, groups_done: Callable[[], int], in_flight_target: int,
-                             stop: asyncio.Event) -> None:
+    async def in_flight(self) -> int:
+        """This run's tasks in TASKS: handed out and not finished. TASKS is a work queue, so a task
+        leaves it when its worker acks it (every sample published, whatever its status) or
+        dead-letters it, and a task redelivered after its worker died is still in it. Counting groups
+        off TRAJECTORIES instead leaked a slot for every group that never showed all its samples
+        there (a sample closed FAILED, a task dead-lettered, a group half published before a
+        controller restart), until nothing was handed out at all."""
+        name = subject("TASKS", self.run_id)
+        info = await self.js.stream_info("TASKS", subjects_filter=name)
+        return int((info.state.subjects or {}).get(name, 0))
+
+    async def keep_topped_up(self, in_flight_target: int, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            missing = in_flight_target - (self.published - groups_done())
+            try:
+                missing = in_flight_target - await self.in_flight()
+            except (NatsError, TimeoutError):  # NATS restarting: its client reconnects; ask again
+                missing = 0
             if missing > 0:
                 await self.publish(missing)
             await asyncio.sleep(0.2)

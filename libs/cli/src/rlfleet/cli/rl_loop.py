@@ -168,6 +168,7 @@ class RLRun:
         self.state = RunState("running", config.model_dump(mode="json"), uuid.uuid4().hex[:12],
                               driven_by="controller" if self.options.attach_only else "rlfleet run")
         self.feeder: Feeder | None = None
+        self._drained_since: float | None = None  # when TASKS was last seen empty (sync mode)
         self.resuming = False
         self.loop_started = False  # before it, no loop time is spent (warm start, platform, baseline)
         self.driver = (os.getpid(), start_ticks(os.getpid()) or 0)  # recorded so a second driver is refused
@@ -350,8 +351,9 @@ class RLRun:
                                       task_messages(train, c.run_id, c.group_size, c.rollout.temperature,
                                                     c.system_prompt),
                                       attempt=self.state.attempt, published=self.state.tasks_published)
-        # Groups handed out before an interruption come back after their ack wait, or are already done:
-        # either way they are not counted as in flight, so the loop does not idle waiting for them.
+        # Sync mode's count of groups seen on TRAJECTORIES starts level with what was handed out: a group
+        # half published before an interruption is never complete to this observer. (What is in flight
+        # is counted off TASKS itself, `Feeder.in_flight`.)
         observer.groups_done = feeder.published
         done = observer.latest_version - self.state.start_version
         self.say(f"loop: {c.mode}, G={c.group_size}, {c.trainer.groups_per_step} groups/step, "
@@ -367,8 +369,7 @@ class RLRun:
                  "the admission policy": lambda: self._follow_versions(peers, observer)}
         if c.mode == "async":
             in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
-            parts["the feeder"] = lambda: feeder.keep_topped_up(lambda: observer.groups_done, in_flight,
-                                                                ctx.stop)
+            parts["the feeder"] = lambda: feeder.keep_topped_up(in_flight, ctx.stop)
             parts["the promotion gate"] = gate.follow_the_canary
         background = {name: asyncio.create_task(self._supervised(name, part)) for name, part in parts.items()}
         try:
@@ -529,7 +530,7 @@ class RLRun:
             needed, trainable_before, quiet_since = (c.trainer.groups_per_step,
                                                      observer.trainable_groups_done, None)
             while not self.stop.is_set() and observer.latest_version < target:
-                if self.feeder.published - observer.groups_done <= 0:
+                if await self._handed_out_done(observer):
                     got = observer.trainable_groups_done - trainable_before
                     if got < needed:
                         await self.feeder.publish(needed - got)
@@ -547,6 +548,19 @@ class RLRun:
                 began = self.clock.elapsed()
                 await gate.decide(target)
                 self.record.gate_wait_s += self.clock.elapsed() - began
+
+    async def _handed_out_done(self, observer: Observer) -> bool:
+        """Every task handed out is finished (none left in TASKS) and the observer has seen its
+        trajectories, or a second has passed for it to: a group with a sample closed FAILED is never
+        complete on TRAJECTORIES, and must not hold the step forever."""
+        assert self.feeder is not None
+        if await self.feeder.in_flight():
+            self._drained_since = None
+            return False
+        if self.feeder.published - observer.groups_done <= 0:
+            return True
+        self._drained_since = self._drained_since or time.monotonic()
+        return time.monotonic() - self._drained_since > 1.0
 
     async def _wait_served(self, peers: Peers | None, version: int, pool: str, timeout_s: float = 120.0,
                            until_stopped: bool = True) -> bool:
