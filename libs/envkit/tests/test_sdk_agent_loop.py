@@ -21,7 +21,7 @@ from rlfleet.envkit.sdk.environment import (
     environment_for,
     environments,
 )
-from rlfleet.envkit.sdk.errors import Backpressure, PeerUnavailable, RequestRejected
+from rlfleet.envkit.sdk.errors import Backpressure, PeerUnavailable, RequestRejected, RpcNotFound
 from rlfleet.envkit.suites import calc
 from rlfleet.envkit.suites.calc_tool import evaluate_expression
 from rlfleet.envkit.tasks import task_message
@@ -222,6 +222,20 @@ def test_an_unreachable_sandbox_aborts_the_session_so_a_redelivery_runs_it_again
     summary = run(clients)
     assert summary.status == common_pb2.TRAJECTORY_STATUS_ABORTED and summary.outcome == "error"
     assert "connection refused" in summary.error and clients.log[-1] == "destroy"
+
+
+def test_a_sandbox_its_restarted_manager_does_not_know_is_a_platform_failure_run_again_not_failed():
+    # A restarted sandbox manager knows no sandbox of its predecessor's: the sample is the platform's
+    # loss, aborted for a re-run, where NOT_FOUND on its own had closed it FAILED (never trained on).
+    lost = RpcNotFound("sandbox", "Exec", grpc.StatusCode.NOT_FOUND, "sandbox 'sb-1' not found (unknown)")
+    clients = FakeClients(["<calc>2+3</calc>"], fail_exec=lost)
+    summary = run(clients)
+    assert summary.status == common_pb2.TRAJECTORY_STATUS_ABORTED and summary.platform_failure
+    assert ("close", "TRAJECTORY_STATUS_FAILED") not in clients.log and clients.log[-1] == "destroy"
+    # the same code from another service is still a lasting failure of the environment
+    missing = RpcNotFound("verifier", "Verify", grpc.StatusCode.NOT_FOUND, "no such task")
+    clients = FakeClients(["<answer>5</answer>"], fail_verify=missing)
+    assert run(clients).status == common_pb2.TRAJECTORY_STATUS_FAILED
 
 
 def test_a_calculator_killed_without_a_violation_is_an_environment_failure_not_an_invalid_call():

@@ -2,7 +2,8 @@
 
 rlfleet_worker_tool_wait_seconds, rlfleet_worker_episode_duration_seconds,
 rlfleet_worker_episode_turns (interactions per episode), rlfleet_worker_invalid_tool_calls_total,
-rlfleet_worker_safety_violations_total{kind}, rlfleet_worker_episode_reward (unitless, [-0.4, 1]),
+rlfleet_worker_safety_violations_total{kind}, rlfleet_worker_episode_reward and
+rlfleet_worker_episode_penalty (a negative reward's size; `RewardHistograms`),
 rlfleet_worker_episodes_total{outcome}, rlfleet_worker_tasks_total{result},
 rlfleet_worker_bad_tasks_total{reason}, rlfleet_worker_admission_retries_total,
 rlfleet_worker_episodes_in_flight.
@@ -10,10 +11,9 @@ rlfleet_worker_episodes_in_flight.
 
 from __future__ import annotations
 
-from rlfleet.common.telemetry import meter, seconds_histogram
+from rlfleet.common.telemetry import RewardHistograms, meter, seconds_histogram
 from rlfleet.envkit.sdk.summary import SAFETY_VIOLATION_KINDS, EpisodeSummary
 
-REWARD_BUCKETS = (-0.4, -0.3, -0.2, -0.1, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 TURN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 16, 32)
 
 
@@ -27,9 +27,8 @@ class WorkerMetrics:
         self.turns = m.create_histogram("rlfleet_worker_episode_turns", unit="1",
                                         description="generate calls (interactions) per episode",
                                         explicit_bucket_boundaries_advisory=list(TURN_BUCKETS))
-        self.reward = m.create_histogram("rlfleet_worker_episode_reward", unit="1",
-                                         description="the verifier's reward per verified episode",
-                                         explicit_bucket_boundaries_advisory=list(REWARD_BUCKETS))
+        self.reward = RewardHistograms(m, "rlfleet_worker_episode",
+                                       "the verifier's reward per verified episode")
         self.invalid_calls = m.create_counter("rlfleet_worker_invalid_tool_calls_total",
                                               description="malformed, unknown, rejected or "
                                               "over-limit tool calls")

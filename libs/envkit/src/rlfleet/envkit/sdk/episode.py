@@ -359,9 +359,13 @@ class _Episode:
         environment lacks) closes the session FAILED: published, never trained on, not run again. A
         passing one (a peer down or full) aborts it, so that a redelivery of the task runs it again."""
         self.summary.end, self.summary.error = END_ERROR, _describe(exc)
-        self.summary.platform_failure = is_platform_failure(exc)
+        # The episode's own sandbox gone before its TTL: its manager restarted (a new one knows no
+        # sandbox of its predecessor's). The platform's doing: the sample runs again, not FAILED.
+        lost_sandbox = (self.sandbox is not None and isinstance(exc, RpcNotFound)
+                        and exc.service == "sandbox")
+        self.summary.platform_failure = is_platform_failure(exc) or lost_sandbox
         log.warning("episode %s failed: %s", self.spec.session_id, self.summary.error)
-        if self.opened and not is_transient(exc):
+        if self.opened and not (is_transient(exc) or lost_sandbox):
             try:
                 reply = await self.session.close(self.spec.session_id, FAILED,
                                                  {"end": END_ERROR, "error": self.summary.error[:500]})
