@@ -98,6 +98,18 @@ def _record(run_dir: Path, name: str) -> dict:
                 if p["name"] == name)
 
 
+def _diagnosis(run_dir: Path, name: str) -> str:
+    """The driver's last lines say only that the run stalled: the warnings and errors the controller
+    (the loop, its rollout worker) and the killed process logged last say why."""
+    lines = []
+    for log_name in dict.fromkeys(("controller", name)):
+        path = run_dir / "logs" / f"{log_name}.log"
+        found = [line for line in (path.read_text(errors="replace").splitlines() if path.exists() else [])
+                 if '"level": "warning"' in line or '"level": "error"' in line]
+        lines += [f"--- {path.name}: the last {min(len(found), 12)} warnings and errors", *found[-12:]]
+    return "\n".join(line[:400] for line in lines)
+
+
 def _kill(run_dir: Path, name: str) -> None:
     from rlfleet.cli.launcher import PlatformState, is_ours
 
@@ -182,7 +194,8 @@ def test_every_process_killed_once_the_run_finishes_its_budget_and_loses_nothing
                 assert driver.proc.poll() is None, \
                     f"the run stopped after {name} was killed:\n" + driver.output(4000)
                 assert time.monotonic() - killed < 300, \
-                    f"no version trained 300 s after {name} was killed:\n" + driver.output(4000)
+                    (f"no version trained 300 s after {name} was killed:\n" + driver.output(3000) + "\n"
+                     + _diagnosis(run_dir, name))
                 time.sleep(0.2)
             recovery[name] = time.monotonic() - killed
             kill_times[name] = time.time() - recovery[name]
