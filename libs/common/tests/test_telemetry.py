@@ -187,3 +187,20 @@ def test_a_traced_channel_gives_each_call_a_client_span_and_sends_its_context_wi
     assert failed.status.status_code.name == "ERROR" and failed.attributes["rpc.grpc.status_code"] == 14
     asyncio.run(failing.close())  # everything but unary_unary is the wrapped channel's
     assert failing._inner.sent[-1] == ("closed",)
+
+
+def test_a_negative_reward_is_kept_as_a_penalty_not_dropped_by_the_histogram(caplog):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from rlfleet.common.telemetry import RewardHistograms
+
+    reader = InMemoryMetricReader()
+    rewards = RewardHistograms(MeterProvider(metric_readers=[reader]).get_meter("t"), "x", "rewards")
+    for reward in (1.0, 0.0, -0.3, -0.1):
+        rewards.record(reward, {"kind": "k"})
+    points = {m.name: m.data.data_points[0] for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for m in sm.metrics}
+    assert (points["x_reward"].count, points["x_reward"].sum) == (2, 1.0)
+    assert points["x_penalty"].count == 2 and points["x_penalty"].sum == pytest.approx(0.4)
+    assert "non-negative" not in caplog.text

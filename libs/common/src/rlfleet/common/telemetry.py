@@ -140,6 +140,29 @@ def seconds_histogram(m: metrics.Meter, name: str, description: str) -> metrics.
                               explicit_bucket_boundaries_advisory=list(SECONDS_BUCKETS))
 
 
+REWARD_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
+PENALTY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
+
+
+class RewardHistograms:
+    """Rewards as two histograms: `<prefix>_reward` for a reward of 0 or more, `<prefix>_penalty` for
+    the size of a negative one. OpenTelemetry histograms take no negative value (the SDK drops it with
+    a warning), so one histogram silently lost every penalised episode."""
+
+    def __init__(self, m: metrics.Meter, prefix: str, what: str) -> None:
+        self.reward = m.create_histogram(f"{prefix}_reward", unit="1", description=f"{what}, 0 or more",
+                                         explicit_bucket_boundaries_advisory=list(REWARD_BUCKETS))
+        self.penalty = m.create_histogram(f"{prefix}_penalty", unit="1",
+                                          description=f"{what} below 0, as its size (-reward)",
+                                          explicit_bucket_boundaries_advisory=list(PENALTY_BUCKETS))
+
+    def record(self, reward: float, attributes: dict[str, str] | None = None) -> None:
+        if reward < 0:
+            self.penalty.record(-reward, attributes)
+        else:
+            self.reward.record(reward, attributes)
+
+
 # -- trace context carried in records (trajectories), not in RPC metadata -------------------------
 
 

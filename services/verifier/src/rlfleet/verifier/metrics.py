@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from rlfleet.api.common.v1 import common_pb2
-from rlfleet.common.telemetry import meter, seconds_histogram
-
-REWARD_BUCKETS = [-0.4, -0.3, -0.2, -0.1, 0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0]
+from rlfleet.common.telemetry import RewardHistograms, meter, seconds_histogram
 
 
 class VerifierMetrics:
     """rlfleet_verifier_verdicts_total{passed, reason, kind} (reason: the first reason code, "none" for a
-    clean pass), rlfleet_verifier_reasons_total{code}, rlfleet_verifier_reward (histogram),
+    clean pass), rlfleet_verifier_reasons_total{code}, rlfleet_verifier_reward and rlfleet_verifier_penalty
+    (histograms: `RewardHistograms`),
     rlfleet_verifier_verify_latency_seconds{kind}."""
 
     def __init__(self) -> None:
@@ -18,8 +17,7 @@ class VerifierMetrics:
         self.verdicts = m.create_counter("rlfleet_verifier_verdicts_total", description="verdicts given")
         self.reasons = m.create_counter("rlfleet_verifier_reasons_total",
                                         description="failure reasons, by code")
-        self.reward = m.create_histogram("rlfleet_verifier_reward", description="rewards given",
-                                         explicit_bucket_boundaries_advisory=REWARD_BUCKETS)
+        self.reward = RewardHistograms(m, "rlfleet_verifier", "rewards given")
         self.latency = seconds_histogram(m, "rlfleet_verifier_verify_latency_seconds",
                                          "time to score one episode")
 
