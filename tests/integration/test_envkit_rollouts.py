@@ -417,7 +417,9 @@ async def test_a_group_stopped_by_a_gateway_outage_runs_again_in_the_same_delive
     """The gateway SIGKILLed while every sample of a group is generating: a platform failure, not the
     task's. The worker holds the delivery, waits for the restarted gateway (the launcher's
     supervision, on its recorded port) and runs the samples again as outage attempts: the task is
-    acked on its first delivery, each sample published once."""
+    acked on its first delivery, each sample published once. (The samples die inside OpenSession,
+    whose first turn a retried open generates once the gateway is back: the worker here gives up
+    retrying an open at once, so that the outage path runs.)"""
     import os
     import signal
 
@@ -427,7 +429,8 @@ async def test_a_group_stopped_by_a_gateway_outage_runs_again_in_the_same_delive
     task = calc.generate_tasks("train", 1, seed=404)[0]
     write_for_verifier([task], rig.info.suites_dir)
     await set_engine_delay(rig.engine_url, 2.0)
-    worker = RolloutWorker(worker_config(rig.info))  # 4 episodes at once: the whole group runs
+    # 4 episodes at once: the whole group runs
+    worker = RolloutWorker(worker_config(rig.info, admission={"give_up_after_s": 0.3}))
     running = asyncio.create_task(worker.run_until(1))
     try:
         await publish_tasks([task], rig.info.run_id, rig.info.nats_url, group_size=3, epoch=404,
