@@ -99,10 +99,11 @@ class Feeder:
         while not stop.is_set():
             try:
                 missing = in_flight_target - await self.in_flight()
-            except (NatsError, TimeoutError):  # NATS restarting: its client reconnects; ask again
-                missing = 0
-            if missing > 0:
-                await self.publish(missing)
+                if missing > 0:
+                    # a task whose publish was not confirmed goes again under its message ID: once
+                    await self.publish(missing)
+            except (NatsError, TimeoutError) as exc:  # NATS restarting: its client reconnects
+                log.info("handing out tasks waits for NATS (%s)", exc or type(exc).__name__)
             await asyncio.sleep(0.2)
 
 
