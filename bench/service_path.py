@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/service_path.py [--concurrency 1 8 32] [--new-tokens 64] [--turns 4]
                                            [--episodes 2] [--repeats 2] [--threads 1] [--model DIR]
+                                           [--observation call|with-generate] [--compare-plaintext]
 
 Starts NATS, Redis, a CPU engine on the default model (built into a temp dir unless --model is
 given), a gateway and a session server, all on free loopback ports. At concurrency C, C workers
@@ -10,7 +11,10 @@ each run `--episodes` multi-turn episodes back to back: a chat prompt, then `--t
 
 - direct: the worker keeps the token list itself and calls the engine's /generate with it.
 - service: OpenSession, Generate / AppendObservation through the session server (which calls the
-  gateway, which calls the engine), CloseSession (the trajectory is published on JetStream).
+  gateway, which calls the engine), CloseSession (the trajectory is published on JetStream). With
+  `--observation with-generate` a turn is one call, as the environment SDK makes it: the previous
+  turn's observation rides in the Generate request instead of an AppendObservation call of its own
+  (the engine is sent the same requests either way).
 
 `--compare-plaintext` starts two service stacks side by side on the one engine: as deployed (TLS
 between every process, mutual TLS between services, NATS and Redis over TLS, a client token checked
@@ -91,8 +95,13 @@ async def direct_level(url: str, prompts: list[list[int]], concurrency: int, arg
     return result
 
 
+def observation(session_id: str) -> pb.AppendObservationRequest:
+    return pb.AppendObservationRequest(session_id=session_id, token_ids=common_pb2.TokenIds(ids=OBSERVATION))
+
+
 async def service_level(address: str, prompts: list[list[int]], concurrency: int, args) -> LevelResult:
     result = LevelResult()
+    with_generate = args.observation == "with-generate"
     async with channel(address) as ch:
         sessions = session_pb2_grpc.SessionServiceStub(ch)
 
@@ -108,13 +117,17 @@ async def service_level(address: str, prompts: list[list[int]], concurrency: int
                         session_id=opened.session_id, sampling=common_pb2.SamplingParams(
                             max_new_tokens=params["max_new_tokens"], ignore_eos=True,
                             seed=params["sampling_seed"]))
+                    if with_generate and turn > 0:  # the previous turn's tool result rides along
+                        request.observation.CopyFrom(observation(opened.session_id))
                     started = time.perf_counter()
                     reply = await sessions.Generate(request)
                     walls.append(time.perf_counter() - started)
                     result.generated += len(reply.token_ids)
+                    if with_generate:
+                        appends.append(0.0)
+                        continue
                     started = time.perf_counter()
-                    await sessions.AppendObservation(pb.AppendObservationRequest(
-                        session_id=opened.session_id, token_ids=common_pb2.TokenIds(ids=OBSERVATION)))
+                    await sessions.AppendObservation(observation(opened.session_id))
                     appends.append(time.perf_counter() - started)
                 closed = await sessions.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id,
                                                                             return_trajectory=True))
@@ -206,10 +219,12 @@ def prepared_model(args, work: Path, note: str = "") -> tuple[Path, dict]:
         model = work / "model"
         build_default_model(model)
     config = json.loads((model / "config.json").read_text())
+    observations = "in the next Generate" if args.observation == "with-generate" else "by AppendObservation"
     print(f"model: qwen2 hidden {config['hidden_size']} x {config['num_hidden_layers']} layers, vocab "
           f"{config['vocab_size']}; engine torch threads {args.threads}; "
           f"{args.turns} turns x {args.new_tokens} "
-          f"new tokens per episode, {args.episodes} episodes per worker{note}", flush=True)
+          f"new tokens per episode, {args.episodes} episodes per worker, observations {observations}{note}",
+          flush=True)
     return model, config
 
 
@@ -223,6 +238,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="engine torch threads")
     parser.add_argument("--model", type=Path, default=None,
                         help="model directory (default: build the default)")
+    parser.add_argument("--observation", choices=("call", "with-generate"), default="call",
+                        help="how a turn hands the engine its observation on the service path: its own "
+                             "AppendObservation call after each Generate (two round trips a turn), or in the "
+                             "next Generate, as the environment SDK does (one)")
     parser.add_argument("--compare-plaintext", action="store_true",
                         help="also run with the services in plaintext and print what TLS + auth cost")
     args = parser.parse_args()

@@ -86,6 +86,7 @@ async def relabel(engines, run: str) -> None:
     for name in engines:
         await call(engines[name].url, "/update_weight_version", {"new_version": f"before-{run}"})
 
+
 async def served_from_the_store(engines, broker, store: DirectoryWeightStore, model_dir, versions: int):
     """A stand-in trainer writes `versions` versions to the store; the broker publishes the last one and
     both engines serve it (the version the pools fall back to). Returns the stand-in trainer."""

@@ -1,5 +1,7 @@
 """The server skeleton: health, reflection, raised message limits, errors mapped to statuses."""
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,9 +16,11 @@ from rlfleet.common.errors import (
     ResourceExhausted,
     StartupError,
 )
-from rlfleet.common.grpc_server import GrpcServer, channel
+from rlfleet.common import security
+from rlfleet.common.grpc_server import GrpcServer, blocking_channel, channel
 from rlfleet.common.rich_errors import error_details
 from rlfleet.common.service import placeholder_servicer
+from rlfleet.common.testing import client_credentials
 
 SERVICE = "rlfleet.session.v1.SessionService"
 
@@ -35,6 +39,9 @@ class Sessions(session_pb2_grpc.SessionServiceServicer):
                   "huge-boom": RuntimeError("x" * (4 << 20))}
         if request.session_id in errors:
             raise errors[request.session_id]
+        if request.session_id == "caller":  # who the server took the caller for
+            principal = security.caller()
+            return session_pb2.Session(session_id=f"{principal.kind}:{principal.name}")
         return session_pb2.Session(session_id=request.session_id,
                                    token_ids=list(range(len(request.session_id))))
 
@@ -106,6 +113,29 @@ async def test_an_unexpected_error_never_echoes_a_large_message_whole(server):
     boom = error_details(await get(server, "huge-boom"))
     assert boom.code == grpc.StatusCode.INTERNAL and "characters in all" in boom.message
     assert len(boom.message) < 1000
+
+
+async def test_a_blocking_channel_calls_as_the_client_its_token_names(server):
+    """The token rides in each call's metadata (not as call credentials: closing a channel that
+    holds a call-credentials plugin can deadlock the process, grpc/grpc#42247)."""
+    creds = client_credentials("blocking-run", "env-blocking")
+
+    def calls() -> list[str]:
+        names = []
+        for _ in range(3):  # a channel per call, as scripts and test harnesses poll
+            with blocking_channel(server, credentials=creds) as ch:
+                stub = session_pb2_grpc.SessionServiceStub(ch)
+                names.append(stub.GetSession(session_pb2.GetSessionRequest(session_id="caller"),
+                                             timeout=10).session_id)
+        with blocking_channel(server, credentials=creds) as ch:
+            with pytest.raises(grpc.RpcError) as refused:  # a call's own header wins over the channel's
+                session_pb2_grpc.SessionServiceStub(ch).GetSession(
+                    session_pb2.GetSessionRequest(session_id="caller"), timeout=10,
+                    metadata=(("authorization", "Bearer not-a-token"),))
+        names.append(refused.value.code().name)
+        return names
+
+    assert await asyncio.to_thread(calls) == ["environment:env-blocking"] * 3 + ["UNAUTHENTICATED"]
 
 
 async def test_health_reports_serving_for_the_server_and_each_service(server):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -277,13 +277,59 @@ def channel(address: str, max_message_bytes: int = 64 << 20, interceptors: Itera
 def blocking_channel(address: str, options: Iterable[tuple[str, Any]] = (),
                      credentials: security.Credentials | None = None) -> grpc.Channel:
     """A synchronous TLS channel with this process's credentials (scripts and threads that are not
-    on an event loop); the token goes as call credentials."""
+    on an event loop); the token goes in each call's metadata.
+
+    Not as grpc call credentials: their plugin is released on a gRPC thread that takes the GIL, and
+    closing the process's last channel waits for gRPC's threads with the GIL held (grpc/grpc#42247),
+    a deadlock seen here as a test hung for good in `Channel.close()`."""
     creds = credentials or security.local_credentials()
-    channel_creds = channel_credentials(creds)
-    if creds.token:
-        channel_creds = grpc.composite_channel_credentials(channel_creds,
-                                                           grpc.access_token_call_credentials(creds.token))
-    return grpc.secure_channel(address, channel_creds, options=[*RECONNECT_BACKOFF, *options])
+    raw = grpc.secure_channel(address, channel_credentials(creds), options=[*RECONNECT_BACKOFF, *options])
+    return grpc.intercept_channel(raw, _BearerToken(creds.token)) if creds.token else raw
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """`authorization: Bearer <token>` on every call of a blocking channel that brings none."""
+
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = list(details.metadata or ())
+        if not any(key == "authorization" for key, _ in metadata):
+            metadata.insert(0, self.header)
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation: Callable, details: grpc.ClientCallDetails,
+                              request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable, details: grpc.ClientCallDetails,
+                               request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Callable, details: grpc.ClientCallDetails,
+                               requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Callable, details: grpc.ClientCallDetails,
+                                requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
+class _CallDetails(NamedTuple):
+    """grpc.ClientCallDetails is an abstract class with no constructor: a call's details as fields."""
+
+    method: str
+    timeout: float | None
+    metadata: list[tuple[str, str]] | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
+grpc.ClientCallDetails.register(_CallDetails)
 
 
 class _WrappedChannel:
