@@ -1,8 +1,13 @@
-"""Run under torchrun by test_megatron_backend.py: the Megatron backend at the TP size of argv[3].
+"""Run under torchrun by test_megatron_backend.py: the Megatron backend at one TP size, for each objective.
 
-On the batches of `steps()`: the log-probs before training, the HF export right after conversion
-(round trip), two RL steps with a checkpoint after the first, the export after them, and a fresh
-backend that loads the checkpoint and retakes step 2 (resume). Rank 0 writes everything to argv[1].
+    torchrun ... megatron_worker.py MODEL_DIR TP OUT_DIR:OBJECTIVE [OUT_DIR:OBJECTIVE ...]
+
+For each objective, on the batches of `steps()`: the log-probs before training, the HF export right
+after conversion (round trip), two RL steps with a checkpoint after the first, the export after
+them, and a fresh backend that loads the checkpoint and retakes step 2 (resume). Rank 0 writes
+everything to that objective's OUT_DIR. The objectives run one after the other in one process
+group (a torchrun and Megatron's imports per objective cost more than the objective's run); each
+builds its backends, and with them Megatron's parallel state, anew.
 """
 
 import json
@@ -78,4 +83,9 @@ def main(out: Path, model_dir: str, tp: int, algorithm: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "grpo")
+    model, tp, cases = sys.argv[1], int(sys.argv[2]), [case.rpartition(":") for case in sys.argv[3:]]
+    # Joined here, so that no backend owns the group and closing one leaves it for the next.
+    torch.distributed.init_process_group("gloo")
+    for out, _, algorithm in cases:
+        main(Path(out), model, tp, algorithm)
+    torch.distributed.destroy_process_group()

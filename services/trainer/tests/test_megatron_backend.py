@@ -1,7 +1,8 @@
 """The Megatron-core backend against the torch backend, at TP 1 and TP 2 (torchrun, gloo, real processes).
 
-Every Megatron run is its own torchrun (megatron_worker.py): Megatron's parallel state is global to
-a process. The torch backend runs here, at world size 1, on the same model and batches.
+Each TP size is its own torchrun (megatron_worker.py): Megatron's parallel state is global to a
+process; the objectives at one size run one after the other in it. The torch backend runs here, at
+world size 1, on the same model and batches.
 """
 
 import json
@@ -20,20 +21,23 @@ from rlfleet.trainer.torch_backend import TorchBackend
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_worker as worker
 
-# The `runs` fixture starts seven torchrun jobs (about 2 minutes on a quiet 2-core machine, 10+ on a busy
-# one); its setup counts against the first test that asks for it.
+# The `runs` fixture starts three torchrun jobs for seven runs (about 1 minute on a quiet 2-core machine,
+# several on a busy one); its setup counts against the first test that asks for it.
 pytestmark = pytest.mark.timeout(2400)
 # fp32 on both sides; the two stacks differ in kernels (SDPA vs Megatron's baddbmm + softmax, fused
 # vs vocab-parallel log-softmax) and in summation order, not in math.
 ATOL = 2e-5
 
 
-def run_megatron(tmp: Path, model_dir: Path, world: int, tp: int, algorithm: str) -> Path:
-    out = tmp / f"world{world}-tp{tp}-{algorithm}"
-    out.mkdir(parents=True)
+def run_megatron(tmp: Path, model_dir: Path, world: int, tp: int, algorithms: list[str]) -> dict[str, Path]:
+    """One torchrun of `world` ranks at TP `tp` that runs each objective in turn; each one's outputs."""
+    outs = {algorithm: tmp / f"world{world}-tp{tp}-{algorithm}" for algorithm in algorithms}
+    for out in outs.values():
+        out.mkdir(parents=True)
     # Generous: the machine may be shared and busy.
-    run_torchrun(worker.__file__, [str(out), str(model_dir), str(tp), algorithm], world, timeout_s=900)
-    return out
+    run_torchrun(worker.__file__, [str(model_dir), str(tp), *(f"{out}:{a}" for a, out in outs.items())],
+                 world, timeout_s=900 * len(algorithms))
+    return outs
 
 
 def torch_reference(model_dir: Path, algorithm: str) -> dict:
@@ -61,9 +65,9 @@ def runs(tmp_path_factory, model_dir):
     """(world size, TP, objective): GRPO at TP 1, TP 2 and data parallel 2; GSPO, PPO, SFT and GRPO with a
     KL penalty to a frozen reference at TP 2. Each runs once; the tests read its outputs."""
     tmp = tmp_path_factory.mktemp("megatron")
-    cases = [(1, 1, "grpo"), (2, 2, "grpo"), (2, 1, "grpo"), (2, 2, "gspo"), (2, 2, "ppo"), (2, 2, "sft"),
-             (2, 2, "grpo+kl")]
-    return {case: run_megatron(tmp, model_dir, *case) for case in cases}
+    runs = {(1, 1): ["grpo"], (2, 1): ["grpo"], (2, 2): ["grpo", "gspo", "ppo", "sft", "grpo+kl"]}
+    return {(world, tp, algorithm): out for (world, tp), algorithms in runs.items()
+            for algorithm, out in run_megatron(tmp, model_dir, world, tp, algorithms).items()}
 
 
 @pytest.mark.integration
