@@ -9,7 +9,9 @@ import logging
 import stat
 
 import pytest
-from redis.exceptions import NoPermissionError
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from rlfleet.common import revocations
 from rlfleet.common.config import NatsConfig, RedisConfig
@@ -22,7 +24,7 @@ from rlfleet.common.infra_auth import (
     nats_permissions,
     redis_acl,
 )
-from rlfleet.common.redis_store import connect_redis, key
+from rlfleet.common.redis_store import RetryNotRefusals, connect_redis, key
 from rlfleet.common.streams import connect_nats, ensure_streams, publish, subject
 from rlfleet.common.testing import unique_run_id, without_login
 
@@ -214,6 +216,26 @@ async def test_redis_without_the_password_is_refused(redis_url):
         await connect_redis(RedisConfig(url=without_login(redis_url), connect_timeout_s=2))
     with pytest.raises(StartupError, match="(?i)(auth|password)"):
         await connect_redis(RedisConfig(url=without_login(redis_url), user="verifier", password="wrong"))
+
+
+@pytest.mark.parametrize("error, attempts", [(AuthenticationError("WRONGPASS"), 1),
+                                             (AuthorizationError("NOPERM"), 1),
+                                             (RedisConnectionError("connection reset"), 4)])
+async def test_a_refused_login_is_never_retried_a_lost_connection_is(error, attempts):
+    """redis-py's login refusals are ConnectionErrors: retried like one, a wrong password took ~10 s to
+    surface."""
+    calls = []
+
+    async def do():
+        calls.append(1)
+        raise error
+
+    async def fail(_error):
+        pass
+
+    with pytest.raises(type(error)):
+        await RetryNotRefusals(NoBackoff(), retries=3).call_with_retry(do, fail)
+    assert len(calls) == attempts
 
 
 async def test_a_redis_user_only_touches_its_own_keys(redis_url, infra_secrets):

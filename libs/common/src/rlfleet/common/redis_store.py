@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.driver_info import DriverInfo
+from redis.exceptions import AuthenticationError, AuthorizationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlfleet.common.config import RedisConfig, require
@@ -28,7 +28,7 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
     # A Redis that restarted (the launcher's supervision, a pod rescheduled) closes every pooled
     # connection: each command retries on a new one with backoff bounded to 2 s, for ~10 s in all,
     # rather than fail once per stale connection.
-    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=8)
+    retry = RetryNotRefusals(ExponentialBackoff(cap=2.0, base=0.1), retries=8)
     # User and password from config; a URL with them in it (redis://user:pass@host) wins.
     login: dict[str, Any] = {"username": config.user,
                              "password": read_password(config.password, config.password_file, "Redis")} \
@@ -51,6 +51,21 @@ async def connect_redis(config: RedisConfig) -> aioredis.Redis:
         await client.aclose()
         raise StartupError(f"cannot reach Redis at {without_password(url)}: {exc}") from None
     return client
+
+
+class RetryNotRefusals(Retry):
+    """Retries a lost connection, never a refused login: redis-py's AuthenticationError and
+    AuthorizationError are ConnectionErrors, and waiting does not fix a wrong password (retried, a
+    start-up with one took ~10 s to say so)."""
+
+    async def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                              with_failure_count: bool = False) -> Any:
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, (AuthenticationError, AuthorizationError)):
+                return False
+            return is_retryable is None or is_retryable(error)
+
+        return await super().call_with_retry(do, fail, retryable, with_failure_count)
 
 
 def tls_options(url: str) -> dict[str, Any]:
