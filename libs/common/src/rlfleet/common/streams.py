@@ -14,6 +14,7 @@ window. Consumers are durable with explicit acks; they must still be idempotent 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -67,25 +68,43 @@ async def connect_nats(config: NatsConfig, name: str) -> nats.NATS:
     shown = without_password(url)
     log = logging.getLogger("rlfleet.nats")
     errors: list[Exception] = []
+    refused = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
         errors.append(exc)
         log.warning("nats: %s", exc or type(exc).__name__)
+        if _refused_login(exc):
+            refused.set()
 
     await _probe(url, config.connect_timeout_s)
-    connecting = nats.connect(url, name=name, connect_timeout=config.connect_timeout_s,
-                              max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                              error_cb=on_error, **_credentials(config, url), **_tls(config, url))
+    # nats-py retries a first connect forever too, a refused login included: it is given up at the
+    # first refusal (waiting does not fix a password), or after the deadline.
+    connecting = asyncio.ensure_future(nats.connect(
+        url, name=name, connect_timeout=config.connect_timeout_s, max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5, error_cb=on_error, **_credentials(config, url), **_tls(config, url)))
+    refusal = asyncio.ensure_future(refused.wait())
     try:
-        # nats-py retries a first connect forever too: a refused login would hang here.
-        return await asyncio.wait_for(connecting, 2 * config.connect_timeout_s + 1)
+        await asyncio.wait({connecting, refusal}, timeout=2 * config.connect_timeout_s + 1,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if connecting.done() and not refused.is_set():
+            return connecting.result()
+        raise TimeoutError
     except (TimeoutError, NatsError, OSError) as exc:
-        # What the reset after it hides. nats-py reports a refused login as AuthorizationError or, on some
-        # paths, as a plain Error carrying the server's "-ERR 'Authorization Violation'" text.
-        refused = [e for e in errors
-                   if isinstance(e, AuthorizationError) or "authorization" in str(e).lower()]
-        why = (refused or errors or [exc])[-1]
+        # What the reset after it hides.
+        why = ([e for e in errors if _refused_login(e)] or errors or [exc])[-1]
         raise StartupError(f"cannot connect to NATS at {shown}: {why or type(why).__name__}") from None
+    finally:
+        refusal.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, NatsError, OSError):
+                await connecting
+
+
+def _refused_login(exc: Exception) -> bool:
+    """nats-py reports a refused login as AuthorizationError or, on some paths, as a plain Error
+    carrying the server's "-ERR 'Authorization Violation'" text."""
+    return isinstance(exc, AuthorizationError) or "authorization" in str(exc).lower()
 
 
 def _credentials(config: NatsConfig, url: str) -> dict[str, str]:
