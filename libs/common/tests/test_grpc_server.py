@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rlfleet.api.session.v1 import session_pb2, session_pb2_grpc
+from rlfleet.common import security
 from rlfleet.common.config import GrpcServerConfig
 from rlfleet.common.errors import (
     FailedPrecondition,
@@ -16,7 +17,6 @@ from rlfleet.common.errors import (
     ResourceExhausted,
     StartupError,
 )
-from rlfleet.common import security
 from rlfleet.common.grpc_server import GrpcServer, blocking_channel, channel
 from rlfleet.common.rich_errors import error_details
 from rlfleet.common.service import placeholder_servicer
