@@ -86,8 +86,8 @@ async def connect_nats(config: NatsConfig, name: str) -> nats.NATS:
     try:
         await asyncio.wait({connecting, refusal}, timeout=2 * config.connect_timeout_s + 1,
                            return_when=asyncio.FIRST_COMPLETED)
-        if connecting.done() and not refused.is_set():
-            return connecting.result()
+        if connecting.done():
+            return connecting.result()  # or its error
         raise TimeoutError
     except (TimeoutError, NatsError, OSError) as exc:
         # What the reset after it hides.
