@@ -31,11 +31,12 @@ to it and, unlike tokens/s, hardly moves with other load. The secure run calls a
 Both paths send the engine the same requests (same prompt lengths, same new tokens). Printed per
 concurrency: generated tokens/s of each path and their ratio; the per-turn latency the service
 path adds (a Generate call's wall time minus its engine round trip as the gateway measured it,
-plus the AppendObservation call), p50 and p99; the median turn latency of both paths; and the CPU
-seconds each process (engine, gateway, session server, NATS, Redis, this client) used during the
-level's service-path runs, which is where a slower path's time goes on a machine of few cores. Each
-level runs `--repeats` times, alternating which path goes first, and the median is reported. On a
-shared machine the ratio moves with other load: read it with the per-turn figures, which do not.
+plus the AppendObservation call, if the turn makes one), p50 and p99; the median turn latency of
+both paths; and the CPU seconds each process (engine, gateway, session server, NATS, Redis, this
+client) used during the level's service-path runs, which is where a slower path's time goes on a
+machine of few cores. Each level runs `--repeats` times, alternating which path goes first, and
+the median is reported. On a shared machine the ratio moves with other load: read it with the
+per-turn figures, which do not.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from rlfleet.trainer.torch_backend import TorchBackend
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_worker as worker
 
-# The `runs` fixture starts three torchrun jobs for seven runs (about 1 minute on a quiet 2-core machine,
-# several on a busy one); its setup counts against the first test that asks for it.
+# The `runs` fixture starts three torchrun jobs for seven runs (about 30 s on a quiet 2-core machine,
+# minutes on a busy one); its setup counts against the first test that asks for it.
 pytestmark = pytest.mark.timeout(2400)
 # fp32 on both sides; the two stacks differ in kernels (SDPA vs Megatron's baddbmm + softmax, fused
 # vs vocab-parallel log-softmax) and in summation order, not in math.

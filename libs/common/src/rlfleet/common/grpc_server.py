@@ -301,21 +301,12 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             details.wait_for_ready, details.compression)
 
-    def intercept_unary_unary(self, continuation: Callable, details: grpc.ClientCallDetails,
-                              request: Any) -> Any:
+    def _intercept(self, continuation: Callable, details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._with_token(details), request)
 
-    def intercept_unary_stream(self, continuation: Callable, details: grpc.ClientCallDetails,
-                               request: Any) -> Any:
-        return continuation(self._with_token(details), request)
-
-    def intercept_stream_unary(self, continuation: Callable, details: grpc.ClientCallDetails,
-                               requests: Any) -> Any:
-        return continuation(self._with_token(details), requests)
-
-    def intercept_stream_stream(self, continuation: Callable, details: grpc.ClientCallDetails,
-                                requests: Any) -> Any:
-        return continuation(self._with_token(details), requests)
+    # One body for the four kinds of call (the request is a message or an iterator of them).
+    intercept_unary_unary = intercept_unary_stream = _intercept
+    intercept_stream_unary = intercept_stream_stream = _intercept
 
 
 class _CallDetails(NamedTuple):

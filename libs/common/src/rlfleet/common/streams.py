@@ -83,22 +83,23 @@ async def connect_nats(config: NatsConfig, name: str) -> nats.NATS:
         url, name=name, connect_timeout=config.connect_timeout_s, max_reconnect_attempts=-1,
         reconnect_time_wait=0.5, error_cb=on_error, **_credentials(config, url), **_tls(config, url)))
     refusal = asyncio.ensure_future(refused.wait())
+    failure: Exception = TimeoutError()  # neither connected nor failed by the deadline
     try:
         await asyncio.wait({connecting, refusal}, timeout=2 * config.connect_timeout_s + 1,
                            return_when=asyncio.FIRST_COMPLETED)
         if connecting.done():
             return connecting.result()  # or its error
-        raise TimeoutError
-    except (TimeoutError, NatsError, OSError) as exc:
-        # What the reset after it hides.
-        why = ([e for e in errors if _refused_login(e)] or errors or [exc])[-1]
-        raise StartupError(f"cannot connect to NATS at {shown}: {why or type(why).__name__}") from None
+    except (NatsError, OSError) as exc:
+        failure = exc
     finally:
         refusal.cancel()
         if not connecting.done():
             connecting.cancel()
             with contextlib.suppress(asyncio.CancelledError, NatsError, OSError):
                 await connecting
+    # What the reset after it hides.
+    why = ([e for e in errors if _refused_login(e)] or errors or [failure])[-1]
+    raise StartupError(f"cannot connect to NATS at {shown}: {why or type(why).__name__}")
 
 
 def _refused_login(exc: Exception) -> bool:
