@@ -34,7 +34,7 @@ import urllib.request
 
 log = logging.getLogger("rlfleet-register-engine")
 
-POOLS = {"fleet": "ENGINE_POOL_FLEET", "canary": "ENGINE_POOL_CANARY"}
+POOLS = {"fleet": "ENGINE_POOL_FLEET", "canary": "ENGINE_POOL_CANARY", "candidate": "ENGINE_POOL_CANDIDATE"}
 KINDS = {"cpu": "ENGINE_KIND_CPU", "sglang": "ENGINE_KIND_SGLANG"}
 RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "RESOURCE_EXHAUSTED")
 
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kind", choices=sorted(KINDS), default=env("ENGINE_KIND", "sglang"),
                         help="cpu or sglang (env ENGINE_KIND, default sglang)")
     parser.add_argument("--pool", choices=sorted(POOLS), default=env("ENGINE_POOL", "fleet"),
-                        help="fleet or canary (env ENGINE_POOL, default fleet)")
+                        help="fleet, canary or candidate (env ENGINE_POOL, default fleet)")
     parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                         help="engine label (repeatable; env ENGINE_LABELS as a JSON object)")
     parser.add_argument("--start-draining", action="store_true",

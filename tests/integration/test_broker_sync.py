@@ -13,8 +13,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
+from rlfleet.broker.registry import VersionRegistry
 from rlfleet.broker.testing import BrokerProcess, policy_version
 from rlfleet.common.config import NatsConfig
 from rlfleet.common.grpc_server import channel as open_channel
@@ -172,6 +174,62 @@ async def test_canary_engines_serve_a_new_version_while_the_fleet_serves_the_acc
                  "rlfleet_broker_updates_total"):
         assert name in metrics, name
     assert 'transport="disk_delta"' in metrics and 'transport="disk_full"' in metrics
+
+
+async def test_the_candidate_pool_holds_the_pinned_version_while_the_canary_moves_on(run, engines, redis_url):
+    """The gate's candidate stays put on the candidate pool while rollouts (the canary) take every new
+    version; a rollback clears the pin, and the pool goes back to the accepted version."""
+    run.start_broker(engines=engine_list(engines, c0="canary", f0="candidate"))
+    v1 = await run.announce()
+    await all_serve(run, engines, ["c0"], v1)
+    assert (await run.stub.Promote(broker_pb2.PromoteRequest(version=v1))).accepted_version == v1
+    await all_serve(run, engines, ["f0"], v1)  # unpinned: the accepted version
+
+    v2 = await run.announce()
+    await all_serve(run, engines, ["c0"], v2)
+    reply = await run.stub.PinCandidate(broker_pb2.PinCandidateRequest(version=v2, reason="gate"))
+    assert reply.candidate_version == v2
+    await all_serve(run, engines, ["f0"], v2)
+    for _ in range(2):
+        newest = await run.announce()
+    await all_serve(run, engines, ["c0"], newest)
+    await asyncio.sleep(1.2)  # two reconcile rounds: the candidate must stay pinned
+    assert await generated_version(engines["f0"].url) == str(v2)
+    status = await run.stub.GetStatus(broker_pb2.GetStatusRequest())
+    assert (status.candidate_version, status.canary_version, status.accepted_version) == (v2, newest, v1)
+    assert {e.engine_id: e.pool for e in status.engines} == {"c0": "canary", "f0": "candidate"}
+
+    # A version the canary reached while the next was announced was marked SKIPPED (superseded) as
+    # it loaded: the canary serves it, so the next round makes it CANARY again (and pinnable).
+    await set_registry_state(redis_url, run.run_id, newest, State.VERSION_STATE_SKIPPED)
+
+    async def served_again():
+        return (await run.record(newest)).state == State.VERSION_STATE_CANARY
+
+    await eventually(served_again, 10.0)
+    await run.stub.PinCandidate(broker_pb2.PinCandidateRequest(version=newest))
+    await all_serve(run, engines, ["f0"], newest)
+
+    # One no engine serves stays SKIPPED: not a candidate; nor is an unknown one.
+    await set_registry_state(redis_url, run.run_id, v2 + 1, State.VERSION_STATE_SKIPPED)
+    for version, code in ((v2 + 1, grpc.StatusCode.FAILED_PRECONDITION), (99, grpc.StatusCode.NOT_FOUND)):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await run.stub.PinCandidate(broker_pb2.PinCandidateRequest(version=version))
+        assert err.value.code() == code, err.value.details()
+
+    await run.stub.Promote(broker_pb2.PromoteRequest(version=newest))
+    assert (await run.stub.Rollback(broker_pb2.RollbackRequest(reason="bad"))).accepted_version == v1
+    await all_serve(run, engines, ["c0", "f0"], v1)
+    assert (await run.stub.GetStatus(broker_pb2.GetStatusRequest())).candidate_version == -1
+
+
+async def set_registry_state(redis_url: str, run_id: str, version: int, state) -> None:
+    """Sets a version's state in the broker's registry, as the broker itself would."""
+    registry = VersionRegistry(aioredis.from_url(redis_url), run_id)
+    try:
+        await registry.set_state(await registry.require(version), state, "passed over by the sync policy")
+    finally:
+        await registry.redis.aclose()
 
 
 async def test_rollback_restores_the_previous_accepted_version_everywhere(run, engines):

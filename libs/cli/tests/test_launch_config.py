@@ -18,6 +18,7 @@ from rlfleet.cli.launcher import (
     Platform,
     PlatformState,
     ProcessRecord,
+    engine_pool,
     is_ours,
     mark_stopping,
     process_config,
@@ -68,8 +69,11 @@ def test_a_section_that_contradicts_a_shared_field_is_an_error(tmp_path):
 
 def test_a_section_may_set_what_the_run_only_derives(tmp_path):
     derived = run_config(tmp_path, "[gate]\nenabled = true\nevery_versions = 3\n")
-    assert not derived.broker.auto_promote and derived.broker.sync.every_n_versions == 3
+    # The candidate engine holds the gate's version: the canary (rollouts) takes every version.
+    assert not derived.broker.auto_promote and derived.broker.sync.every_n_versions == 1
     assert derived.broker.sync.max_delta_chain == 4
+    pinned = run_config(tmp_path, "[gate]\nenabled = true\nevery_versions = 5\n[engines]\ncandidate = 0\n")
+    assert pinned.broker.sync.every_n_versions == 5 and pinned.broker.sync.max_delta_chain == 5
     chosen = run_config(tmp_path, "[gate]\nenabled = true\n[broker]\nauto_promote = true\n"
                                   "[broker.sync]\nevery_n_versions = 1\n")
     assert chosen.broker.auto_promote and chosen.broker.sync.every_n_versions == 1
@@ -130,21 +134,30 @@ def test_every_toml_the_repo_ships_loads():
 def test_engine_pools_of_several_engines_by_config(tmp_path):
     from rlfleet.cli.run_client import RunClient
 
-    config = run_config(tmp_path, f'run_dir = "{tmp_path}"\n[engines]\ncanary = 2\nfleet = 3\n')
+    pools = "[engines]\ncanary = 2\ncandidate = 2\nfleet = 3\n"
+    config = run_config(tmp_path, f'run_dir = "{tmp_path}"\n{pools}')
     platform = RunClient(config).platform_config(tmp_path / "model")
-    assert (platform.engines, platform.canary_engines) == (5, 2)
+    assert (platform.engines, platform.canary_engines, platform.candidate_engines) == (7, 2, 2)
     state = PlatformState("r1", str(tmp_path), 1)
     state.processes = [ProcessRecord("nats", 0, 0, [], "", url="nats://127.0.0.1:1", kind="nats"),
                        ProcessRecord("redis", 0, 0, [], "", url="redis://127.0.0.1:2/0", kind="redis")]
     state.processes += [ProcessRecord(f"engine-{i}", 0, 0, [], "",
                                       url=f"http://127.0.0.1:{10 + i}", kind="engine")
-                        for i in range(5)]
+                        for i in range(7)]
     gateway = process_config("rollout-gateway", platform, state, tmp_path, tmp_path / "g.json", tmp_path)
     assert [(e.engine_id, e.pool) for e in gateway.engines] == [
-        ("engine-0", "canary"), ("engine-1", "canary"), ("engine-2", "fleet"), ("engine-3", "fleet"),
-        ("engine-4", "fleet")]
+        ("engine-0", "canary"), ("engine-1", "canary"), ("engine-2", "candidate"), ("engine-3", "candidate"),
+        ("engine-4", "fleet"), ("engine-5", "fleet"), ("engine-6", "fleet")]
+    with pytest.raises(ValueError, match=r"canary_engines \(2\) \+ candidate_engines \(1\) is more than"):
+        PlatformConfig(engines=2, canary_engines=2, candidate_engines=1)
     default = RunClient(run_config(tmp_path, f'run_dir = "{tmp_path}"\n')).platform_config(tmp_path / "model")
-    assert (default.engines, default.canary_engines) == (2, 1)
+    assert (default.engines, default.canary_engines, default.candidate_engines) == (3, 1, 1)
+    assert [engine_pool(default, i) for i in range(3)] == ["canary", "candidate", "fleet"]
+    # Sync mode (lock-step: the gate evaluates between steps) and LoRA runs have no candidate pool.
+    for extra in ('mode = "sync"\n', '[trainer.lora]\nenabled = true\n', '[gate]\nenabled = false\n'):
+        other = RunClient(run_config(tmp_path, f'run_dir = "{tmp_path}"\n{extra}')).platform_config(
+            tmp_path / "model")
+        assert (other.engines, other.candidate_engines) == (2, 0), extra
 
 
 def test_restart_policy_reaches_the_launch_and_may_change_on_resume(tmp_path):

@@ -154,7 +154,7 @@ def write_stack(config: PlatformConfig, out: Path, ports: dict[str, int], tasks:
     if sorted(config.services) != sorted(ALL_SERVICES):
         raise StartupError(f"the compose stack runs every service ({', '.join(ALL_SERVICES)}); "
                            f"this config lists {config.services}")
-    if config.engines != len(ENGINES) or config.canary_engines != 1:
+    if config.engines != len(ENGINES) or config.canary_engines != 1 or config.candidate_engines:
         raise StartupError("the compose stack runs two CPU engines, a canary and the fleet "
                            "(engines = 2, canary_engines = 1)")
     if config.model_path:

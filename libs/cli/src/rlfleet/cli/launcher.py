@@ -193,6 +193,13 @@ def run_dir_for(config: PlatformConfig) -> Path:
     return Path(config.run_dir or f"runs/{config.run_id}").resolve()
 
 
+def engine_pool(config: PlatformConfig, index: int) -> str:
+    """The pool of the launch's `index`-th engine: the canary pool's first, then the candidate's."""
+    if index < config.canary_engines:
+        return "canary"
+    return "candidate" if index < config.canary_engines + config.candidate_engines else "fleet"
+
+
 def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_dir: Path,
                  model: Path | None = None) -> dict[str, Any]:
     """What only the launch knows, for each service: NATS and Redis URLs, peer addresses, paths in
@@ -201,8 +208,8 @@ def launch_facts(name: str, config: PlatformConfig, state: PlatformState, run_di
     nats = lambda user: {"url": state.by_name("nats").url, **infra.nats[user].nats()}  # noqa: E731
     redis = lambda user: {"url": state.by_name("redis").url, **infra.redis[user].redis()}  # noqa: E731
     engine_records = [r for r in state.processes if r.kind == "engine"]
-    engines = [{"engine_id": r.name, "url": r.url, "pool": "canary" if i < config.canary_engines else "fleet",
-                "kind": "cpu"} for i, r in enumerate(engine_records)]
+    engines = [{"engine_id": r.name, "url": r.url, "pool": engine_pool(config, i), "kind": "cpu"}
+               for i, r in enumerate(engine_records)]
     tokenizer = {"tokenizer_path": str(model)} if model is not None else {}
     served = {"model_path": str(model)} if model is not None else {}
     weights = str(run_dir / "weights")

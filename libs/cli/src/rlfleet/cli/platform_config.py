@@ -106,6 +106,8 @@ class PlatformConfig(ServiceSections):
                                  "empty = .cache beside the run directory (runs/.cache)")
     canary_engines: int = Field(0, ge=0,
                                 description="how many of the engines form the canary pool (the rest: fleet)")
+    candidate_engines: int = Field(0, ge=0, description="how many of the engines after the canary pool's "
+                                   "form the candidate pool (the version the promotion gate evaluates)")
 
     @model_validator(mode="after")
     def _hand_down_the_launch(self) -> PlatformConfig:
@@ -115,4 +117,11 @@ class PlatformConfig(ServiceSections):
             propagate(section, {"log": {"format": self.log_format}}, where=name)
         # Without canary engines there is no gate to wait for: versions go straight to the fleet.
         propagate(self.broker, {"auto_promote": not self.canary_engines}, where="broker")
+        return self
+
+    @model_validator(mode="after")
+    def _pools_fit(self) -> PlatformConfig:
+        if self.canary_engines + self.candidate_engines > self.engines:
+            raise ValueError(f"canary_engines ({self.canary_engines}) + candidate_engines "
+                             f"({self.candidate_engines}) is more than engines ({self.engines})")
         return self

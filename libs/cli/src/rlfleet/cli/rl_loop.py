@@ -633,7 +633,7 @@ class RLRun:
 
 def platform_differences(running: dict, wanted: dict) -> list[str]:
     """What in the running platform's launch config would make it a different platform for this run."""
-    keys = ("run_id", "engines", "canary_engines", "model_path", *SECTIONS.values())
+    keys = ("run_id", "engines", "canary_engines", "candidate_engines", "model_path", *SECTIONS.values())
     have = dict(flatten_keys({k: running.get(k) for k in keys}))
     need = dict(flatten_keys({k: wanted.get(k) for k in keys}))
     return [f"{key}: running {have.get(key)!r}, this run needs {need.get(key)!r}"

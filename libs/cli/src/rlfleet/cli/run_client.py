@@ -185,13 +185,14 @@ class RunClient:
                                   say, suite=self.config.suite)
 
     def platform_config(self, base: Path) -> PlatformConfig:
-        """The launch of this run: the engine pools (canary: rollouts and candidates; fleet: the
-        accepted version, `engines.canary` and `engines.fleet` engines each) serving the base
-        policy, the run's service sections as resolved, the controller among them."""
+        """The launch of this run: the engine pools (canary: rollouts; candidate: the gate's
+        evaluations; fleet: the accepted version) serving the base policy, the run's service
+        sections as resolved, the controller among them."""
         c = self.config
         sections = {name: section.model_copy(deep=True) for name, section in c.sections().items()}
         return PlatformConfig(run_id=c.run_id, run_dir=str(self.run_dir),
-                              engines=c.engines.canary + c.engines.fleet, canary_engines=c.engines.canary,
+                              engines=c.engines.canary + c.candidate_engines + c.engines.fleet,
+                              canary_engines=c.engines.canary, candidate_engines=c.candidate_engines,
                               model_path=str(base), log_format="json", restart=c.restart.model_copy(),
                               start_timeout_s=c.start_timeout_s, **sections)
 

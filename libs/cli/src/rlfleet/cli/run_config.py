@@ -66,12 +66,17 @@ class EvalConfig(StrictModel):
 
 
 class EnginePools(StrictModel):
-    """CPU engines of the run: the canary pool serves rollouts and candidate versions, the fleet the
+    """CPU engines of the run: the canary pool serves rollouts on the newest version, the candidate
+    pool the version the promotion gate evaluates (pinned there while it does), the fleet the
     accepted one. Two or more in a pool: an engine that dies has its requests carried on by another
     of its pool at the same version while it restarts."""
 
-    canary: int = Field(1, ge=1, le=8,
-                        description="engines of the canary pool (rollouts and the gate's candidates)")
+    canary: int = Field(1, ge=1, le=8, description="engines of the canary pool (rollouts)")
+    candidate: int = Field(
+        1, ge=0, le=8, description="engines of the candidate pool (the gate's evaluations; async mode with a "
+        "gate and full-weight training only). 0: the gate evaluates its candidate on the canary pool, "
+        "which then moves only every gate.every_versions versions, so rollouts come from a policy up to "
+        "that many versions old")
     fleet: int = Field(1, ge=1, le=8, description="engines of the fleet pool (the accepted version)")
 
 
@@ -127,9 +132,11 @@ class RunConfig(ServiceSections):
         for name, values in shared.items():
             propagate(getattr(self, name), values, shared=True, where=name)
         gate = self.gate
-        # With a gate the canary moves every `every_versions` versions: the delta chain must reach
-        # that far, or each move would be a full reload instead of a few deltas.
-        sync = {"every_n_versions": gate.every_versions if gate.enabled and self.mode == "async" else 1,
+        # Without candidate engines the canary holds the candidate while the gate evaluates it, so it
+        # moves only every `every_versions` versions. The candidate pool moves that far at once
+        # either way: the delta chain must reach it, or each move would be a full reload.
+        pinned_canary = gate.enabled and self.mode == "async" and not self.candidate_engines
+        sync = {"every_n_versions": gate.every_versions if pinned_canary else 1,
                 "max_delta_chain": max(4, gate.every_versions)}
         propagate(self.broker, {"auto_promote": not gate.enabled, "sync": sync}, where="broker")
         propagate(self.gateway, {"route_pools": ["canary"]}, where="gateway")  # rollouts go to the canary
@@ -141,6 +148,15 @@ class RunConfig(ServiceSections):
                       where="sandbox.driver")
         return self
 
+    @property
+    def candidate_engines(self) -> int:
+        """The candidate pool's engines the launch starts: only an async run with a gate evaluates
+        beside its rollouts, and LoRA candidates are adapters served beside the accepted one on
+        every engine (rlfleet.common.adapter_routes), with no pool of their own."""
+        if self.mode != "async" or not self.gate.enabled or self.trainer.lora.enabled:
+            return 0
+        return self.engines.candidate
+
     @model_validator(mode="after")
     def _tools_can_run(self) -> RunConfig:
         if self.suite == "repo" and self.rollout.tool_runtime != "sandbox":
@@ -149,9 +165,10 @@ class RunConfig(ServiceSections):
 
     @model_validator(mode="after")
     def _staleness_covers_the_gate(self) -> RunConfig:
-        # With a gate, the canary (rollout) engines get a version every `every_versions`; rollouts of
-        # an older one must still be trainable, or the loop would starve between syncs.
-        if (self.mode == "async" and self.gate.enabled
+        # With a gate and no candidate engines, the canary (rollout) engines get a version every
+        # `every_versions`; rollouts of an older one must still be trainable, or the loop would starve
+        # between syncs.
+        if (self.mode == "async" and self.gate.enabled and not self.candidate_engines
                 and self.rollout.max_staleness < self.gate.every_versions):
             raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) must be at least "
                              f"gate.every_versions ({self.gate.every_versions})")

@@ -20,7 +20,8 @@ from rlfleet.gateway.router import Router
 from rlfleet.gateway.servicer import GatewayServicer
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-POOLS = {"fleet": gateway_pb2.ENGINE_POOL_FLEET, "canary": gateway_pb2.ENGINE_POOL_CANARY}
+POOLS = {"fleet": gateway_pb2.ENGINE_POOL_FLEET, "canary": gateway_pb2.ENGINE_POOL_CANARY,
+         "candidate": gateway_pb2.ENGINE_POOL_CANDIDATE}
 KINDS = {"cpu": gateway_pb2.ENGINE_KIND_CPU, "sglang": gateway_pb2.ENGINE_KIND_SGLANG}
 
 

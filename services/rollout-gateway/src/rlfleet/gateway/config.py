@@ -14,7 +14,8 @@ class EngineSpec(StrictModel):
 
     engine_id: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$", description="unique name of the engine")
     url: str = Field(pattern=r"^https?://", description="base URL of its SGLang-compatible HTTP API")
-    pool: Literal["fleet", "canary"] = Field("fleet", description="fleet or canary pool")
+    pool: Literal["fleet", "canary", "candidate"] = Field(
+        "fleet", description="fleet, canary, or candidate (the version the promotion gate evaluates)")
     kind: Literal["cpu", "sglang"] = Field("cpu",
                                            description="the built-in CPU engine or a real SGLang server")
 

@@ -70,11 +70,11 @@ class Router:
 
     def role(self, pinned: int) -> str:
         """The adapter role (rlfleet.common.adapter_routes) of a request pinned to `pinned` (0: none):
-        the candidate's (`canary`) for canary-pinned requests, and for unpinned ones when rollouts go
-        to the canary pool only; else the accepted policy's (`fleet`)."""
+        the candidate's (`canary`) for canary- or candidate-pinned requests, and for unpinned ones when
+        rollouts go to the canary pool only; else the accepted policy's (`fleet`)."""
         canary = gateway_pb2.ENGINE_POOL_CANARY
         if pinned:
-            return "canary" if pinned == canary else "fleet"
+            return "canary" if pinned in (canary, gateway_pb2.ENGINE_POOL_CANDIDATE) else "fleet"
         return "canary" if self.route_pools == frozenset({canary}) else "fleet"
 
     def queue_affinity(self, pipe, session_id: str) -> None:

@@ -5,8 +5,11 @@ engine serve its pool's target.
     reconcile    -> each engine: its weight_version (/model_info); behind its pool's target -> Rollout.sync
                     a canary engine serves v -> CANARY (auto_promote: ACCEPTED, fleet target = v)
     Promote(v)   -> v must be CANARY: ACCEPTED, fleet target = v
-    Rollback()   -> both targets = the newest ACCEPTED version older than the current one;
-                    newer accepted versions ROLLED_BACK, newer canary versions REJECTED
+    PinCandidate(v) -> v must be CANARY or ACCEPTED: candidate target = v (the gate evaluates it there
+                    while the canary pool, which serves rollouts, moves on; unpinned: the fleet's)
+    Rollback()   -> canary and fleet targets = the newest ACCEPTED version older than the current one,
+                    the candidate pin cleared; newer accepted versions ROLLED_BACK, newer canary
+                    versions REJECTED
 
 Adapter versions (LoRA, see adapters.py): a target that is an adapter version brings engines to
 its full base version, then the round loads the candidate and the accepted adapter side by side on
@@ -260,6 +263,21 @@ class Broker:
         self.wake()
         return version
 
+    async def pin_candidate(self, version: int, reason: str) -> int:
+        async with self._lock:
+            record = await self.registry.require(version)
+            if self.adapters.is_adapter(version):
+                raise NotPromotable(f"version {version} is an adapter: adapter candidates are served beside "
+                                    "the accepted adapter on every engine, with no candidate pool")
+            if record.state not in SERVED:
+                raise NotPromotable(
+                    f"version {version} is {state_name(record.state)}: only a version the canary pool "
+                    "served (CANARY) or an accepted one can be pinned for the candidate pool")
+            await self.registry.set_targets(candidate=version)
+            log.info("version %d pinned on the candidate pool: %s", version, reason or "pinned")
+        self.wake()
+        return version
+
     async def rollback(self, to_version: int, reason: str) -> int:
         reason = reason or "rollback"
         async with self._lock:
@@ -291,7 +309,7 @@ class Broker:
                         await self.registry.set_state(record, State.VERSION_STATE_ROLLED_BACK, reason)
                     elif record.state in (State.VERSION_STATE_CANARY, State.VERSION_STATE_ANNOUNCED):
                         await self.registry.set_state(record, State.VERSION_STATE_REJECTED, reason)
-            await self.registry.set_targets(canary=target, fleet=target)
+            await self.registry.set_targets(canary=target, fleet=target, candidate=None)
             log.info("rolled back to version %d: %s", target, reason)
         self.wake()
         return target
@@ -652,6 +670,8 @@ class Broker:
             if targets.fleet == version:
                 changes["fleet"] = await self.registry.newest_in_state({State.VERSION_STATE_ACCEPTED},
                                                                        below=version)
+            if targets.candidate == version:
+                changes["candidate"] = None  # back to the fleet's target
             if targets.canary == version:
                 fallback = await self.registry.newest_in_state(SERVED, below=version)
                 fleet = changes.get("fleet", targets.fleet)
@@ -700,18 +720,22 @@ class Broker:
             by_pool = {p: [r for r in engines.values() if r.pool == p and r.engine_id in live]
                        for p in ("canary", "fleet")}
             promoted = None
-            if targets.canary is not None:
-                record = await self.registry.get(targets.canary)
-                # An adapter candidate is served beside the accepted one on every engine: it is the
-                # canary once the gateway routes the canary role to it.
-                canary_served = any(r.policy_version == targets.canary for r in by_pool["canary"]) or \
-                    self.adapters.routed.get("canary") == targets.canary
-                if record is not None and record.state == State.VERSION_STATE_ANNOUNCED and canary_served:
-                    await self.registry.set_state(record, State.VERSION_STATE_CANARY,
-                                                  "served by the canary pool")
-                    if self.config.auto_promote:
-                        await self._accept(targets.canary, "auto_promote")
-                        promoted = targets.canary
+            served = {r.policy_version for r in by_pool["canary"] if r.policy_version >= 0}
+            # An adapter candidate is served beside the accepted one on every engine: it is the
+            # canary once the gateway routes the canary role to it.
+            if targets.canary is not None and self.adapters.routed.get("canary") == targets.canary:
+                served.add(targets.canary)
+            for served_version in sorted(served):
+                record = await self.registry.get(served_version)
+                # A target the canary reached as the next one was announced was marked SKIPPED
+                # (superseded) while it loaded: served all the same, so it is promotable.
+                if record is None or record.state not in (State.VERSION_STATE_ANNOUNCED,
+                                                          State.VERSION_STATE_SKIPPED):
+                    continue
+                await self.registry.set_state(record, State.VERSION_STATE_CANARY, "served by the canary pool")
+                if self.config.auto_promote and served_version == targets.canary:
+                    await self._accept(served_version, "auto_promote")
+                    promoted = served_version
             version = targets.fleet if by_pool["fleet"] else targets.canary
             pool = by_pool["fleet"] or by_pool["canary"]
             if version is not None and pool and all(r.policy_version == version for r in pool):
@@ -736,6 +760,7 @@ class Broker:
             canary_version=_or(targets.canary),
             accepted_version=_or(targets.fleet if targets.fleet is not None else accepted),
             fleet_version=_or(targets.fleet),
+            candidate_version=_or(targets.candidate),
             engines=[engines[k] for k in sorted(engines) if k in self.pools.engines],
             transport=TRANSPORTS[self.policy.transport],
             auto_promote=self.config.auto_promote,

@@ -11,14 +11,15 @@ from rlfleet.common.config import NatsConfig, RedisConfig, ServiceConfig, Strict
 TransportName = Literal["disk_delta", "disk_full", "distributed", "p2p", "tensor"]
 # Transports whose bytes come from the trainer (StartTrainerSync); the others read the weight store.
 TRAINER_SENT = ("distributed", "p2p", "tensor")
-PoolName = Literal["canary", "fleet"]
+PoolName = Literal["canary", "candidate", "fleet"]
 PauseModeName = Literal["abort", "retract", "in_place"]
 
 
 class StaticEngine(StrictModel):
     engine_id: str = Field(min_length=1, description="the engine's name in the broker's status")
     url: str = Field(min_length=1, description="base URL of its SGLang-compatible HTTP API")
-    pool: PoolName = Field("fleet", description="canary (gets new versions first) or fleet")
+    pool: PoolName = Field("fleet", description="canary (gets new versions first), candidate (the version "
+                           "pinned for the promotion gate) or fleet")
     kind: Literal["cpu", "sglang"] = Field(
         "sglang", description="cpu (rlfleet's CPU engine: in-engine store deltas) or sglang (a real SGLang "
         "server: full HF directories only, deltas applied by the node-local weight agent)")

@@ -18,7 +18,8 @@ class BadAnnouncement(InvalidArgument):
 
 
 class NotPromotable(FailedPrecondition):
-    """Promote of a version the canary pool never served (or that was rejected, or is older than accepted)."""
+    """Promote (or PinCandidate) of a version the canary pool never served (or that was rejected, or is
+    older than accepted)."""
 
 
 class NothingToRollBackTo(FailedPrecondition):

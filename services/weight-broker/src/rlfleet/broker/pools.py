@@ -1,4 +1,5 @@
-"""The engines the broker serves, in two pools (canary, fleet), and its links to them and the gateway.
+"""The engines the broker serves, in three pools (canary, candidate, fleet), and its links to them and
+the gateway.
 
 Engines come from the rollout gateway's `ListEngines` when a gateway is configured, else from the
 static `engines` list of the config. `GatewayLink` wraps the gateway calls the broker makes (list,
@@ -23,7 +24,8 @@ from rlfleet.common.grpc_server import channel
 
 log = logging.getLogger(__name__)
 
-POOL_NAMES = {gateway_pb2.ENGINE_POOL_CANARY: "canary", gateway_pb2.ENGINE_POOL_FLEET: "fleet"}
+POOL_NAMES = {gateway_pb2.ENGINE_POOL_CANARY: "canary", gateway_pb2.ENGINE_POOL_FLEET: "fleet",
+              gateway_pb2.ENGINE_POOL_CANDIDATE: "candidate"}
 # An engine registered without a kind is taken for a real SGLang server: SGLang's routes and load
 # formats work on both kinds, the CPU engine's own store route on the CPU engine only.
 KIND_NAMES = {gateway_pb2.ENGINE_KIND_CPU: "cpu", gateway_pb2.ENGINE_KIND_SGLANG: "sglang"}
@@ -38,7 +40,7 @@ PAUSE_MODES = {
 class EngineRef:
     engine_id: str
     url: str
-    pool: str  # canary | fleet
+    pool: str  # canary | candidate | fleet
     gateway_state: str = ""  # healthy | unhealthy | paused | draining (from the gateway); "" = no gateway
     kind: str = "sglang"  # cpu (rlfleet's CPU engine) | sglang: which weight transports it can take
     transport: str = ""  # its configured transport (static list); "" = the sync config's

@@ -5,7 +5,8 @@ Keys (namespaced by run; values are serialized protobufs where a message exists)
 
     rlfleet:<run>:broker:versions        ZSET   version numbers (score = version)
     rlfleet:<run>:broker:version:<v>     STRING VersionRecord
-    rlfleet:<run>:broker:targets         HASH   canary, fleet (target versions), latest, last_synced
+    rlfleet:<run>:broker:targets         HASH   canary, fleet, candidate (target versions), latest,
+                                                last_synced
     rlfleet:<run>:broker:engines         HASH   engine_id -> EngineVersion (what it serves, last update)
     rlfleet:<run>:broker:drained         SET    engines drained for a weight catch-up, to un-drain after
 
@@ -42,8 +43,11 @@ class Targets:
     fleet: int | None = None
     latest: int | None = None
     last_synced: int | None = None
+    candidate: int | None = None  # pinned for the promotion gate (PinCandidate)
 
     def for_pool(self, pool: str) -> int | None:
+        if pool == "candidate":  # with no pin, the accepted version: never an unvetted one
+            return self.candidate if self.candidate is not None else self.fleet
         return self.canary if pool == "canary" else self.fleet
 
 
@@ -124,7 +128,7 @@ class VersionRegistry:
         raw = await self.redis.hgetall(self._key("targets"))
         values = {text(k): int(v) for k, v in raw.items()}
         return Targets(values.get("canary"), values.get("fleet"), values.get("latest"),
-                       values.get("last_synced"))
+                       values.get("last_synced"), values.get("candidate"))
 
     async def set_targets(self, **values: int | None) -> None:
         present: dict[FieldT, EncodableT] = {k: str(v) for k, v in values.items() if v is not None}

@@ -30,6 +30,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return broker_pb2.PromoteResponse(
             accepted_version=await self.broker.promote(request.version, request.reason))
 
+    async def PinCandidate(
+        self, request: broker_pb2.PinCandidateRequest, context
+    ) -> broker_pb2.PinCandidateResponse:
+        return broker_pb2.PinCandidateResponse(
+            candidate_version=await self.broker.pin_candidate(request.version, request.reason))
+
     async def Rollback(self, request: broker_pb2.RollbackRequest, context) -> broker_pb2.RollbackResponse:
         version = await self.broker.rollback(request.to_version, request.reason)
         return broker_pb2.RollbackResponse(accepted_version=version)

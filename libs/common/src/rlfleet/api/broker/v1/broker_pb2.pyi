@@ -101,7 +101,7 @@ class EngineVersion(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., last_pause_s: _Optional[float] = ..., last_bytes: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ..., url: _Optional[str] = ..., target_version: _Optional[int] = ..., updates: _Optional[int] = ..., fallbacks: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class BrokerStatus(_message.Message):
-    __slots__ = ("run_id", "latest_version", "canary_version", "accepted_version", "engines", "transport", "auto_promote", "fleet_version")
+    __slots__ = ("run_id", "latest_version", "canary_version", "accepted_version", "engines", "transport", "auto_promote", "fleet_version", "candidate_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class BrokerStatus(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     AUTO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
     FLEET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     latest_version: int
     canary_version: int
@@ -118,7 +119,8 @@ class BrokerStatus(_message.Message):
     transport: Transport
     auto_promote: bool
     fleet_version: int
-    def __init__(self, run_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., canary_version: _Optional[int] = ..., accepted_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineVersion, _Mapping]]] = ..., transport: _Optional[_Union[Transport, str]] = ..., auto_promote: _Optional[bool] = ..., fleet_version: _Optional[int] = ...) -> None: ...
+    candidate_version: int
+    def __init__(self, run_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., canary_version: _Optional[int] = ..., accepted_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineVersion, _Mapping]]] = ..., transport: _Optional[_Union[Transport, str]] = ..., auto_promote: _Optional[bool] = ..., fleet_version: _Optional[int] = ..., candidate_version: _Optional[int] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ("limit",)
@@ -145,6 +147,20 @@ class PromoteResponse(_message.Message):
     ACCEPTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     accepted_version: int
     def __init__(self, accepted_version: _Optional[int] = ...) -> None: ...
+
+class PinCandidateRequest(_message.Message):
+    __slots__ = ("version", "reason")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    reason: str
+    def __init__(self, version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PinCandidateResponse(_message.Message):
+    __slots__ = ("candidate_version",)
+    CANDIDATE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    candidate_version: int
+    def __init__(self, candidate_version: _Optional[int] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("to_version", "reason")

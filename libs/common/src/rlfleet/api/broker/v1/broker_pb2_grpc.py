@@ -55,6 +55,11 @@ class BrokerServiceStub:
                 request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.PromoteRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.PromoteResponse.FromString,
                 _registered_method=True)
+        self.PinCandidate = channel.unary_unary(
+                '/rlfleet.broker.v1.BrokerService/PinCandidate',
+                request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.PinCandidateRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.PinCandidateResponse.FromString,
+                _registered_method=True)
         self.Rollback = channel.unary_unary(
                 '/rlfleet.broker.v1.BrokerService/Rollback',
                 request_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.RollbackRequest.SerializeToString,
@@ -106,6 +111,15 @@ class BrokerServiceServicer:
 
     def Promote(self, request, context):
         """Sends a version the canary pool served to the whole fleet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinCandidate(self, request, context):
+        """Pins a version the canary pool served on the candidate pool, for the promotion gate to evaluate
+        while the canary pool moves on to newer versions. The pin holds until the next PinCandidate
+        (or a rollback or rejection clears it); with no pin the candidate pool serves the fleet's target.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,6 +194,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.Promote,
                     request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.PromoteRequest.FromString,
                     response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.PromoteResponse.SerializeToString,
+            ),
+            'PinCandidate': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinCandidate,
+                    request_deserializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.PinCandidateRequest.FromString,
+                    response_serializer=rlfleet_dot_broker_dot_v1_dot_broker__pb2.PinCandidateResponse.SerializeToString,
             ),
             'Rollback': grpc.unary_unary_rpc_method_handler(
                     servicer.Rollback,
@@ -315,6 +334,33 @@ class BrokerService:
             '/rlfleet.broker.v1.BrokerService/Promote',
             rlfleet_dot_broker_dot_v1_dot_broker__pb2.PromoteRequest.SerializeToString,
             rlfleet_dot_broker_dot_v1_dot_broker__pb2.PromoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinCandidate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.broker.v1.BrokerService/PinCandidate',
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.PinCandidateRequest.SerializeToString,
+            rlfleet_dot_broker_dot_v1_dot_broker__pb2.PinCandidateResponse.FromString,
             options,
             channel_credentials,
             insecure,

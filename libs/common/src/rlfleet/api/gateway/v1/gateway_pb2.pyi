@@ -13,6 +13,7 @@ class EnginePool(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_POOL_UNSPECIFIED: _ClassVar[EnginePool]
     ENGINE_POOL_FLEET: _ClassVar[EnginePool]
     ENGINE_POOL_CANARY: _ClassVar[EnginePool]
+    ENGINE_POOL_CANDIDATE: _ClassVar[EnginePool]
 
 class EngineKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ENGINE_POOL_UNSPECIFIED: EnginePool
 ENGINE_POOL_FLEET: EnginePool
 ENGINE_POOL_CANARY: EnginePool
+ENGINE_POOL_CANDIDATE: EnginePool
 ENGINE_KIND_UNSPECIFIED: EngineKind
 ENGINE_KIND_CPU: EngineKind
 ENGINE_KIND_SGLANG: EngineKind
