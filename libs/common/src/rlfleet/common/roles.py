@@ -45,7 +45,8 @@ RULES: dict[str, frozenset[str]] = {
     # Only the trainer publishes policy versions; promotion and rollback are operator or service rights.
     **_service("rlfleet.broker.v1.BrokerService",
                PublishVersion=frozenset({OPERATOR, "service:trainer"}), GetStatus=ADMIN, ListVersions=ADMIN,
-               Promote=ADMIN, PinCandidate=ADMIN, Rollback=ADMIN, StartDistributedSync=frozenset({OPERATOR, "service:trainer"}),
+               Promote=ADMIN, PinCandidate=ADMIN, Rollback=ADMIN,
+               StartDistributedSync=frozenset({OPERATOR, "service:trainer"}),
                # The trainer sending weights itself: the broker plans, the trainer sends and reports.
                StartTrainerSync=frozenset({OPERATOR, "service:trainer"}),
                FinishTrainerSync=frozenset({OPERATOR, "service:trainer"}),

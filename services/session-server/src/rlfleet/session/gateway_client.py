@@ -27,8 +27,9 @@ class GatewayClient:
             pool = (gateway_pb2.EnginePool.Value(f"ENGINE_POOL_{engine_pool.upper()}") if engine_pool
                     else gateway_pb2.ENGINE_POOL_UNSPECIFIED)
         except ValueError:
-            raise GatewayRejected(f"metadata engine_pool {engine_pool!r} is not a pool (fleet, canary or candidate)",
-                                  session_id=session_id) from None
+            raise GatewayRejected(
+                f"metadata engine_pool {engine_pool!r} is not a pool (fleet, canary or candidate)",
+                session_id=session_id) from None
         request = gateway_pb2.GenerateRequest(session_id=session_id, input_ids=input_ids, sampling=sampling,
                                               return_logprob=True, request_id=request_id, engine_pool=pool)
         return await self._call(self._stub.Generate, request, self.generate_timeout_s, session_id)
