@@ -1,7 +1,8 @@
+import json
 import math
 
 from rlfleet.api.verifier.v1 import verifier_pb2
-from rlfleet.cli.report import EvalResult, TaskOutcome, TrajectoryRecord
+from rlfleet.cli.report import EvalResult, RunRecord, TaskOutcome, TrajectoryRecord
 from rlfleet.cli.run_state import eval_from_dict
 from rlfleet.cli.stop_rules import AuditConfig, LongTailConfig, audit_result, audit_subset, long_tail
 
@@ -118,3 +119,31 @@ rlfleet_trainer_data_wait_seconds_total 4.5
 """
     assert trainer_dropped(page) == {"stale": 12.0, "uniform_rewards": 30.0}
     assert trainer_dropped("rlfleet_trainer_data_wait_seconds_total 4.5\n") == {}
+
+
+def test_an_audit_draws_from_the_verifier_kinds_the_run_scores_with_unless_its_scope_is_all(tmp_path):
+    """A calc run's rewards come from the numeric kind only: its audits leave out the unit-test
+    episodes (a sandbox and seconds of tests each), and keep them with `scope = "all"`."""
+    from rlfleet.cli.run_config import RunConfig
+    from rlfleet.cli.run_context import LoopContext
+    from rlfleet.cli.stop_checks import StopChecks
+    from rlfleet.envkit.submit import write_for_verifier
+    from rlfleet.envkit.suites import generate_tasks
+
+    where = tmp_path / "audit_set"
+    calc, code = generate_tasks("calc", "heldout", 4), generate_tasks("code", "heldout", 4)
+    write_for_verifier(calc + code, where / "suites")
+    (where / "labels.jsonl").write_text("".join(
+        json.dumps({"episode_id": f"{t.task_id}-{ok}", "suite": t.suite, "task_id": t.task_id,
+                    "human_passed": ok}) + "\n" for t in calc + code for ok in (True, False)))
+
+    def drawn(kinds, scope):
+        config = RunConfig.model_validate({"audit": {"scope": scope, "episodes": 12}})
+        ctx = LoopContext(config, tmp_path, RunRecord("r", "async", {}, 0.0))
+        return {(e["suite"], e["human_passed"]) for e in StopChecks(ctx, None, kinds=kinds).audit_set()}
+
+    assert drawn({"numeric"}, "run") == {("calc", True), ("calc", False)}
+    assert drawn({"unit_tests"}, "run") == {("code", True), ("code", False)}
+    every = {("calc", True), ("calc", False), ("code", True), ("code", False)}
+    assert drawn({"numeric"}, "all") == every
+    assert drawn({"a kind no label has"}, "run") == every  # nothing of its own: the whole set

@@ -326,7 +326,7 @@ class RLRun:
     async def _loop(self, peers: Peers) -> None:
         c, ctx = self.config, self.ctx
         train, heldout, regression = self._tasks()
-        checks = StopChecks(ctx, peers.verifier)
+        checks = StopChecks(ctx, peers.verifier, kinds={t.verifier.kind for t in train})
         gate = PromotionGate(ctx, peers.broker, partial(self._evaluate, peers), checks, self.save_state,
                              heldout, regression)
         watch = LoopWatch(ctx, peers.broker, peers.trainer, peers.platform.trainer_metrics_url)

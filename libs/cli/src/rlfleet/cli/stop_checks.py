@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Collection
 from dataclasses import asdict
 
 from rlfleet.api.verifier.v1 import verifier_pb2, verifier_pb2_grpc
@@ -17,9 +18,12 @@ from rlfleet.envkit.submit import SubmitError, load_tasks, write_for_verifier
 
 
 class StopChecks:
-    def __init__(self, ctx: LoopContext, verifier: verifier_pb2_grpc.VerifierServiceStub) -> None:
+    def __init__(self, ctx: LoopContext, verifier: verifier_pb2_grpc.VerifierServiceStub,
+                 kinds: Collection[str] = ()) -> None:
+        """`kinds`: the verifier kinds the run's tasks are scored with (`audit.scope = "run"`)."""
         self.ctx = ctx
         self.verifier = verifier
+        self.kinds = frozenset(kinds)
         self.audit_labels: list[dict] = []  # the labelled episodes each verifier audit sends
 
     def audit_set(self) -> list[dict]:
@@ -37,8 +41,12 @@ class StopChecks:
             write_for_verifier(tasks, self.ctx.run_dir / "suites")
         except SubmitError as exc:
             raise StartupError(f"the verifier audit set does not fit this run's suites: {exc}") from None
-        return audit_subset([json.loads(line) for line in labels.read_text().splitlines() if line.strip()],
-                            c.episodes, c.seed)
+        labelled = [json.loads(line) for line in labels.read_text().splitlines() if line.strip()]
+        if c.scope == "run":
+            kind = {(t.suite, t.task_id): t.verifier.kind for t in tasks}
+            own = [e for e in labelled if kind.get((e.get("suite", ""), e["task_id"])) in self.kinds]
+            labelled = own or labelled
+        return audit_subset(labelled, c.episodes, c.seed)
 
     async def verifier_trusted(self, when: str) -> bool:
         """Audits the run's verifier (`audit.*`); when a rate passes its threshold the run stops,

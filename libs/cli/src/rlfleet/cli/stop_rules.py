@@ -4,7 +4,10 @@
    `python -m rlfleet.verifier.audit_set write`, labels true by construction: right and wrong
    answers, reference, perturbed and hacking solutions) to the run's own verifier service
    (`Audit`), before the loop and before each promotion (a resumed run that passed its first one
-   goes on to its next promotion's, so that a restart is not held up). When a false-positive or false-negative
+   goes on to its next promotion's, so that a restart is not held up). By default the subset is
+   drawn from the labelled episodes scored by the verifier kinds the run's own tasks use: a calc
+   run's rewards never depend on the unit-test kind, whose hacking solutions cost a sandbox and up
+   to 4 s of tests each (`audit.scope = "all"`: every suite). When a false-positive or false-negative
    rate, overall or of one suite, passes its threshold, the run stops: a reward the verifier hands
    out wrongly is what the policy learns, and a promotion measured by it means nothing.
 2. Long-tail account. The generated tokens of training trajectories that bought no clean sample
@@ -38,6 +41,9 @@ class AuditConfig(StrictModel):
     episodes: int = Field(40, ge=1, le=500, description="labelled episodes per audit (a fixed subset drawn "
                           "by `seed`; hacking solutions cost up to their 4 s test budget each)")
     seed: int = Field(0, ge=0, description="seed of the audit set and of the subset drawn from it")
+    scope: Literal["run", "all"] = Field(
+        "run", description="run: the labelled episodes of the verifier kinds the run's tasks are scored "
+        "with (all of them when none is labelled); all: every suite and label")
     max_false_positive_rate: float = Field(0.0, ge=0, le=1, description="stop when the verifier passes more "
                                            "than this share of the failing episodes "
                                            "(overall or of one suite)")
