@@ -309,6 +309,20 @@ def test_requests_admitted_together_prefill_in_one_pass_and_generate_what_each_w
     assert len(got["one-token"].output_ids) == 1
 
 
+def test_a_group_of_one_prompt_admitted_together_prefills_it_once_and_samples_each_on_its_own(runner):
+    """GRPO's samples of a task start from the same tokens: one row of the batched pass computes
+    them, and each request still generates what it would alone, with its own seed."""
+    prompt = first_turn(runner)
+    scheduler = Scheduler(runner, max_prefix_cache_tokens=0)
+    group = [turn(f"s{i}", prompt, seed=20 + i) for i in range(6)]
+    other = turn("other", prompt[:-1] + [70], seed=30)
+    got = run(scheduler, *group, other)
+    assert scheduler.prefill_passes == 1 and scheduler.prefill_rows_shared == 5
+    for it in [*group, other]:
+        assert_same(got[it.rid], run(Scheduler(runner, max_prefix_cache_tokens=0), it)[it.rid])
+    assert len({tuple(got[it.rid].output_ids) for it in group}) > 1  # sampled apart, not copied
+
+
 def test_a_prefill_pass_that_raises_fails_its_requests_instead_of_leaving_them_waiting(runner, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")

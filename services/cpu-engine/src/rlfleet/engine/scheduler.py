@@ -144,6 +144,7 @@ class Scheduler:
         self.paused: PauseMode | None = None
         self.decode_steps = 0
         self.prefill_passes = 0
+        self.prefill_rows_shared = 0  # batched requests that took another's identical prefill row
         self.generated_tokens = 0
         self._prefilling: list[Request] = []  # admitted this step, not yet delivered or running
         self._inbox: deque[Request] = deque()
@@ -268,12 +269,23 @@ class Scheduler:
         Each row feeds the same number of tokens Q (the longest uncached suffix): a row with a shorter
         suffix feeds the last tokens of its cached prefix again instead of padding between its KV and
         its new tokens, and a row shorter than Q in all is left-padded, so the batch keeps the
-        running cache's layout (each row's tokens contiguous, ending at the same column)."""
+        running cache's layout (each row's tokens contiguous, ending at the same column).
+
+        Requests with the same tokens under the same adapter (a GRPO group's samples of one prompt,
+        admitted together) are prefilled once: their rows of the pass's KV and logits are copies of
+        that one row, which is what each would have computed (SGLang's radix cache shares a running
+        prefix the same way); each then samples on its own."""
         plans = []
+        first: dict[tuple[str | None, tuple[int, ...]], int] = {}  # what a plan computes -> its index
+        source = []  # per request: the plan whose row it takes
         for request in requests:
             tokens = request.prompt_ids + request.output_ids
-            hit = self._prefix_hit(tokens, request.adapter)
-            plans.append((request, tokens, 0 if hit is None else hit.length, hit))
+            key = (_namespace(request.adapter), tuple(tokens))
+            if key not in first:
+                first[key] = len(plans)
+                hit = self._prefix_hit(tokens, request.adapter)
+                plans.append((request, tokens, 0 if hit is None else hit.length, hit))
+            source.append(first[key])
         fed = max(len(tokens) - reused for _, tokens, reused, _ in plans)
         kept = [max(0, len(tokens) - fed) for _, tokens, _, _ in plans]  # cached columns each row keeps
         logits, cache = self.runner.prefill_rows(
@@ -285,11 +297,15 @@ class Scheduler:
             [request.adapter for request, _, _, _ in plans],
         )
         self.prefill_passes += 1
-        tokens_out, logprobs = sample(logits, [request.sampler for request, _, _, _ in plans])
+        self.prefill_rows_shared += len(requests) - len(plans)
+        if len(plans) < len(requests):
+            logits = logits.index_select(0, torch.tensor(source, dtype=torch.long))
+            cache.keep_rows(source)
+        tokens_out, logprobs = sample(logits, [request.sampler for request in requests])
         keep_rows, staying = [], []
-        for row, (request, _, _, _) in enumerate(plans):
+        for row, request in enumerate(requests):
             if request.retractions == 0:
-                request.cached_tokens = kept[row]
+                request.cached_tokens = kept[source[row]]
             request.kv_epoch = self.runner.weight_epoch
             if self._append(request, tokens_out[row], logprobs[row]):
                 self._remember(request, *cache.row(row))
@@ -439,6 +455,7 @@ class Scheduler:
             "weight_version": self.weight_version,
             "decode_steps": self.decode_steps,
             "prefill_passes": self.prefill_passes,
+            "prefill_rows_shared": self.prefill_rows_shared,
             "generated_tokens": self.generated_tokens,
             "prefix_cache_tokens": self.prefix_cache.tokens,
             "prefix_cache_lookups": self.prefix_cache.lookups,
