@@ -15,7 +15,7 @@ run: install
 run-code: install
 	$(VENV)/bin/rlfleet run examples/code.toml $(RUN_ARGS)
 
-# The chaos run (tests/integration/test_chaos.py, 2-8 minutes here) is part of it. The 25 slowest tests
+# The chaos run (tests/integration/test_chaos.py, 1.5-8 minutes here) is part of it. The 25 slowest tests
 # are listed at the end, so that a CI run that takes longer says where the time went.
 test: install
 	$(PY) -m pytest -m "not gpu" --durations=25 $(PYTEST_ARGS)

@@ -315,7 +315,7 @@ def test_a_group_of_one_prompt_admitted_together_prefills_it_once_and_samples_ea
     prompt = first_turn(runner)
     scheduler = Scheduler(runner, max_prefix_cache_tokens=0)
     group = [turn(f"s{i}", prompt, seed=20 + i) for i in range(6)]
-    other = turn("other", prompt[:-1] + [70], seed=30)
+    other = turn("other", [*prompt[:-1], 70], seed=30)
     got = run(scheduler, *group, other)
     assert scheduler.prefill_passes == 1 and scheduler.prefill_rows_shared == 5
     for it in [*group, other]:

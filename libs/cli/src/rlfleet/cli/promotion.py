@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -19,7 +18,7 @@ import grpc
 from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.cli.gate import Decision, decide, interim, merge, slices
 from rlfleet.cli.report import EvalResult, GateDecision
-from rlfleet.cli.run_context import LoopContext, Stopped, rpc
+from rlfleet.cli.run_context import LoopContext, Stopped, rpc, wait_served
 from rlfleet.cli.stop_checks import StopChecks
 
 log = logging.getLogger(__name__)
@@ -64,9 +63,9 @@ class PromotionGate:
             await asyncio.sleep(1.0)
 
     async def _pin(self, version: int) -> bool:
-        """Pins `version` on the candidate pool and waits until its live engines serve it. False (the
-        gate looks again a second later, at the canary's version then) when the broker cannot pin it
-        yet (the canary's service of it not recorded yet) or the pool did not serve it in time."""
+        """Pins `version` on the candidate pool and waits until its engines serve it. False (the gate
+        looks again a second later, at the canary's version then) when the broker cannot pin it yet
+        (the canary's service of it not recorded yet) or the pool did not serve it in time."""
         try:
             await rpc(self.broker.PinCandidate, broker_pb2.PinCandidateRequest(
                 version=version, reason="the promotion gate evaluates it"))
@@ -75,13 +74,9 @@ class PromotionGate:
                 raise
             log.info("gate: version %d not pinned yet: %s", version, exc.details())
             return False
-        deadline = time.monotonic() + PIN_WAIT_S
-        while not self.ctx.stop.is_set() and time.monotonic() < deadline:
-            status = await rpc(self.broker.GetStatus, broker_pb2.GetStatusRequest())
-            live = [e for e in status.engines if e.pool == "candidate" and e.state != "down"]
-            if live and all(e.policy_version == version for e in live):
-                return True
-            await asyncio.sleep(0.1)
+        # Pins only move forward (each gated version is newer), so "or newer" is this version.
+        if await wait_served(self.broker, version, "candidate", timeout_s=PIN_WAIT_S, stop=self.ctx.stop):
+            return True
         if not self.ctx.stop.is_set():
             self.ctx.say(f"gate: the candidate pool did not serve version {version} within "
                          f"{PIN_WAIT_S:.0f} s; the gate takes the canary's version again")

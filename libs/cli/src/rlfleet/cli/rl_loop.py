@@ -57,7 +57,7 @@ from rlfleet.cli.platform_config import SECTIONS
 from rlfleet.cli.promotion import PromotionGate
 from rlfleet.cli.report import EpisodeRecord, EvalResult, RunRecord, StepRecord, summary_lines, write_report
 from rlfleet.cli.run_config import RunConfig
-from rlfleet.cli.run_context import LoopContext, Stopped, rpc, say, stopped
+from rlfleet.cli.run_context import LoopContext, Stopped, rpc, say, stopped, wait_served
 from rlfleet.cli.run_state import (
     RESUMABLE_CHANGES,
     STATE_FILE,
@@ -562,17 +562,11 @@ class RLRun:
         self._drained_since = self._drained_since or time.monotonic()
         return time.monotonic() - self._drained_since > 1.0
 
-    async def _wait_served(self, peers: Peers | None, version: int, pool: str, timeout_s: float = 120.0,
+    async def _wait_served(self, peers: Peers | None, version: int, pool: str,
                            until_stopped: bool = True) -> bool:
         assert peers is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not (until_stopped and self.stop.is_set()):
-            status = await rpc(peers.broker.GetStatus, broker_pb2.GetStatusRequest())
-            engines = [e for e in status.engines if e.pool == pool]
-            if engines and all(e.policy_version >= version for e in engines):
-                return True
-            await asyncio.sleep(0.1)
-        return False
+        return await wait_served(peers.broker, version, pool, timeout_s=120.0,
+                                 stop=self.stop if until_stopped else None)
 
     # -- the end ----------------------------------------------------------------------------------
 

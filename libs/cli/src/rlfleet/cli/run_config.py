@@ -135,8 +135,7 @@ class RunConfig(ServiceSections):
         # Without candidate engines the canary holds the candidate while the gate evaluates it, so it
         # moves only every `every_versions` versions. The candidate pool moves that far at once
         # either way: the delta chain must reach it, or each move would be a full reload.
-        pinned_canary = gate.enabled and self.mode == "async" and not self.candidate_engines
-        sync = {"every_n_versions": gate.every_versions if pinned_canary else 1,
+        sync = {"every_n_versions": gate.every_versions if self.canary_holds_candidates else 1,
                 "max_delta_chain": max(4, gate.every_versions)}
         propagate(self.broker, {"auto_promote": not gate.enabled, "sync": sync}, where="broker")
         propagate(self.gateway, {"route_pools": ["canary"]}, where="gateway")  # rollouts go to the canary
@@ -147,6 +146,11 @@ class RunConfig(ServiceSections):
             propagate(self.sandbox.driver, {"pool_size": self.rollout.concurrency + 2},
                       where="sandbox.driver")
         return self
+
+    @property
+    def canary_holds_candidates(self) -> bool:
+        """An async run with a gate and no candidate engines evaluates its candidates on the canary."""
+        return self.mode == "async" and self.gate.enabled and not self.candidate_engines
 
     @property
     def candidate_engines(self) -> int:
@@ -168,8 +172,7 @@ class RunConfig(ServiceSections):
         # With a gate and no candidate engines, the canary (rollout) engines get a version every
         # `every_versions`; rollouts of an older one must still be trainable, or the loop would starve
         # between syncs.
-        if (self.mode == "async" and self.gate.enabled and not self.candidate_engines
-                and self.rollout.max_staleness < self.gate.every_versions):
+        if self.canary_holds_candidates and self.rollout.max_staleness < self.gate.every_versions:
             raise ValueError(f"rollout.max_staleness ({self.rollout.max_staleness}) must be at least "
                              f"gate.every_versions ({self.gate.every_versions})")
         return self

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rlfleet.api.broker.v1 import broker_pb2, broker_pb2_grpc
 from rlfleet.cli.loop_parts import Clock
 from rlfleet.cli.report import EvalResult, RunRecord
 from rlfleet.cli.run_config import RunConfig
@@ -86,6 +87,20 @@ async def rpc(method: Callable[..., Any], request: Any, *, timeout_s: float = RP
                 raise
         await asyncio.sleep(delay)
         delay = min(delay * 2, 2.0)
+
+
+async def wait_served(broker: broker_pb2_grpc.BrokerServiceStub, version: int, pool: str, *,
+                      timeout_s: float, stop: asyncio.Event | None = None) -> bool:
+    """Whether every engine of `pool` serves `version` (or a newer one) within `timeout_s`, as the
+    broker reports; False at once when `stop` is set."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+        status = await rpc(broker.GetStatus, broker_pb2.GetStatusRequest())
+        engines = [e for e in status.engines if e.pool == pool]
+        if engines and all(e.policy_version >= version for e in engines):
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 async def stopped(task: asyncio.Task, what: str, timeout_s: float = 90.0,

@@ -53,7 +53,7 @@ import torch
 from rlfleet.engine.kv_cache import PaddedKVCache
 from rlfleet.engine.lora import Adapter
 from rlfleet.engine.model_runner import ModelRunner, WeightLoadError
-from rlfleet.engine.prefix_cache import PrefixCache
+from rlfleet.engine.prefix_cache import PrefixCache, PrefixHit
 from rlfleet.engine.protocol import GenerateItem
 from rlfleet.engine.sampling import RowSampler, make_generator, sample
 
@@ -275,7 +275,7 @@ class Scheduler:
         admitted together) are prefilled once: their rows of the pass's KV and logits are copies of
         that one row, which is what each would have computed (SGLang's radix cache shares a running
         prefix the same way); each then samples on its own."""
-        plans = []
+        plans: list[tuple[Request, list[int], int, PrefixHit | None]] = []
         first: dict[tuple[str | None, tuple[int, ...]], int] = {}  # what a plan computes -> its index
         source = []  # per request: the plan whose row it takes
         for request in requests:
@@ -290,7 +290,7 @@ class Scheduler:
         kept = [max(0, len(tokens) - fed) for _, tokens, _, _ in plans]  # cached columns each row keeps
         logits, cache = self.runner.prefill_rows(
             [tokens for _, tokens, _, _ in plans],
-            [None if keep == 0 else (hit.keys, hit.values)
+            [None if keep == 0 or hit is None else (hit.keys, hit.values)
              for (_, _, _, hit), keep in zip(plans, kept, strict=True)],
             kept,
             fed,
@@ -464,7 +464,7 @@ class Scheduler:
         }
 
     # --- internals ------------------------------------------------------------------------------
-    def _prefix_hit(self, tokens: list[int], adapter: Adapter | None):
+    def _prefix_hit(self, tokens: list[int], adapter: Adapter | None) -> PrefixHit | None:
         self._drop_stale_prefixes()
         return self.prefix_cache.lookup(tokens, _namespace(adapter))
 
