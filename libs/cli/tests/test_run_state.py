@@ -20,6 +20,7 @@ from rlfleet.cli.run_client import main
 from rlfleet.cli.run_config import RunConfig
 from rlfleet.cli.run_state import (
     RUN_OUTPUTS,
+    RecordJSON,
     RunState,
     clear_run_outputs,
     config_changes,
@@ -53,6 +54,30 @@ def test_a_record_survives_the_state_file(tmp_path):
     assert back.tasks_published == 7 and back.attempt == "abc"
     record = record_from_dict(back.record)
     assert summarize(record) == summarize(_record())
+
+
+def test_the_saved_record_encodes_each_trajectory_once_and_reads_as_the_whole_record_would():
+    import json
+    from dataclasses import asdict
+
+    encoder, record = RecordJSON(), _record()
+    first = encoder.encode(record)
+    assert first == json.dumps(asdict(record), default=str)
+    cached = encoder._encoded["trajectories"][1][0]
+    record.trajectories.append(TrajectoryRecord(5.0, 44, 10, 0.0, False, "completed", "train", 1, 0, 0.1, []))
+    record.gate.append(GateDecision(2, True, [], 6.0))  # a list that is not append-only: encoded whole
+    record.notes.append("more")
+    second = encoder.encode(record)
+    assert second == json.dumps(asdict(record), default=str)
+    assert encoder._encoded["trajectories"][1][0] is cached  # the first trajectory was not encoded again
+    resumed = record_from_dict(json.loads(second))  # a resume brings new lists: encoded from the start
+    resumed.episodes.clear()
+    assert encoder.encode(resumed) == json.dumps(asdict(resumed), default=str)
+
+    state = RunState("running", {"run_id": "r"}, "abc", record_json=encoder.encode(resumed))
+    back = RunState.from_json(state.to_json(), "test")
+    assert back.record == json.loads(json.dumps(asdict(resumed), default=str)) and back.record_json is None
+    assert back.to_json() == state.to_json()
 
 
 def test_summary_has_the_figures_benchmarks_compare():

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 
 from rlfleet.weights.codec import (
+    XOR_BOTH_BELOW,
+    XOR_DENSE_FROM,
     DecodedTensor,
     apply_decoded,
+    candidates,
     decode_segments,
     encode_tensor,
     shuffle,
@@ -68,7 +71,26 @@ def test_auto_keeps_the_smaller_encoding():
     for density in (1e-3, 0.5):
         old, new = changed_copy(100_000, density)
         sizes = {e: encode_tensor(old, new, e).compressed_bytes for e in ("xor", "overwrite")}
-        assert encode_tensor(old, new, "auto").compressed_bytes == min(sizes.values())
+        smallest = min(c.compressed_bytes for c in candidates(old, new, "auto"))  # both xor layouts too
+        assert encode_tensor(old, new, "auto").compressed_bytes == smallest <= min(sizes.values())
+
+
+def test_xor_compresses_one_layout_chosen_by_the_share_of_values_changed():
+    """Each tensor is compressed once: sparse below XOR_DENSE_FROM changed, dense from it; the choice
+    is the smaller of the two on both sides of the line (what auto, which compresses both, keeps).
+    A small tensor gets both layouts, the smaller kept."""
+    for density, layout in ((0.02, "sparse"), (0.3, "sparse"), (XOR_DENSE_FROM, "dense"), (0.9, "dense")):
+        old, new = changed_copy(100_000, density)
+        (chosen,) = candidates(old, new, "xor")
+        assert chosen.layout == layout, density
+        both = {c.layout: c.compressed_bytes for c in candidates(old, new, "auto") if c.encoding == "xor"}
+        assert chosen.compressed_bytes == both[layout]
+        if density != XOR_DENSE_FROM:  # at the line itself the two are within a few percent
+            assert chosen.compressed_bytes == min(both.values()), (density, both)
+        _, target = roundtrip(old, new, "xor")
+        assert np.array_equal(target, new)
+    old, new = changed_copy(XOR_BOTH_BELOW - 1, 0.3)
+    assert {c.layout for c in candidates(old, new, "xor")} == {"dense", "sparse"}
 
 
 def test_byte_shuffle_roundtrips_every_width():

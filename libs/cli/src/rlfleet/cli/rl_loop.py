@@ -61,6 +61,7 @@ from rlfleet.cli.run_context import LoopContext, Stopped, rpc, say, stopped, wai
 from rlfleet.cli.run_state import (
     RESUMABLE_CHANGES,
     STATE_FILE,
+    RecordJSON,
     RunDirFile,
     RunState,
     StateSink,
@@ -167,6 +168,7 @@ class RLRun:
         self.ctx = LoopContext(config, self.run_dir, record, say=output or say)
         self.state = RunState("running", config.model_dump(mode="json"), uuid.uuid4().hex[:12],
                               driven_by="controller" if self.options.attach_only else "rlfleet run")
+        self.record_json = RecordJSON()  # the saved state's record, its trajectories each encoded once
         self.feeder: Feeder | None = None
         self._drained_since: float | None = None  # when TASKS was last seen empty (sync mode)
         self.resuming = False
@@ -263,6 +265,7 @@ class RLRun:
         self.state = previous
         self.state.resumes.append(previous.loop_s)
         ctx.record = record = record_from_dict(previous.record)
+        previous.record = {}  # from now on the state saves the live record (`record_json`)
         record.notes.append(f"resumed at {previous.loop_s:.0f} s of loop time"
                             + (f" after: {previous.reason}" if previous.reason else ""))
         record.config = self.config.model_dump(mode="json")  # the budget may have grown
@@ -292,7 +295,7 @@ class RLRun:
         s.accepted_regression = asdict(ctx.accepted_regression) if ctx.accepted_regression else None
         if self.feeder is not None:
             s.tasks_published = self.feeder.published
-        s.record = asdict(ctx.record)
+        s.record_json = self.record_json.encode(ctx.record)
         s.driver_pid, s.driver_start = self.driver
         s.driver_host = host_identity()
         return s

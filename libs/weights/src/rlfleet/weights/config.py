@@ -20,8 +20,9 @@ class WeightStoreConfig(StrictModel):
     )
     encoding: Literal["xor", "overwrite", "auto"] = Field(
         "xor",
-        description="delta encoding per tensor: xor (dense or sparse layout, whichever is smaller; "
-        "apply once), overwrite (positions + new values; idempotent, larger), auto (smallest of all)",
+        description="delta encoding per tensor: xor (apply once; a dense mask when at least half the "
+        "values changed, else positions + masks), overwrite (positions + new values; idempotent, larger), "
+        "auto (the smallest of all three, each compressed)",
     )
     checksum: Literal["sha256", "blake2b", "crc32"] = Field(
         "sha256", description="per-tensor checksum of the served bytes"
