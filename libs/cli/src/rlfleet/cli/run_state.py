@@ -161,7 +161,7 @@ class RecordJSON:
         for f in fields(record):
             value = getattr(record, f.name)
             text = ("[" + ", ".join(self._items(f.name, value)) + "]" if f.name in APPEND_ONLY
-                    else json.dumps(_plain(value), default=str))
+                    else json.dumps(value, default=_as_json))
             parts.append(f"{json.dumps(f.name)}: {text}")
         return "{" + ", ".join(parts) + "}"
 
@@ -174,12 +174,10 @@ class RecordJSON:
         return done
 
 
-def _plain(value: Any) -> Any:
-    if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
+def _as_json(value: Any) -> Any:
+    """What `json.dumps(asdict(record), default=str)` makes of a value JSON cannot encode: a
+    dataclass (an EvalResult, a GateDecision) as its asdict, anything else as its str."""
+    return asdict(value) if is_dataclass(value) and not isinstance(value, type) else str(value)
 
 
 def record_from_dict(data: dict[str, Any]) -> RunRecord:

@@ -127,17 +127,18 @@ def candidates(old: np.ndarray, new: np.ndarray, encoding: str, level: int = 3) 
     if changed == 0:
         return [EncodedTensor("none", 0, n)]
     cctx = _compressor(level)
-    layouts = ({"dense", "sparse"} if encoding == "auto" or n < XOR_BOTH_BELOW
-               else {"dense" if changed >= XOR_DENSE_FROM * n else "sparse"})
-    if encoding == "xor" and "sparse" not in layouts:
-        return [EncodedTensor("xor", changed, n, "dense", {"xor": cctx.compress(shuffle(x).data)})]
+    both = encoding == "auto" or n < XOR_BOTH_BELOW
+    xor_dense = encoding != "overwrite" and (both or changed >= XOR_DENSE_FROM * n)
+    xor_sparse = encoding != "overwrite" and (both or not xor_dense)
+    out = []
+    if xor_dense:
+        out.append(EncodedTensor("xor", changed, n, "dense", {"xor": cctx.compress(shuffle(x).data)}))
+    if encoding == "xor" and not xor_sparse:
+        return out  # no positions needed
     gaps = np.diff(positions, prepend=-1) - 1
     width = _min_uint(int(gaps.max()))
     pos_frame = cctx.compress(shuffle(gaps.astype(width)).data)
-    out = []
-    if encoding in ("xor", "auto") and "dense" in layouts:
-        out.append(EncodedTensor("xor", changed, n, "dense", {"xor": cctx.compress(shuffle(x).data)}))
-    if encoding in ("xor", "auto"):
+    if xor_sparse:
         out.append(
             EncodedTensor(
                 "xor",
