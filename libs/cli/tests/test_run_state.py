@@ -6,6 +6,7 @@ import types
 
 import pytest
 
+from rlfleet.api.common.v1 import common_pb2
 from rlfleet.cli.report import (
     EpisodeRecord,
     EvalResult,
@@ -159,6 +160,32 @@ def test_resume_restores_the_accepted_version_the_gate_and_the_budget_spent(tmp_
     assert run.accepted_eval == accepted
     assert run.state.attempt == "att" and run.state.resumes == [95.0]
     assert run.record.config["budget"]["max_minutes"] == 20
+
+
+def test_each_run_draws_its_own_evaluation_seed_and_keeps_it_across_resumes(tmp_path):
+    from rlfleet.cli.loop_parts import eval_sampling
+
+    first, second = (RLRun(RunConfig(run_dir=str(tmp_path / name))) for name in ("a", "b"))
+    assert first.state.eval_seed != second.state.eval_seed  # 1 in 2**31 to fail by chance
+    task = common_pb2.Task(task_id="calc-1", sampling=common_pb2.SamplingParams(max_new_tokens=8))
+    assert eval_sampling(task, first.state.eval_seed).seed != eval_sampling(task, second.state.eval_seed).seed
+    assert RLRun(RunConfig(run_dir=str(tmp_path / "c"), eval={"seed": 7})).state.eval_seed == 7
+
+    from dataclasses import asdict
+
+    def resumed_from(saved_seed: int | None, seed: int = 0) -> RLRun:
+        run_dir = tmp_path / f"resumed-{saved_seed}"
+        run_dir.mkdir()
+        config = RunConfig(run_dir=str(run_dir), seed=seed)
+        RunState("interrupted", config.model_dump(mode="json"), "att", eval_seed=saved_seed,
+                 record=asdict(_record())).save(run_dir)
+        run = RLRun(config, RunOptions(resume=True))
+        run.take_over_run_dir()
+        return run
+
+    assert resumed_from(first.state.eval_seed).state.eval_seed == first.state.eval_seed  # still paired
+    # A state saved before runs had seeds of their own: its evaluations were seeded by `seed`.
+    assert resumed_from(None, seed=3).state.eval_seed == 3
 
 
 def test_a_live_driver_keeps_its_run_dir(tmp_path):

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -167,7 +168,9 @@ class RLRun:
         record = RunRecord(config.run_id, config.mode, config.model_dump(mode="json"), time.time())
         self.ctx = LoopContext(config, self.run_dir, record, say=output or say)
         self.state = RunState("running", config.model_dump(mode="json"), uuid.uuid4().hex[:12],
-                              driven_by="controller" if self.options.attach_only else "rlfleet run")
+                              driven_by="controller" if self.options.attach_only else "rlfleet run",
+                              eval_seed=(config.eval.seed if config.eval.seed is not None
+                                         else secrets.randbelow(2**31)))
         self.record_json = RecordJSON()  # the saved state's record, its trajectories each encoded once
         self.feeder: Feeder | None = None
         self._drained_since: float | None = None  # when TASKS was last seen empty (sync mode)
@@ -264,6 +267,8 @@ class RLRun:
         self.resuming = True
         self.state = previous
         self.state.resumes.append(previous.loop_s)
+        if previous.eval_seed is None:  # its evaluations so far were seeded by `seed`: pair with them
+            previous.eval_seed = self.config.seed
         ctx.record = record = record_from_dict(previous.record)
         previous.record = {}  # from now on the state saves the live record (`record_json`)
         record.notes.append(f"resumed at {previous.loop_s:.0f} s of loop time"
@@ -416,8 +421,12 @@ class RLRun:
         trainer = await rpc(peers.trainer.GetStatus, trainer_pb2.GetStatusRequest(), timeout_s=30)
         self.state.start_version = max(0, trainer.policy_version)
         self.record.accepted_version = ctx.last_gated = version
+        seeded = (f", evaluation seed {self.state.eval_seed}" if self.config.eval.seeded
+                  else ", unseeded")
         self.say(f"baseline: evaluating version {version} on {len(heldout)} held-out and {len(regression)} "
-                 f"regression tasks ...")
+                 f"regression tasks{seeded} ...")
+        if self.config.eval.seeded:
+            self.record.notes.append(f"evaluation seed {self.state.eval_seed} (eval.seed repeats its draws)")
         # A stop during the baseline abandons it (Stopped): a resumed run evaluates it again.
         baseline = await ctx.unless_stopped(
             self._evaluate(peers, heldout, version, "heldout", "baseline", "fleet"))
@@ -488,7 +497,7 @@ class RLRun:
         result = await evaluate(peers.clients, tasks, version=version, split=split, label=label, pool=pool,
                                 concurrency=c.eval.concurrency, clock=self.clock,
                                 environments=environments(c.rollout.tool_runtime),
-                                seed=c.seed if c.eval.seeded else None,
+                                seed=self.state.eval_seed if c.eval.seeded else None,
                                 tag=f"{label}-v{version}-{split}-{time.monotonic_ns()}")
         if keep:
             self.record.evals.append(result)

@@ -60,9 +60,15 @@ class EvalConfig(StrictModel):
     temperature: float = Field(1.0, ge=0, description="sampling temperature of evaluation episodes")
     concurrency: int = Field(64, ge=1, description="evaluation episodes at once")
     seeded: bool = Field(True, description="each evaluation task samples with its own fixed seed (from "
-                         "`seed` and its task ID), the same for every version: the gate compares weights, "
-                         "not draws, and the accepted version's per-task results can be kept "
-                         "instead of run again")
+                         "the evaluation seed and its task ID), the same for every version: the gate "
+                         "compares weights, not draws, and the accepted version's per-task results can be "
+                         "kept instead of run again")
+    seed: int | None = Field(
+        None, ge=0, description="the evaluation seed of a seeded run; None (default): one drawn when the "
+        "run starts and kept in its state across resumes. Every version of a run is evaluated on the "
+        "same draws, so a run's held-out levels all share those draws' luck (the gate's comparisons "
+        "do not: they are paired); a seed of its own per run keeps that luck from being the same in "
+        "every run. Set it to repeat a run's evaluation draws exactly")
 
 
 class EnginePools(StrictModel):

@@ -72,6 +72,9 @@ class RunState:
     driver_host: str = ""           # tasks twice ("": a state from before hosts were recorded, local)
     # "controller": the controller service drives it, and resumes it on its start
     driven_by: str = "rlfleet run"
+    # The seed of the run's seeded evaluations (`eval.seed`, or drawn at its start); None: a state saved
+    # before runs had their own, whose evaluations were seeded by the config's `seed`.
+    eval_seed: int | None = None
     record: dict[str, Any] = field(default_factory=dict)   # the run's record, as a saved state holds it
     # The live record already as JSON (`RecordJSON`): what `to_json` writes as `record` when set.
     record_json: str | None = field(default=None, compare=False, repr=False)
