@@ -55,3 +55,36 @@ async def test_in_flight_is_what_workers_have_not_acked_or_dead_lettered_and_the
     finally:
         await queue.stop()
         await nc.close()
+
+
+async def test_the_feeder_hands_out_no_more_than_the_room_ahead_of_the_trainer_allows(nats_url):
+    nc = await connect_nats(NatsConfig(url=nats_url), "test-feeder-ahead")
+    js = nc.jetstream()
+    await ensure_streams(js, ("TASKS",))
+    run_id = unique_run_id("feed-ahead")
+    tasks = [common_pb2.Task(task_id=f"t{i}", run_id=run_id) for i in range(3)]
+    feeder = Feeder(js, run_id, tasks, attempt="a1")
+    backlog = {"groups": 3}  # groups' worth of samples waiting for the trainer
+    asked: list[int] = []
+
+    async def room_ahead(groups_in_tasks: int) -> int:
+        asked.append(groups_in_tasks)
+        return 5 - backlog["groups"] - groups_in_tasks  # at most 5 groups ahead of the trainer
+
+    async def in_flight_is(n: int) -> bool:
+        return await feeder.in_flight() == n
+
+    stop = asyncio.Event()
+    topping = asyncio.create_task(feeder.keep_topped_up(4, stop, room_ahead))
+    try:
+        await eventually(lambda: in_flight_is(2), within_s=10)
+        await asyncio.sleep(0.6)  # the trainer's backlog leaves room for 2, not for the 4 wanted
+        assert feeder.published == 2 and asked[-1] == 2
+        backlog["groups"] = 0  # the trainer caught up: the in-flight target bounds it again
+        await eventually(lambda: in_flight_is(4), within_s=10)
+        await asyncio.sleep(0.6)
+        assert feeder.published == 4
+    finally:
+        stop.set()
+        await topping
+        await nc.close()

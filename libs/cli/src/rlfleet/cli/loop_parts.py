@@ -12,7 +12,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -95,10 +95,16 @@ class Feeder:
         info = await self.js.stream_info("TASKS", subjects_filter=name)
         return int((info.state.subjects or {}).get(name, 0))
 
-    async def keep_topped_up(self, in_flight_target: int, stop: asyncio.Event) -> None:
+    async def keep_topped_up(self, in_flight_target: int, stop: asyncio.Event,
+                             room_ahead: Callable[[int], Awaitable[int]] | None = None) -> None:
+        """Keeps `in_flight_target` groups in TASKS; with `room_ahead`, never more than it allows given
+        the groups in TASKS (how many more groups may be handed out)."""
         while not stop.is_set():
             try:
-                missing = in_flight_target - await self.in_flight()
+                in_flight = await self.in_flight()
+                missing = in_flight_target - in_flight
+                if missing > 0 and room_ahead is not None:
+                    missing = min(missing, await room_ahead(in_flight))
                 if missing > 0:
                     # a task whose publish was not confirmed goes again under its message ID: once
                     await self.publish(missing)

@@ -92,7 +92,8 @@ class LoopWatch:
             ctx.say(f"[{ctx.clock.elapsed():5.0f}s] step {status.step:3d}  v{status.policy_version:<3d} "
                     f"reward {reward:.2f}  held-out {ctx.accepted_eval.success:.2f} "
                     f"(accepted v{record.accepted_version})  "
-                    f"staleness max {stale}  {rate:.1f} traj/s  pause p50 {pause:.0f} ms  "
+                    f"staleness max {stale} (trained {status.last_metrics.get('staleness_mean', 0.0):.1f})  "
+                    f"{rate:.1f} traj/s  pause p50 {pause:.0f} ms  "
                     f"trainer idle {record.trainer_idle_fraction:.0%}")
 
 

@@ -206,8 +206,10 @@ def summarize(record: RunRecord) -> dict[str, Any]:
                          "reward_mean": _mean([t.reward for t in train])},
         "rollout_latency_s": percentiles(latencies),
         "tool_wait_s": percentiles([t.tool_wait_s for t in train]),
+        # At receipt (how far the engines lag the trainer) and at training (plus the wait on the stream).
         "staleness": {"max": max(staleness, default=0), "mean": _mean(staleness),
-                      "histogram": {str(k): staleness.count(k) for k in sorted(set(staleness))}},
+                      "histogram": {str(k): staleness.count(k) for k in sorted(set(staleness))},
+                      "trained": trained_staleness(record.steps)},
         "weight_update_pause_s": percentiles(record.weight_pauses_s) | {"count": len(record.weight_pauses_s)},
         "trainer_idle_fraction": record.trainer_idle_fraction,
         "trained_tokens_per_s": (sum(s.metrics.get("tokens", 0.0) for s in record.steps) / wall
@@ -224,6 +226,16 @@ def summarize(record: RunRecord) -> dict[str, Any]:
         "notes": record.notes,
         "episodes": episode_figures(record.episodes),
     }
+
+
+def trained_staleness(steps) -> dict[str, float]:
+    """Versions between the policy that generated a trained sample and the step that trained it: the
+    mean over every sample of the run's steps, and the largest."""
+    samples = sum(s.metrics.get("samples", 0.0) for s in steps)
+    mean = (sum(s.metrics.get("staleness_mean", 0.0) * s.metrics.get("samples", 0.0) for s in steps) / samples
+            if samples else 0.0)
+    largest = max((s.metrics.get("staleness_max", 0.0) for s in steps), default=0.0)
+    return {"mean": round(mean, 3), "max": largest}
 
 
 def _plots(record: RunRecord, out: Path) -> list[str]:
@@ -337,7 +349,10 @@ def write_report(record: RunRecord, run_dir: Path) -> dict[str, Any]:
               f"{summary['rollout_latency_s']['p50']:.3f} / {summary['rollout_latency_s']['p99']:.3f}"],
              ["tool wait p50/p99 (s)",
               f"{summary['tool_wait_s']['p50']:.3f} / {summary['tool_wait_s']['p99']:.3f}"],
-             ["staleness max / mean", f"{summary['staleness']['max']} / {summary['staleness']['mean']:.2f}"],
+             ["staleness at receipt max / mean",
+              f"{summary['staleness']['max']} / {summary['staleness']['mean']:.2f}"],
+             ["staleness at training max / mean", f"{summary['staleness']['trained']['max']:.0f} / "
+                                                  f"{summary['staleness']['trained']['mean']:.2f}"],
              ["weight-update pause p50/p99 (s)", f"{summary['weight_update_pause_s']['p50']:.4f} / "
                                                  f"{summary['weight_update_pause_s']['p99']:.4f}"],
              ["trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}"],

@@ -377,7 +377,9 @@ class RLRun:
                  "the admission policy": lambda: self._follow_versions(peers, observer)}
         if c.mode == "async":
             in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
-            parts["the feeder"] = lambda: feeder.keep_topped_up(in_flight, ctx.stop)
+            room_ahead = (partial(self._room_ahead, peers) if c.rollout.max_ahead_steps is not None
+                          else None)
+            parts["the feeder"] = lambda: feeder.keep_topped_up(in_flight, ctx.stop, room_ahead)
             parts["the promotion gate"] = gate.follow_the_canary
         background = {name: asyncio.create_task(self._supervised(name, part)) for name, part in parts.items()}
         try:
@@ -509,6 +511,19 @@ class RLRun:
         await rpc(peers.gateway.SetAdmissionPolicy, gateway_pb2.AdmissionPolicy(
             max_inflight_sessions=self.config.rollout.max_inflight_sessions, trainer_version=trainer_version,
             max_staleness=self.config.rollout.max_staleness))
+
+    async def _room_ahead(self, peers: Peers, groups_in_tasks: int) -> int:
+        """How many more groups `rollout.max_ahead_steps` lets the feeder hand out: the samples waiting
+        for the trainer (its stream backlog) and those of the groups in TASKS count as ahead of it."""
+        c = self.config
+        try:
+            status = await rpc(peers.trainer.GetStatus, trainer_pb2.GetStatusRequest(), within_s=10.0)
+        except grpc.aio.AioRpcError as exc:  # the trainer away: nothing more until it answers again
+            log.info("handing out tasks waits for the trainer (%s)", exc.code().name)
+            return 0
+        ahead = status.queue_depth + groups_in_tasks * c.group_size
+        limit = c.rollout.max_ahead_steps * c.trainer.groups_per_step * c.group_size
+        return int((limit - ahead) // c.group_size)
 
     async def _follow_versions(self, peers: Peers, observer: Observer) -> None:
         """Moves the gateway's admission (staleness bound) along with each new trainer version."""
