@@ -159,13 +159,8 @@ def evaluate_success(model, tokenizer, tasks: Sequence, *, temperature: float, s
     tool calls and ``max_turns + 1`` turns, then score with the verifier."""
     import torch
 
-    scorer = CalcScorer(tasks)
     eos_ids = {tokenizer.convert_tokens_to_ids(IM_END), tokenizer.pad_token_id}
-    episodes = []
-    for task in tasks:
-        prompt = [m for m in task.chat_messages() if m["role"] != "system"]
-        ids = _render_ids(tokenizer, prompt)
-        episodes.append(_Episode(task.task_id, ids, len(ids)))
+    episodes = start_episodes(tokenizer, tasks)
     limits = tasks[0].limits
     generator = torch.Generator().manual_seed(seed)
     was_training = model.training
@@ -178,6 +173,21 @@ def evaluate_success(model, tokenizer, tasks: Sequence, *, temperature: float, s
                            last_turn=turn == limits.max_turns, generator=generator)
     finally:
         model.train(was_training)
+    return success(tokenizer, tasks, episodes)
+
+
+def start_episodes(tokenizer, tasks: Sequence) -> list[_Episode]:
+    """One episode per task, its prompt rendered without the system message (as both systems train)."""
+    episodes = []
+    for task in tasks:
+        ids = _render_ids(tokenizer, [m for m in task.chat_messages() if m["role"] != "system"])
+        episodes.append(_Episode(task.task_id, ids, len(ids)))
+    return episodes
+
+
+def success(tokenizer, tasks: Sequence, episodes: Sequence[_Episode]) -> float:
+    """The share of `episodes` the verifier passes."""
+    scorer = CalcScorer(tasks)
     passed = sum(scorer.score(e.task_id, completion_transcript(tokenizer, e.ids[e.start:]),
                               e.truncated).passed
                  for e in episodes)
@@ -207,27 +217,33 @@ def _eval_turn(model, tokenizer, batch: list[_Episode], limits, temperature: flo
             new.append(token)
             if token in eos_ids:
                 break
-        closed = bool(new) and new[-1] in eos_ids
-        episode.ids.extend(new)
-        text = tokenizer.decode(new, skip_special_tokens=True)
-        action = parse_action(text, [calc.TOOL.name])
-        if isinstance(action, FinalAnswer | NoAction):
-            episode.done = True
-            continue
-        if isinstance(action, ToolCall):
-            episode.calls += 1
-            observation = too_many_calls_error(limits.max_turns) if episode.calls > limits.max_turns \
-                else calc.tool_observation(action.args)
-        else:
-            assert isinstance(action, InvalidCall)
-            observation = action.error
-        if last_turn:
-            episode.done = True
-            episode.truncated = not closed
-            continue
-        opener = "\n" if closed else IM_END + "\n"
-        framed = opener + f"{IM_START}tool\n{observation}{IM_END}\n{IM_START}assistant\n"
-        episode.ids.extend(tokenizer(framed, add_special_tokens=False)["input_ids"])
+        act_on_turn(episode, new, tokenizer, limits, eos_ids, last_turn)
+
+
+def act_on_turn(episode: _Episode, new: list[int], tokenizer, limits, eos_ids: set[int] | frozenset[int],
+                last_turn: bool) -> None:
+    """The worker's rules for one generated turn `new`: an answer (or nothing) ends the episode, a
+    call gets the tool's result (or the error line) framed as the next turn's prompt."""
+    closed = bool(new) and new[-1] in eos_ids
+    episode.ids.extend(new)
+    action = parse_action(tokenizer.decode(new, skip_special_tokens=True), [calc.TOOL.name])
+    if isinstance(action, FinalAnswer | NoAction):
+        episode.done = True
+        return
+    if isinstance(action, ToolCall):
+        episode.calls += 1
+        observation = too_many_calls_error(limits.max_turns) if episode.calls > limits.max_turns \
+            else calc.tool_observation(action.args)
+    else:
+        assert isinstance(action, InvalidCall)
+        observation = action.error
+    if last_turn:
+        episode.done = True
+        episode.truncated = not closed
+        return
+    opener = "\n" if closed else IM_END + "\n"
+    framed = opener + f"{IM_START}tool\n{observation}{IM_END}\n{IM_START}assistant\n"
+    episode.ids.extend(tokenizer(framed, add_special_tokens=False)["input_ids"])
 
 
 def _sample(model, input_ids, attention, max_new_tokens: int, temperature: float,

@@ -58,15 +58,10 @@ def engine_success(runner, tokenizer, tasks, temperature: float, sampling_seed) 
     engine's scheduler for all open episodes at once, as the candidate engine serves an evaluation."""
     from rlfleet.engine.protocol import GenerateItem, SamplingSpec
     from rlfleet.engine.scheduler import Request, Scheduler
-    from rlfleet.envkit.actions import FinalAnswer, NoAction, ToolCall, parse_action, too_many_calls_error
-    from rlfleet.envkit.suites import calc
 
     scheduler = Scheduler(runner)
     limits = tasks[0].limits
-    episodes = []
-    for task in tasks:
-        ids = cf._render_ids(tokenizer, [m for m in task.chat_messages() if m["role"] != "system"])
-        episodes.append(cf._Episode(task.task_id, ids, len(ids)))
+    episodes = cf.start_episodes(tokenizer, tasks)
     for turn in range(limits.max_turns + 1):
         active = [(i, e) for i, e in enumerate(episodes) if not e.done]
         outputs: dict[int, object] = {}
@@ -78,29 +73,9 @@ def engine_success(runner, tokenizer, tasks, temperature: float, sampling_seed) 
         while len(outputs) < len(active):
             scheduler.step()
         for i, episode in active:
-            new = list(outputs[i].output_ids)
-            closed = bool(new) and new[-1] in runner.eos_token_ids
-            episode.ids.extend(new)
-            action = parse_action(tokenizer.decode(new, skip_special_tokens=True), [calc.TOOL.name])
-            if isinstance(action, FinalAnswer | NoAction):
-                episode.done = True
-                continue
-            if isinstance(action, ToolCall):
-                episode.calls += 1
-                observation = (too_many_calls_error(limits.max_turns) if episode.calls > limits.max_turns
-                               else calc.tool_observation(action.args))
-            else:
-                observation = action.error
-            if turn == limits.max_turns:
-                episode.done, episode.truncated = True, not closed
-                continue
-            framed = (("\n" if closed else cf.IM_END + "\n")
-                      + f"{cf.IM_START}tool\n{observation}{cf.IM_END}\n{cf.IM_START}assistant\n")
-            episode.ids.extend(tokenizer(framed, add_special_tokens=False)["input_ids"])
-    scorer = cf.CalcScorer(tasks)
-    return statistics.mean(
-        scorer.score(e.task_id, cf.completion_transcript(tokenizer, e.ids[e.start:]), e.truncated).passed
-        for e in episodes)
+            cf.act_on_turn(episode, list(outputs[i].output_ids), tokenizer, limits, runner.eos_token_ids,
+                           last_turn=turn == limits.max_turns)
+    return cf.success(tokenizer, tasks, episodes)
 
 
 def main() -> None:

@@ -107,6 +107,11 @@ async def test_trainer_steps_on_published_groups_and_announces_versions_transfor
     for name in ("rlfleet_trainer_steps_total", "rlfleet_trainer_loss_value", "rlfleet_trainer_idle_ratio",
                  "rlfleet_trainer_staleness_versions_bucket", "rlfleet_trainer_trained_tokens_total"):
         assert name in metrics, name
+    # A group short of one sample waits in memory: in the queue depth, and said to be waiting for its group.
+    await publish_trajectories(js, run, trajectory_protos(1, G, run, prefix="late-")[:G - 1])
+    status = trainer.wait_for(lambda s: s.pending_groups == 1 and s.pending_samples == G - 1,
+                              what="an incomplete group held")
+    assert status.queue_depth == G - 1 and status.step == 1
     assert trainer.stop() == 0
 
 

@@ -29,6 +29,17 @@ def test_a_group_completes_when_g_samples_arrived_and_lists_them_by_sample_index
     assert len(buf) == 0
 
 
+def test_the_samples_held_are_those_of_the_groups_still_waiting_for_members():
+    buf = GroupBuffer(default_size=3, timeout_s=10)
+    buf.add(cand("a", 0))
+    buf.add(cand("a", 1))
+    buf.add(cand("b", 0))
+    buf.note_dropped("b", "b-1", sample_index=1)  # dropped on arrival: not held
+    assert len(buf) == 2 and buf.held_samples() == 3
+    buf.add(cand("a", 2))  # completes a: it leaves the buffer for training
+    assert len(buf) == 1 and buf.held_samples() == 1
+
+
 def test_the_trajectorys_own_group_size_wins_over_the_configured_one():
     buf = GroupBuffer(default_size=8, timeout_s=10)
     assert buf.add(cand("g", 0, group_size=2)) is None

@@ -513,15 +513,16 @@ class RLRun:
             max_staleness=self.config.rollout.max_staleness))
 
     async def _room_ahead(self, peers: Peers, groups_in_tasks: int) -> int:
-        """How many more groups `rollout.max_ahead_steps` lets the feeder hand out: the samples waiting
-        for the trainer (its stream backlog) and those of the groups in TASKS count as ahead of it."""
+        """How many more groups `rollout.max_ahead_steps` lets the feeder hand out: the samples the
+        trainer could train now (its stream backlog but the samples of groups still incomplete, which
+        are counted with their group in TASKS) and those of the groups in TASKS count as ahead of it."""
         c = self.config
         try:
             status = await rpc(peers.trainer.GetStatus, trainer_pb2.GetStatusRequest(), within_s=10.0)
         except grpc.aio.AioRpcError as exc:  # the trainer away: nothing more until it answers again
             log.info("handing out tasks waits for the trainer (%s)", exc.code().name)
             return 0
-        ahead = status.queue_depth + groups_in_tasks * c.group_size
+        ahead = max(0, status.queue_depth - status.pending_samples) + groups_in_tasks * c.group_size
         limit = c.rollout.max_ahead_steps * c.trainer.groups_per_step * c.group_size
         return int((limit - ahead) // c.group_size)
 

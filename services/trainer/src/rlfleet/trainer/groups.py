@@ -56,6 +56,10 @@ class GroupBuffer:
     def __len__(self) -> int:
         return len(self._open)
 
+    def held_samples(self) -> int:
+        """Samples waiting in open groups for the rest of their group."""
+        return sum(len(g.members) for g in self._open.values())
+
     def add(self, c: Candidate) -> Group | None:
         """Adds a validated sample; returns its group when this sample completes it."""
         group = self._group(c.group_id, c.trajectory_id, c.group_size)

@@ -35,6 +35,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         status.paused = loop.intake.paused
         status.queue_depth = await self._depth(loop)
         status.pending_groups = len(loop.intake.buffer)
+        status.pending_samples = loop.intake.buffer.held_samples()
         status.trained_trajectories = loop.ledger.trained_count
         status.dropped_by_reason.update(loop.intake.dropped_by_reason)
         status.last_metrics.update(loop.last_metrics)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/trainer/v1/trainer.proto\x12\x12rlfleet.trainer.v1\"\x12\n\x10GetStatusRequest\"\x8d\x04\n\rTrainerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x04\x12\x16\n\x0epending_groups\x18\x06 \x01(\r\x12\x1c\n\x14trained_trajectories\x18\x07 \x01(\x04\x12Q\n\x11\x64ropped_by_reason\x18\x08 \x03(\x0b\x32\x36.rlfleet.trainer.v1.TrainerStatus.DroppedByReasonEntry\x12H\n\x0clast_metrics\x18\t \x03(\x0b\x32\x32.rlfleet.trainer.v1.TrainerStatus.LastMetricsEntry\x12\x15\n\ridle_fraction\x18\n \x01(\x01\x12\x0c\n\x04loss\x18\x0b \x01(\t\x12\x17\n\x0flast_checkpoint\x18\x0c \x01(\t\x12\r\n\x05state\x18\r \x01(\t\x12\x15\n\rstate_message\x18\x0e \x01(\t\x1a\x36\n\x14\x44roppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x13\n\x11\x43heckpointRequest\"H\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\x0e\n\x0cPauseRequest\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse2\xe2\x02\n\x0eTrainerService\x12T\n\tGetStatus\x12$.rlfleet.trainer.v1.GetStatusRequest\x1a!.rlfleet.trainer.v1.TrainerStatus\x12[\n\nCheckpoint\x12%.rlfleet.trainer.v1.CheckpointRequest\x1a&.rlfleet.trainer.v1.CheckpointResponse\x12L\n\x05Pause\x12 .rlfleet.trainer.v1.PauseRequest\x1a!.rlfleet.trainer.v1.PauseResponse\x12O\n\x06Resume\x12!.rlfleet.trainer.v1.ResumeRequest\x1a\".rlfleet.trainer.v1.ResumeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rlfleet/trainer/v1/trainer.proto\x12\x12rlfleet.trainer.v1\"\x12\n\x10GetStatusRequest\"\xa6\x04\n\rTrainerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x04\x12\x16\n\x0epending_groups\x18\x06 \x01(\r\x12\x1c\n\x14trained_trajectories\x18\x07 \x01(\x04\x12Q\n\x11\x64ropped_by_reason\x18\x08 \x03(\x0b\x32\x36.rlfleet.trainer.v1.TrainerStatus.DroppedByReasonEntry\x12H\n\x0clast_metrics\x18\t \x03(\x0b\x32\x32.rlfleet.trainer.v1.TrainerStatus.LastMetricsEntry\x12\x15\n\ridle_fraction\x18\n \x01(\x01\x12\x0c\n\x04loss\x18\x0b \x01(\t\x12\x17\n\x0flast_checkpoint\x18\x0c \x01(\t\x12\r\n\x05state\x18\r \x01(\t\x12\x15\n\rstate_message\x18\x0e \x01(\t\x12\x17\n\x0fpending_samples\x18\x0f \x01(\x04\x1a\x36\n\x14\x44roppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x13\n\x11\x43heckpointRequest\"H\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\x0e\n\x0cPauseRequest\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse2\xe2\x02\n\x0eTrainerService\x12T\n\tGetStatus\x12$.rlfleet.trainer.v1.GetStatusRequest\x1a!.rlfleet.trainer.v1.TrainerStatus\x12[\n\nCheckpoint\x12%.rlfleet.trainer.v1.CheckpointRequest\x1a&.rlfleet.trainer.v1.CheckpointResponse\x12L\n\x05Pause\x12 .rlfleet.trainer.v1.PauseRequest\x1a!.rlfleet.trainer.v1.PauseResponse\x12O\n\x06Resume\x12!.rlfleet.trainer.v1.ResumeRequest\x1a\".rlfleet.trainer.v1.ResumeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=56
   _globals['_GETSTATUSREQUEST']._serialized_end=74
   _globals['_TRAINERSTATUS']._serialized_start=77
-  _globals['_TRAINERSTATUS']._serialized_end=602
-  _globals['_TRAINERSTATUS_DROPPEDBYREASONENTRY']._serialized_start=496
-  _globals['_TRAINERSTATUS_DROPPEDBYREASONENTRY']._serialized_end=550
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=552
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=602
-  _globals['_CHECKPOINTREQUEST']._serialized_start=604
-  _globals['_CHECKPOINTREQUEST']._serialized_end=623
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=625
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=697
-  _globals['_PAUSEREQUEST']._serialized_start=699
-  _globals['_PAUSEREQUEST']._serialized_end=713
-  _globals['_PAUSERESPONSE']._serialized_start=715
-  _globals['_PAUSERESPONSE']._serialized_end=730
-  _globals['_RESUMEREQUEST']._serialized_start=732
-  _globals['_RESUMEREQUEST']._serialized_end=747
-  _globals['_RESUMERESPONSE']._serialized_start=749
-  _globals['_RESUMERESPONSE']._serialized_end=765
-  _globals['_TRAINERSERVICE']._serialized_start=768
-  _globals['_TRAINERSERVICE']._serialized_end=1122
+  _globals['_TRAINERSTATUS']._serialized_end=627
+  _globals['_TRAINERSTATUS_DROPPEDBYREASONENTRY']._serialized_start=521
+  _globals['_TRAINERSTATUS_DROPPEDBYREASONENTRY']._serialized_end=575
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=577
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=627
+  _globals['_CHECKPOINTREQUEST']._serialized_start=629
+  _globals['_CHECKPOINTREQUEST']._serialized_end=648
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=650
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=722
+  _globals['_PAUSEREQUEST']._serialized_start=724
+  _globals['_PAUSEREQUEST']._serialized_end=738
+  _globals['_PAUSERESPONSE']._serialized_start=740
+  _globals['_PAUSERESPONSE']._serialized_end=755
+  _globals['_RESUMEREQUEST']._serialized_start=757
+  _globals['_RESUMEREQUEST']._serialized_end=772
+  _globals['_RESUMERESPONSE']._serialized_start=774
+  _globals['_RESUMERESPONSE']._serialized_end=790
+  _globals['_TRAINERSERVICE']._serialized_start=793
+  _globals['_TRAINERSERVICE']._serialized_end=1147
 # @@protoc_insertion_point(module_scope)

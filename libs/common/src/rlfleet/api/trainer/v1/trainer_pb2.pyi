@@ -11,7 +11,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("run_id", "policy_version", "step", "paused", "queue_depth", "pending_groups", "trained_trajectories", "dropped_by_reason", "last_metrics", "idle_fraction", "loss", "last_checkpoint", "state", "state_message")
+    __slots__ = ("run_id", "policy_version", "step", "paused", "queue_depth", "pending_groups", "trained_trajectories", "dropped_by_reason", "last_metrics", "idle_fraction", "loss", "last_checkpoint", "state", "state_message", "pending_samples")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class TrainerStatus(_message.Message):
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     policy_version: int
     step: int
@@ -54,7 +55,8 @@ class TrainerStatus(_message.Message):
     last_checkpoint: str
     state: str
     state_message: str
-    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., pending_groups: _Optional[int] = ..., trained_trajectories: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., idle_fraction: _Optional[float] = ..., loss: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., state: _Optional[str] = ..., state_message: _Optional[str] = ...) -> None: ...
+    pending_samples: int
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., pending_groups: _Optional[int] = ..., trained_trajectories: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., idle_fraction: _Optional[float] = ..., loss: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., state: _Optional[str] = ..., state_message: _Optional[str] = ..., pending_samples: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()
