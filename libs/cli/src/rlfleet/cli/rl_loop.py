@@ -377,8 +377,8 @@ class RLRun:
                  "the admission policy": lambda: self._follow_versions(peers, observer)}
         if c.mode == "async":
             in_flight = c.rollout.concurrency // c.group_size + c.rollout.backlog_groups
-            room_ahead = (partial(self._room_ahead, peers) if c.rollout.max_ahead_steps is not None
-                          else None)
+            ahead_steps = c.rollout.max_ahead_steps
+            room_ahead = None if ahead_steps is None else partial(self._room_ahead, peers, ahead_steps)
             parts["the feeder"] = lambda: feeder.keep_topped_up(in_flight, ctx.stop, room_ahead)
             parts["the promotion gate"] = gate.follow_the_canary
         background = {name: asyncio.create_task(self._supervised(name, part)) for name, part in parts.items()}
@@ -512,7 +512,7 @@ class RLRun:
             max_inflight_sessions=self.config.rollout.max_inflight_sessions, trainer_version=trainer_version,
             max_staleness=self.config.rollout.max_staleness))
 
-    async def _room_ahead(self, peers: Peers, groups_in_tasks: int) -> int:
+    async def _room_ahead(self, peers: Peers, ahead_steps: float, groups_in_tasks: int) -> int:
         """How many more groups `rollout.max_ahead_steps` lets the feeder hand out: the samples the
         trainer could train now (its stream backlog but the samples of groups still incomplete, which
         are counted with their group in TASKS) and those of the groups in TASKS count as ahead of it."""
@@ -523,7 +523,7 @@ class RLRun:
             log.info("handing out tasks waits for the trainer (%s)", exc.code().name)
             return 0
         ahead = max(0, status.queue_depth - status.pending_samples) + groups_in_tasks * c.group_size
-        limit = c.rollout.max_ahead_steps * c.trainer.groups_per_step * c.group_size
+        limit = ahead_steps * c.trainer.groups_per_step * c.group_size
         return int((limit - ahead) // c.group_size)
 
     async def _follow_versions(self, peers: Peers, observer: Observer) -> None:
