@@ -43,8 +43,8 @@ class RolloutConfig(StrictModel):
     backlog_groups: int = Field(8, ge=1, description="tasks kept waiting in TASKS beyond those running")
     max_ahead_steps: float | None = Field(
         3.0, gt=0, description="async: new groups are handed out only while the samples ahead of the "
-        "trainer (waiting for it on TRAJECTORIES, and those of the groups in TASKS) are fewer than "
-        "this many steps' worth. Rollouts faster than the trainer otherwise fill the stream up to "
+        "trainer (those it could train now, and those of the groups in TASKS) are fewer than this many "
+        "steps' worth. Rollouts faster than the trainer otherwise fill the stream up to "
         "`max_staleness`, and every step trains on samples that many versions old. None: no bound")
     tool_latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig)
     tool_runtime: Literal["sandbox", "in_process"] = Field(
