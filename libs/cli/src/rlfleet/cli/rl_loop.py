@@ -267,8 +267,7 @@ class RLRun:
         self.resuming = True
         self.state = previous
         self.state.resumes.append(previous.loop_s)
-        if previous.eval_seed is None:  # its evaluations so far were seeded by `seed`: pair with them
-            previous.eval_seed = self.config.seed
+        previous.eval_seed = previous.evaluation_seed()  # paired with its evaluations so far
         ctx.record = record = record_from_dict(previous.record)
         previous.record = {}  # from now on the state saves the live record (`record_json`)
         record.notes.append(f"resumed at {previous.loop_s:.0f} s of loop time"

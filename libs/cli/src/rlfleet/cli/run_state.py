@@ -79,6 +79,10 @@ class RunState:
     # The live record already as JSON (`RecordJSON`): what `to_json` writes as `record` when set.
     record_json: str | None = field(default=None, compare=False, repr=False)
 
+    def evaluation_seed(self) -> int:
+        """The seed the run's seeded evaluations use (a state from before runs had their own: `seed`)."""
+        return int(self.config.get("seed", 0)) if self.eval_seed is None else self.eval_seed
+
     def to_json(self) -> str:
         head = {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("record", "record_json")}
