@@ -309,8 +309,12 @@ def ratio_lines(rat: dict[str, dict[str, dict[str, float | None]]]) -> str:
 
 
 def _speedup(row: dict[str, float | None]) -> str:
-    if row.get("time_to_target_speedup") is not None:
-        return f"x{row['time_to_target_speedup']:.2f} sooner"
+    speedup = row.get("time_to_target_speedup")
+    if speedup is not None:
+        # The aim is async's time over the other's; a speed-up under 1 is a slowdown, said so.
+        if speedup >= 1:
+            return f"x{speedup:.2f} sooner (async's time x{1 / speedup:.2f} the other's)"
+        return f"x{1 / speedup:.2f} later"
     if row.get("time_to_target_speedup_at_least") is not None:
         return f"at least x{row['time_to_target_speedup_at_least']:.2f} sooner (the other never reached it)"
     return "- (async did not reach it)"
