@@ -7,6 +7,7 @@ resumed step 2) are written as critic.safetensors (critic_resumed.safetensors).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,9 +68,13 @@ def main(out: Path, algorithm: str) -> None:
         torch.save(logprobs, out / "logprobs.pt")
         (out / "metrics.json").write_text(json.dumps({"world_size": b.world_size, "steps": metrics}))
     if b.world_size > 1:
-        # A rank that tears gloo down while the other still has work queued on the group dies in C++
-        # ("terminate called without an active exception"): both ranks leave together.
+        # Tearing gloo down at exit could abort a rank in C++ ("terminate called without an active
+        # exception": a joinable thread destroyed), rarely, under load, after its outputs were written.
+        # Both ranks leave together, and without C++ teardown: the process group dies with the process.
         dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     b.close()
 
 
