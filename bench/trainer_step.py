@@ -1,5 +1,6 @@
 """One trainer step of the RL loop, side by side: padded vs packed batches at 1 and 2 torch threads,
-and PPO's pre-update pass with and without the LM head. Prints figures; not a pass/fail test.
+packed in fp32 vs bf16 autocast, and PPO's pre-update pass with and without the LM head. Prints
+figures; not a pass/fail test.
 
     .venv/bin/python bench/trainer_step.py                 # 5 timed rounds
     .venv/bin/python bench/trainer_step.py --rounds 3 --groups 4
@@ -8,7 +9,9 @@ Model: the `rlfleet run` default shape (Qwen2, hidden 256, 4 layers) with a voca
 Batch: `groups` groups of 8 trajectories (the calc example's 8 per step), lengths uniform in
 --lengths, a quarter prompt; GRPO, micro_batch_rows 4 (the default). The configurations are timed
 in interleaved rounds (one step of each per round, after a warm-up step each), so that a machine
-whose load moves during the run moves every column alike; the figure is the median.
+whose load moves during the run moves every column alike; the figure is the median. The layout
+columns are fp32; the bf16 columns (packed, `backend.bf16`: autocast, fp32 weights and optimizer, the
+attention in fp32 on the CPU, rlfleet.trainer.attention) are what `rlfleet run` trains with.
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ def samples(groups: int, lengths: tuple[int, int], seed: int = 0):
     return out
 
 
-def backend(layout: str, value_head: bool = False):
+def backend(layout: str, value_head: bool = False, bf16: bool = False):
     from rlfleet.trainer.config import TorchBackendConfig
     from rlfleet.trainer.torch_backend import TorchBackend
 
     return TorchBackend(TorchBackendConfig(model_config_dict=MODEL, value_head=value_head, optim={"lr": 1e-5},
-                                           batch={"layout": layout}))
+                                           batch={"layout": layout}, bf16=bf16))
 
 
 def main() -> None:
@@ -65,16 +68,18 @@ def main() -> None:
     data = samples(args.groups, (lo, hi))
     tokens = sum(len(s.token_ids) for s in data)
     threads = [int(t) for t in args.threads.split(",")]
-    backends = {layout: backend(layout) for layout in ("padded", "packed")}
-    columns = [(layout, t) for layout in ("padded", "packed") for t in threads]
+    backends = {name: backend(name) for name in ("padded", "packed")}
+    backends["packed bf16"] = backend("packed", bf16=True)
+    columns = [(name, t) for name in backends for t in threads]
     times: dict[tuple[str, int], list[float]] = {c: [] for c in columns}
     for r in range(args.rounds + 1):
-        for layout, t in columns:
+        for name, t in columns:
             torch.set_num_threads(t)
             start = time.perf_counter()
-            rl_step(backends[layout], data, LossConfig(), BatchConfig(layout=layout))
+            layout = name.split()[0]
+            rl_step(backends[name], data, LossConfig(), BatchConfig(layout=layout))
             if r:  # round 0 warms up allocators and kernels
-                times[(layout, t)].append(time.perf_counter() - start)
+                times[(name, t)].append(time.perf_counter() - start)
 
     # PPO (shared critic): the values before the update, with the LM head and softmax (as the pass used
     # to run, log-probs that the training pass gives anyway) and without.
@@ -94,9 +99,10 @@ def main() -> None:
     print(f"trainer step: {len(data)} trajectories, {tokens} tokens (lengths {lo}-{hi}), GRPO, "
           f"micro_batch_rows 4; median of {args.rounds} interleaved rounds; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    for layout, t in columns:
-        median = statistics.median(times[(layout, t)])
-        print(f"  {layout:6s} rows x length {shapes[layout]!s:10s} {t} thread(s): {1 / median:5.2f} steps/s "
+    for name, t in columns:
+        median = statistics.median(times[(name, t)])
+        shape = shapes[name.split()[0]]
+        print(f"  {name:11s} rows x length {shape!s:10s} {t} thread(s): {1 / median:5.2f} steps/s "
               f"{tokens / median:7.0f} tokens/s  ({median * 1000:5.0f} ms/step)")
     print(f"PPO pre-update pass, packed, {threads[0]} thread(s):")
     for label, ts in pre.items():

@@ -37,6 +37,9 @@ class Settings(StrictModel):
                                        "(rlfleet: the calc task's per-turn limit and the session budget)")
     max_staleness: int = Field(6, ge=0, description="rlfleet async: staleness bound (>= eval_every_steps)")
     concurrency: int = Field(32, ge=1, description="rlfleet: episodes at once")
+    bf16: bool = Field(True, description="train in bf16 autocast, weights and optimizer fp32 (TRL: "
+                       "bf16=True, which autocasts its generation too; rlfleet: trainer.backend.bf16, its "
+                       "engines compute in fp32); false: both fp32")
 
 
 class Workload(StrictModel):
@@ -107,7 +110,8 @@ def rlfleet_config(settings: Settings, workload: Workload, mode: str, run_id: st
                     "max_staleness": max(settings.max_staleness, settings.eval_every_steps),
                     "tool_latency": workload.tool_latency()},
         "trainer": {"loss": {"algorithm": "grpo"}, "optim": {"lr": settings.lr},
-                    "groups_per_step": settings.groups_per_step, "torch_threads": trainer_threads},
+                    "groups_per_step": settings.groups_per_step, "torch_threads": trainer_threads,
+                    "backend": {"bf16": settings.bf16}},
         "eval": {"heldout": settings.heldout, "regression": 0, "temperature": settings.eval_temperature},
         "gate": {"every_versions": settings.eval_every_steps},
         "budget": {"max_steps": 100_000, "max_minutes": settings.budget_s / 60.0},

@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=Settings().concurrency,
                    help=f"rlfleet: rollout episodes at once (default {Settings().concurrency})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp32", action="store_true",
+                   help="train in fp32 (both systems); default: bf16 autocast for both")
     p.add_argument("--plan", action="store_true",
                    help="print the runs and the expected total time, run nothing")
     p.add_argument("--report-from", type=Path, default=None,
@@ -99,12 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     chosen_workloads = _pick(args.workloads, WORKLOADS, "workload")
     chosen_systems = _pick(args.systems, SYSTEMS, "system")
     settings = Settings(seed=args.seed, heldout=args.heldout, eval_every_steps=args.eval_every,
-                        budget_s=args.budget_s, concurrency=args.concurrency)
+                        budget_s=args.budget_s, concurrency=args.concurrency, bf16=not args.fp32)
     loads = workloads(args.latency_median, args.latency_sigma, args.latency_max)
     runs = [(loads[w], s) for w in chosen_workloads for s in chosen_systems]
     estimate = len(runs) * (args.budget_s + STARTUP_ALLOWANCE_S)
+    precision = "bf16 autocast" if settings.bf16 else "fp32"
     print(f"vs TRL: {len(runs)} runs x {args.budget_s:.0f} s budget, about {estimate / 60:.0f} min in all "
-          f"(plus the warm start if it is not cached)")
+          f"(plus the warm start if it is not cached); training in {precision}")
     for workload, system in runs:
         print(f"  {workload.name:6s} {system:6s} {workload.describe()}")
     if args.plan:

@@ -10,7 +10,8 @@ settings file is `common.TrlJob` as JSON. What runs:
   the `calc` tool, the workload's extra latency slept inside it;
 - the reward: rlfleet's verifier code on the completion's transcript (`calc_format.CalcScorer`);
 - GRPO with the settings rlfleet uses (G, groups per step, lr, clip 0.2, token-mean loss, no KL,
-  group-std advantages, AdamW, grad-norm 1.0, constant lr, one optimizer step per batch, fp32);
+  group-std advantages, AdamW, grad-norm 1.0, constant lr, one optimizer step per batch, bf16
+  autocast as rlfleet's trainer, or fp32 for both: `Settings.bf16`);
 - a callback that evaluates held-out success every `eval_every_steps` steps, and stops when the
   *training clock* (wall time minus evaluation time) reaches the budget.
 """
@@ -130,7 +131,7 @@ def run(job: TrlJob) -> dict:
     batch = s.group_size * s.groups_per_step
     config = GRPOConfig(
         output_dir=str(job.work_dir / "trl-output"), report_to="none", save_strategy="no", logging_steps=1,
-        use_cpu=True, bf16=False, fp16=False, seed=s.seed, data_seed=s.seed, dataloader_num_workers=0,
+        use_cpu=True, bf16=s.bf16, fp16=False, seed=s.seed, data_seed=s.seed, dataloader_num_workers=0,
         # one optimizer step per G * groups_per_step completions, as rlfleet's trainer
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=s.group_size,
         num_iterations=1, max_steps=100_000,

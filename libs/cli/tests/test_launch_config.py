@@ -77,6 +77,12 @@ def test_a_section_may_set_what_the_run_only_derives(tmp_path):
     chosen = run_config(tmp_path, "[gate]\nenabled = true\n[broker]\nauto_promote = true\n"
                                   "[broker.sync]\nevery_n_versions = 1\n")
     assert chosen.broker.auto_promote and chosen.broker.sync.every_n_versions == 1
+    # The torch trainer trains in bf16 autocast unless its section says otherwise; Megatron's bf16
+    # (bf16 parameters) is never switched on for it.
+    assert derived.trainer.backend.bf16
+    assert not run_config(tmp_path, "[trainer.backend]\nbf16 = false\n").trainer.backend.bf16
+    megatron = run_config(tmp_path, '[trainer.backend]\nname = "megatron"\n')
+    assert megatron.trainer.backend.name == "megatron" and not megatron.trainer.backend.bf16
 
 
 def test_a_service_key_that_does_not_exist_is_an_error_before_anything_starts(tmp_path):

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from rlfleet.trainer.batching import TrainSample, pack_batch
+from rlfleet.trainer import attention
+from rlfleet.trainer.batching import TrainSample, pack_batch, pad_batch
 from rlfleet.trainer.config import BatchConfig, LossConfig, TorchBackendConfig
 from rlfleet.trainer.objectives import RLObjective, rl_step, with_advantages
 from rlfleet.trainer.testing import make_samples, tiny_qwen2_config
@@ -200,6 +201,41 @@ def test_bf16_autocast_keeps_fp32_weights_and_close_log_probs():
     assert 0 < float(diff) < 0.1
     m = rl_step(bf16, make_samples(2, 2, seed=11), LossConfig(), BatchConfig(pack_length=64))
     assert math.isfinite(m["loss"]) and all(p.dtype == torch.float32 for p in bf16.model.parameters())
+
+
+def test_bf16_on_the_cpu_runs_attention_in_fp32_and_packing_still_keeps_sequences_apart(tmp_path):
+    fp32, bf16 = backend(), backend(bf16=True)
+    assert bf16.hf_model.config._attn_implementation == attention.FP32_SDPA
+    assert fp32.hf_model.config._attn_implementation == "sdpa"
+    samples = make_samples(2, 3, seed=5)
+    per_layout = []
+    for batch in (pack_batch(samples, 64), pad_batch(samples)):
+        per_layout.append([lp[m > 0] for lp, m in zip(batch.per_sample(bf16.compute_logprobs(batch)),
+                                                      batch.per_sample(batch.loss_mask), strict=True)])
+    packed, padded = per_layout
+    # Packed rows share their attention only through the block-diagonal mask built for the registered
+    # implementation: without it the later sequences of a row would attend to the earlier ones.
+    for a, b in zip(packed, padded, strict=True):
+        assert float((a - b).abs().max()) < 0.02
+    bf16.save_hf(tmp_path)  # what engines load must name no attention of this process's own
+    assert attention.FP32_SDPA not in (tmp_path / "config.json").read_text()
+
+
+def test_the_fp32_attention_gives_fp32_sdpa_cast_back_to_the_autocast_dtype():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attention.register()
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    expected, _ = sdpa_attention_forward(module, q, k, v, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention._sdpa_fp32(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    assert out.dtype == torch.bfloat16
+    reference, _ = sdpa_attention_forward(module, q.bfloat16().float(), k.bfloat16().float(),
+                                          v.bfloat16().float(), None)
+    assert torch.equal(out, reference.bfloat16())
+    assert float((out.float() - expected).abs().max()) < 0.05
 
 
 def test_a_checkpoint_of_a_model_with_tied_embeddings_saves_and_restores(tmp_path):

@@ -150,6 +150,10 @@ class RunConfig(ServiceSections):
                 "max_delta_chain": max(4, gate.every_versions)}
         propagate(self.broker, {"auto_promote": not gate.enabled, "sync": sync}, where="broker")
         propagate(self.gateway, {"route_pools": ["canary"]}, where="gateway")  # rollouts go to the canary
+        if self.trainer.backend.name == "torch":
+            # bf16 autocast: the CPU trainer's matmuls on AMX, ~1.5x a step (bench/trainer_step.py);
+            # Megatron's `bf16` means bf16 parameters, a different choice, left to its section.
+            propagate(self.trainer.backend, {"bf16": True}, where="trainer.backend")
         if self.rollout.tool_runtime == "sandbox":
             # Every running episode holds a sandbox, and each verification of a unit-tests task takes one
             # more for a moment: a warm pool that covers the concurrency keeps creates off the critical path

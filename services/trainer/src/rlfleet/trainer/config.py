@@ -153,7 +153,8 @@ class BackendOptions(StrictModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: one GPU per rank (LOCAL_RANK), NCCL; "
                                            "cpu: gloo.")
     bf16: bool = Field(False, description="bf16 autocast for forward/backward (weights and optimizer stay "
-                       "fp32).")
+                       "fp32; on the CPU the attention itself runs in fp32, rlfleet.trainer.attention). "
+                       "`rlfleet run` turns it on for the torch backend.")
     seed: int = Field(0, description="seed of everything random in the trainer")
 
 

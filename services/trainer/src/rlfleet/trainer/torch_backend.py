@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlfleet.trainer import checkpoint, lora
+from rlfleet.trainer import attention, checkpoint, lora
 from rlfleet.trainer.backend import LossFn, MetricReducer, ModelOutputs, TrainingBackend
 from rlfleet.trainer.batching import TrainBatch, shard_rows
 from rlfleet.trainer.config import LoraConfig, OptimConfig, TorchBackendConfig
@@ -84,13 +84,14 @@ class PolicyModel(nn.Module):
 def build_lm(cfg: TorchBackendConfig) -> PreTrainedModel:
     import transformers
 
+    attn = attention.implementation(cfg.attn_implementation, cfg.bf16, cfg.device)
     if cfg.model_dir is not None:
         return transformers.AutoModelForCausalLM.from_pretrained(
-            cfg.model_dir, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+            cfg.model_dir, dtype=torch.float32, attn_implementation=attn)
     params = dict(cfg.model_config_dict or {})
     config = transformers.AutoConfig.for_model(params.pop("model_type", "qwen2"), **params)
     torch.manual_seed(cfg.seed)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
