@@ -6,66 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfleet.common.chat import render_messages
 from rlfleet.engine.model_runner import read_checkpoint
 from rlfleet.engine.protocol import GenerateItem, SamplingSpec
-from rlfleet.engine.scheduler import Request, RequestOutput, Scheduler
-
-
-def prompt(runner, question: str) -> list[int]:
-    return runner.encode(render_messages([{"role": "user", "content": question}], add_generation_prompt=True))
-
-
-def item(rid: str, ids: list[int], **sampling) -> GenerateItem:
-    return GenerateItem(rid, ids, SamplingSpec(**sampling), return_logprob=True)
-
-
-class Harness:
-    """A scheduler plus the outputs it delivered, keyed by rid."""
-
-    def __init__(self, runner, **limits) -> None:
-        self.runner = runner
-        self.scheduler = Scheduler(runner, **limits)
-        self.outputs: dict[str, RequestOutput] = {}
-
-    def submit(self, *items: GenerateItem, eos: frozenset[int] | None = None) -> None:
-        for it in items:
-            eos_ids = self.runner.eos_token_ids if eos is None else eos
-            self.scheduler.submit(Request(it, eos_ids, lambda out: self.outputs.__setitem__(out.rid, out)))
-
-    def run(self, count: int, max_steps: int = 5000) -> dict[str, RequestOutput]:
-        for _ in range(max_steps):
-            if len(self.outputs) >= count:
-                return self.outputs
-            self.scheduler.step()
-        raise AssertionError(f"only {len(self.outputs)} of {count} requests finished")
-
-    def steps(self, n: int) -> None:
-        for _ in range(n):
-            self.scheduler.step()
-
-
-def alone(runner, it: GenerateItem, **kwargs) -> RequestOutput:
-    harness = Harness(runner)
-    harness.submit(it, **kwargs)
-    return harness.run(1)[it.rid]
-
-
-def sampled_items(runner, count: int) -> list[GenerateItem]:
-    questions = ["What is 12*(3+4)?", "Compute 7-2.", "how much is 5+5+5", "Please evaluate (9-1)*3"]
-    return [
-        item(
-            f"r{i}",
-            prompt(runner, questions[i % len(questions)]) + [7 + i] * i,  # distinct lengths
-            max_new_tokens=12 + 5 * i,
-            temperature=[1.0, 0.7, 0.0, 1.3][i % 4],
-            top_p=[1.0, 0.9, 1.0, 0.8][i % 4],
-            top_k=[-1, 40, -1, 20][i % 4],
-            sampling_seed=1000 + i,
-            ignore_eos=True,
-        )
-        for i in range(count)
-    ]
+from rlfleet.engine.testing import Harness, alone, item, prompt, sampled_items
 
 
 def test_batched_continuous_decoding_matches_decoding_each_request_alone(runner):

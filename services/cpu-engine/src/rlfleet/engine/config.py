@@ -18,6 +18,10 @@ class EngineConfig(ProcessConfig):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(0, ge=0, le=65535, description="port to listen on; 0 picks a free port")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the model")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="what the model computes in: float32 (outputs bit-identical whatever the "
+        "batch), or bfloat16 as SGLang serves (weights, activations and KV in bf16; faster on AMX CPUs, "
+        "bench/engine_dtype.py)")
     max_running_requests: int = Field(64, ge=1, description="most requests decoded together in one batch")
     max_total_tokens: int = Field(
         65536,

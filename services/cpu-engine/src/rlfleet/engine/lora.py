@@ -45,7 +45,7 @@ class Adapter:
     rank: int
     scaling: float
     pinned: bool = False
-    # module name -> (A `[r, in]`, B `[out, r]` already multiplied by `scaling`), fp32
+    # module name -> (A `[r, in]`, B `[out, r]` already multiplied by `scaling`), the base's dtype
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Unique per load, as SGLang's lora_id: what the prefix cache keys this adapter's KV by, so a
     # reload under the same name never meets KV of an earlier load.
@@ -189,7 +189,9 @@ def _pairs(tensors: dict[str, torch.Tensor], linears: dict[str, torch.nn.Linear]
             raise LoRALoadError(f"Failed to load LoRA adapter {name}: {module}: lora_A {list(a.shape)}, "
                                 f"lora_B {list(b.shape)}; the base layer and r={rank} "
                                 f"need {list(want_a)}, {list(want_b)}")
-        pairs[module] = (a.contiguous(), (b * scaling).contiguous())
+        # The adapter computes in the base layer's dtype (fp32, or bf16 as SGLang serves it).
+        dtype = linear.weight.dtype
+        pairs[module] = (a.to(dtype).contiguous(), (b * scaling).to(dtype).contiguous())
     return pairs
 
 

@@ -1,4 +1,11 @@
-"""The model side of the engine: an HF causal LM in fp32, its tokenizer, forward passes and weight loads.
+"""The model side of the engine: an HF causal LM in fp32 or bf16, its tokenizer, forward passes and
+weight loads.
+
+bf16 (`dtype = "bfloat16"`) computes as SGLang serves by default: weights, activations and KV in
+bf16, so the served bf16 bytes are the parameters themselves. On a CPU with AMX a big matmul runs
+~8x faster in bf16, but the default model's engine only ~1.2x (`bench/engine_dtype.py`: small
+matmuls, the rest of a step unchanged), and bf16 gives up what fp32 keeps: a request's outputs
+bit-identical whatever the batch around it. Logits are returned in fp32 either way.
 
 Only the scheduler thread calls `prefill`, `decode` and `load_weights`, so a weight swap can never
 interleave with a forward pass. `weight_epoch` counts weight changes, so that KV kept across steps
@@ -29,16 +36,22 @@ class WeightLoadError(ValueError):
     """New weights that do not fit the served model; nothing was changed."""
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 class ModelRunner:
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, dtype: str = "float32") -> None:
         from tokenizers import Tokenizer
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         self.model_path = Path(model_path)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.dtype = DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(self.model_path), dtype=torch.float32, attn_implementation="sdpa"
+            str(self.model_path), dtype=self.dtype, attn_implementation="sdpa"
         ).eval()
         self.model.requires_grad_(False)
         self.tokenizer = Tokenizer.from_file(str(self.model_path / "tokenizer.json"))
@@ -75,7 +88,7 @@ class ModelRunner:
         else:
             # SDPA's is_causal mask is top-left aligned, wrong once there are past keys (and HF would
             # even crop the keys to the query length): spell the causal mask out.
-            mask = _causal_mask(start, len(fed), torch.float32)
+            mask = _causal_mask(start, len(fed), self.dtype)
         with self.lora.batch([adapter]):
             output = self.model(
                 input_ids=torch.tensor([fed]),
@@ -137,8 +150,8 @@ class ModelRunner:
         columns = torch.arange(start + fed)[None, None, :]
         query = (start + torch.arange(fed))[None, :, None]
         allowed = (columns >= pad[:, None, None]) & (columns <= query) | (columns == query)
-        lowest = torch.finfo(torch.float32).min
-        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, lowest)
+        lowest = torch.finfo(self.dtype).min
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, lowest)
         with self.lora.batch(adapters or [None] * rows):
             output = self.model(
                 input_ids=input_ids,
@@ -156,7 +169,7 @@ class ModelRunner:
                adapters: list[Adapter | None] | None = None) -> torch.Tensor:
         """Feeds one token per row of the running batch (row i with `adapters[i]`; None: the base
         model); returns next-token logits `[rows, vocab]`."""
-        mask, positions = cache.decode_inputs(torch.float32)
+        mask, positions = cache.decode_inputs(self.dtype)
         with self.lora.batch(adapters or [None] * len(last_tokens)):
             output = self.model(
                 input_ids=torch.tensor(last_tokens)[:, None],
@@ -202,18 +215,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Copies the tensors into the model (cast to fp32) after checking all of them; returns the count."""
+        """Copies the tensors into the model (cast to its dtype) after checking all of them; returns
+        the count."""
         self.check_weights((name, tensor.shape) for name, tensor in named)
         self.weights_changed()
         for name, tensor in named:
-            self._params[name].copy_(tensor.to(torch.float32))
+            self._params[name].copy_(tensor.to(self.dtype))
         return len(named)
 
     def prepare_weights(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Outside the pause (raises WeightLoadError): checked, each tensor a fresh fp32 copy that the
-        swap adopts as the parameter's storage."""
+        """Outside the pause (raises WeightLoadError): checked, each tensor a fresh copy in the model's
+        dtype that the swap adopts as the parameter's storage."""
         self.check_weights((name, tensor.shape) for name, tensor in named)
-        return [(name, t.detach().to(torch.float32, copy=True).contiguous()) for name, t in named]
+        return [(name, t.detach().to(self.dtype, copy=True).contiguous()) for name, t in named]
 
     @torch.inference_mode()
     def adopt_weights(self, prepared: list[tuple[str, torch.Tensor]]) -> int:

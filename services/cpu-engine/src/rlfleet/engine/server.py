@@ -1072,7 +1072,7 @@ async def _serve(config: EngineConfig, metrics_port: int) -> None:
     except RuntimeError:
         pass  # already set in this process
     assert config.model_path is not None  # rlfleet.engine.main.serve refuses a config without one
-    runner = await asyncio.to_thread(ModelRunner, config.model_path)
+    runner = await asyncio.to_thread(ModelRunner, config.model_path, config.dtype)
     scheduler = Scheduler(
         runner,
         max_running_requests=config.max_running_requests,

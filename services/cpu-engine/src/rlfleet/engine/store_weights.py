@@ -7,23 +7,23 @@ of a `DirectoryWeightStore` (`<root>/<run_id>/v000013`, or its `file://` URI):
 
 * `delta`: the version must be a delta whose base version the engine holds. The delta is
   fetched (read + decompress + decode), preverified (current + delta == the trainer's checksums,
-  on scratch copies) and staged for the fp32 model in a worker thread while the engine keeps
+  on scratch copies) and staged for the model's dtype in a worker thread while the engine keeps
   generating; the pause covers only the swap (an in-place scatter per sparsely changed tensor, a
   buffer swap per densely changed one), and the served bytes follow with `apply_delta` after it.
 * `full`: any version, rebuilt from its full checkpoint and the deltas after it
   (`store.load_version`), every tensor checked against the trainer's checksums before it is
   copied in. This is the fallback when a delta is refused, and what a new or lagging engine gets.
 
-The engine computes in fp32 but serves the store's dtype (bf16): it keeps the served bytes of the
-version it holds (`served`, half the size of the fp32 model) so that a delta can be preverified and
-applied exactly, and mirrors each swap into the fp32 parameters (bf16 -> fp32 is exact). After a
-store load the fp32 weights are exactly the trainer's bf16 weights. Any other kind of update
-(a plain checkpoint, a broadcast) makes the engine forget which store version it holds, so the
-next store update must be a full one -- unless it was a trainer-sent version flipped in from
-staging whose checksums are the store's own for that version (`adopt_sent`): its bytes are then
-that store version's, and the next version can come as a delta (the fallback of a failed transfer).
-A version flipped in before the store had it is kept with its checksums (`keep_sent`) and adopted
-once the store has it (`adopt`, `POST /rlfleet/adopt_store_version`).
+The engine computes in fp32 (or bf16) and serves the store's dtype (bf16): it keeps the served bytes
+of the version it holds (`served`, half the size of the fp32 model) so that a delta can be
+preverified and applied exactly, and mirrors each swap into the parameters (bf16 -> fp32 is exact,
+bf16 -> bf16 a copy). After a store load the weights are exactly the trainer's bf16 weights. Any
+other kind of update (a plain checkpoint, a broadcast) makes the engine forget which store version
+it holds, so the next store update must be a full one -- unless it was a trainer-sent version
+flipped in from staging whose checksums are the store's own for that version (`adopt_sent`): its
+bytes are then that store version's, and the next version can come as a delta (the fallback of a
+failed transfer). A version flipped in before the store had it is kept with its checksums
+(`keep_sent`) and adopted once the store has it (`adopt`, `POST /rlfleet/adopt_store_version`).
 
 Every failure before the swap leaves the weights and the weight version untouched and is reported
 as a `StoreLoadError` with the reason (400).
@@ -263,7 +263,8 @@ class StoreWeights:
         )  # fmt: skip
 
     def _stage(self, decoded: DecodedDelta) -> tuple[list, list]:
-        """The fp32 side of the swap, computed before the pause from preverify's staged overwrites."""
+        """The parameters' side of the swap (in their dtype), computed before the pause from
+        preverify's staged overwrites."""
         assert self.served is not None
         shared = self._shared_storages()
         scatters, replacements = [], []
@@ -272,11 +273,13 @@ class StoreWeights:
             dtype = self.served.dtypes[name]
             assert tensor.encoding == "overwrite" and tensor.values is not None, "preverify stages overwrites"
             if tensor.positions is not None:
-                values = torch.from_numpy(_as_fp32(tensor.values, dtype))
+                values = torch.from_numpy(_as_fp32(tensor.values, dtype)).to(param.dtype)
                 positions = torch.from_numpy(tensor.positions.astype(np.int64, copy=False))
                 scatters.append((param, positions, values))
                 continue
-            new = _as_torch(tensor.values, dtype).to(param.dtype).view(param.shape)
+            # A copy even when the dtypes match: the parameter adopts it as its storage, and the decoded
+            # buffer is not ours to keep.
+            new = _as_torch(tensor.values, dtype).to(param.dtype, copy=True).view(param.shape)
             if param.data_ptr() in shared:  # storage shared with another Parameter object: write into it
                 scatters.append((param, torch.arange(param.numel()), new.reshape(-1)))
             else:
@@ -290,10 +293,10 @@ class StoreWeights:
         return {ptr for ptr, ids in owners.items() if len(ids) > 1}
 
     def swap_delta(self, prepared: PreparedDelta) -> None:
-        """The pause: scatters and buffer swaps into the fp32 model, nothing else. The served bytes are
+        """The pause: scatters and buffer swaps into the model, nothing else. The served bytes are
         brought up to date by `finish_delta`, after the engine has resumed."""
         assert self.held == (prepared.ref.store.run_dir, prepared.decoded.base_version)
-        self.held = None  # fp32 weights are the new version, the served bytes not yet
+        self.held = None  # the parameters are the new version, the served bytes not yet
         self.runner.weights_changed()
         with torch.no_grad():
             for param, index, values in prepared.scatters:
@@ -348,7 +351,7 @@ class StoreWeights:
                                  f"{', '.join(missing[:8])}")
 
     def install_full(self, prepared: PreparedFull) -> None:
-        """The pause of a full load: copies every tensor into the fp32 model."""
+        """The pause of a full load: copies every tensor into the model (cast to its dtype)."""
         tensors = prepared.tensors
         self.forget()  # a failure half way must not leave a held version behind
         self.runner.weights_changed()

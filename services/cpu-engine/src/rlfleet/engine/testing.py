@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -18,6 +19,10 @@ from rlfleet.common.security import engine_keys
 from rlfleet.engine.build_model import ModelSpec, build
 from rlfleet.engine.server import ADMIN_ROUTES
 from rlfleet.weights import to_served
+
+if TYPE_CHECKING:
+    from rlfleet.engine.protocol import GenerateItem
+    from rlfleet.engine.scheduler import RequestOutput
 
 SYSTEM = "You are a calculator agent. Call <calc>expression</calc>, then reply <answer>number</answer>."
 
@@ -41,6 +46,69 @@ def calc_dialogues(count: int, seed: int = 0) -> list[str]:
         ]
         texts.append(render_messages(messages, add_generation_prompt=False))
     return texts
+
+
+# --- the scheduler in-process (the engine's own tests) ---------------------------------------
+def prompt(runner, question: str) -> list[int]:
+    return runner.encode(render_messages([{"role": "user", "content": question}], add_generation_prompt=True))
+
+
+def item(rid: str, ids: list[int], **sampling) -> GenerateItem:
+    from rlfleet.engine.protocol import GenerateItem, SamplingSpec
+
+    return GenerateItem(rid, ids, SamplingSpec(**sampling), return_logprob=True)
+
+
+class Harness:
+    """A scheduler driven step by step in-process, plus the outputs it delivered, keyed by rid."""
+
+    def __init__(self, runner, **limits) -> None:
+        from rlfleet.engine.scheduler import Scheduler
+
+        self.runner = runner
+        self.scheduler = Scheduler(runner, **limits)
+        self.outputs: dict[str, RequestOutput] = {}
+
+    def submit(self, *items: GenerateItem, eos: frozenset[int] | None = None) -> None:
+        from rlfleet.engine.scheduler import Request
+
+        for it in items:
+            eos_ids = self.runner.eos_token_ids if eos is None else eos
+            self.scheduler.submit(Request(it, eos_ids, lambda out: self.outputs.__setitem__(out.rid, out)))
+
+    def run(self, count: int, max_steps: int = 5000) -> dict[str, RequestOutput]:
+        for _ in range(max_steps):
+            if len(self.outputs) >= count:
+                return self.outputs
+            self.scheduler.step()
+        raise AssertionError(f"only {len(self.outputs)} of {count} requests finished")
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.scheduler.step()
+
+
+def alone(runner, it: GenerateItem, **kwargs) -> RequestOutput:
+    harness = Harness(runner)
+    harness.submit(it, **kwargs)
+    return harness.run(1)[it.rid]
+
+
+def sampled_items(runner, count: int) -> list[GenerateItem]:
+    questions = ["What is 12*(3+4)?", "Compute 7-2.", "how much is 5+5+5", "Please evaluate (9-1)*3"]
+    return [
+        item(
+            f"r{i}",
+            prompt(runner, questions[i % len(questions)]) + [7 + i] * i,  # distinct lengths
+            max_new_tokens=12 + 5 * i,
+            temperature=[1.0, 0.7, 0.0, 1.3][i % 4],
+            top_p=[1.0, 0.9, 1.0, 0.8][i % 4],
+            top_k=[-1, 40, -1, 20][i % 4],
+            sampling_seed=1000 + i,
+            ignore_eos=True,
+        )
+        for i in range(count)
+    ]
 
 
 def write_corpus(path: Path, texts: list[str]) -> Path:
@@ -170,7 +238,7 @@ async def http_call(url: str, path: str, body=None, method: str = "POST", within
 def generate_in_process(runner, ids: list[int], **sampling):
     """The same request through an in-process scheduler on `runner`: the reference for HTTP results."""
     from rlfleet.engine.protocol import GenerateItem, SamplingSpec
-    from rlfleet.engine.scheduler import Request, RequestOutput, Scheduler
+    from rlfleet.engine.scheduler import Request, Scheduler
 
     outputs: list[RequestOutput] = []
     scheduler = Scheduler(runner)
