@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 
 from rlfleet.engine.lora import read_adapter
 from rlfleet.engine.model_runner import ModelRunner
-from rlfleet.engine.scheduler import Scheduler
 from rlfleet.engine.server import STORE_ROUTE
 from rlfleet.engine.testing import (
     EngineProcess,
@@ -22,6 +21,7 @@ from rlfleet.engine.testing import (
     StoreTrainer,
     assert_engine_serves,
     http_call,
+    item,
     make_lora_adapter,
     merged_lora_model,
     sampled_items,
@@ -82,7 +82,13 @@ def test_a_bf16_engine_batches_requests_with_and_without_the_prefix_cache(runner
         harness.submit(*items)
         outputs = harness.run(len(items))
         assert all(len(outputs[it.rid].output_ids) == it.sampling.max_new_tokens for it in items)
-    assert isinstance(harness.scheduler, Scheduler) and harness.scheduler.prefill_passes >= 1
+    # Second turns (each first turn's prompt and output, then more): their prefix's KV, kept in bf16,
+    # is reused.
+    again = [item(f"again-{it.rid}", it.input_ids + outputs[it.rid].output_ids + [7, 8], max_new_tokens=4,
+                  ignore_eos=True) for it in items]
+    harness.submit(*again)
+    outputs = harness.run(len(items) * 2)
+    assert all(outputs[it.rid].cached_tokens > 0 and len(outputs[it.rid].output_ids) == 4 for it in again)
 
 
 @pytest.mark.integration

@@ -56,7 +56,7 @@ from rlfleet.weights import (
 )
 from rlfleet.weights.fsutil import confine
 from rlfleet.weights.index import INDEX_FILE
-from rlfleet.weights.tensors import STORAGE_DTYPES, bf16_bits_to_fp32
+from rlfleet.weights.tensors import STORAGE_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class StoreWeights:
             dtype = self.served.dtypes[name]
             assert tensor.encoding == "overwrite" and tensor.values is not None, "preverify stages overwrites"
             if tensor.positions is not None:
-                values = torch.from_numpy(_as_fp32(tensor.values, dtype)).to(param.dtype)
+                values = _as_torch(tensor.values, dtype).to(param.dtype, copy=True)
                 positions = torch.from_numpy(tensor.positions.astype(np.int64, copy=False))
                 scatters.append((param, positions, values))
                 continue
@@ -360,12 +360,6 @@ class StoreWeights:
                 served = _as_torch(arr, tensors.dtypes[name]).view(-1)
                 self.runner.parameter(name).detach().view(-1).copy_(served)
         self.served, self.held = tensors, prepared.ref.key
-
-
-def _as_fp32(values: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "BF16":
-        return bf16_bits_to_fp32(values)
-    return values.astype(np.float32)
 
 
 def _as_torch(values: np.ndarray, dtype: str) -> torch.Tensor:
